@@ -1,0 +1,366 @@
+"""N-gram hashing: token ids -> per-head row indices into the Engram tables (pure, no nn.Module).
+
+For every Engram layer, n-gram order n = 2..N and head k, position t gets
+
+    mix_n(t) = (x_t * m_0) XOR (x_{t-1} * m_1) XOR ... XOR (x_{t-n+1} * m_{n-1})   (wrapping int64)
+    row      = mix_n(t) mod p_{n,k}                                              (floor modulo)
+
+over compressed ids x (positions before the start read the compressed pad id). Multipliers
+m are per layer from `numpy.random.default_rng(seed + 10007 * layer_id)`; the moduli p are
+distinct primes across all heads, orders and layers. This is bit-identical to the reference
+`NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
+
+Speed: the reference spends most of its time in one int64 modulo per head. We split each
+mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, so that
+`mix mod p = (hi * (2^32 mod p) + lo) mod p`; for p <= 2^21 the bracket is an integer below
+2^53, exact in float64, and a float64 floor-division finishes the job. On CPU a fused numba
+kernel (`engram[fast]`, `_fasthash.py`) does this for all heads of all layers in one
+parallel pass; without numba, and on GPU, the same arithmetic runs as a few vectorized torch
+kernels. Larger primes reduce `hi` first (exact up to p <= 2^26) or fall back to int64
+`torch.remainder`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ConfigError, EngramConfig
+from .tokenizer import CompressedTokenizer
+from .utils import atomic_write_bytes
+
+PRIME_1 = 10007
+SPEC_FORMAT = "engram-hash-spec/1"
+
+
+class HashInputError(ValueError):
+    """Input ids have the wrong type, shape or values; the message names the first problem."""
+
+
+def _isprime(n: int) -> bool:
+    from sympy import isprime
+
+    return bool(isprime(n))
+
+
+def next_unused_prime(start: int, taken: set[int]) -> int:
+    """Smallest prime > start that is not in `taken` (the reference's `find_next_prime`)."""
+    candidate = start + 1
+    while candidate in taken or not _isprime(candidate):
+        candidate += 1
+    return candidate
+
+
+def layer_multipliers(layer_ids, max_ngram_size: int, compressed_vocab: int, seed: int) -> dict[int, np.ndarray]:
+    """Per layer, `max_ngram_size` odd int64 multipliers drawn exactly as the reference draws them."""
+    max_long = np.iinfo(np.int64).max
+    half_bound = max(1, int(max_long // compressed_vocab) // 2)
+    out = {}
+    for layer_id in layer_ids:
+        rng = np.random.default_rng(int(seed + PRIME_1 * int(layer_id)))
+        r = rng.integers(low=0, high=half_bound, size=(max_ngram_size,), dtype=np.int64)
+        out[int(layer_id)] = r * 2 + 1
+    return out
+
+
+def head_moduli(layer_ids, engram_vocab_size, max_ngram_size: int, n_head_per_ngram: int) -> dict[int, list[list[int]]]:
+    """Prime table size of every head: `{layer_id: [[p for head] for order 2..N]}` (reference order)."""
+    taken: set[int] = set()
+    out: dict[int, list[list[int]]] = {}
+    for layer_id in layer_ids:
+        per_order = []
+        for n in range(2, max_ngram_size + 1):
+            start = int(engram_vocab_size[n - 2]) - 1
+            heads = []
+            for _ in range(n_head_per_ngram):
+                p = next_unused_prime(start, taken)
+                taken.add(p)
+                heads.append(p)
+                start = p
+            per_order.append(heads)
+        out[int(layer_id)] = per_order
+    return out
+
+
+def _first_bad(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+class NgramHashMapping:
+    """The reference's `NgramHashMapping`, same constructor and attributes, vectorized `hash`.
+
+    Attributes: `layer_multipliers[layer_id]` (int64 `[max_ngram_size]`),
+    `vocab_size_across_layers[layer_id]` (primes, `[[p] * heads] * orders`),
+    `compressed_tokenizer`, `pad_id` (compressed), `tokenizer_vocab_size` (compressed).
+    """
+
+    def __init__(
+        self,
+        engram_vocab_size,
+        max_ngram_size,
+        n_embed_per_ngram,
+        n_head_per_ngram,
+        layer_ids,
+        tokenizer_name_or_path=None,
+        pad_id=2,
+        seed=0,
+        *,
+        compressed_tokenizer: CompressedTokenizer | None = None,
+        backend: str = "auto",
+    ):
+        # Reuse EngramConfig's validation so both entry points reject the same inputs.
+        EngramConfig(
+            engram_vocab_size=list(engram_vocab_size), max_ngram_size=max_ngram_size,
+            n_embed_per_ngram=n_embed_per_ngram, n_head_per_ngram=n_head_per_ngram,
+            layer_ids=list(layer_ids), pad_id=pad_id, seed=seed,
+        )
+        self.vocab_size_per_ngram = list(engram_vocab_size)
+        self.max_ngram_size = int(max_ngram_size)
+        self.n_embed_per_ngram = int(n_embed_per_ngram)
+        self.n_head_per_ngram = int(n_head_per_ngram)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.seed = int(seed)
+        self.compressed_tokenizer = compressed_tokenizer or CompressedTokenizer(tokenizer_name_or_path)
+        self.tokenizer_len = len(self.compressed_tokenizer)
+        if not 0 <= pad_id < self.tokenizer_len:
+            raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.tokenizer_len})")
+        self.raw_pad_id = int(pad_id)
+        self.pad_id = int(self.compressed_tokenizer.lookup_table[pad_id])
+        self.tokenizer_vocab_size = self.compressed_tokenizer.num_new_token
+        self.layer_multipliers = layer_multipliers(self.layer_ids, self.max_ngram_size, self.tokenizer_vocab_size, self.seed)
+        self.vocab_size_across_layers = head_moduli(
+            self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram
+        )
+        if backend not in ("auto", "numba", "torch"):
+            raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        self.backend = backend
+        self._device_cache: dict[Any, tuple] = {}
+
+    @classmethod
+    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
+        return cls(
+            cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram, cfg.n_head_per_ngram,
+            cfg.layer_ids, cfg.tokenizer_name_or_path, cfg.pad_id, cfg.seed,
+            compressed_tokenizer=compressed_tokenizer,
+        )
+
+    # ------------------------------------------------------------------ layout helpers
+    def head_sizes(self, layer_id: int) -> list[int]:
+        """Flat list of the layer's per-head table sizes, in hash-column order."""
+        return [p for order in self.vocab_size_across_layers[int(layer_id)] for p in order]
+
+    def head_offsets(self, layer_id: int) -> list[int]:
+        """Row offset of each head inside the layer's concatenated table."""
+        sizes = self.head_sizes(layer_id)
+        return [int(v) for v in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+
+    # ------------------------------------------------------------------ hashing
+    def _tensors(self, device: torch.device):
+        key = str(device)
+        if key not in self._device_cache:
+            lut = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
+            mult = torch.tensor(np.stack([self.layer_multipliers[l] for l in self.layer_ids]), device=device)
+            primes = torch.tensor([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=torch.int64, device=device)
+            L, O, H = primes.shape
+            p64 = primes.to(torch.float64).view(L, O, H, 1)
+            c64 = torch.remainder(torch.full_like(primes, 1 << 32), primes).to(torch.float64).view(L, O, H, 1)
+            self._device_cache[key] = (lut, mult, primes, p64, c64)
+        return self._device_cache[key]
+
+    def validate(self, input_ids) -> None:
+        """Raise `HashInputError` unless `input_ids` is a 2-D integer array of ids in [0, len(tokenizer))."""
+        if isinstance(input_ids, torch.Tensor):
+            dtype_ok = not (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool)
+            dtype_name = str(input_ids.dtype)
+        elif isinstance(input_ids, np.ndarray):
+            dtype_ok = np.issubdtype(input_ids.dtype, np.integer)
+            dtype_name = str(input_ids.dtype)
+        else:
+            raise HashInputError(
+                f"input_ids must be a numpy array or torch tensor of shape [B, T], got {type(input_ids).__name__}; "
+                "wrap lists with np.array(...)"
+            )
+        if not dtype_ok:
+            raise HashInputError(f"input_ids must hold integer token ids, got dtype {dtype_name}; cast with .long() / .astype(np.int64)")
+        if input_ids.ndim != 2:
+            raise HashInputError(
+                f"input_ids must be 2-D [batch, seq_len], got {input_ids.ndim}-D shape {tuple(input_ids.shape)}; "
+                "add a batch dimension with x[None] / x.unsqueeze(0)"
+            )
+        if input_ids.numel() if isinstance(input_ids, torch.Tensor) else input_ids.size:
+            lo, hi = (int(input_ids.min()), int(input_ids.max()))
+            if lo < 0 or hi >= self.tokenizer_len:
+                arr = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
+                bad = (arr < 0) | (arr >= self.tokenizer_len)
+                pos = _first_bad(bad)
+                raise HashInputError(
+                    f"token id {int(arr[pos])} at position {pos} is outside [0, {self.tokenizer_len}) for this "
+                    f"tokenizer ({self.compressed_tokenizer.tokenizer_file.name}); "
+                    + ("negative ids are not allowed: pad with the pad id instead" if arr[pos] < 0
+                       else "was the text tokenized with a different tokenizer?")
+                )
+
+    def hash_tensor(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` for all layers at once.
+
+        CPU tensors use the fused numba kernel when numba is installed (`pip install engram[fast]`);
+        otherwise (and on GPU) a vectorized torch path computes the same integers.
+        """
+        if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
+            from . import _fasthash
+
+            if _fasthash.available():
+                return self._hash_numba(input_ids)
+            if self.backend == "numba":
+                raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
+        return self._hash_torch(input_ids)
+
+    def _hash_numba(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from . import _fasthash
+
+        if "numba" not in self._device_cache:
+            P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
+            mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)
+            self._device_cache["numba"] = (mult, P)
+        mult, P = self._device_cache["numba"]
+        L, O, H = P.shape
+        B, T = input_ids.shape
+        x = self.compressed_tokenizer.lookup_table[input_ids.numpy()]
+        out = np.empty((L, B, T, O * H), dtype=np.int64)
+        _fasthash.hash_into(x, self.pad_id, mult, P, out)
+        return torch.from_numpy(out)
+
+    def _hash_torch(self, input_ids: torch.Tensor) -> torch.Tensor:
+        lut, mult, primes, p64, c64 = self._tensors(input_ids.device)
+        L, O, H = primes.shape
+        B, T = input_ids.shape
+        N = self.max_ngram_size
+        x = lut[input_ids.long()].reshape(1, B * T)  # (1, BT) compressed
+        padded = torch.nn.functional.pad(x.view(B, T), (N - 1, 0), value=self.pad_id)
+        shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
+        mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=x.device)  # (L, O, 1, BT)
+        for li in range(L):
+            mix = shifts[0] * mult[li, 0]
+            for k in range(1, N):
+                mix = torch.bitwise_xor(mix, shifts[k] * mult[li, k])
+                mixes[li, k - 1, 0] = mix
+        # Heads-outer layout keeps every kernel contiguous along BT; one transposing copy at the end.
+        if int(primes.max()) <= (1 << 26):
+            hi = (mixes >> 32).to(torch.float64)
+            if int(primes.max()) > (1 << 21):
+                hi = torch.remainder(hi, p64)  # reduce first so hi * c stays below 2^53
+            r = torch.addcmul((mixes & 0xFFFFFFFF).to(torch.float64), hi, c64)  # (L, O, H, BT), exact
+            q = torch.div(r, p64).floor_()  # exact: correctly rounded a/b floors right for |a| < 2^53
+            r.addcmul_(q, p64, value=-1)
+        else:
+            r = torch.remainder(mixes, primes.view(L, O, H, 1))
+        out = torch.empty(L, B * T, O * H, dtype=torch.int64, device=x.device)
+        out.copy_(r.view(L, O * H, B * T).transpose(1, 2))
+        return out.view(L, B, T, O * H)
+
+    def hash(self, input_ids) -> dict:
+        """Row indices of every head: `{layer_id: [B, T, (N-1)*K] int64}`.
+
+        Accepts a numpy array (returns numpy, like the reference) or a torch tensor on any
+        device (returns torch on the same device). Indices are per head (no offsets added).
+        """
+        self.validate(input_ids)
+        as_numpy = not isinstance(input_ids, torch.Tensor)
+        t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
+        out = self.hash_tensor(t)
+        if as_numpy:
+            out = out.numpy()
+        return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
+
+    # ------------------------------------------------------------------ spec
+    def spec(self, include_lookup_table: bool = True) -> dict:
+        """A self-describing manifest: everything another runtime needs to hash identically."""
+        import base64
+
+        ct = self.compressed_tokenizer
+        d = {
+            "format": SPEC_FORMAT,
+            "tokenizer_file": ct.tokenizer_file.name,
+            "tokenizer_sha256": ct.tokenizer_sha256,
+            "tokenizer_len": self.tokenizer_len,
+            "compressed_vocab_size": self.tokenizer_vocab_size,
+            "lookup_table_sha256": ct.lookup_sha256,
+            "pad_id": self.raw_pad_id,
+            "compressed_pad_id": self.pad_id,
+            "max_ngram_size": self.max_ngram_size,
+            "n_embed_per_ngram": self.n_embed_per_ngram,
+            "n_head_per_ngram": self.n_head_per_ngram,
+            "engram_vocab_size": self.vocab_size_per_ngram,
+            "seed": self.seed,
+            "layer_ids": self.layer_ids,
+            "layers": {
+                str(l): {
+                    "multipliers": [int(m) for m in self.layer_multipliers[l]],
+                    "head_moduli": self.vocab_size_across_layers[l],
+                    "head_offsets": self.head_offsets(l),
+                    "table_rows": int(sum(self.head_sizes(l))),
+                }
+                for l in self.layer_ids
+            },
+            "formula": (
+                "x = lookup_table[token_id]; positions t<0 read compressed_pad_id; for layer L, order n in 2..max_ngram_size, "
+                "mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in wrapping int64; head j of order n: row = mix floor-mod "
+                "head_moduli[n-2][j]; table row = row + head_offsets[(n-2)*n_head_per_ngram + j]"
+            ),
+        }
+        if include_lookup_table:
+            d["lookup_table_int32_le_b64"] = base64.b64encode(ct.lookup_table.astype("<i4").tobytes()).decode("ascii")
+        return d
+
+    def save_spec(self, path, include_lookup_table: bool = True) -> None:
+        atomic_write_bytes(Path(path), (json.dumps(self.spec(include_lookup_table), indent=1) + "\n").encode("utf-8"))
+
+    @classmethod
+    def from_spec(cls, spec_or_path, tokenizer_name_or_path=None) -> "NgramHashMapping":
+        """Build a mapping from an `engram spec` manifest, refusing a tokenizer that does not match it."""
+        if isinstance(spec_or_path, (str, os.PathLike)):
+            p = Path(spec_or_path)
+            if not p.is_file():
+                raise ConfigError(f"hash spec not found: {p} (write one with `engram spec --out {p}`)")
+            try:
+                spec = json.loads(p.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"hash spec {p} is not valid JSON: {e}") from None
+        else:
+            spec = spec_or_path
+        if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
+            raise ConfigError(f"not an Engram hash spec (expected format {SPEC_FORMAT!r})")
+        ct = CompressedTokenizer(tokenizer_name_or_path)
+        if ct.tokenizer_sha256 != spec["tokenizer_sha256"]:
+            raise ConfigError(
+                f"tokenizer mismatch: the spec was made with tokenizer sha256 {spec['tokenizer_sha256'][:16]}..., "
+                f"but {ct.tokenizer_file} has {ct.tokenizer_sha256[:16]}...; pass the tokenizer the spec was made with"
+            )
+        if ct.lookup_sha256 != spec["lookup_table_sha256"]:
+            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
+        m = cls(
+            spec["engram_vocab_size"], spec["max_ngram_size"], spec["n_embed_per_ngram"], spec["n_head_per_ngram"],
+            spec["layer_ids"], None, spec["pad_id"], spec["seed"], compressed_tokenizer=ct,
+        )
+        for l in m.layer_ids:
+            entry = spec["layers"][str(l)]
+            if [int(v) for v in m.layer_multipliers[l]] != entry["multipliers"] or m.vocab_size_across_layers[l] != entry["head_moduli"]:
+                raise ConfigError(f"spec layer {l}: multipliers or primes differ from the ones this config derives")
+        return m
+
+
+_MAPPING_CACHE: dict[str, NgramHashMapping] = {}
+
+
+def get_hash_mapping(cfg: EngramConfig) -> NgramHashMapping:
+    """One shared `NgramHashMapping` per hashing-relevant config (building one costs a tokenizer load)."""
+    key = json.dumps([cfg.tokenizer_name_or_path, cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram,
+                      cfg.n_head_per_ngram, cfg.layer_ids, cfg.pad_id, cfg.seed])
+    if key not in _MAPPING_CACHE:
+        _MAPPING_CACHE[key] = NgramHashMapping.from_config(cfg)
+    return _MAPPING_CACHE[key]

@@ -1,0 +1,161 @@
+"""The Engram module: hashed n-gram lookup -> context gate per branch -> short conv.
+
+Shapes: B batch, T tokens, G = hc_mult residual branches (streams), D = backbone hidden,
+H = (N-1)*K heads, d = per-head row width, E = H*d = (N-1)*n_embed_per_ngram.
+
+Same math as the reference `engram_demo_v1.py`, arranged for speed:
+  * the shared value projection and the G per-branch key projections are one fused
+    `Linear(E, (G+1)*D)` (weights stored as `kv_proj`, rows `[value; key_0; ...; key_{G-1}]`);
+  * per-branch RMSNorms are one normalization with a `(G, D)` weight;
+  * the dilated depthwise causal conv is K shifted multiply-adds in (B, T, C) layout;
+  * the table is an `nn.Embedding(sparse=True)`: backward yields the looked-up rows and their
+    gradients (a sparse COO tensor), never a dense gradient of the whole table.
+`Engram.load_reference_state_dict` accepts the reference's parameter names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import BackBoneConfig, EngramConfig, check_layer_ids
+from .hashing import NgramHashMapping, get_hash_mapping
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MultiHeadEmbedding(nn.Module):
+    """All heads' tables concatenated in one `(sum(list_of_N), D)` embedding with per-head row offsets.
+
+    forward: per-head row ids `(..., H)` -> rows `(..., H, D)`.
+    """
+
+    def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True):
+        super().__init__()
+        self.num_heads = len(list_of_N)
+        self.embedding_dim = D
+        offsets = [0]
+        for n in list_of_N[:-1]:
+            offsets.append(offsets[-1] + int(n))
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        self.embedding = nn.Embedding(int(sum(list_of_N)), D, sparse=sparse, dtype=dtype)
+
+    def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(hash_ids + self.offsets)
+
+    def row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After backward: `(rows [R], grads [R, D])` for the R distinct rows touched, or None.
+
+        Duplicate lookups of a row are summed. This is what a lazy row optimizer consumes.
+        """
+        g = self.embedding.weight.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            g = g.coalesce()
+            return g.indices()[0], g.values()
+        rows = g.abs().sum(1).nonzero().squeeze(1)  # dense fallback (sparse=False)
+        return rows, g[rows]
+
+
+class ShortConv(nn.Module):
+    """`SiLU(causal dilated depthwise conv(RMSNorm_g(x)))` over the G*D channels, branch-major.
+
+    x: (B, T, G, D) -> (B, T, G, D). `zero_init=True` starts the conv at zero (the paper's
+    init: the Engram block is then exactly `v` at step 0); False keeps nn.Conv1d's init
+    (the reference's).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, dilation: int = 1, norm_eps: float = 1e-5,
+                 hc_mult: int = 4, activation: bool = True, zero_init: bool = False):
+        super().__init__()
+        self.hc_mult, self.hidden_size = hc_mult, hidden_size
+        self.kernel_size, self.dilation, self.norm_eps, self.activation = kernel_size, dilation, norm_eps, activation
+        C = hidden_size * hc_mult
+        self.conv = nn.Conv1d(C, C, kernel_size, groups=C, bias=False)  # weight (C, 1, K); used as parameter holder
+        if zero_init:
+            nn.init.zeros_(self.conv.weight)
+        self.norm_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, G, D = x.shape
+        xn = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, G * D)  # (B, T, C)
+        w = self.conv.weight.squeeze(1).t()  # (K, C); tap K-1 is the current token
+        K, dil = self.kernel_size, self.dilation
+        xp = F.pad(xn, (0, 0, (K - 1) * dil, 0))  # (B, (K-1)*dil + T, C), causal left padding
+        y = xp[:, :T] * w[0]
+        for k in range(1, K):
+            y = y + xp[:, k * dil: k * dil + T] * w[k]
+        if self.activation:
+            y = F.silu(y)
+        return y.view(B, T, G, D)
+
+
+class Engram(nn.Module):
+    """One Engram layer: `forward(hidden_states (B,T,G,D), input_ids (B,T)) -> (B,T,G,D)`.
+
+    The caller adds the output to the residual stream (`H <- H + Engram(H, ids)`). Pass
+    `hash_ids` (B, T, H) instead of (or with) `input_ids` when hashing ran ahead in a data
+    pipeline or prefetcher. `return_gates=True` also returns the gates (B, T, G).
+    """
+
+    def __init__(self, layer_id: int, engram_cfg: EngramConfig | None = None, backbone_cfg: BackBoneConfig | None = None,
+                 hash_mapping: NgramHashMapping | None = None):
+        super().__init__()
+        engram_cfg = engram_cfg or EngramConfig()
+        backbone_cfg = backbone_cfg or BackBoneConfig()
+        check_layer_ids(engram_cfg, backbone_cfg)
+        if layer_id not in engram_cfg.layer_ids:
+            raise ValueError(f"layer_id {layer_id} is not in engram_cfg.layer_ids {engram_cfg.layer_ids}")
+        self.layer_id = layer_id
+        self.hash_mapping = hash_mapping or get_hash_mapping(engram_cfg)
+        self.hidden_size = D = backbone_cfg.hidden_size
+        self.hc_mult = G = backbone_cfg.hc_mult
+        E = engram_cfg.engram_hidden_size
+        self.multi_head_embedding = MultiHeadEmbedding(
+            self.hash_mapping.head_sizes(layer_id), engram_cfg.head_dim, dtype=_DTYPES[engram_cfg.table_dtype]
+        )
+        self.short_conv = ShortConv(D, engram_cfg.kernel_size, dilation=engram_cfg.max_ngram_size, hc_mult=G,
+                                    zero_init=engram_cfg.conv_zero_init)
+        self.kv_proj = nn.Linear(E, (G + 1) * D)  # rows: [value (D); key_0 (D); ...; key_{G-1} (D)]
+        self.key_norm_weight = nn.Parameter(torch.ones(G, D))
+        self.query_norm_weight = nn.Parameter(torch.ones(G, D))
+
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
+                hash_ids: torch.Tensor | None = None, return_gates: bool = False):
+        B, T, G, D = hidden_states.shape
+        if G != self.hc_mult or D != self.hidden_size:
+            raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
+        if hash_ids is None:
+            if input_ids is None:
+                raise ValueError("Engram.forward needs input_ids (B, T) or precomputed hash_ids (B, T, H)")
+            hash_ids = self.hash_mapping.hash(input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids))[self.layer_id]
+        hash_ids = hash_ids.to(hidden_states.device)
+        e = self.multi_head_embedding(hash_ids).flatten(start_dim=-2).to(hidden_states.dtype)  # (B, T, E)
+        kv = self.kv_proj(e)  # (B, T, (G+1)*D)
+        value = kv[..., :D]  # (B, T, D)
+        key = F.rms_norm(kv[..., D:].view(B, T, G, D), (D,)) * self.key_norm_weight  # (B, T, G, D)
+        query = F.rms_norm(hidden_states, (D,)) * self.query_norm_weight  # (B, T, G, D)
+        gate = (key * query).sum(dim=-1) / math.sqrt(D)  # (B, T, G)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gate = gate.sigmoid()
+        v = gate.unsqueeze(-1) * value.unsqueeze(2)  # (B, T, G, D)
+        out = v + self.short_conv(v)
+        return (out, gate) if return_gates else out
+
+    @torch.no_grad()
+    def load_reference_state_dict(self, sd: dict) -> None:
+        """Load weights named as in the reference demo (`value_proj`, `key_projs.i`, `norm1.i`, ...)."""
+        G = self.hc_mult
+        self.multi_head_embedding.embedding.weight.copy_(sd["multi_head_embedding.embedding.weight"])
+        w = torch.cat([sd["value_proj.weight"]] + [sd[f"key_projs.{i}.weight"] for i in range(G)], 0)
+        b = torch.cat([sd["value_proj.bias"]] + [sd[f"key_projs.{i}.bias"] for i in range(G)], 0)
+        self.kv_proj.weight.copy_(w)
+        self.kv_proj.bias.copy_(b)
+        self.key_norm_weight.copy_(torch.stack([sd[f"norm1.{i}.weight"] for i in range(G)]))
+        self.query_norm_weight.copy_(torch.stack([sd[f"norm2.{i}.weight"] for i in range(G)]))
+        self.short_conv.conv.weight.copy_(sd["short_conv.conv.weight"])
+        self.short_conv.norm_weight.copy_(torch.stack([sd[f"short_conv.norms.{i}.weight"] for i in range(G)]))
