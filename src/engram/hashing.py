@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,7 @@ class NgramHashMapping:
             raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         self.backend = backend
         self._device_cache: dict[Any, tuple] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
@@ -161,7 +163,7 @@ class NgramHashMapping:
 
     # ------------------------------------------------------------------ hashing
     def _tensors(self, device: torch.device):
-        key = str(device)
+        key = ("tensors", str(device))
         if key not in self._device_cache:
             lut = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
             mult = torch.tensor(np.stack([self.layer_multipliers[l] for l in self.layer_ids]), device=device)
@@ -218,16 +220,17 @@ class NgramHashMapping:
                 return self._hash_numba(input_ids)
             if self.backend == "numba":
                 raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
-        return self._hash_torch(input_ids)
+        with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
+            return self._hash_torch(input_ids)
 
     def _hash_numba(self, input_ids: torch.Tensor) -> torch.Tensor:
         from . import _fasthash
 
-        if "numba" not in self._device_cache:
+        if ("numba",) not in self._device_cache:
             P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)
-            self._device_cache["numba"] = (mult, P)
-        mult, P = self._device_cache["numba"]
+            self._device_cache[("numba",)] = (mult, P)
+        mult, P = self._device_cache[("numba",)]
         L, O, H = P.shape
         B, T = input_ids.shape
         x = self.compressed_tokenizer.lookup_table[input_ids.numpy()]
@@ -250,12 +253,21 @@ class NgramHashMapping:
                 mix = torch.bitwise_xor(mix, shifts[k] * mult[li, k])
                 mixes[li, k - 1, 0] = mix
         # Heads-outer layout keeps every kernel contiguous along BT; one transposing copy at the end.
+        # Intermediates live in a reused workspace: fresh 8 MB buffers cost more in page faults than the math.
+        ws_key = ("ws", str(x.device), B * T)
+        if ws_key not in self._device_cache:
+            self._device_cache = {k: v for k, v in self._device_cache.items() if k[0] != "ws"}
+            f64 = dict(dtype=torch.float64, device=x.device)
+            self._device_cache[ws_key] = (torch.empty(L, O, 1, B * T, **f64), torch.empty(L, O, 1, B * T, **f64),
+                                          torch.empty(L, O, H, B * T, **f64), torch.empty(L, O, H, B * T, **f64))
+        hi, lo, r, q = self._device_cache[ws_key]
         if int(primes.max()) <= (1 << 26):
-            hi = (mixes >> 32).to(torch.float64)
+            hi.copy_(mixes >> 32)
+            lo.copy_(mixes & 0xFFFFFFFF)
             if int(primes.max()) > (1 << 21):
                 hi = torch.remainder(hi, p64)  # reduce first so hi * c stays below 2^53
-            r = torch.addcmul((mixes & 0xFFFFFFFF).to(torch.float64), hi, c64)  # (L, O, H, BT), exact
-            q = torch.div(r, p64).floor_()  # exact: correctly rounded a/b floors right for |a| < 2^53
+            torch.addcmul(lo, hi, c64, out=r)  # (L, O, H, BT): hi * (2^32 mod p) + lo, exact
+            torch.div(r, p64, out=q).floor_()  # exact: correctly rounded a/b floors right for |a| < 2^53
             r.addcmul_(q, p64, value=-1)
         else:
             r = torch.remainder(mixes, primes.view(L, O, H, 1))

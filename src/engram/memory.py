@@ -41,7 +41,20 @@ class MultiHeadEmbedding(nn.Module):
         for n in list_of_N[:-1]:
             offsets.append(offsets[-1] + int(n))
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
-        self.embedding = nn.Embedding(int(sum(list_of_N)), D, sparse=sparse, dtype=dtype)
+        weight = torch.empty(int(sum(list_of_N)), D, dtype=dtype)
+        self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, chunk_rows: int = 1 << 20) -> None:
+        """N(0, 1) init, as nn.Embedding; drawn in float32 chunks (bf16 `normal_` is ~3x slower)."""
+        w = self.embedding.weight
+        for start in range(0, w.shape[0], chunk_rows):
+            block = w[start: start + chunk_rows]
+            if block.dtype == torch.float32:
+                block.normal_()
+            else:
+                block.copy_(torch.randn(block.shape, dtype=torch.float32))
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding(hash_ids + self.offsets)

@@ -1,0 +1,24 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(os.environ.get("ENGRAM_GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not GOLDEN.is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"golden vectors missing at {GOLDEN} (CI must provide ../shared/golden)")
+        pytest.skip(f"golden vectors not found at {GOLDEN}; set ENGRAM_GOLDEN_DIR")
+    return GOLDEN
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Keep the lookup-table cache inside the test session unless the user set one."""
+    if "ENGRAM_CACHE_DIR" not in os.environ:
+        os.environ["ENGRAM_CACHE_DIR"] = str(tmp_path_factory.mktemp("engram-cache"))
+    yield

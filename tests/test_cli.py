@@ -1,0 +1,77 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engram import BackBoneConfig, EngramConfig, save_config
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    p = tmp_path / "engram_config.json"
+    save_config(p, EngramConfig(engram_vocab_size=[1009, 1013], n_embed_per_ngram=32, n_head_per_ngram=4, layer_ids=[1]),
+                BackBoneConfig(hidden_size=32, hc_mult=4, vocab_size=129280, num_layers=3))
+    return p
+
+
+def test_demo_with_small_config(tiny_config):
+    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great")
+    assert r.returncode == 0, r.stderr
+    assert "Input shape  : [1, 4]" in r.stdout
+    assert "Output shape : [1, 4, 129280]" in r.stdout
+    assert "Layer  1: hash shape [1, 4, 8]; gate min" in r.stdout
+    assert "peak RSS" in r.stdout
+
+
+def test_hash_prints_tokens_and_rows(tiny_config):
+    r = run("hash", "Alexander the Great", "--config", str(tiny_config))
+    assert r.returncode == 0, r.stderr
+    assert "Alexander" in r.stdout and "layer 1: per-head row ids [T=3, 8]" in r.stdout
+
+
+def test_spec_writes_manifest(tmp_path, tiny_config):
+    out = tmp_path / "spec.json"
+    r = run("spec", "--out", str(out), "--config", str(tiny_config), "--no-table")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(out.read_text())
+    assert spec["layer_ids"] == [1] and "lookup_table_int32_le_b64" not in spec
+    assert len(spec["layers"]["1"]["head_moduli"]) == 2
+
+
+@pytest.mark.parametrize(
+    "args, content, match",
+    [
+        (["demo", "--config", "{cfg}"], {"engram": {"bogus": 1}}, "unknown key(s) in section 'engram': bogus"),
+        (["demo", "--config", "{cfg}"], "{oops", "not valid JSON"),
+        (["hash", "x", "--config", "{cfg}"], {"engram": {"layer_ids": [99]}}, "outside [0, 30)"),
+        (["demo", "--config", "/nonexistent/engram_config.json"], None, "config file not found"),
+        (["spec", "--out", "x.json", "--config", "{cfg}"], {"engram": {"tokenizer_name_or_path": "/no/such/dir"}},
+         "tokenizer not found"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, args, content, match):
+    cfg = tmp_path / "c.json"
+    if content is not None:
+        cfg.write_text(content if isinstance(content, str) else json.dumps(content))
+    r = run(*[a.replace("{cfg}", str(cfg)) for a in args], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("engram: error:")
+    assert match in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_default_config_within_budget():
+    r = run("demo")
+    assert r.returncode == 0, r.stderr
+    assert "Output shape : [1, 13, 129280]" in r.stdout
+    assert "Layer 15: hash shape [1, 13, 16]" in r.stdout
+    line = [l for l in r.stdout.splitlines() if l.startswith("Wall time")][0]
+    total = float(line.split("total ")[1].split(" s")[0])
+    rss = float(line.split("peak RSS ")[1].split(" GiB")[0])
+    assert total < 60 and rss < 8

@@ -1,0 +1,170 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, get_hash_mapping
+from engram import _fasthash
+
+BACKENDS = ["torch"] + (["numba"] if _fasthash.available() else [])
+INT64 = 1 << 64
+
+
+# ---------------------------------------------------------------- independent slow implementation
+def _is_prime(n):
+    if n < 2:
+        return False
+    i = 2
+    while i * i <= n:
+        if n % i == 0:
+            return False
+        i += 1
+    return True
+
+
+def slow_hash(ids, lookup, layer_ids, vocab_sizes, N, K, pad_id, seed):
+    """The formula of PAPER_NOTES, in plain Python integers (wrapping emulated explicitly)."""
+    comp_vocab = max(lookup) + 1
+    half = max(1, ((2**63 - 1) // comp_vocab) // 2)
+    taken, primes = set(), {}
+    for layer in layer_ids:
+        primes[layer] = []
+        for n in range(2, N + 1):
+            start = vocab_sizes[n - 2] - 1
+            for _ in range(K):
+                c = start + 1
+                while c in taken or not _is_prime(c):
+                    c += 1
+                taken.add(c)
+                primes[layer].append(c)
+                start = c
+    pad = lookup[pad_id]
+    out = {}
+    for layer in layer_ids:
+        rng = np.random.default_rng(seed + 10007 * layer)
+        mult = [2 * int(v) + 1 for v in rng.integers(0, half, size=N, dtype=np.int64)]
+        rows = []
+        for seq in ids:
+            x = [lookup[t] for t in seq]
+            seq_rows = []
+            for t in range(len(x)):
+                cols = []
+                for n in range(2, N + 1):
+                    mix = 0
+                    for k in range(n):
+                        tok = x[t - k] if t - k >= 0 else pad
+                        mix ^= (tok * mult[k]) % INT64  # unsigned 64-bit view of the wrapped product
+                    signed = mix - INT64 if mix >= 1 << 63 else mix
+                    cols += [signed % p for p in primes[layer][(n - 2) * K:(n - 1) * K]]  # floor modulo
+                seq_rows.append(cols)
+            rows.append(seq_rows)
+        out[layer] = rows
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_mapping():
+    return get_hash_mapping(EngramConfig())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_golden_hash_default(golden_dir, default_mapping, backend):
+    g = json.loads((golden_dir / "hash_default.json").read_text())
+    m = default_mapping
+    m.backend = backend
+    assert m.tokenizer_len == g["tokenizer_len"] and m.tokenizer_vocab_size == g["compressed_vocab_size"]
+    for lid in m.layer_ids:
+        assert m.vocab_size_across_layers[lid] == g["head_moduli"][str(lid)]
+        assert [int(v) for v in m.layer_multipliers[lid]] == g["layer_multipliers"][str(lid)]
+    assert len(g["cases"]) >= 7
+    for case in g["cases"]:
+        B = len(case["input_ids"])
+        ids = np.array(case["input_ids"], dtype=np.int64).reshape(B, -1)
+        assert np.array_equal(m.compressed_tokenizer(ids), np.array(case["compressed_ids"]).reshape(ids.shape))
+        got_np = m.hash(ids)
+        got_t = m.hash(torch.from_numpy(ids))
+        for lid in m.layer_ids:
+            want = np.array(case["hash_ids"][str(lid)], dtype=np.int64).reshape(B, ids.shape[1], 16)
+            assert isinstance(got_np[lid], np.ndarray) and np.array_equal(got_np[lid], want), case["text"]
+            assert isinstance(got_t[lid], torch.Tensor) and got_t[lid].dtype == torch.int64
+            assert np.array_equal(got_t[lid].numpy(), want)
+    m.backend = "auto"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "N, K, sizes, layers",
+    [(2, 1, [7], [0]), (3, 2, [50, 61], [0, 3]), (4, 3, [101, 97, 500], [2, 1]), (3, 4, [3_000_000, 2_100_000], [5])],
+)
+def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, layers):
+    ct = default_mapping.compressed_tokenizer
+    m = NgramHashMapping(sizes, N, 8 * K, K, layers, None, 2, 7, compressed_tokenizer=ct, backend=backend)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, len(ct), size=(2, 9))
+    ids[0, :2] = 2  # pad ids inside the text
+    ids[1, -1] = len(ct) - 1
+    want = slow_hash(ids.tolist(), ct.lookup_table.tolist(), layers, sizes, N, K, 2, 7)
+    got = m.hash(ids)
+    for lid in layers:
+        assert got[lid].shape == (2, 9, (N - 1) * K)
+        assert got[lid].tolist() == want[lid]
+
+
+def test_backends_agree_on_large_batch(default_mapping):
+    if "numba" not in BACKENDS:
+        pytest.skip("numba not installed")
+    ids = np.random.default_rng(0).integers(0, default_mapping.tokenizer_len, size=(4, 1000))
+    m = default_mapping
+    try:
+        m.backend = "numba"
+        a = m.hash(ids)
+        m.backend = "torch"
+        b = m.hash(ids)
+    finally:
+        m.backend = "auto"
+    for lid in m.layer_ids:
+        assert np.array_equal(a[lid], b[lid])
+
+
+def test_empty_sequence(default_mapping):
+    out = default_mapping.hash(np.zeros((2, 0), dtype=np.int64))
+    assert all(v.shape == (2, 0, 16) for v in out.values())
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (np.array([[1, 2, 128815]]), r"token id 128815 at position \(0, 2\) is outside \[0, 128815\)"),
+        (np.array([[1, -3, 4]]), r"token id -3 at position \(0, 1\).*negative"),
+        (np.array([[1.0, 2.0]]), "integer token ids, got dtype float64"),
+        (torch.tensor([[1.0]]), "integer token ids, got dtype torch.float32"),
+        (np.array([1, 2, 3]), r"2-D \[batch, seq_len\], got 1-D"),
+        (torch.ones(1, 2, 3, dtype=torch.long), "got 3-D"),
+        ([[1, 2]], "numpy array or torch tensor"),
+    ],
+)
+def test_bad_input_errors(default_mapping, bad, match):
+    with pytest.raises(HashInputError, match=match):
+        default_mapping.hash(bad)
+
+
+def test_spec_round_trip_and_tokenizer_mismatch(tmp_path, default_mapping):
+    p = tmp_path / "spec.json"
+    default_mapping.save_spec(p)
+    spec = json.loads(p.read_text())
+    assert spec["layers"]["1"]["head_offsets"] == default_mapping.head_offsets(1)
+    assert spec["compressed_pad_id"] == default_mapping.pad_id
+    import base64
+    table = np.frombuffer(base64.b64decode(spec["lookup_table_int32_le_b64"]), dtype="<i4")
+    assert np.array_equal(table, default_mapping.compressed_tokenizer.lookup_table)
+    m2 = NgramHashMapping.from_spec(p)
+    ids = np.random.default_rng(3).integers(0, m2.tokenizer_len, size=(2, 20))
+    a, b = m2.hash(ids), default_mapping.hash(ids)
+    assert all(np.array_equal(a[l], b[l]) for l in a)
+    spec["tokenizer_sha256"] = "0" * 64
+    p.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="tokenizer mismatch"):
+        NgramHashMapping.from_spec(p)
+    with pytest.raises(ConfigError, match="not found"):
+        NgramHashMapping.from_spec(tmp_path / "missing.json")

@@ -1,0 +1,136 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engram import BackBoneConfig, Engram, EngramConfig, MultiHeadEmbedding
+
+
+def tiny(hc_mult=4, N=3, hidden=32, **kw):
+    e = EngramConfig(engram_vocab_size=[101 + 10 * i for i in range(N - 1)], max_ngram_size=N, n_embed_per_ngram=16,
+                     n_head_per_ngram=2, layer_ids=[0], **kw)
+    b = BackBoneConfig(hidden_size=hidden, hc_mult=hc_mult, vocab_size=1000, num_layers=2)
+    return e, b
+
+
+def load_golden_module(golden_dir):
+    z = np.load(golden_dir / "forward_small.npz")
+    cfg = json.loads((golden_dir / "forward_small_config.json").read_text())
+    e = EngramConfig(engram_vocab_size=cfg["engram_vocab_size"], max_ngram_size=cfg["max_ngram_size"],
+                     n_embed_per_ngram=cfg["n_embed_per_ngram"], n_head_per_ngram=cfg["n_head_per_ngram"],
+                     layer_ids=cfg["layer_ids"], pad_id=cfg["pad_id"], seed=cfg["seed"], kernel_size=cfg["kernel_size"])
+    b = BackBoneConfig(hidden_size=cfg["hidden_size"], hc_mult=cfg["hc_mult"], num_layers=2)
+    m = Engram(1, e, b)
+    G = cfg["hc_mult"]
+    sd = {"multi_head_embedding.embedding.weight": z["embedding_table"], "value_proj.weight": z["value_proj_weight"],
+          "value_proj.bias": z["value_proj_bias"], "short_conv.conv.weight": z["conv_weight"]}
+    for i in range(G):
+        sd[f"key_projs.{i}.weight"] = z["key_proj_weight"][i]
+        sd[f"key_projs.{i}.bias"] = z["key_proj_bias"][i]
+        sd[f"norm1.{i}.weight"] = z["key_norm_weight"][i]
+        sd[f"norm2.{i}.weight"] = z["query_norm_weight"][i]
+        sd[f"short_conv.norms.{i}.weight"] = z["conv_norm_weight"][i]
+    m.load_reference_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()})
+    return m, z
+
+
+def test_golden_forward(golden_dir):
+    m, z = load_golden_module(golden_dir)
+    assert m.hash_mapping.head_offsets(1) == z["head_offsets"].tolist()
+    ids = torch.from_numpy(z["input_ids"])
+    assert np.array_equal(m.hash_mapping.hash(ids)[1].numpy(), z["hash_ids"])
+    with torch.no_grad():
+        out, gates = m(torch.from_numpy(z["hidden_states"]), ids, return_gates=True)
+        out2 = m(torch.from_numpy(z["hidden_states"]), hash_ids=torch.from_numpy(z["hash_ids"]))
+    np.testing.assert_allclose(gates.numpy(), z["gates"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.numpy(), z["output"], atol=1e-5, rtol=0)
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("hc_mult", [1, 4])
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_tiny_configs_shapes_and_causality(hc_mult, N):
+    torch.manual_seed(0)
+    e, b = tiny(hc_mult, N)
+    m = Engram(0, e, b)
+    ids = torch.randint(0, 128815, (2, 12))
+    h = torch.randn(2, 12, hc_mult, 32)
+    out, g = m(h, ids, return_gates=True)
+    assert out.shape == h.shape and g.shape == (2, 12, hc_mult)
+    assert ((g > 0) & (g < 1)).all()
+    ids2, h2 = ids.clone(), h.clone()
+    ids2[:, 7:] = torch.randint(0, 128815, (2, 5))
+    h2[:, 7:] = torch.randn(2, 5, hc_mult, 32)
+    out2 = m(h2, ids2)
+    assert torch.equal(out[:, :7], out2[:, :7])
+    assert not torch.equal(out[:, 7:], out2[:, 7:])
+
+
+def test_sparse_gradient_touches_only_looked_up_rows():
+    torch.manual_seed(0)
+    e, b = tiny()
+    m = Engram(0, e, b)
+    ids = torch.randint(0, 128815, (2, 10))
+    h = torch.randn(2, 10, 4, 32)
+    m(h, ids).square().sum().backward()
+    W = m.multi_head_embedding.embedding.weight
+    assert W.grad.is_sparse
+    rows, grads = m.multi_head_embedding.row_grads()
+    looked_up = torch.unique(m.hash_mapping.hash(ids)[0] + m.multi_head_embedding.offsets)
+    assert torch.equal(torch.sort(rows).values, looked_up)
+    # same numbers as a dense-gradient run
+    dense = Engram(0, e, b)
+    dense.load_state_dict(m.state_dict())
+    dense.multi_head_embedding.embedding.sparse = False
+    dense(h, ids).square().sum().backward()
+    gd = dense.multi_head_embedding.embedding.weight.grad
+    assert torch.allclose(gd[rows], grads, atol=1e-6)
+    mask = torch.ones(gd.shape[0], dtype=torch.bool)
+    mask[rows] = False
+    assert gd[mask].abs().max() == 0
+
+
+def test_conv_zero_init_gives_identity_on_value():
+    e, b = tiny(conv_zero_init=True)
+    m = Engram(0, e, b)
+    assert m.short_conv.conv.weight.abs().max() == 0
+    h, ids = torch.randn(1, 6, 4, 32), torch.randint(0, 1000, (1, 6))
+    out, g = m(h, ids, return_gates=True)
+    e_rows = m.multi_head_embedding(m.hash_mapping.hash(ids)[0]).flatten(-2)
+    v = g.unsqueeze(-1) * m.kv_proj(e_rows)[..., :32].unsqueeze(2)
+    assert torch.allclose(out, v, atol=1e-6)
+
+
+def test_short_conv_matches_nn_conv1d():
+    torch.manual_seed(0)
+    e, b = tiny(N=3)
+    sc = Engram(0, e, b).short_conv
+    x = torch.randn(2, 11, 4, 32)
+    ref_conv = torch.nn.Conv1d(128, 128, 4, groups=128, bias=False, padding=3 * 3, dilation=3)
+    ref_conv.weight.data.copy_(sc.conv.weight.data)
+    xn = torch.nn.functional.rms_norm(x, (32,), eps=1e-5) * sc.norm_weight
+    want = torch.nn.functional.silu(ref_conv(xn.reshape(2, 11, 128).transpose(1, 2))[..., :11]).transpose(1, 2)
+    assert torch.allclose(sc(x).reshape(2, 11, 128), want, atol=1e-6)
+
+
+def test_bf16_table_and_bad_shapes():
+    e, b = tiny(table_dtype="bfloat16")
+    m = Engram(0, e, b)
+    assert m.multi_head_embedding.embedding.weight.dtype == torch.bfloat16
+    out = m(torch.randn(1, 4, 4, 32), torch.randint(0, 1000, (1, 4)))
+    assert out.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"hidden_states must be \(B, T, 4, 32\)"):
+        m(torch.randn(1, 4, 2, 32), torch.randint(0, 1000, (1, 4)))
+    with pytest.raises(ValueError, match="needs input_ids"):
+        m(torch.randn(1, 4, 4, 32))
+    with pytest.raises(ValueError, match="not in engram_cfg.layer_ids"):
+        Engram(1, e, b)
+
+
+def test_multi_head_embedding_offsets():
+    mhe = MultiHeadEmbedding([3, 5, 7], 2)
+    assert mhe.offsets.tolist() == [0, 3, 8]
+    out = mhe(torch.tensor([[[2, 4, 6]]]))
+    W = mhe.embedding.weight
+    assert torch.equal(out[0, 0], W[[2, 7, 14]])
