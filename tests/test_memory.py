@@ -134,3 +134,50 @@ def test_multi_head_embedding_offsets():
     out = mhe(torch.tensor([[[2, 4, 6]]]))
     W = mhe.embedding.weight
     assert torch.equal(out[0, 0], W[[2, 7, 14]])
+
+
+def plain_forward(m, h, ids):
+    """Reference-formula forward from the module's own parameters: per-branch norms, nn Conv1d, dense table."""
+    D, G = m.hidden_size, m.hc_mult
+    hid = m.hash_mapping.hash(ids)[m.layer_id] + m.multi_head_embedding.offsets
+    e = torch.nn.functional.embedding(hid, m.multi_head_embedding.embedding.weight).flatten(-2)
+    W, b = m.kv_proj.weight, m.kv_proj.bias
+    value = e @ W[:D].T + b[:D]
+    gates = []
+    for i in range(G):
+        k = torch.nn.functional.rms_norm(e @ W[(i + 1) * D:(i + 2) * D].T + b[(i + 1) * D:(i + 2) * D], (D,), m.key_norm_weight[i])
+        q = torch.nn.functional.rms_norm(h[:, :, i], (D,), m.query_norm_weight[i])
+        g = (k * q).sum(-1) / D ** 0.5
+        gates.append((g.abs().clamp_min(1e-6).sqrt() * g.sign()).sigmoid())
+    v = torch.stack(gates, 2).unsqueeze(-1) * value.unsqueeze(2)
+    sc = m.short_conv
+    xn = torch.cat([torch.nn.functional.rms_norm(v[:, :, i], (D,), sc.norm_weight[i], eps=1e-5) for i in range(G)], -1)
+    T = h.shape[1]
+    y = torch.nn.functional.conv1d(xn.transpose(1, 2), sc.conv.weight, padding=(sc.kernel_size - 1) * sc.dilation,
+                                   dilation=sc.dilation, groups=G * D)[..., :T]
+    return v + torch.nn.functional.silu(y).transpose(1, 2).reshape(v.shape)
+
+
+@pytest.mark.parametrize("hc_mult", [1, 4])
+def test_gradients_match_plain_formula(hc_mult):
+    torch.manual_seed(1)
+    e, b = tiny(hc_mult)
+    m = Engram(0, e, b)
+    with torch.no_grad():
+        m.key_norm_weight.uniform_(0.5, 1.5)
+        m.query_norm_weight.uniform_(0.5, 1.5)
+        m.short_conv.norm_weight.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 128815, (2, 9))
+    h1 = torch.randn(2, 9, hc_mult, 32, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    w = torch.randn(2, 9, hc_mult, 32)
+    (m(h1, ids) * w).sum().backward()
+    ours = {n: p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    out_plain = plain_forward(m, h2, ids)
+    assert torch.allclose(m(h2.detach(), ids), out_plain, atol=1e-5)
+    (out_plain * w).sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+    for n, p in m.named_parameters():
+        g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        assert torch.allclose(ours[n], g, atol=1e-5), n

@@ -27,6 +27,13 @@ from .hashing import NgramHashMapping, get_hash_mapping
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _rstd(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """1 / RMS over the last dim, (..., 1), as RMSNorm computes it (eps=None: the dtype's machine eps)."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
+    return (ms + eps).rsqrt()
+
+
 class MultiHeadEmbedding(nn.Module):
     """All heads' tables concatenated in one `(sum(list_of_N), D)` embedding with per-head row offsets.
 
@@ -95,15 +102,16 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, G, D = x.shape
-        xn = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, G * D)  # (B, T, C)
+        xn = (x * _rstd(x, self.norm_eps)).mul_(self.norm_weight).view(B, T, G * D)  # RMSNorm per branch -> (B, T, C)
         w = self.conv.weight.squeeze(1).t()  # (K, C); tap K-1 is the current token
         K, dil = self.kernel_size, self.dilation
-        xp = F.pad(xn, (0, 0, (K - 1) * dil, 0))  # (B, (K-1)*dil + T, C), causal left padding
-        y = xp[:, :T] * w[0]
-        for k in range(1, K):
-            y = y + xp[:, k * dil: k * dil + T] * w[k]
+        y = xn * w[K - 1]
+        for k in range(K - 1):
+            s = (K - 1 - k) * dil  # how far back tap k looks; earlier positions read zeros (causal)
+            if s < T:
+                y[:, s:].addcmul_(xn[:, : T - s], w[k])
         if self.activation:
-            y = F.silu(y)
+            y = F.silu(y, inplace=not torch.is_grad_enabled())  # in place only when no backward will need y
         return y.view(B, T, G, D)
 
 
@@ -150,13 +158,15 @@ class Engram(nn.Module):
         e = self.multi_head_embedding(hash_ids).flatten(start_dim=-2).to(hidden_states.dtype)  # (B, T, E)
         kv = self.kv_proj(e)  # (B, T, (G+1)*D)
         value = kv[..., :D]  # (B, T, D)
-        key = F.rms_norm(kv[..., D:].view(B, T, G, D), (D,)) * self.key_norm_weight  # (B, T, G, D)
-        query = F.rms_norm(hidden_states, (D,)) * self.query_norm_weight  # (B, T, G, D)
-        gate = (key * query).sum(dim=-1) / math.sqrt(D)  # (B, T, G)
+        key = kv[..., D:].view(B, T, G, D)  # (B, T, G, D), pre-norm
+        # <RMSNorm_k(key), RMSNorm_q(h)> = rstd_k * rstd_q * <key, h * w_k * w_q>: no normalized copies needed
+        hw = hidden_states * (self.key_norm_weight * self.query_norm_weight)  # (B, T, G, D)
+        dot = torch.einsum("btgd,btgd->btg", key, hw)  # (B, T, G)
+        gate = dot * (_rstd(key, None) * _rstd(hidden_states, None)).squeeze(-1) / math.sqrt(D)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gate = gate.sigmoid()
         v = gate.unsqueeze(-1) * value.unsqueeze(2)  # (B, T, G, D)
-        out = v + self.short_conv(v)
+        out = self.short_conv(v).add_(v)  # conv output is a fresh buffer no backward needs: add in place
         return (out, gate) if return_gates else out
 
     @torch.no_grad()
