@@ -10,6 +10,56 @@ from .tokenizer import CompressedTokenizer, TokenizerError
 
 __version__ = "0.1.0"
 
+_HF_NAMES = ("EngramLMConfig", "EngramForCausalLM")
+
+
+def __getattr__(name):
+    """Lazy access to the Hugging Face classes (importing transformers costs ~2 s)."""
+    if name in _HF_NAMES:
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'engram' has no attribute {name!r}")
+
+
+def _register_with_transformers() -> None:
+    """Make `AutoModelForCausalLM.from_pretrained(dir)` work after `import engram`, without importing
+    transformers eagerly: register now if it is loaded, else right after it first loads."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    if "transformers" in sys.modules:
+        from . import model  # noqa: F401  (registers on import)
+        return
+    if importlib.util.find_spec("transformers") is None:
+        return
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != "transformers":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_register(module):
+                exec_module(module)
+                try:
+                    from . import model  # noqa: F401
+                except Exception:  # never break the user's transformers import
+                    pass
+
+            spec.loader.exec_module = exec_and_register
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
+
+
+_register_with_transformers()
+
 __all__ = [
     "BackBoneConfig", "CompressedTokenizer", "ConfigError", "Engram", "EngramConfig", "HashInputError",
     "MultiHeadEmbedding", "NgramHashMapping", "ShortConv", "TokenizerError", "get_hash_mapping",

@@ -47,7 +47,9 @@ class MultiHeadEmbedding(nn.Module):
         offsets = [0]
         for n in list_of_N[:-1]:
             offsets.append(offsets[-1] + int(n))
-        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        # Offsets are derived from the config, never stored: a plain list, turned into a tensor per device.
+        self._offsets = offsets
+        self._offsets_cache: dict[torch.device, torch.Tensor] = {}
         weight = torch.empty(int(sum(list_of_N)), D, dtype=dtype)
         self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
         self.reset_parameters()
@@ -62,6 +64,14 @@ class MultiHeadEmbedding(nn.Module):
                 block.normal_()
             else:
                 block.copy_(torch.randn(block.shape, dtype=torch.float32))
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Row offset of each head, int64 (H,), on the table's device."""
+        dev = self.embedding.weight.device
+        if dev not in self._offsets_cache:
+            self._offsets_cache[dev] = torch.tensor(self._offsets, dtype=torch.long, device=dev)
+        return self._offsets_cache[dev]
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding(hash_ids + self.offsets)

@@ -1,0 +1,357 @@
+"""A real language model hosting Engram: attention (RoPE, GQA, KV cache), SwiGLU or DeepSeekMoE FFN, mHC.
+
+    ids (B, T) -> embed_tokens -> (B, T, n, C) streams -> blocks -> mean over streams -> norm -> lm_head
+
+Block (0-based index i; Engram at `engram.layer_ids`, added before attention as in the paper):
+    x = x + Engram_i(x, ids)                 (B, T, n, C), gates per stream
+    x = HC_attn(x, lambda u: Attn(RMSNorm(u)))    (plain residual when n == 1)
+    x = HC_ffn (x, lambda u: FFN(RMSNorm(u)))
+
+Hugging Face integration: `EngramLMConfig(PretrainedConfig)`, `EngramForCausalLM(PreTrainedModel,
+GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram[hf]'`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import BackBoneConfig, ConfigError, EngramConfig
+from .hashing import get_hash_mapping
+from .hyper import HyperConnection
+from .memory import Engram
+
+SPEC_FILE = "engram_hash_spec.json"
+
+
+class EngramLMConfig(PretrainedConfig):
+    """Sizes of the host model plus the embedded `EngramConfig` (as a dict under `engram`).
+
+    ffn: "mlp" (SwiGLU) or "moe" (shared + routed top-k experts, auxiliary-loss-free balancing).
+    hc_mult: residual streams (1 = plain residual, >1 = mHC). use_engram: False builds the same
+    backbone without Engram (the iso-FLOP baseline).
+    """
+
+    model_type = "engram"
+
+    def __init__(self, vocab_size=129280, hidden_size=1024, num_hidden_layers=30, num_attention_heads=16,
+                 num_key_value_heads=None, intermediate_size=None, ffn="mlp", n_routed_experts=8, n_shared_experts=1,
+                 num_experts_per_tok=2, moe_intermediate_size=None, moe_bias_update_speed=1e-3, hc_mult=4,
+                 sinkhorn_iters=20, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                 use_engram=True, engram=None, tie_word_embeddings=False, pad_token_id=2, **kwargs):
+        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.intermediate_size = intermediate_size or 4 * hidden_size
+        self.ffn, self.n_routed_experts, self.n_shared_experts = ffn, n_routed_experts, n_shared_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or hidden_size
+        self.moe_bias_update_speed = moe_bias_update_speed
+        self.hc_mult, self.sinkhorn_iters = hc_mult, sinkhorn_iters
+        self.rope_theta, self.max_position_embeddings, self.rms_norm_eps = rope_theta, max_position_embeddings, rms_norm_eps
+        self.use_engram = use_engram
+        ecfg = engram if isinstance(engram, EngramConfig) else EngramConfig.from_dict(engram or {})
+        self.engram = ecfg.to_dict()
+        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_sizes()
+
+    @property
+    def engram_config(self) -> EngramConfig:
+        return EngramConfig.from_dict(self.engram)
+
+    @property
+    def backbone_config(self) -> BackBoneConfig:
+        return BackBoneConfig(hidden_size=self.hidden_size, hc_mult=self.hc_mult, vocab_size=self.vocab_size,
+                              num_layers=self.num_hidden_layers)
+
+    def validate_sizes(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                              f"({self.num_attention_heads})")
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ConfigError("head dim (hidden_size // num_attention_heads) must be even for RoPE")
+        if self.ffn not in ("mlp", "moe"):
+            raise ConfigError(f"ffn must be 'mlp' or 'moe', got {self.ffn!r}")
+        if self.ffn == "moe" and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, n_routed_experts="
+                              f"{self.n_routed_experts}]")
+        bad = [i for i in self.engram_config.layer_ids if i >= self.num_hidden_layers]
+        if self.use_engram and bad:
+            raise ConfigError(f"engram layer_ids {bad} are outside [0, {self.num_hidden_layers}) "
+                              f"(num_hidden_layers={self.num_hidden_layers}); ids are 0-based block indices")
+
+
+# ---------------------------------------------------------------------------------------------- layers
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on x (B, H, T, hd) at positions pos (T,)."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = pos.to(torch.float32)[:, None] * inv[None]  # (T, hd/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: EngramLMConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = cfg.hidden_size // cfg.num_attention_heads
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
+        B, T, C = x.shape
+        q = rope(self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2), pos, self.theta)  # (B, nh, T, hd)
+        k = rope(self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2), pos, self.theta)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, nkv, S, hd), S = past + T
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        S = k.shape[2]
+        if T == S:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding T new tokens after S - T cached ones
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE-style FFN: shared experts + top-k routed experts with sigmoid affinities.
+
+    Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, used only for *selecting*
+    experts, moves by `speed * sign(mean_load - load)` after every training forward.
+    Dispatch: tokens are sorted by expert once and each expert runs one batched matmul.
+    """
+
+    def __init__(self, cfg: EngramLMConfig):
+        super().__init__()
+        D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.E, self.k, self.speed = E, cfg.num_experts_per_tok, cfg.moe_bias_update_speed
+        self.router = nn.Linear(D, E, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.w_gate = nn.Parameter(torch.randn(E, I, D) / math.sqrt(D))
+        self.w_up = nn.Parameter(torch.randn(E, I, D) / math.sqrt(D))
+        self.w_down = nn.Parameter(torch.randn(E, D, I) / math.sqrt(I))
+        self.shared = SwiGLU(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.last_load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])  # (N, D)
+        scores = torch.sigmoid(self.router(xf))  # (N, E)
+        idx = torch.topk(scores + self.expert_bias, self.k, dim=-1).indices  # (N, k), bias only selects
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)  # (N, k)
+        flat = idx.flatten()  # (N*k,)
+        order = torch.argsort(flat, stable=True)
+        tok = order // self.k  # token of each sorted slot
+        counts = torch.bincount(flat, minlength=self.E)
+        xs = xf.index_select(0, tok)  # (N*k, D) grouped by expert
+        outs, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                seg = xs[start:start + c]
+                outs.append((F.silu(seg @ self.w_gate[e].T) * (seg @ self.w_up[e].T)) @ self.w_down[e].T)
+                start += c
+        ys = torch.cat(outs) * w.flatten().index_select(0, order).unsqueeze(-1).to(xs.dtype)
+        out = torch.zeros_like(xf).index_add_(0, tok, ys)
+        self.last_load = counts.detach()
+        if self.training and self.speed > 0:
+            with torch.no_grad():
+                load = counts.to(self.expert_bias.dtype)
+                self.expert_bias += self.speed * torch.sign(load.mean() - load)
+        if self.shared is not None:
+            out = out + self.shared(xf)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: EngramLMConfig, idx: int, mapping=None):
+        super().__init__()
+        self.idx, self.n = idx, cfg.hc_mult
+        ecfg = cfg.engram_config
+        self.engram = (Engram(idx, ecfg, cfg.backbone_config, mapping)
+                       if cfg.use_engram and idx in ecfg.layer_ids else None)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, idx)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.ffn == "moe" else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if self.n > 1:
+            self.hc_attn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
+            self.hc_ffn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
+
+    def forward(self, x, hash_ids, pos, cache=None, engram_scale: float = 1.0, gates: dict | None = None):
+        # x: (B, T, n, C)
+        if self.engram is not None and engram_scale != 0:
+            out, g = self.engram(x, hash_ids=hash_ids[self.idx], return_gates=True)
+            x = x + (out if engram_scale == 1 else engram_scale * out)
+            if gates is not None:
+                gates[self.idx] = g.detach()
+        attn = lambda u: self.self_attn(self.input_layernorm(u), pos, cache)  # noqa: E731
+        ffn = lambda u: self.mlp(self.post_attention_layernorm(u))  # noqa: E731
+        if self.n == 1:
+            u = x[:, :, 0]
+            u = u + attn(u)
+            u = u + ffn(u)
+            return u.unsqueeze(2)
+        return self.hc_ffn(self.hc_attn(x, attn), ffn)
+
+
+class EngramModel(nn.Module):
+    """Embedding + blocks + final norm: ids (B, T) -> hidden (B, T, C)."""
+
+    def __init__(self, cfg: EngramLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mapping = get_hash_mapping(cfg.engram_config) if cfg.use_engram else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg, i, self.mapping) for i in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.engram_scale = 1.0
+
+    def forward(self, input_ids, cache=None, gates: dict | None = None):
+        B, T = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        hash_ids = {}
+        if self.mapping is not None and self.engram_scale != 0:
+            # Engram at position t needs ids t-N+2..t: keep the last N-1 ids in the cache between calls.
+            ctx = input_ids
+            prev = getattr(cache, "engram_history", None) if cache is not None else None
+            if prev is not None and past > 0:
+                ctx = torch.cat([prev, input_ids], dim=1)
+            hash_ids = {k: v[:, -T:] for k, v in self.mapping.hash(ctx).items()}
+            if cache is not None:
+                cache.engram_history = ctx[:, -(self.mapping.max_ngram_size - 1):]
+        pos = torch.arange(past, past + T, device=input_ids.device)
+        x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
+        for layer in self.layers:
+            x = layer(x, hash_ids, pos, cache, self.engram_scale, gates)
+        return self.norm(x.mean(dim=2))  # (B, T, C)
+
+
+class EngramForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = EngramLMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _supports_cache_class = True
+
+    def __init__(self, config: EngramLMConfig):
+        super().__init__(config)
+        self.model = EngramModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # modules initialize themselves in their constructors (Engram tables N(0,1), Linear default)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @contextlib.contextmanager
+    def engram_disabled(self, scale: float = 0.0):
+        """Suppress (scale 0) or rescale Engram's contribution inside the block; restores on exit."""
+        old = self.model.engram_scale
+        self.model.engram_scale = scale
+        try:
+            yield self
+        finally:
+            self.model.engram_scale = old
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
+                return_gates: bool = False, engram_scale: float | None = None, **kwargs):
+        if input_ids is None:
+            raise ValueError("input_ids (B, T) are required (Engram hashes token ids; inputs_embeds are not supported)")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        gates = {} if return_gates else None
+        old = self.model.engram_scale
+        if engram_scale is not None:
+            self.model.engram_scale = engram_scale
+        try:
+            h = self.model(input_ids, past_key_values if use_cache or past_key_values is not None else None, gates)
+        finally:
+            self.model.engram_scale = old
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        if return_gates:
+            out["gates"] = gates
+        return out
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            input_ids = input_ids[:, past_key_values.get_seq_length():]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": True}
+
+    # ---------------------------------------------------------------- hashing manifest
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.model.mapping is not None:
+            self.model.mapping.save_spec(Path(save_directory) / SPEC_FILE)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        spec_path = Path(pretrained_model_name_or_path) / SPEC_FILE
+        if model.model.mapping is not None:
+            if not spec_path.is_file():
+                raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
+            verify_spec(model.model.mapping, json.loads(spec_path.read_text(encoding="utf-8")))
+        return model
+
+
+def verify_spec(mapping, saved: dict) -> None:
+    """Refuse a checkpoint whose hashing (tokenizer, lookup table, multipliers, primes) differs from ours."""
+    mine = mapping.spec(include_lookup_table=False)
+    for key in ("tokenizer_sha256", "lookup_table_sha256", "compressed_pad_id", "layers"):
+        if saved.get(key) != mine[key]:
+            raise ConfigError(
+                f"hashing mismatch on '{key}': the checkpoint was trained with a different tokenizer or hash "
+                "config than this installation derives; its Engram rows would be garbage. Use the tokenizer "
+                "recorded in engram_hash_spec.json"
+            )
+
+
+AutoConfig.register("engram", EngramLMConfig, exist_ok=True)
+AutoModelForCausalLM.register(EngramLMConfig, EngramForCausalLM, exist_ok=True)
