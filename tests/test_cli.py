@@ -19,8 +19,9 @@ def tiny_config(tmp_path):
     return p
 
 
-def test_demo_with_small_config(tiny_config):
-    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great")
+@pytest.mark.parametrize("mock", [True, False])
+def test_demo_with_small_config(tiny_config, mock):
+    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great", *(["--mock-blocks"] if mock else []))
     assert r.returncode == 0, r.stderr
     assert "Input shape  : [1, 4]" in r.stdout
     assert "Output shape : [1, 4, 129280]" in r.stdout

@@ -1,4 +1,4 @@
-"""`engram` command line: `demo`, `hash`, `spec`.
+"""`engram` command line: `demo` (real blocks by default, `--mock-blocks`), `hash`, `spec`.
 
 Every expected failure (bad config, missing file, bad ids) prints one line
 `engram: error: ...` and exits with status 2; no Python traceback. Set ENGRAM_DEBUG=1 to
@@ -47,16 +47,42 @@ def cmd_demo(args) -> int:
     if not ids:
         raise ValueError("--text is empty after tokenization; give some text")
     input_ids = torch.tensor([ids], dtype=torch.long)
+    mock = args.mock_blocks
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        if not mock:
+            print("  (transformers not installed: real blocks need pip install 'engram[hf]'; using --mock-blocks)")
+        mock = True
     print(f"Building demo LLM: {backbone_cfg.num_layers} layers, hidden {backbone_cfg.hidden_size}, hc_mult "
           f"{backbone_cfg.hc_mult}, vocab {backbone_cfg.vocab_size}, Engram at layers {engram_cfg.layer_ids} "
           f"(tables stored as {engram_cfg.table_dtype})", flush=True)
-    model = DemoLM(engram_cfg, backbone_cfg).eval()
-    n_table = sum(b.engram.multi_head_embedding.embedding.weight.numel() for b in model.blocks if b.engram is not None)
-    print(f"  Engram table parameters: {n_table / 1e6:.1f}M over {len(engram_cfg.layer_ids)} layers; "
-          "attention/MoE inside blocks are pass-through mocks (as in the reference demo)")
+    if mock:
+        model = DemoLM(engram_cfg, backbone_cfg).eval()
+        engrams = [b.engram for b in model.blocks if b.engram is not None]
+        blocks_desc = "attention/MoE inside blocks are pass-through mocks (as in the reference demo)"
+    else:
+        from . import presets
+        from .model import EngramForCausalLM
+
+        cfg = presets.demo(vocab_size=backbone_cfg.vocab_size, hidden_size=backbone_cfg.hidden_size,
+                           num_hidden_layers=backbone_cfg.num_layers, hc_mult=backbone_cfg.hc_mult,
+                           engram=engram_cfg.to_dict())
+        model = EngramForCausalLM(cfg).eval()
+        engrams = [b.engram for b in model.model.layers if b.engram is not None]
+        blocks_desc = (f"real blocks: RoPE attention ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV), "
+                       f"SwiGLU FFN ({cfg.intermediate_size}), mHC with {cfg.hc_mult} streams")
+    n_table = sum(e.multi_head_embedding.embedding.weight.numel() for e in engrams)
+    n_all = sum(p.numel() for p in model.parameters())
+    print(f"  parameters: {n_all / 1e6:.1f}M, of which Engram tables {n_table / 1e6:.1f}M; {blocks_desc}")
     t1 = time.perf_counter()
     with torch.no_grad():
-        logits, hash_ids, gates = model.forward_with_details(input_ids)
+        if mock:
+            logits, hash_ids, gates = model.forward_with_details(input_ids)
+        else:
+            out = model(input_ids, return_gates=True)
+            logits, gates = out.logits, out["gates"]
+            hash_ids = model.model.mapping.hash(input_ids)
     t2 = time.perf_counter()
     print(f"Input text : {args.text!r}")
     print(f"Tokens     : {tok.encode(args.text, add_special_tokens=False).tokens}")
@@ -116,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--table-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the Engram tables (default bfloat16: 2 x 662M rows fit the 8 GiB budget)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--mock-blocks", action="store_true",
+                   help="the reference demo's pass-through attention/MoE instead of real blocks")
     d.set_defaults(func=cmd_demo)
 
     h = sub.add_parser("hash", help="print tokens, compressed ids and per-head row ids of TEXT")

@@ -314,7 +314,9 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        if past_key_values is not None:
+            out["past_key_values"] = past_key_values
         if return_gates:
             out["gates"] = gates
         return out
