@@ -265,14 +265,15 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_cache_class = True
+    # transformers >= 5 maps tied target -> source; 4.x takes a list of tied targets
+    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"}
+                          if int(__import__("transformers").__version__.split(".")[0]) >= 5 else ["lm_head.weight"])
 
     def __init__(self, config: EngramLMConfig):
         super().__init__(config)
         self.model = EngramModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.post_init()
+        self.post_init()  # ties lm_head to embed_tokens when config.tie_word_embeddings
 
     def _init_weights(self, module):
         pass  # modules initialize themselves in their constructors (Engram tables N(0,1), Linear default)
