@@ -71,8 +71,10 @@ def test_generate_uses_cache_and_matches_greedy_recompute():
     assert torch.equal(gen, seq)
 
 
-def test_save_load_round_trip_and_auto_class(tmp_path):
-    m = make().eval()
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_load_round_trip_and_auto_class(tmp_path, tie):
+    m = make(tie_word_embeddings=tie).eval()
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) == tie
     ids = torch.randint(0, 1000, (2, 9))
     with torch.no_grad():
         want = m(ids).logits
@@ -80,6 +82,7 @@ def test_save_load_round_trip_and_auto_class(tmp_path):
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "engram_hash_spec.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, EngramForCausalLM)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
     spec = json.loads((tmp_path / "engram_hash_spec.json").read_text())
