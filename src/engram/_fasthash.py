@@ -7,9 +7,12 @@ the exact float64 split-modulo of `hashing.py`; numba is imported on first use o
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 _kernel = None
+_lock = threading.Lock()  # numba's default (workqueue) threading layer must not be entered concurrently
 _checked = False
 
 
@@ -66,7 +69,8 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, primes: np.ndarray, out
         return
     p = primes.astype(np.float64)
     c = ((1 << 32) % primes).astype(np.float64)
-    _kernel(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, 1.0 / p, out)
+    with _lock:
+        _kernel(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, 1.0 / p, out)
 
 
 def _hash_int64(x, pad, mult, primes, out):

@@ -240,11 +240,13 @@ class EngramModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.engram_scale = 1.0
 
-    def forward(self, input_ids, cache=None, gates: dict | None = None):
+    def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        hash_ids = {}
-        if self.mapping is not None and self.engram_scale != 0:
+        if hash_ids is not None and cache is None:
+            pass  # computed ahead (data pipeline / prefetcher)
+        elif self.mapping is not None and self.engram_scale != 0:
+            hash_ids = {}
             # Engram at position t needs ids t-N+2..t: keep the last N-1 ids in the cache between calls.
             ctx = input_ids
             prev = getattr(cache, "engram_history", None) if cache is not None else None
@@ -253,6 +255,7 @@ class EngramModel(nn.Module):
             hash_ids = {k: v[:, -T:] for k, v in self.mapping.hash(ctx).items()}
             if cache is not None:
                 cache.engram_history = ctx[:, -(self.mapping.max_ngram_size - 1):]
+        hash_ids = hash_ids or {}
         pos = torch.arange(past, past + T, device=input_ids.device)
         x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
         for layer in self.layers:
@@ -295,7 +298,9 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.engram_scale = old
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
-                return_gates: bool = False, engram_scale: float | None = None, **kwargs):
+                return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None, **kwargs):
+        """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss; `hash_ids` are optional
+        precomputed `{layer: (B, T, H)}` row ids (from `Batcher`), used when no cache is passed."""
         if input_ids is None:
             raise ValueError("input_ids (B, T) are required (Engram hashes token ids; inputs_embeds are not supported)")
         if input_ids.dim() != 2:
@@ -307,7 +312,8 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if engram_scale is not None:
             self.model.engram_scale = engram_scale
         try:
-            h = self.model(input_ids, past_key_values if use_cache or past_key_values is not None else None, gates)
+            h = self.model(input_ids, past_key_values if use_cache or past_key_values is not None else None, gates,
+                           hash_ids)
         finally:
             self.model.engram_scale = old
         logits = self.lm_head(h)
@@ -335,6 +341,16 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        d = Path(pretrained_model_name_or_path)
+        config = kwargs.get("config")
+        if config is None and (d / "config.json").is_file():
+            config = EngramLMConfig.from_pretrained(d)
+        if isinstance(config, EngramLMConfig):
+            # a tokenizer saved beside the weights is referenced relative to the checkpoint folder
+            tok = config.engram.get("tokenizer_name_or_path")
+            if tok and not os.path.isabs(tok) and (d / tok).exists():
+                config.engram = {**config.engram, "tokenizer_name_or_path": str((d / tok).resolve())}
+            kwargs["config"] = config
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         spec_path = Path(pretrained_model_name_or_path) / SPEC_FILE
         if model.model.mapping is not None:

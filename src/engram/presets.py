@@ -24,3 +24,76 @@ def demo(**overrides):
               intermediate_size=2048, hc_mult=4, ffn="mlp", engram=dict(table_dtype="bfloat16"))
     kw.update(overrides)
     return EngramLMConfig(**kw)
+
+
+# ------------------------------------------------------------------------------------ training presets
+def cpu_small(**overrides):
+    """~10 minutes on 2 CPU cores: hidden 256, 4 layers, SwiGLU 768, plain residual (mHC costs ~+80% step
+    time in eager PyTorch on a CPU at this size: `benchmarks/bench_backbone.py`), one Engram layer at
+    block 1 with 2 orders x 4 heads x ~65k rows x 32 dims (16.8M table parameters), conv zero-init."""
+    from .model import EngramLMConfig
+
+    kw = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              intermediate_size=768, hc_mult=1, max_position_embeddings=1024, pad_token_id=1,
+              engram=dict(engram_vocab_size=[65536, 65536], max_ngram_size=3, n_embed_per_ngram=128,
+                          n_head_per_ngram=4, layer_ids=[1], pad_id=1, conv_zero_init=True))
+    kw.update(overrides)
+    return EngramLMConfig(**kw)
+
+
+TRAIN_PRESETS = ("tiny", "cpu-small")
+
+
+def train_config(name: str):
+    """Training hyper-parameters of a preset (`TrainConfig`)."""
+    from .train import TrainConfig
+
+    if name == "tiny":
+        return TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2,
+                           eval_every=5, eval_max_windows=4, ckpt_every=5)
+    if name == "cpu-small":
+        return TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=16, max_steps=1200, lr=2e-3, warmup_steps=100,
+                           eval_max_windows=128, ckpt_every=200)
+    from .config import ConfigError
+
+    raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+
+
+def _engram_param_count(cfg) -> int:
+    """Parameters an Engram-enabled config spends on Engram (tables + projections + norms + conv)."""
+    from .hashing import head_moduli
+
+    e = cfg.engram_config
+    total = 0
+    moduli = head_moduli(e.layer_ids, e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram)
+    D, G = cfg.hidden_size, cfg.hc_mult
+    for lid in e.layer_ids:
+        total += sum(sum(o) for o in moduli[lid]) * e.head_dim  # table rows x row width
+        total += (G + 1) * D * e.engram_hidden_size + (G + 1) * D  # kv_proj
+        total += 2 * G * D + G * D + G * D * e.kernel_size  # key/query norms, conv norm, conv
+    return total
+
+
+def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_engram: bool = True,
+              baseline: str | None = None):
+    """Model config of a training preset for a given tokenizer.
+
+    baseline=None/"iso-flop": the same backbone (`use_engram=False` removes Engram: iso-FLOP).
+    baseline="iso-param": no Engram, and its parameter budget moved into a wider SwiGLU FFN.
+    """
+    from .config import ConfigError
+
+    base = {"tiny": tiny, "cpu-small": cpu_small}.get(name)
+    if base is None:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    proto = base()
+    engram = {**proto.engram, "tokenizer_name_or_path": str(tokenizer_file), "pad_id": pad_id}
+    cfg = base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram, use_engram=use_engram)
+    if baseline in (None, "iso-flop"):
+        return cfg
+    if baseline != "iso-param":
+        raise ConfigError(f"--baseline must be 'iso-flop' or 'iso-param', got {baseline!r}")
+    extra = _engram_param_count(base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram))
+    per_unit = 3 * cfg.hidden_size * cfg.num_hidden_layers  # gate, up and down rows per extra FFN unit
+    return base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram, use_engram=False,
+                intermediate_size=cfg.intermediate_size + round(extra / per_unit))

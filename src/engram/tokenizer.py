@@ -168,3 +168,29 @@ class CompressedTokenizer:
         mask = arr >= 0
         out[mask] = self.lookup_table[arr[mask]]
         return out
+
+
+BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1 in every tokenizer `train_bpe` makes
+
+
+def train_bpe(texts, vocab_size: int, out_path, progress: bool = True) -> Path:
+    """Train a byte-level BPE tokenizer on an iterable of strings; writes `tokenizer.json` atomically.
+
+    On a CPU, a small vocabulary keeps the LM head (vocab x hidden) from dominating a small model.
+    Special tokens: `<|endoftext|>` = 0 (document separator), `<|pad|>` = 1.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 300:
+        raise TokenizerError(f"--vocab {vocab_size} is too small for byte-level BPE (256 bytes + specials); use >= 300")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=BPE_SPECIAL_TOKENS, show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_path)
+    if out.suffix != ".json":
+        out = out / "tokenizer.json"
+    atomic_write_bytes(out, tok.to_str().encode("utf-8"))
+    return out

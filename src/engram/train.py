@@ -1,0 +1,370 @@
+"""Training loop: `engram train` and the library call `train(...)`.
+
+One run directory holds everything:
+    DIR/run.json           model + training config of the run
+    DIR/metrics.jsonl      one JSON object per step: step, train_loss, lr, tok_s (+ val_loss on eval steps)
+    DIR/checkpoints/step_NNNNNN/   model.safetensors, optim.safetensors, state.json (with file hashes)
+    DIR/loss.png           loss curves (matplotlib, if installed)
+    DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable)
+
+Checkpoints are written to a temp folder and renamed; every file's sha256 is recorded in
+`state.json`, so a truncated or corrupt checkpoint is detected and `--resume` falls back to the
+previous one. Nothing is unpickled: tensors are safetensors, metadata is JSON. Ctrl-C saves a
+checkpoint at the last completed step. Resuming restores weights, optimizer moments, the MoE
+biases, the data position and the RNG, so the loss curve continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+from .data import Batcher, eval_windows, load_manifest, load_split, prepare
+from .optim import build_optimizers, split_params, warmup_cosine
+from .utils import atomic_write_bytes, sha256_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, truncated or corrupt; the message names the file."""
+
+
+@dataclass
+class TrainConfig:
+    tokenizer: str = "bpe:8192"
+    seq_len: int = 256
+    batch_size: int = 16
+    max_steps: int = 1500
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    table_lr_mult: float = 5.0
+    grad_clip: float = 1.0
+    eval_every: int = 0  # 0: every 10% of the run
+    eval_max_windows: int = 128
+    ckpt_every: int = 250
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        for f in ("seq_len", "batch_size", "max_steps", "keep_checkpoints"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def _optim_tensors(opts: dict) -> tuple[dict, dict]:
+    tensors, meta = {}, {}
+    for name, opt in opts.items():
+        sd = opt.state_dict()
+        meta[name] = {"param_groups": sd["param_groups"], "state_keys": {}}
+        for idx, st in sd["state"].items():
+            meta[name]["state_keys"][str(idx)] = {}
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{name}.{idx}.{k}"] = v.detach().cpu().contiguous()
+                    meta[name]["state_keys"][str(idx)][k] = "tensor"
+                else:
+                    meta[name]["state_keys"][str(idx)][k] = v
+    return tensors, meta
+
+
+def _load_optim(opts: dict, tensors: dict, meta: dict) -> None:
+    for name, opt in opts.items():
+        m = meta[name]
+        state = {}
+        for idx, keys in m["state_keys"].items():
+            state[int(idx)] = {k: (tensors[f"{name}.{idx}.{k}"] if v == "tensor" else v) for k, v in keys.items()}
+        opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2) -> Path:
+    from safetensors.torch import save_file, save_model
+
+    ckdir = run_dir / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    final = ckdir / f"step_{step:06d}"
+    tmp = ckdir / f".tmp_step_{step:06d}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    tensors, meta = _optim_tensors(opts)
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / "optim.safetensors"))
+    state = {"step": step, "batcher": batcher_state, "optim": meta,
+             "files": {f: sha256_file(tmp / f) for f in ("model.safetensors", "optim.safetensors")}}
+    atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(ckdir.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(path: Path) -> dict:
+    """Verify a checkpoint folder and return its state (raises CheckpointError naming the problem)."""
+    path = Path(path)
+    sf = path / "state.json"
+    if not sf.is_file():
+        raise CheckpointError(f"{sf} is missing (checkpoint incomplete)")
+    try:
+        state = json.loads(sf.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{sf} is corrupt: {e}") from None
+    for f, digest in state.get("files", {}).items():
+        if not (path / f).is_file():
+            raise CheckpointError(f"{path / f} is missing")
+        if sha256_file(path / f) != digest:
+            raise CheckpointError(f"{path / f} is truncated or corrupt (sha256 mismatch)")
+    return state
+
+
+def load_checkpoint(path: Path, model, opts: dict) -> dict:
+    from safetensors.torch import load_file, load_model
+
+    state = read_checkpoint(path)
+    try:
+        load_model(model, str(path / "model.safetensors"))
+        tensors = load_file(str(path / "optim.safetensors"))
+        _load_optim(opts, tensors, state["optim"])
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
+    torch.set_rng_state(tensors["rng.torch"])
+    return state
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    return sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True)
+
+
+# ------------------------------------------------------------------------------------ model building
+def build_model_config(preset: str, manifest: dict, use_engram: bool = True, baseline: str | None = None):
+    from . import presets
+
+    return presets.model_for(preset, vocab_size=manifest["vocab_size"], pad_id=manifest["pad_id"],
+                             tokenizer_file=manifest["tokenizer_file"], use_engram=use_engram, baseline=baseline)
+
+
+@torch.no_grad()
+def evaluate(model, windows: np.ndarray, batch_size: int, device) -> float:
+    """Mean next-token loss over fixed windows (B, T)."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        ids = torch.from_numpy(windows[i:i + batch_size]).to(device)
+        loss = model(ids, labels=ids).loss
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        total += loss.item() * n
+        count += n
+    model.train(was)
+    return total / count
+
+
+def _plot(run_dir: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if tr:
+        s, l = zip(*tr)
+        k = max(1, len(l) // 50)
+        smooth = np.convolve(l, np.ones(k) / k, mode="valid")
+        ax.plot(s[k - 1:], smooth, label="train (smoothed)", alpha=0.8)
+    if va:
+        ax.plot(*zip(*va), "o-", label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out = run_dir / "loss.png"
+    tmp = run_dir / ".loss.png.tmp.png"
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def save_final(model, run_dir: Path, manifest: dict) -> Path:
+    final = run_dir / "final"
+    tmp = run_dir / ".final.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    old = dict(model.config.engram)
+    model.config.engram = {**old, "tokenizer_name_or_path": "tokenizer.json"}
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        model.config.engram = old
+    shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+# ------------------------------------------------------------------------------------ the loop
+def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | os.PathLike = "runs/cpu-small",
+          max_steps: int | None = None, use_engram: bool = True, baseline: str | None = None, resume: bool = False,
+          device: str | None = None, overrides: dict | None = None, progress: bool = True,
+          stop_after: int | None = None) -> dict:
+    """Train a preset on `data` (default: Shakespeare) into run dir `out`; returns a summary dict.
+
+    `stop_after` simulates an interruption (tests): stop and checkpoint after that many steps.
+    """
+    from tqdm.auto import tqdm
+
+    from . import presets
+    from .model import EngramForCausalLM
+
+    tcfg = dataclasses.replace(presets.train_config(preset), **(overrides or {}))
+    if max_steps is not None:
+        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
+    tcfg.validate()
+    run_dir = Path(out)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    data_dir = prepare(data, tcfg.tokenizer, progress=progress)
+    manifest = load_manifest(data_dir)
+    run_json = {"preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
+                "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
+    if resume and (run_dir / "run.json").is_file():
+        prev = json.loads((run_dir / "run.json").read_text())
+        if {k: prev.get(k) for k in ("preset", "use_engram", "baseline")} != {k: run_json[k] for k in
+                                                                              ("preset", "use_engram", "baseline")}:
+            raise ConfigError(f"--resume: {run_dir} was started with preset={prev.get('preset')} "
+                              f"use_engram={prev.get('use_engram')} baseline={prev.get('baseline')}; use the same flags")
+    elif not resume and checkpoints(run_dir):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
+
+    torch.manual_seed(tcfg.seed)
+    mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline)
+    model = EngramForCausalLM(mcfg).to(dev).train()
+    opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
+    batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
+                      hash_mapping=model.model.mapping)
+    val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
+    eval_every = tcfg.eval_every or max(1, tcfg.max_steps // 10)
+
+    step = 0
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        cks = checkpoints(run_dir)
+        if not cks:
+            raise CheckpointError(f"--resume: no checkpoints under {run_dir / 'checkpoints'}")
+        for i, ck in enumerate(cks):
+            try:
+                st = load_checkpoint(ck, model, opts)
+                break
+            except CheckpointError as e:
+                if i + 1 == len(cks):
+                    raise CheckpointError(f"no usable checkpoint in {run_dir}: {e}") from None
+                print(f"engram: warning: {e}; falling back to {cks[i + 1].name}")
+        step = st["step"]
+        batcher.load_state_dict(st["batcher"])
+        if metrics_path.is_file():  # drop metrics past the checkpoint: the resumed run rewrites them
+            keep = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+            atomic_write_bytes(metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
+        print(f"resumed {run_dir} at step {step}")
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    n_params = sum(p.numel() for p in model.parameters())
+    n_table = sum(p.numel() for _, p in split_params(model)[1])
+    if progress:
+        print(f"model: {n_params / 1e6:.2f}M parameters ({n_table / 1e6:.2f}M in Engram tables), "
+              f"train {manifest['splits']['train']['tokens']:,} tokens, val windows {len(val)}, device {dev}")
+
+    def log(rec):
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    dense_params = [p for _, p in split_params(model)[0]]
+    if step == 0:
+        ids0, _ = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
+                          prefetch=False).next()
+        with torch.no_grad(), autocast:
+            model.eval()
+            first = model(ids0.to(dev), labels=ids0.to(dev)).loss.item()
+            model.train()
+        log({"step": 0, "train_loss": first, "val_loss": evaluate(model, val, tcfg.batch_size, dev)})
+    bar = tqdm(total=tcfg.max_steps, initial=step, disable=not progress, desc="train", dynamic_ncols=True)
+    t_last, last_loss, last_val = time.perf_counter(), float("nan"), None
+    interrupted = False
+    try:
+        while step < tcfg.max_steps:
+            if stop_after is not None and step >= stop_after:
+                raise KeyboardInterrupt
+            ids, hashes = batcher.next()
+            ids = ids.to(dev)
+            hashes = {k: v.to(dev, non_blocking=True) for k, v in hashes.items()} if hashes else None
+            mult = warmup_cosine(step, tcfg.max_steps, tcfg.warmup_steps, tcfg.min_lr_ratio)
+            for o in opts.values():
+                for g in o.param_groups:
+                    g["lr"] = g["base_lr"] * mult
+            with autocast:
+                loss = model(ids, labels=ids, hash_ids=hashes).loss
+            for o in opts.values():
+                o.zero_grad(set_to_none=True)
+            loss.backward()
+            if tcfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(dense_params, tcfg.grad_clip)
+            for o in opts.values():
+                o.step()
+            step += 1
+            last_loss = loss.item()
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"loss became {last_loss} at step {step}; lower --lr or check the data")
+            now = time.perf_counter()
+            rec = {"step": step, "train_loss": last_loss, "lr": opts["dense"].param_groups[0]["lr"],
+                   "tok_s": ids.numel() / max(now - t_last, 1e-9)}
+            t_last = now
+            if step % eval_every == 0 or step == tcfg.max_steps:
+                last_val = rec["val_loss"] = evaluate(model, val, tcfg.batch_size, dev)
+                t_last = time.perf_counter()
+            log(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}", val=f"{last_val:.3f}" if last_val else "-",
+                            tok_s=f"{rec['tok_s']:.0f}")
+            if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps:
+                save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
+    if interrupted:
+        print(f"interrupted at step {step}; checkpoint saved in {run_dir / 'checkpoints'}; continue with --resume")
+        return {"interrupted": True, "step": step, "run_dir": str(run_dir)}
+    plot = _plot(run_dir)
+    final = save_final(model, run_dir, manifest)
+    summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run_dir),
+               "final": str(final), "plot": str(plot) if plot else None, "params": n_params, "table_params": n_table}
+    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
+    return summary
