@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import engram  # noqa: E402,F401  (registers the Auto classes)
 from engram import ConfigError, presets  # noqa: E402
 from engram.hyper import HyperConnection  # noqa: E402
-from engram.model import EngramForCausalLM, MoE  # noqa: E402
+from engram.model import _CACHE_FIELD, EngramForCausalLM, MoE  # noqa: E402
 
 
 def make(**kw):
@@ -52,7 +52,7 @@ def test_incremental_decoding_matches_full_forward(kw):
     with torch.no_grad():
         full = m(ids).logits
         out = m(ids[:, :5], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
+        cache, steps = out[_CACHE_FIELD], [out.logits]
         for t in range(5, 12):
             out = m(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)

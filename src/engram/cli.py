@@ -132,6 +132,116 @@ def cmd_spec(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .train import train
+
+    overrides = {}
+    for kv in args.set or []:
+        k, _, v = kv.partition("=")
+        overrides[k] = type(_train_default(k))(v) if _train_default(k) is not None else v
+    summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
+                    use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
+                    overrides=overrides)
+    if summary.get("interrupted"):
+        return 130
+    print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
+          f"model in {summary['final']}" + (f", curve in {summary['plot']}" if summary.get("plot") else ""))
+    return 0
+
+
+def _train_default(key):
+    import dataclasses
+
+    from .config import ConfigError
+    from .train import TrainConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    if key not in fields:
+        raise ConfigError(f"--set {key}=...: unknown training setting; valid: {', '.join(sorted(fields))}")
+    return fields[key]
+
+
+def _load_checkpoint_dir(path):
+    """A run dir (uses DIR/final) or a save_pretrained folder -> (model, tokenizer)."""
+    from pathlib import Path
+
+    from .model import EngramForCausalLM
+    from .tokenizer import load_tokenizer
+    from .train import CheckpointError
+
+    p = Path(path)
+    if (p / "final" / "config.json").is_file():
+        p = p / "final"
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise CheckpointError(f"{path}: no model here (expected config.json and model.safetensors, or a run dir with final/)")
+    try:
+        model = EngramForCausalLM.from_pretrained(p).eval()
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{p}: could not load the model: {str(e).splitlines()[0]}") from None
+    tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
+                         else model.config.engram.get("tokenizer_name_or_path"))
+    return model, tok
+
+
+def cmd_eval(args) -> int:
+    import math
+
+    import numpy as np
+    import torch
+
+    from .data import Document, split_documents, load_sources, eval_windows
+    from .train import evaluate
+
+    model, tok = _load_checkpoint_dir(args.checkpoint)
+    docs = split_documents(load_sources(args.data))[args.split]
+    if not docs:
+        raise ValueError(f"the {args.split} split is empty for this data")
+    eos = 0 if tok.token_to_id("<|endoftext|>") == 0 else None
+    ids = []
+    for d in docs:
+        ids += tok.encode(d.text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
+    windows = eval_windows(np.asarray(ids, dtype=np.uint32), args.seq_len, args.max_windows)
+    loss = evaluate(model, windows, args.batch_size, torch.device("cpu"))
+    print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+          f"({windows.size:,} tokens in {len(windows)} windows of {args.seq_len})")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    model, tok = _load_checkpoint_dir(args.checkpoint)
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if not ids:
+        raise ValueError("--prompt is empty after tokenization")
+    torch.manual_seed(args.seed)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                         temperature=args.temperature if args.temperature > 0 else None, top_k=args.top_k,
+                         pad_token_id=model.config.pad_token_id)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from .data import load_manifest, prepare
+
+    d = prepare(args.data, args.tokenizer)
+    m = load_manifest(d)
+    print(f"prepared {d}: vocab {m['vocab_size']}, " + ", ".join(
+        f"{k} {v['tokens']:,} tokens / {len(v['documents'])} docs" for k, v in m["splits"].items()))
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from .data import load_sources, split_documents
+    from .tokenizer import train_bpe
+
+    docs = split_documents(load_sources(args.data))["train"]
+    out = train_bpe((d.text for d in docs), args.vocab, args.out)
+    print(f"wrote byte-level BPE tokenizer ({args.vocab} tokens, trained on the train split) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
     sub = p.add_subparsers(dest="command", required=True)
@@ -156,6 +266,52 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config")
     s.add_argument("--no-table", action="store_true", help="omit the inline token->compressed-id lookup table")
     s.set_defaults(func=cmd_spec)
+
+    t = sub.add_parser("train", help="train a preset on Shakespeare (default) or --data")
+    t.add_argument("--preset", default="cpu-small", help="tiny | cpu-small")
+    t.add_argument("--data", action="append", help="local .txt/.jsonl/.parquet file or folder, or hf:NAME (repeatable)")
+    t.add_argument("--no-engram", action="store_true", help="same backbone without Engram (iso-FLOP baseline)")
+    t.add_argument("--baseline", choices=["iso-flop", "iso-param"],
+                   help="iso-param: no Engram, its parameters moved into a wider FFN")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--out", help="run directory (default runs/PRESET)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
+    t.add_argument("--device", help="cpu | cuda (default: cuda if available)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    e.add_argument("--checkpoint", required=True, help="run dir or save_pretrained folder")
+    e.add_argument("--data", action="append")
+    e.add_argument("--split", default="val", choices=["train", "val", "test"])
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--max-windows", type=int, default=None)
+    e.set_defaults(func=cmd_eval)
+
+    sm = sub.add_parser("sample", help="generate text from a checkpoint")
+    sm.add_argument("--checkpoint", required=True)
+    sm.add_argument("--prompt", required=True)
+    sm.add_argument("--max-new-tokens", type=int, default=60)
+    sm.add_argument("--temperature", type=float, default=0.8)
+    sm.add_argument("--top-k", type=int, default=50)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.set_defaults(func=cmd_sample)
+
+    dp = sub.add_parser("data", help="data preparation")
+    dsub = dp.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="tokenize a corpus into uint32 token files + manifest")
+    prep.add_argument("--data", action="append")
+    prep.add_argument("--tokenizer", default="bpe:8192", help="deepseek | bpe:N | path/to/tokenizer.json")
+    prep.set_defaults(func=cmd_data_prepare)
+
+    tk = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = tk.add_subparsers(dest="tok_command", required=True)
+    ttrain = tsub.add_parser("train", help="train a byte-level BPE tokenizer on the corpus's train split")
+    ttrain.add_argument("--vocab", type=int, default=8192)
+    ttrain.add_argument("--data", action="append")
+    ttrain.add_argument("--out", default="tokenizer.json")
+    ttrain.set_defaults(func=cmd_tokenizer_train)
     return p
 
 
@@ -167,7 +323,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("engram: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError, ImportError, KeyError) as e:
+    except (ValueError, OSError, ImportError, KeyError, FloatingPointError) as e:
         if os.environ.get("ENGRAM_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -32,6 +32,8 @@ from .hyper import HyperConnection
 from .memory import Engram
 
 SPEC_FILE = "engram_hash_spec.json"
+# transformers >= 5 renamed the KV-cache field of model outputs and generate kwargs to `cache`
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
 class EngramLMConfig(PretrainedConfig):
@@ -298,13 +300,16 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.engram_scale = old
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
-                return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None, **kwargs):
+                return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None,
+                cache=None, **kwargs):
         """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss; `hash_ids` are optional
         precomputed `{layer: (B, T, H)}` row ids (from `Batcher`), used when no cache is passed."""
         if input_ids is None:
             raise ValueError("input_ids (B, T) are required (Engram hashes token ids; inputs_embeds are not supported)")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be 2-D (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        if cache is not None:  # transformers >= 5 names the KV cache `cache`
+            past_key_values = cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         gates = {} if return_gates else None
@@ -323,15 +328,16 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
                                    ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
         if past_key_values is not None:
-            out["past_key_values"] = past_key_values
+            out[_CACHE_FIELD] = past_key_values
         if return_gates:
             out["gates"] = gates
         return out
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, cache=None, **kwargs):
+        past_key_values = cache if cache is not None else past_key_values
         if past_key_values is not None and past_key_values.get_seq_length() > 0:
             input_ids = input_ids[:, past_key_values.get_seq_length():]
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": True}
+        return {"input_ids": input_ids, _CACHE_FIELD: past_key_values, "use_cache": True}
 
     # ---------------------------------------------------------------- hashing manifest
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -52,7 +52,7 @@ def train_config(name: str):
         return TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2,
                            eval_every=5, eval_max_windows=4, ckpt_every=5)
     if name == "cpu-small":
-        return TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=16, max_steps=1200, lr=2e-3, warmup_steps=100,
+        return TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3, warmup_steps=80,
                            eval_max_windows=128, ckpt_every=200)
     from .config import ConfigError
 

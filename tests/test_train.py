@@ -1,0 +1,196 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from engram.data import Batcher, DataError, local_documents, prepare, split_documents, strip_gutenberg  # noqa: E402
+from engram.optim import LazyRowAdam, warmup_cosine  # noqa: E402
+from engram.train import CheckpointError, read_checkpoint, train  # noqa: E402
+
+WORDS = ("the king queen horse great alexander tame could only bucephalus denmark prince ghost father "
+         "mother sword crown night day love death").split()
+
+
+def make_corpus(folder: Path, n_docs=4, words=3000, seed=0) -> Path:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        text = " ".join(rng.choice(WORDS, size=words))
+        (folder / f"doc{i}.txt").write_text(text + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+# ---------------------------------------------------------------------------- optimizer
+def test_lazy_row_adam_matches_sparse_adam():
+    torch.manual_seed(0)
+    W = torch.randn(64, 8)
+    a, b = torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone())
+    oa, ob = LazyRowAdam([a], lr=0.05, betas=(0.9, 0.95)), torch.optim.SparseAdam([b], lr=0.05, betas=(0.9, 0.95))
+    for s in range(8):
+        idx = torch.randint(0, 16 + 4 * s, (40,))  # overlapping, repeated rows
+        g = torch.sparse_coo_tensor(idx[None], torch.randn(40, 8), (64, 8))
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+        assert torch.allclose(a, b, atol=1e-6)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[: 16 + 4 * 7] = False
+    assert torch.equal(a[untouched], W[untouched])
+
+
+def test_schedule_warmup_then_cosine():
+    vals = [warmup_cosine(s, 100, 10, 0.1) for s in range(100)]
+    assert vals[0] == pytest.approx(0.1) and vals[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(vals[10:], vals[11:])) and vals[-1] >= 0.1
+
+
+# ---------------------------------------------------------------------------- data
+def test_strip_gutenberg():
+    t = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense"
+    assert strip_gutenberg(t) == "body text\n"
+    assert strip_gutenberg("plain\n") == "plain\n"
+
+
+def test_splits_are_disjoint_by_document(corpus):
+    docs = local_documents(corpus)
+    s = split_documents(docs)
+    names = [set(d.name for d in s[k]) for k in ("train", "val", "test")]
+    assert all(names) and not (names[0] & names[1]) and not (names[0] & names[2]) and not (names[1] & names[2])
+    assert sum(map(len, names)) == len(docs)
+
+
+def test_single_file_splits_into_contiguous_blocks(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_text("\n".join(f"line {i}" for i in range(1000)))
+    s = split_documents(local_documents(f))
+    assert s["train"][0].text + s["val"][0].text == f.read_text()
+    assert "line 999" in s["val"][0].text and "line 999" not in s["train"][0].text
+
+
+def test_jsonl_and_bad_data(tmp_path):
+    j = tmp_path / "d.jsonl"
+    j.write_text(json.dumps({"text": "hello"}) + "\n" + json.dumps({"text": "world"}) + "\n")
+    assert [d.text for d in local_documents(j)] == ["hello", "world"]
+    with pytest.raises(DataError, match="no such file"):
+        local_documents(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="no text found"):
+        local_documents(tmp_path / "empty.txt")
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(DataError, match="not valid JSON"):
+        local_documents(tmp_path / "bad.jsonl")
+
+
+def test_prepare_writes_uint32_tokens_and_manifest(corpus, tmp_path):
+    d = prepare([str(corpus)], "bpe:300", out_root=tmp_path, progress=False)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["vocab_size"] == 300 and m["pad_id"] == 1
+    train_tokens = np.fromfile(d / "train.bin", dtype=np.uint32)
+    assert train_tokens.size == m["splits"]["train"]["tokens"] > 0 and train_tokens.max() < 300
+    assert prepare([str(corpus)], "bpe:300", out_root=tmp_path, progress=False) == d  # cached
+
+
+def test_batcher_resume_and_prefetch_give_same_batches():
+    tokens = np.arange(10_000, dtype=np.uint32)
+    a = Batcher(tokens, 16, 4, seed=3, prefetch=True)
+    seq = [a.next()[0] for _ in range(30)]
+    b = Batcher(tokens, 16, 4, seed=3, prefetch=False)
+    for i in range(12):
+        assert torch.equal(b.next()[0], seq[i])
+    c = Batcher(tokens, 16, 4, seed=3, prefetch=True)
+    for i in range(12):
+        c.next()
+    d = Batcher(tokens, 16, 4, seed=3)
+    d.load_state_dict(c.consumed_state())
+    for i in range(12, 30):
+        assert torch.equal(d.next()[0], seq[i])
+
+
+# ---------------------------------------------------------------------------- trainer
+def test_resume_reproduces_uninterrupted_run(corpus, tmp_path):
+    full = train("tiny", data=[str(corpus)], out=tmp_path / "full", progress=False)
+    assert full["val_loss"] is not None
+    train("tiny", data=[str(corpus)], out=tmp_path / "cut", progress=False, stop_after=7)
+    train("tiny", data=[str(corpus)], out=tmp_path / "cut", progress=False, resume=True)
+    a = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(l) for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(21))
+    for x, y in zip(a, b):
+        assert abs(x["train_loss"] - y["train_loss"]) < 1e-5
+        assert ("val_loss" in x) == ("val_loss" in y)
+    assert "val_loss" in a[0] and "val_loss" in a[-1]
+    assert sum("val_loss" in r for r in a) >= 5  # before the first step, every 10%, at the end
+    from transformers import AutoModelForCausalLM
+
+    import engram  # noqa: F401
+
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert m(ids).logits.shape == (1, 4, m.config.vocab_size)
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(corpus, tmp_path):
+    run = tmp_path / "run"
+    train("tiny", data=[str(corpus)], out=run, progress=False, stop_after=12)  # checkpoints at 5, 10, 12 (keep 2)
+    cks = sorted((run / "checkpoints").glob("step_*"))
+    assert [c.name for c in cks] == ["step_000010", "step_000012"]
+    data = (cks[-1] / "model.safetensors").read_bytes()
+    (cks[-1] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncate the newest
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_checkpoint(cks[-1])
+    s = train("tiny", data=[str(corpus)], out=run, progress=False, resume=True)
+    assert s["step"] == 20
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(21))
+
+
+def test_no_engram_and_iso_param_baselines(corpus, tmp_path):
+    from engram import presets
+    from engram.data import load_manifest
+
+    m = load_manifest(prepare([str(corpus)], "bpe:512", progress=False))
+    eng = presets.model_for("tiny", m["vocab_size"], m["pad_id"], m["tokenizer_file"])
+    flop = presets.model_for("tiny", m["vocab_size"], m["pad_id"], m["tokenizer_file"], use_engram=False)
+    par = presets.model_for("tiny", m["vocab_size"], m["pad_id"], m["tokenizer_file"], baseline="iso-param")
+    from engram.model import EngramForCausalLM
+
+    n = [sum(p.numel() for p in EngramForCausalLM(c).parameters()) for c in (eng, flop, par)]
+    assert n[1] < n[0] and abs(n[2] - n[0]) / n[0] < 0.02  # iso-param within 2%
+    assert not flop.use_engram and not par.use_engram and par.intermediate_size > eng.intermediate_size
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_train_eval_sample_and_errors(corpus, tmp_path):
+    r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "6", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    r = run_cli("eval", "--checkpoint", "run", "--data", str(corpus), "--seq-len", "32", cwd=tmp_path)
+    assert r.returncode == 0 and "perplexity" in r.stdout, r.stderr
+    r = run_cli("sample", "--checkpoint", "run", "--prompt", "the king", "--max-new-tokens", "5", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("the king"), r.stderr
+    for args, msg in [
+        (("train", "--preset", "tiny", "--data", "missing.txt", "--out", "x"), "no such file"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "run"), "already holds a run"),
+        (("train", "--preset", "nope", "--out", "y"), "unknown preset"),
+        (("eval", "--checkpoint", "nowhere"), "no model here"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"), "unknown training setting"),
+    ]:
+        r = run_cli(*args, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and msg in r.stderr, (args, r.stderr)
+    (tmp_path / "empty.txt").write_text("")
+    r = run_cli("train", "--preset", "tiny", "--data", "empty.txt", "--out", "e", cwd=tmp_path)
+    assert r.returncode == 2 and "no text found" in r.stderr
