@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram import BackBoneConfig, Engram, EngramConfig, MultiHeadEmbedding
+from engram import BackBoneConfig, Engram, EngramConfig, MultiHeadEmbedding, get_hash_mapping
 
 
 def tiny(hc_mult=4, N=3, hidden=32, **kw):
@@ -181,3 +181,34 @@ def test_gradients_match_plain_formula(hc_mult):
     for n, p in m.named_parameters():
         g = p.grad.to_dense() if p.grad.is_sparse else p.grad
         assert torch.allclose(ours[n], g, atol=1e-5), n
+
+
+@pytest.mark.parametrize("opt", [dict(use_gate=False), dict(use_short_conv=False), dict(single_branch=True),
+                                 dict(freeze_table=True), dict(compress_tokenizer=False), dict(hash_mode="shuffled"),
+                                 dict(hash_mode="constant")])
+def test_ablation_switches_run_and_do_what_they_say(opt):
+    torch.manual_seed(0)
+    e, b = tiny(**opt)
+    m = Engram(0, e, b)
+    ids = torch.randint(0, 128815, (2, 8))
+    h = torch.randn(2, 8, 4, 32, requires_grad=True)
+    out, g = m(h, ids, return_gates=True)
+    out.sum().backward()
+    rows = m.hash_mapping.hash(ids)[0]
+    ref = get_hash_mapping(tiny()[0]).hash(ids)[0]
+    if opt.get("use_gate") is False:
+        assert torch.equal(g, torch.ones_like(g))
+    if opt.get("single_branch"):
+        assert torch.equal(g[..., 0], g[..., 3])
+    if opt.get("freeze_table"):
+        assert m.multi_head_embedding.embedding.weight.grad is None
+    if opt.get("hash_mode") == "constant":
+        assert rows.abs().max() == 0
+    if opt.get("hash_mode") == "shuffled":
+        assert not torch.equal(rows, ref) and (rows < torch.tensor(m.hash_mapping.head_sizes(0))).all()
+        assert torch.equal(rows, m.hash_mapping.hash(ids)[0])  # fixed, deterministic
+    if opt.get("compress_tokenizer") is False:
+        assert m.hash_mapping.tokenizer_vocab_size == 128815
+    if opt.get("use_short_conv") is False:
+        e_rows = m.multi_head_embedding(rows).flatten(-2)
+        assert torch.allclose(out, g.unsqueeze(-1) * m.kv_proj(e_rows)[..., :32].unsqueeze(2), atol=1e-6)

@@ -242,6 +242,90 @@ def cmd_tokenizer_train(args) -> int:
     return 0
 
 
+def cmd_experiment(args) -> int:
+    from .analysis.experiments import EXPERIMENTS, run_experiment
+
+    if args.list or not args.name:
+        from .analysis import experiments
+
+        print(experiments.__doc__.split("Experiments:")[1].rstrip())
+        return 0
+    names = EXPERIMENTS if args.name == "all" else [args.name]
+    for n in names:
+        run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
+                       max_steps=args.max_steps, size=args.size)
+    return 0
+
+
+def cmd_gates(args) -> int:
+    from pathlib import Path
+
+    from .analysis import gates as G
+
+    model, tok = _load_checkpoint_dir(args.checkpoint)
+    tokens, gates = G.compute_gates(model, tok, args.text)
+    print(G.terminal(tokens, gates))
+    for layer in sorted(gates):
+        g = gates[layer]
+        print(f"layer {layer}: gate min {g.min():.3f} max {g.max():.3f} mean {g.mean():.3f}")
+    if args.out:
+        out = Path(args.out)
+        if out.suffix == ".html":
+            G.save_html(tokens, gates, out, title=f"Engram gates: {args.text[:60]}")
+        elif out.suffix == ".png":
+            G.save_png(tokens, gates, out, title=args.text[:80])
+        else:
+            raise ValueError(f"--out {out}: use a .png or .html file name")
+        print(f"wrote {out}")
+    if args.summary:
+        import json
+
+        p = Path(args.checkpoint)
+        run = p if (p / "run.json").is_file() else p.parent
+        if not (run / "run.json").is_file():
+            raise ValueError("--summary needs a run directory (with run.json) to find the val split")
+        info = json.loads((run / "run.json").read_text())
+        for layer, r in G.gate_summary(model, Path(info["data_dir"]), info["train"]["seq_len"]).items():
+            print(f"layer {layer}: mean gate on frequent n-gram completions {r['entity_completion']:.3f} "
+                  f"({r['n_entity']} tokens) vs function words {r['function_words']:.3f} ({r['n_function']} tokens); "
+                  f"all {r['all']:.3f}")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from .analysis import stats as S
+    from .data import load_manifest, load_split, prepare
+    from .tokenizer import CompressedTokenizer, load_tokenizer
+
+    d = prepare(args.data, args.tokenizer)
+    m = load_manifest(d)
+    ct = CompressedTokenizer(m["tokenizer_file"])
+    tok = load_tokenizer(m["tokenizer_file"])
+    rep = S.compression_report(ct, tok)
+    print(f"tokenizer {Path(m['tokenizer_file']).name}: {rep['vocab']:,} ids -> {rep['compressed']:,} compressed "
+          f"({rep['reduction']:.2%} reduction); largest merged groups:")
+    for g in rep["largest_groups"]:
+        print(f"  {g['size']:>3} ids: {g['tokens']}")
+    comp = ct(np.asarray(load_split(d, "train"), dtype=np.int64))
+    print(f"\nrow usage on the train split ({len(comp):,} tokens), one head per order:")
+    print(f"{'order':>5} {'rows':>9} {'distinct':>9} {'used':>9} {'usage':>7} {'collide':>8}")
+    for r in S.row_usage(comp, args.sizes):
+        print(f"{r['order']:>5} {r['table_rows']:>9,} {r['distinct_ngrams']:>9,} {r['rows_used']:>9,} "
+              f"{r['row_usage']:>7.1%} {r['collision_rate']:>8.1%}")
+    counts = S.zipf(comp)
+    for n, c in counts.items():
+        print(f"{n}-grams: {len(c):,} distinct; top 1% of them cover {c[: max(1, len(c) // 100)].sum() / c.sum():.1%} "
+              "of occurrences")
+    if args.out:
+        S.plot_zipf(counts, Path(args.out))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
     sub = p.add_subparsers(dest="command", required=True)
@@ -304,6 +388,31 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--data", action="append")
     prep.add_argument("--tokenizer", default="bpe:8192", help="deepseek | bpe:N | path/to/tokenizer.json")
     prep.set_defaults(func=cmd_data_prepare)
+
+    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, all)")
+    ex.add_argument("name", nargs="?")
+    ex.add_argument("--list", action="store_true")
+    ex.add_argument("--seeds", type=int, default=2)
+    ex.add_argument("--out", default="runs/experiments")
+    ex.add_argument("--preset", default="exp", help="model/training preset of every run (default exp)")
+    ex.add_argument("--data", action="append")
+    ex.add_argument("--max-steps", type=int)
+    ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
+    ex.set_defaults(func=cmd_experiment)
+
+    ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)")
+    ga.add_argument("--checkpoint", required=True)
+    ga.add_argument("--text", required=True)
+    ga.add_argument("--out")
+    ga.add_argument("--summary", action="store_true", help="mean gate on n-gram completions vs function words (val)")
+    ga.set_defaults(func=cmd_gates)
+
+    st = sub.add_parser("stats", help="tokenizer compression, table row usage/collisions, n-gram Zipf plot")
+    st.add_argument("--data", action="append")
+    st.add_argument("--tokenizer", default="deepseek", help="deepseek | bpe:N | path/to/tokenizer.json")
+    st.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
+    st.add_argument("--out", help="rank-frequency plot (.png)")
+    st.set_defaults(func=cmd_stats)
 
     tk = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = tk.add_subparsers(dest="tok_command", required=True)

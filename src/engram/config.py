@@ -35,6 +35,14 @@ class EngramConfig:
     gets the next unused prime above it. `layer_ids` are 0-based block indices.
     `conv_zero_init` and `table_dtype` are our options: the reference keeps the default conv
     init and float32 tables (`False`, `"float32"`); the paper zero-initializes the conv.
+
+    Ablation switches (defaults = the reference): `use_gate` (False: gate fixed at 1),
+    `use_short_conv` (False: output = gated value), `single_branch` (one gate from the mean of
+    the streams, shared by all), `freeze_table` (random table, never trained),
+    `compress_tokenizer` (False: raw token ids are hashed) and `hash_mode`: "ngram" (the
+    reference), "shuffled" (each position XORs a fixed random key into the mix: same capacity and
+    row statistics, no n-gram identity across positions) or "constant" (every lookup hits row 0
+    of its head: a capacity-1 table, i.e. the gating/conv compute without memory).
     """
 
     tokenizer_name_or_path: str = DEFAULT_TOKENIZER
@@ -48,6 +56,12 @@ class EngramConfig:
     kernel_size: int = 4
     conv_zero_init: bool = False
     table_dtype: str = "float32"
+    use_gate: bool = True
+    use_short_conv: bool = True
+    single_branch: bool = False
+    freeze_table: bool = False
+    compress_tokenizer: bool = True
+    hash_mode: str = "ngram"
 
     def __post_init__(self) -> None:
         self.engram_vocab_size = list(self.engram_vocab_size)
@@ -82,6 +96,8 @@ class EngramConfig:
             raise ConfigError(f"pad_id must be a non-negative token id, got {self.pad_id!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.hash_mode not in ("ngram", "shuffled", "constant"):
+            raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {self.hash_mode!r}")
         if self.table_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"table_dtype must be 'float32', 'bfloat16' or 'float16', got {self.table_dtype!r}")
 

@@ -113,6 +113,8 @@ class NgramHashMapping:
         *,
         compressed_tokenizer: CompressedTokenizer | None = None,
         backend: str = "auto",
+        compress: bool = True,
+        hash_mode: str = "ngram",
     ):
         # Reuse EngramConfig's validation so both entry points reject the same inputs.
         EngramConfig(
@@ -127,6 +129,11 @@ class NgramHashMapping:
         self.layer_ids = [int(i) for i in layer_ids]
         self.seed = int(seed)
         self.compressed_tokenizer = compressed_tokenizer or CompressedTokenizer(tokenizer_name_or_path)
+        if not compress:  # ablation: hash raw token ids (identity "compression")
+            self.compressed_tokenizer = _IdentityCompression(self.compressed_tokenizer)
+        if hash_mode not in ("ngram", "shuffled", "constant"):
+            raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {hash_mode!r}")
+        self.compress, self.hash_mode = bool(compress), hash_mode
         self.tokenizer_len = len(self.compressed_tokenizer)
         if not 0 <= pad_id < self.tokenizer_len:
             raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.tokenizer_len})")
@@ -148,7 +155,7 @@ class NgramHashMapping:
         return cls(
             cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram, cfg.n_head_per_ngram,
             cfg.layer_ids, cfg.tokenizer_name_or_path, cfg.pad_id, cfg.seed,
-            compressed_tokenizer=compressed_tokenizer,
+            compressed_tokenizer=compressed_tokenizer, compress=cfg.compress_tokenizer, hash_mode=cfg.hash_mode,
         )
 
     # ------------------------------------------------------------------ layout helpers
@@ -208,6 +215,24 @@ class NgramHashMapping:
                 )
 
     def hash_tensor(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` (ablation modes applied)."""
+        if self.hash_mode == "constant":
+            L, H = len(self.layer_ids), (self.max_ngram_size - 1) * self.n_head_per_ngram
+            return torch.zeros(L, *input_ids.shape, H, dtype=torch.int64, device=input_ids.device)
+        out = self._hash_ngram(input_ids)
+        if self.hash_mode == "shuffled":
+            out = self._shuffle(out)
+        return out
+
+    def _shuffle(self, rows: torch.Tensor) -> torch.Tensor:
+        """Ablation: re-key every lookup by a fixed random key of its position (no n-gram identity)."""
+        L, B, T, H = rows.shape
+        g = torch.Generator().manual_seed(self.seed + 12345)
+        key = torch.randint(0, 1 << 40, (T, H), generator=g).to(rows.device)  # (T, H)
+        primes = torch.tensor([self.head_sizes(l) for l in self.layer_ids], device=rows.device).view(L, 1, 1, H)
+        return torch.remainder(rows + key, primes)
+
+    def _hash_ngram(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` for all layers at once.
 
         CPU tensors use the fused numba kernel when numba is installed (`pip install engram[fast]`);
@@ -309,6 +334,8 @@ class NgramHashMapping:
             "n_head_per_ngram": self.n_head_per_ngram,
             "engram_vocab_size": self.vocab_size_per_ngram,
             "seed": self.seed,
+            "compress_tokenizer": self.compress,
+            "hash_mode": self.hash_mode,
             "layer_ids": self.layer_ids,
             "layers": {
                 str(l): {
@@ -358,6 +385,7 @@ class NgramHashMapping:
         m = cls(
             spec["engram_vocab_size"], spec["max_ngram_size"], spec["n_embed_per_ngram"], spec["n_head_per_ngram"],
             spec["layer_ids"], None, spec["pad_id"], spec["seed"], compressed_tokenizer=ct,
+            compress=spec.get("compress_tokenizer", True), hash_mode=spec.get("hash_mode", "ngram"),
         )
         for l in m.layer_ids:
             entry = spec["layers"][str(l)]
@@ -366,13 +394,34 @@ class NgramHashMapping:
         return m
 
 
+class _IdentityCompression:
+    """Ablation stand-in for `CompressedTokenizer`: every token id is its own compressed id."""
+
+    def __init__(self, ct: CompressedTokenizer):
+        self.tokenizer_file, self.tokenizer_sha256 = ct.tokenizer_file, ct.tokenizer_sha256
+        self.lookup_table = np.arange(len(ct), dtype=np.int64)
+        self.num_new_token = len(ct)
+
+    @property
+    def lookup_sha256(self) -> str:
+        from .utils import sha256_bytes
+
+        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+
+    def __len__(self) -> int:
+        return len(self.lookup_table)
+
+    def __call__(self, input_ids):
+        return np.asarray(input_ids, dtype=np.int64).copy()
+
+
 _MAPPING_CACHE: dict[str, NgramHashMapping] = {}
 
 
 def get_hash_mapping(cfg: EngramConfig) -> NgramHashMapping:
     """One shared `NgramHashMapping` per hashing-relevant config (building one costs a tokenizer load)."""
     key = json.dumps([cfg.tokenizer_name_or_path, cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram,
-                      cfg.n_head_per_ngram, cfg.layer_ids, cfg.pad_id, cfg.seed])
+                      cfg.n_head_per_ngram, cfg.layer_ids, cfg.pad_id, cfg.seed, cfg.compress_tokenizer, cfg.hash_mode])
     if key not in _MAPPING_CACHE:
         _MAPPING_CACHE[key] = NgramHashMapping.from_config(cfg)
     return _MAPPING_CACHE[key]

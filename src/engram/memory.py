@@ -151,9 +151,15 @@ class Engram(nn.Module):
         )
         self.short_conv = ShortConv(D, engram_cfg.kernel_size, dilation=engram_cfg.max_ngram_size, hc_mult=G,
                                     zero_init=engram_cfg.conv_zero_init)
-        self.kv_proj = nn.Linear(E, (G + 1) * D)  # rows: [value (D); key_0 (D); ...; key_{G-1} (D)]
-        self.key_norm_weight = nn.Parameter(torch.ones(G, D))
-        self.query_norm_weight = nn.Parameter(torch.ones(G, D))
+        self.use_gate, self.use_short_conv = engram_cfg.use_gate, engram_cfg.use_short_conv
+        self.single_branch = engram_cfg.single_branch
+        Gk = (1 if self.single_branch else G) if self.use_gate else 0  # key projections
+        self.kv_proj = nn.Linear(E, (Gk + 1) * D)  # rows: [value (D); key_0 (D); ...; key_{Gk-1} (D)]
+        if self.use_gate:
+            self.key_norm_weight = nn.Parameter(torch.ones(Gk, D))
+            self.query_norm_weight = nn.Parameter(torch.ones(Gk, D))
+        if engram_cfg.freeze_table:
+            self.multi_head_embedding.embedding.weight.requires_grad_(False)
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
                 hash_ids: torch.Tensor | None = None, return_gates: bool = False):
@@ -168,14 +174,20 @@ class Engram(nn.Module):
         e = self.multi_head_embedding(hash_ids).flatten(start_dim=-2).to(hidden_states.dtype)  # (B, T, E)
         kv = self.kv_proj(e)  # (B, T, (G+1)*D)
         value = kv[..., :D]  # (B, T, D)
-        key = kv[..., D:].view(B, T, G, D)  # (B, T, G, D), pre-norm
-        # <RMSNorm_k(key), RMSNorm_q(h)> = rstd_k * rstd_q * <key, h * w_k * w_q>: no normalized copies needed
-        hw = hidden_states * (self.key_norm_weight * self.query_norm_weight)  # (B, T, G, D)
-        dot = torch.einsum("btgd,btgd->btg", key, hw)  # (B, T, G)
-        gate = dot * (_rstd(key, None) * _rstd(hidden_states, None)).squeeze(-1) / math.sqrt(D)
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gate = gate.sigmoid()
+        if self.use_gate:
+            h = hidden_states.mean(dim=2, keepdim=True) if self.single_branch else hidden_states  # (B, T, Gk, D)
+            key = kv[..., D:].view(B, T, h.shape[2], D)  # (B, T, Gk, D), pre-norm
+            # <RMSNorm_k(key), RMSNorm_q(h)> = rstd_k * rstd_q * <key, h * w_k * w_q>: no normalized copies needed
+            hw = h * (self.key_norm_weight * self.query_norm_weight)  # (B, T, Gk, D)
+            dot = torch.einsum("btgd,btgd->btg", key, hw)  # (B, T, Gk)
+            gate = dot * (_rstd(key, None) * _rstd(h, None)).squeeze(-1) / math.sqrt(D)
+            gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+            gate = gate.sigmoid().expand(B, T, G)
+        else:  # ablation: no gate
+            gate = hidden_states.new_ones(B, T, G)
         v = gate.unsqueeze(-1) * value.unsqueeze(2)  # (B, T, G, D)
+        if not self.use_short_conv:  # ablation: no short conv
+            return (v, gate) if return_gates else v
         out = self.short_conv(v).add_(v)  # conv output is a fresh buffer no backward needs: add in place
         return (out, gate) if return_gates else out
 

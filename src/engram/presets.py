@@ -41,7 +41,20 @@ def cpu_small(**overrides):
     return EngramLMConfig(**kw)
 
 
-TRAIN_PRESETS = ("tiny", "cpu-small")
+def exp(**overrides):
+    """Evidence experiments (`engram experiment`): hidden 128, 4 layers, plain residual, one Engram
+    layer at block 1 with 2 orders x 4 heads x ~20k rows x 16 dims; ~1-2 minutes per run on 2 cores."""
+    from .model import EngramLMConfig
+
+    kw = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              intermediate_size=384, hc_mult=1, max_position_embeddings=512, pad_token_id=1,
+              engram=dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=64,
+                          n_head_per_ngram=4, layer_ids=[1], pad_id=1, conv_zero_init=True))
+    kw.update(overrides)
+    return EngramLMConfig(**kw)
+
+
+TRAIN_PRESETS = ("tiny", "exp", "cpu-small")
 
 
 def train_config(name: str):
@@ -51,6 +64,9 @@ def train_config(name: str):
     if name == "tiny":
         return TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2,
                            eval_every=5, eval_max_windows=4, ckpt_every=5)
+    if name == "exp":
+        return TrainConfig(tokenizer="bpe:4096", seq_len=128, batch_size=8, max_steps=500, lr=3e-3, warmup_steps=40,
+                           eval_max_windows=96, ckpt_every=250)
     if name == "cpu-small":
         return TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3, warmup_steps=80,
                            eval_max_windows=128, ckpt_every=200)
@@ -75,7 +91,7 @@ def _engram_param_count(cfg) -> int:
 
 
 def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_engram: bool = True,
-              baseline: str | None = None):
+              baseline: str | None = None, overrides: dict | None = None):
     """Model config of a training preset for a given tokenizer.
 
     baseline=None/"iso-flop": the same backbone (`use_engram=False` removes Engram: iso-FLOP).
@@ -83,11 +99,17 @@ def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_
     """
     from .config import ConfigError
 
-    base = {"tiny": tiny, "cpu-small": cpu_small}.get(name)
-    if base is None:
+    preset_fn = {"tiny": tiny, "exp": exp, "cpu-small": cpu_small}.get(name)
+    if preset_fn is None:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    overrides = dict(overrides or {})
+    engram_over = overrides.pop("engram", {})
+
+    def base(**kw):
+        return preset_fn(**{**overrides, **kw})
+
     proto = base()
-    engram = {**proto.engram, "tokenizer_name_or_path": str(tokenizer_file), "pad_id": pad_id}
+    engram = {**proto.engram, **engram_over, "tokenizer_name_or_path": str(tokenizer_file), "pad_id": pad_id}
     cfg = base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram, use_engram=use_engram)
     if baseline in (None, "iso-flop"):
         return cfg

@@ -154,11 +154,13 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------ model building
-def build_model_config(preset: str, manifest: dict, use_engram: bool = True, baseline: str | None = None):
+def build_model_config(preset: str, manifest: dict, use_engram: bool = True, baseline: str | None = None,
+                       model_overrides: dict | None = None):
     from . import presets
 
     return presets.model_for(preset, vocab_size=manifest["vocab_size"], pad_id=manifest["pad_id"],
-                             tokenizer_file=manifest["tokenizer_file"], use_engram=use_engram, baseline=baseline)
+                             tokenizer_file=manifest["tokenizer_file"], use_engram=use_engram, baseline=baseline,
+                             overrides=model_overrides)
 
 
 @torch.no_grad()
@@ -231,7 +233,7 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
 def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | os.PathLike = "runs/cpu-small",
           max_steps: int | None = None, use_engram: bool = True, baseline: str | None = None, resume: bool = False,
           device: str | None = None, overrides: dict | None = None, progress: bool = True,
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None, model_overrides: dict | None = None) -> dict:
     """Train a preset on `data` (default: Shakespeare) into run dir `out`; returns a summary dict.
 
     `stop_after` simulates an interruption (tests): stop and checkpoint after that many steps.
@@ -250,11 +252,11 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
     manifest = load_manifest(data_dir)
     run_json = {"preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
-                "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
+                "model_overrides": model_overrides or {}, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
     if resume and (run_dir / "run.json").is_file():
         prev = json.loads((run_dir / "run.json").read_text())
-        if {k: prev.get(k) for k in ("preset", "use_engram", "baseline")} != {k: run_json[k] for k in
-                                                                              ("preset", "use_engram", "baseline")}:
+        keys = ("preset", "use_engram", "baseline", "model_overrides")
+        if {k: prev.get(k, {} if k == "model_overrides" else None) for k in keys} != {k: run_json[k] for k in keys}:
             raise ConfigError(f"--resume: {run_dir} was started with preset={prev.get('preset')} "
                               f"use_engram={prev.get('use_engram')} baseline={prev.get('baseline')}; use the same flags")
     elif not resume and checkpoints(run_dir):
@@ -263,7 +265,8 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
 
     torch.manual_seed(tcfg.seed)
-    mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline)
+    mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
+                              model_overrides=model_overrides)
     model = EngramForCausalLM(mcfg).to(dev).train()
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,

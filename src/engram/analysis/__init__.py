@@ -1,0 +1,1 @@
+"""Analysis tools: evidence experiments, gate visualisation, table statistics."""

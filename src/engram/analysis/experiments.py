@@ -1,0 +1,219 @@
+"""`engram experiment NAME`: evidence that the memory stores knowledge, as rerunnable commands.
+
+Every experiment trains variants of the `exp` preset (or `--preset`) on the default corpus for
+`--seeds` seeds, one run directory per (variant, seed) under `OUT/NAME/`, then writes
+`summary.json`, `summary.md` (mean and spread over seeds) and `plot.png`. Finished runs are
+skipped and interrupted ones resumed, so an experiment can be stopped and restarted.
+
+Experiments:
+  iso          Engram vs the same backbone without Engram (iso-FLOP) vs the Engram parameter
+               budget moved into a wider FFN (iso-parameter): val loss curves.
+  placement    one Engram layer at each block: final val loss vs block index.
+  capacity     rows per head swept over orders of magnitude down to 1 (hash_mode="constant").
+  ablations    shuffled hash, frozen random table, no gate, no short conv, no tokenizer compression.
+  sensitivity  suppress Engram at inference in the trained iso/engram models; loss increase on
+               tokens completing frequent train n-grams vs all other tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from ..utils import atomic_write_bytes
+
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity")
+
+
+def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
+    """variant name -> train() keyword arguments."""
+    from .. import presets
+
+    proto = {"tiny": presets.tiny, "exp": presets.exp, "cpu-small": presets.cpu_small}[preset]()
+    if name in ("iso", "sensitivity"):
+        return {"engram": {}, "no-engram": {"use_engram": False}, "iso-param": {"baseline": "iso-param"}} \
+            if name == "iso" else {"engram": {}}
+    if name == "placement":
+        return {f"block{i}": {"model_overrides": {"engram": {"layer_ids": [i]}}}
+                for i in range(proto.num_hidden_layers)}
+    if name == "capacity":
+        sizes = [11, 101, 1009, 10007, 100003] if size == "default" else [11, 1009]
+        out = {"rows1": {"model_overrides": {"engram": {"hash_mode": "constant", "engram_vocab_size": [2, 2]}}}}
+        out.update({f"rows{n}": {"model_overrides": {"engram": {"engram_vocab_size": [n, n]}}} for n in sizes})
+        out["no-engram"] = {"use_engram": False}
+        return out
+    if name == "ablations":
+        return {"full": {}, **{k: {"model_overrides": {"engram": v}} for k, v in {
+            "shuffled-hash": {"hash_mode": "shuffled"}, "frozen-table": {"freeze_table": True},
+            "no-gate": {"use_gate": False}, "no-conv": {"use_short_conv": False},
+            "no-compression": {"compress_tokenizer": False}}.items()}, "no-engram": {"use_engram": False}}
+    from ..config import ConfigError
+
+    raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
+                   data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
+                   size: str = "default") -> dict:
+    from ..train import checkpoints, train
+
+    root = Path(out) / name
+    root.mkdir(parents=True, exist_ok=True)
+    vs = variants(name, preset, size)
+    results: dict[str, list[dict]] = {}
+    for seed in range(seeds):
+        for vname, kw in vs.items():
+            # sensitivity reuses the iso experiment's Engram runs when they exist
+            run_dir = (Path(out) / "iso" / f"engram-seed{seed}") if name == "sensitivity" else root / f"{vname}-seed{seed}"
+            if not (run_dir / "summary.json").is_file():
+                if progress:
+                    print(f"[{name}] {vname} seed {seed} -> {run_dir}", flush=True)
+                train(preset, data=data, out=run_dir, max_steps=max_steps, resume=bool(checkpoints(run_dir)),
+                      overrides={"seed": seed}, progress=progress, **kw)
+            summ = json.loads((run_dir / "summary.json").read_text())
+            results.setdefault(vname, []).append({"seed": seed, "run_dir": str(run_dir), **summ,
+                                                  "metrics": _metrics(run_dir)})
+    if name == "sensitivity":
+        table = sensitivity(results["engram"], data)
+    else:
+        table = {v: _agg([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
+                 for v, rs in results.items()}
+    summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table}
+    atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    md = _markdown(name, table)
+    atomic_write_bytes(root / "summary.md", md.encode())
+    _plot(name, results, table, root / "plot.png")
+    print(md)
+    return summary
+
+
+def _agg(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0,
+            "values": xs}
+
+
+def _markdown(name: str, table: dict) -> str:
+    if name == "sensitivity":
+        lines = ["| token category | tokens | loss with Engram | loss without | increase |", "|---|---|---|---|---|"]
+        for cat, r in table.items():
+            lines.append(f"| {cat} | {r['tokens']} | {r['on']['mean']:.3f} | {r['off']['mean']:.3f} | "
+                         f"{r['increase']['mean']:+.3f} ± {r['increase']['spread']:.3f} |")
+        return "\n".join(lines) + "\n"
+    lines = ["| variant | final val loss (mean ± half-range) | params | table params |", "|---|---|---|---|"]
+    for v, r in table.items():
+        lines.append(f"| {v} | {r['mean']:.4f} ± {r['spread']:.4f} | {r['params']:,} | {r['table_params']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(name: str, results: dict, table: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if name == "iso":
+        for v, rs in results.items():
+            curves = [[(m["step"], m["val_loss"]) for m in r["metrics"] if "val_loss" in m] for r in rs]
+            steps = [s for s, _ in curves[0]]
+            mean = np.mean([[l for _, l in c] for c in curves], axis=0)
+            ax.plot(steps[1:], mean[1:], "o-", label=v)
+        ax.set_xlabel("step")
+        ax.set_ylabel("val loss")
+    elif name == "placement":
+        xs = list(range(len(table)))
+        ax.errorbar(xs, [table[v]["mean"] for v in table], yerr=[table[v]["spread"] for v in table], fmt="o-")
+        ax.set_xticks(xs, list(table))
+        ax.set_xlabel("Engram block (0-based)")
+        ax.set_ylabel("final val loss")
+    elif name == "capacity":
+        pts = [(int(v[4:]) if v != "rows1" else 1, table[v]) for v in table if v.startswith("rows")]
+        ax.errorbar([p for p, _ in pts], [t["mean"] for _, t in pts], yerr=[t["spread"] for _, t in pts], fmt="o-",
+                    label="Engram")
+        if "no-engram" in table:
+            ax.axhline(table["no-engram"]["mean"], color="gray", ls="--", label="no Engram")
+        ax.set_xscale("log")
+        ax.set_xlabel("rows per head")
+        ax.set_ylabel("final val loss")
+        ax.legend()
+    elif name == "sensitivity":
+        cats = list(table)
+        ax.bar(cats, [table[c]["increase"]["mean"] for c in cats], yerr=[table[c]["increase"]["spread"] for c in cats])
+        ax.set_ylabel("val loss increase when Engram is suppressed")
+    else:
+        vs = list(table)
+        ax.barh(vs, [table[v]["mean"] for v in vs], xerr=[table[v]["spread"] for v in vs])
+        lo = min(table[v]["mean"] for v in vs)
+        ax.set_xlim(lo - 0.1, max(table[v]["mean"] for v in vs) + 0.05)
+        ax.set_xlabel("final val loss")
+    if name == "iso":
+        ax.legend()
+    ax.grid(alpha=0.3)
+    ax.set_title(f"engram experiment {name}")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ sensitivity
+def frequent_ngram_mask(train_tokens: np.ndarray, tokens: np.ndarray, min_count: int = 20) -> np.ndarray:
+    """True where token t completes a trigram or bigram seen >= min_count times in the train split
+    (the static, multi-token patterns: names, set phrases, speaker tags)."""
+    tr = train_tokens.astype(np.int64)
+    V = int(max(tr.max(), tokens.max())) + 1
+    big = tr[:-1] * V + tr[1:]
+    tri = (tr[:-2] * V + tr[1:-1]) * V + tr[2:]
+    ub, cb = np.unique(big, return_counts=True)
+    ut, ctr = np.unique(tri, return_counts=True)
+    freq_big, freq_tri = set(ub[cb >= min_count].tolist()), set(ut[ctr >= min_count].tolist())
+    x = tokens.astype(np.int64)
+    mask = np.zeros(x.shape, dtype=bool)
+    for b in range(x.shape[0]):
+        for t in range(1, x.shape[1]):
+            key_b = x[b, t - 1] * V + x[b, t]
+            if t >= 2 and ((x[b, t - 2] * V + x[b, t - 1]) * V + x[b, t]) in freq_tri:
+                mask[b, t] = True
+            elif key_b in freq_big and x[b, t] not in (0, 1):
+                mask[b, t] = True
+    return mask
+
+
+def sensitivity(runs: list[dict], data=None) -> dict:
+    """Per-token val losses with Engram on and suppressed, split by token category."""
+    import torch
+
+    from ..data import eval_windows, load_split
+    from ..model import EngramForCausalLM
+
+    per = {"frequent n-gram completions": {"on": [], "off": [], "n": 0}, "all other tokens": {"on": [], "off": [], "n": 0}}
+    for r in runs:
+        run_dir = Path(r["run_dir"])
+        info = json.loads((run_dir / "run.json").read_text())
+        data_dir = Path(info["data_dir"])
+        windows = eval_windows(load_split(data_dir, "val"), info["train"]["seq_len"], info["train"]["eval_max_windows"])
+        mask = frequent_ngram_mask(np.asarray(load_split(data_dir, "train")), windows)[:, 1:]
+        model = EngramForCausalLM.from_pretrained(run_dir / "final").eval()
+        losses = {}
+        for key, scale in (("on", 1.0), ("off", 0.0)):
+            out = []
+            with torch.no_grad():
+                for i in range(0, len(windows), 16):
+                    ids = torch.from_numpy(windows[i:i + 16])
+                    logits = model(ids, engram_scale=scale).logits[:, :-1]
+                    out.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none"))
+            losses[key] = torch.cat(out).numpy()
+        for cat, m in (("frequent n-gram completions", mask), ("all other tokens", ~mask)):
+            per[cat]["on"].append(float(losses["on"][m].mean()))
+            per[cat]["off"].append(float(losses["off"][m].mean()))
+            per[cat]["n"] = int(m.sum())
+    return {cat: {"tokens": v["n"], "on": _agg(v["on"]), "off": _agg(v["off"]),
+                  "increase": _agg([b - a for a, b in zip(v["on"], v["off"])])} for cat, v in per.items()}

@@ -1,0 +1,77 @@
+"""`engram stats`: what the tables see. Tokenizer compression, per-head row usage and collisions vs
+table size on a corpus, and the rank-frequency (Zipf) curve of the n-grams."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def compression_report(ct, tokenizer, top: int = 5) -> dict:
+    """Compression ratio and the largest groups of token ids merged into one compressed id."""
+    table = ct.lookup_table
+    n, m = len(table), int(table.max()) + 1
+    counts = np.bincount(table, minlength=m)
+    groups = []
+    for cid in np.argsort(-counts, kind="stable")[:top]:
+        members = np.nonzero(table == cid)[0]
+        groups.append({"compressed_id": int(cid), "size": int(len(members)),
+                       "tokens": [tokenizer.decode([int(i)]) for i in members[:12]]})
+    return {"vocab": n, "compressed": m, "reduction": 1 - m / n, "largest_groups": groups}
+
+
+def row_usage(compressed: np.ndarray, sizes: list[int], max_ngram: int = 3, seed: int = 0, pad: int = 0) -> list[dict]:
+    """For each n-gram order and table size p: distinct n-grams, rows used by one head hashing into p
+    rows (the reference's multiplier-XOR hash), and the fraction of distinct n-grams sharing a row."""
+    from ..hashing import layer_multipliers, next_unused_prime
+
+    x = compressed.astype(np.int64)
+    vocab = int(x.max()) + 1
+    mult = layer_multipliers([0], max_ngram, vocab, seed)[0]
+    out = []
+    for n in range(2, max_ngram + 1):
+        win = np.stack([np.concatenate([np.full(k, pad), x[: len(x) - k]]) for k in range(n)])  # (n, N)
+        mix = win[0] * mult[0]
+        for k in range(1, n):
+            mix = mix ^ (win[k] * mult[k])
+        uniq = np.unique(mix)  # distinct n-grams (the mix is injective enough to count them)
+        for size in sizes:
+            p = next_unused_prime(size - 1, set())
+            rows = np.unique(uniq % p)
+            out.append({"order": n, "table_rows": p, "distinct_ngrams": int(len(uniq)), "rows_used": int(len(rows)),
+                        "row_usage": len(rows) / p, "collision_rate": 1 - len(rows) / len(uniq)})
+    return out
+
+
+def zipf(compressed: np.ndarray, max_ngram: int = 3) -> dict[int, np.ndarray]:
+    """Sorted n-gram counts (descending) per order."""
+    x = compressed.astype(np.int64)
+    V = int(x.max()) + 1
+    res = {}
+    key = x.copy()
+    for n in range(2, max_ngram + 1):
+        key = key[:-1] * V + x[n - 1:]  # n-gram ending at each position, as one integer
+        _, c = np.unique(key, return_counts=True)
+        res[n] = np.sort(c)[::-1]
+    return res
+
+
+def plot_zipf(counts: dict[int, np.ndarray], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n, c in counts.items():
+        ax.loglog(np.arange(1, len(c) + 1), c, label=f"{n}-grams")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("count")
+    ax.set_title("n-gram rank-frequency (train split, compressed ids)")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)

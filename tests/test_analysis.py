@@ -1,0 +1,87 @@
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from engram.analysis.experiments import run_experiment  # noqa: E402
+from test_train import make_corpus  # noqa: E402  (shared corpus builder)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus_an"))
+
+
+@pytest.mark.parametrize("name", ["iso", "placement", "capacity", "ablations"])
+def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
+    s = run_experiment(name, out=tmp_path, seeds=2 if name == "iso" else 1, preset="tiny", data=[str(corpus)],
+                       max_steps=3, progress=False, size="small")
+    root = tmp_path / name
+    assert (root / "summary.json").is_file() and (root / "summary.md").is_file() and (root / "plot.png").is_file()
+    table = json.loads((root / "summary.json").read_text())["variants"]
+    assert table == s["variants"]
+    if name == "iso":
+        assert set(table) == {"engram", "no-engram", "iso-param"} and len(table["engram"]["values"]) == 2
+        assert table["no-engram"]["table_params"] == 0 < table["engram"]["table_params"]
+    if name == "placement":
+        assert set(table) == {"block0", "block1"}
+    if name == "capacity":
+        assert "rows1" in table and "no-engram" in table
+    if name == "ablations":
+        assert {"shuffled-hash", "frozen-table", "no-gate", "no-conv", "no-compression"} <= set(table)
+    # finished runs are skipped on a rerun (resumable experiments)
+    again = run_experiment(name, out=tmp_path, seeds=2 if name == "iso" else 1, preset="tiny", data=[str(corpus)],
+                           max_steps=3, progress=False, size="small")
+    assert again["variants"] == table
+
+
+def test_sensitivity_reuses_iso_runs(corpus, tmp_path):
+    run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
+    s = run_experiment("sensitivity", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3,
+                       progress=False)
+    t = s["variants"]
+    assert set(t) == {"frequent n-gram completions", "all other tokens"}
+    assert all(v["tokens"] > 0 for v in t.values())
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_gates_and_stats_cli(corpus, tmp_path):
+    r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("gates", "--checkpoint", "run", "--text", "the king and the queen", "--out", "g.png", "--summary",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "g.png").stat().st_size > 1000 and "mean gate on frequent n-gram completions" in r.stdout
+    r = run_cli("gates", "--checkpoint", "run", "--text", "the king", "--out", "g.html", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "g.html").read_text()
+    assert page.count('class="tok"') >= 2 and "data-gates" in page and "mouseenter" in page
+    r = run_cli("gates", "--checkpoint", "run", "--text", "x", "--out", "g.gif", cwd=tmp_path)
+    assert r.returncode == 2 and ".png or .html" in r.stderr
+    r = run_cli("stats", "--data", str(corpus), "--tokenizer", "bpe:300", "--sizes", "101", "1009", "--out", "z.png",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "reduction" in r.stdout and "collide" in r.stdout and (tmp_path / "z.png").is_file()
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed")
+def test_gates_html_renders_in_headless_chromium(corpus, tmp_path):
+    from engram.analysis.gates import save_html
+
+    import numpy as np
+
+    page = save_html(["the", " king"], {1: np.array([[0.2, 0.3], [0.9, 0.8]])}, tmp_path / "g.html")
+    r = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert 'class="tok"' in r.stdout and "hover a token" in r.stdout
