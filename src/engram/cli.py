@@ -326,6 +326,41 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_ask(args) -> int:
+    from .api import chat, load_settings
+
+    s = load_settings(args.model, args.base_url)
+    if s.note:
+        print(f"engram: note: {s.note}", file=sys.stderr)
+    print(chat([{"role": "user", "content": args.prompt}], s, timeout=args.timeout, retries=args.retries))
+    return 0
+
+
+def cmd_crosscheck(args) -> int:
+    import json
+
+    from .api import crosscheck, load_settings
+
+    s = load_settings(args.model, args.base_url)
+    if s.note:
+        print(f"engram: note: {s.note}", file=sys.stderr)
+    model, tok = _load_checkpoint_dir(args.checkpoint)
+    res = crosscheck(args.text, model, tok, s, threshold=args.threshold, timeout=args.timeout, retries=args.retries)
+    if args.json:
+        print(json.dumps(res, indent=1, ensure_ascii=False))
+        return 0
+    print(f"entities and phrases from {s.model}: {res['entities']}")
+    layers = list(res["tokens"][0]["gates"]) if res["tokens"] else []
+    print(f"{'token':<18}" + "".join(f"{'gate L' + l:>10}" for l in layers) + f"{'entity':>9}")
+    for r in res["tokens"]:
+        mark = "ends" if r["ends"] else ("inside" if r["inside"] else "")
+        print(f"{r['token']!r:<18}" + "".join(f"{r['gates'][l]:>10.3f}" for l in layers) + f"{mark:>9}")
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"gate > {res['threshold']} vs token ends an entity: precision {fmt(res['precision'])}, "
+          f"recall {fmt(res['recall'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
     sub = p.add_subparsers(dest="command", required=True)
@@ -414,6 +449,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", help="rank-frequency plot (.png)")
     st.set_defaults(func=cmd_stats)
 
+    for name, helptext in (("ask", "one chat completion through an OpenAI-compatible API (checks the channel)"),
+                           ("crosscheck", "compare a checkpoint's gates with a hosted model's entities in TEXT")):
+        a = sub.add_parser(name, help=helptext)
+        a.add_argument("prompt" if name == "ask" else "text")
+        if name == "crosscheck":
+            a.add_argument("--checkpoint", required=True)
+            a.add_argument("--threshold", type=float, default=0.5)
+            a.add_argument("--json", action="store_true")
+        a.add_argument("--model", help="model id (default $ENGRAM_MODEL or deepseek-chat)")
+        a.add_argument("--base-url", help="OpenAI-compatible base URL (default $ENGRAM_BASE_URL or DeepSeek)")
+        a.add_argument("--timeout", type=float, default=60.0)
+        a.add_argument("--retries", type=int, default=3, help="retries with backoff on 429/5xx")
+        a.set_defaults(func=cmd_ask if name == "ask" else cmd_crosscheck)
+
     tk = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = tk.add_subparsers(dest="tok_command", required=True)
     ttrain = tsub.add_parser("train", help="train a byte-level BPE tokenizer on the corpus's train split")
@@ -425,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .api import ApiError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -432,7 +483,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("engram: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError, ImportError, KeyError, FloatingPointError) as e:
+    except (ValueError, OSError, ImportError, KeyError, FloatingPointError, ApiError) as e:
         if os.environ.get("ENGRAM_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
