@@ -41,7 +41,7 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
         return {f"block{i}": {"model_overrides": {"engram": {"layer_ids": [i]}}}
                 for i in range(proto.num_hidden_layers)}
     if name == "capacity":
-        sizes = [11, 101, 1009, 10007, 100003] if size == "default" else [11, 1009]
+        sizes = [101, 1009, 10007, 100003] if size == "default" else [11, 1009]
         out = {"rows1": {"model_overrides": {"engram": {"hash_mode": "constant", "engram_vocab_size": [2, 2]}}}}
         out.update({f"rows{n}": {"model_overrides": {"engram": {"engram_vocab_size": [n, n]}}} for n in sizes})
         out["no-engram"] = {"use_engram": False}
@@ -50,7 +50,7 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
         return {"full": {}, **{k: {"model_overrides": {"engram": v}} for k, v in {
             "shuffled-hash": {"hash_mode": "shuffled"}, "frozen-table": {"freeze_table": True},
             "no-gate": {"use_gate": False}, "no-conv": {"use_short_conv": False},
-            "no-compression": {"compress_tokenizer": False}}.items()}, "no-engram": {"use_engram": False}}
+            "no-compression": {"compress_tokenizer": False}}.items()}}  # the no-Engram baseline is in `iso`
     from ..config import ConfigError
 
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
