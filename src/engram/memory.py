@@ -50,6 +50,7 @@ class MultiHeadEmbedding(nn.Module):
         # Offsets are derived from the config, never stored: a plain list, turned into a tensor per device.
         self._offsets = offsets
         self._offsets_cache: dict[torch.device, torch.Tensor] = {}
+        self.backend = None  # set by engram.tables.offload_tables
         weight = torch.empty(int(sum(list_of_N)), D, dtype=dtype)
         self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
         self.reset_parameters()
@@ -74,6 +75,9 @@ class MultiHeadEmbedding(nn.Module):
         return self._offsets_cache[dev]
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        if self.backend is not None:  # offloaded table (engram.tables): gather through the backend
+            rows = self.backend.gather((hash_ids + self.offsets).reshape(-1))
+            return rows.view(*hash_ids.shape, self.embedding_dim)
         return self.embedding(hash_ids + self.offsets)
 
     def row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -162,16 +166,25 @@ class Engram(nn.Module):
             self.multi_head_embedding.embedding.weight.requires_grad_(False)
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
-                hash_ids: torch.Tensor | None = None, return_gates: bool = False):
+                hash_ids: torch.Tensor | None = None, return_gates: bool = False, rows=None):
         B, T, G, D = hidden_states.shape
         if G != self.hc_mult or D != self.hidden_size:
             raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
+        if rows is not None:  # prefetched table rows (B, T, H, d), possibly still arriving (a Future)
+            rows = rows.result() if hasattr(rows, "result") else rows
+            e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
+            return self._from_memory(hidden_states, e, return_gates)
         if hash_ids is None:
             if input_ids is None:
                 raise ValueError("Engram.forward needs input_ids (B, T) or precomputed hash_ids (B, T, H)")
             hash_ids = self.hash_mapping.hash(input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids))[self.layer_id]
         hash_ids = hash_ids.to(hidden_states.device)
         e = self.multi_head_embedding(hash_ids).flatten(start_dim=-2).to(hidden_states.dtype)  # (B, T, E)
+        return self._from_memory(hidden_states, e, return_gates)
+
+    def _from_memory(self, hidden_states: torch.Tensor, e: torch.Tensor, return_gates: bool):
+        """Gate, value and short conv from the retrieved memory e (B, T, E)."""
+        B, T, G, D = hidden_states.shape
         kv = self.kv_proj(e)  # (B, T, (G+1)*D)
         value = kv[..., :D]  # (B, T, D)
         if self.use_gate:

@@ -213,10 +213,13 @@ class Block(nn.Module):
             self.hc_attn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
             self.hc_ffn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
 
-    def forward(self, x, hash_ids, pos, cache=None, engram_scale: float = 1.0, gates: dict | None = None):
+    def forward(self, x, hash_ids, pos, cache=None, engram_scale: float = 1.0, gates: dict | None = None,
+                engram_rows: dict | None = None):
         # x: (B, T, n, C)
         if self.engram is not None and engram_scale != 0:
-            out, g = self.engram(x, hash_ids=hash_ids[self.idx], return_gates=True)
+            rows = engram_rows.get(self.idx) if engram_rows else None
+            out, g = self.engram(x, hash_ids=None if rows is not None else hash_ids[self.idx], return_gates=True,
+                                 rows=rows)
             x = x + (out if engram_scale == 1 else engram_scale * out)
             if gates is not None:
                 gates[self.idx] = g.detach()
@@ -242,10 +245,11 @@ class EngramModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.engram_scale = 1.0
 
-    def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None):
+    def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None,
+                engram_rows: dict | None = None):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        if hash_ids is not None and cache is None:
+        if (hash_ids is not None or engram_rows is not None) and cache is None:
             pass  # computed ahead (data pipeline / prefetcher)
         elif self.mapping is not None and self.engram_scale != 0:
             hash_ids = {}
@@ -261,7 +265,7 @@ class EngramModel(nn.Module):
         pos = torch.arange(past, past + T, device=input_ids.device)
         x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
         for layer in self.layers:
-            x = layer(x, hash_ids, pos, cache, self.engram_scale, gates)
+            x = layer(x, hash_ids, pos, cache, self.engram_scale, gates, engram_rows)
         return self.norm(x.mean(dim=2))  # (B, T, C)
 
 
@@ -301,9 +305,10 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
                 return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None,
-                cache=None, **kwargs):
+                cache=None, engram_rows: dict | None = None, **kwargs):
         """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss; `hash_ids` are optional
-        precomputed `{layer: (B, T, H)}` row ids (from `Batcher`), used when no cache is passed."""
+        precomputed `{layer: (B, T, H)}` row ids (from `Batcher`), used when no cache is passed;
+        `engram_rows` are prefetched table rows `{layer: (B, T, H, d) or Future}` (`engram.tables.Prefetcher`)."""
         if input_ids is None:
             raise ValueError("input_ids (B, T) are required (Engram hashes token ids; inputs_embeds are not supported)")
         if input_ids.dim() != 2:
@@ -318,7 +323,7 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.engram_scale = engram_scale
         try:
             h = self.model(input_ids, past_key_values if use_cache or past_key_values is not None else None, gates,
-                           hash_ids)
+                           hash_ids, engram_rows)
         finally:
             self.model.engram_scale = old
         logits = self.lm_head(h)

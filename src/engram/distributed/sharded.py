@@ -1,0 +1,132 @@
+"""A table whose rows are split across ranks in contiguous blocks; lookups and gradients travel by all-to-all.
+
+    table = ShardedTable(num_rows, dim)            # after torch.distributed.init_process_group
+    vecs = table(rows)                            # (N,) -> (N, dim), rows owned anywhere
+    loss.backward()                               # row gradients are routed to their owners
+    LazyRowAdam([table.weight]).step()            # each rank updates only its own rows
+
+Forward: requested rows are bucketed by owner, counts and ids exchanged with `all_to_all_single`,
+each owner gathers its rows and sends them back. Backward is the mirror image: the gradient rows go
+to their owners and arrive as a sparse COO gradient of the local shard, so `LazyRowAdam` (or
+`SparseAdam`) works unchanged. All ranks must call forward and backward together (lockstep, as in
+data-parallel training). Checkpoints store each shard with its global row range, so they load at
+another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
+    out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _ShardedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, rows, lo, chunk, world, group):
+        owner = torch.div(rows, chunk, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        send_rows = rows.index_select(0, order)
+        send = torch.bincount(owner, minlength=world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        req = _a2a(send_rows, send_l, recv_l, group)  # rows others want from me
+        local = req - lo
+        vals = weight.index_select(0, local)  # (sum(recv), dim)
+        back = _a2a(vals, recv_l, send_l, group)  # my rows, in owner-sorted order
+        out = torch.empty_like(back)
+        out.index_copy_(0, order, back)
+        ctx.save_for_backward(order, local)
+        ctx.meta = (send_l, recv_l, group, weight.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, local = ctx.saved_tensors
+        send_l, recv_l, group, shape = ctx.meta
+        g = _a2a(grad.index_select(0, order), send_l, recv_l, group)  # gradients of my rows, from everyone
+        gw = torch.sparse_coo_tensor(local.unsqueeze(0), g, shape)
+        return gw, None, None, None, None, None
+
+
+class ShardedTable(torch.nn.Module):
+    """Rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`."""
+
+    def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_rows, self.dim = num_rows, dim
+        self.chunk = math.ceil(num_rows / self.world)
+        self.lo = min(num_rows, self.rank * self.chunk)
+        self.hi = min(num_rows, self.lo + self.chunk)
+        if init is not None:  # the full table (tests) or this shard
+            w = init[self.lo:self.hi] if init.shape[0] == num_rows else init
+        else:
+            w = torch.randn(self.hi - self.lo, dim)
+        self.weight = torch.nn.Parameter(w.to(dtype).clone())
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        shape = rows.shape
+        flat = rows.reshape(-1).long()
+        out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group)
+        return out.view(*shape, self.dim)
+
+
+def save_sharded(table: ShardedTable, directory: str | Path, optimizer=None) -> None:
+    """Each rank writes `shard_{rank}.safetensors` (weight, Adam moments if any) plus its row range."""
+    from safetensors.torch import save_file
+
+    from ..utils import atomic_write_bytes
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {"weight": table.weight.detach().contiguous()}
+    step = 0
+    if optimizer is not None and table.weight in optimizer.state:
+        st = optimizer.state[table.weight]
+        tensors["exp_avg"], tensors["exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
+        step = float(st["step"])
+    tmp = d / f".shard_{table.rank}.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(d / f"shard_{table.rank}.safetensors")
+    atomic_write_bytes(d / f"shard_{table.rank}.json", json.dumps(
+        {"lo": table.lo, "hi": table.hi, "num_rows": table.num_rows, "dim": table.dim, "step": step}).encode())
+
+
+def load_sharded(directory: str | Path, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Rows [lo, hi) of every saved tensor, assembled from whichever shards hold them (any world size)."""
+    from safetensors import safe_open
+
+    d = Path(directory)
+    metas = sorted(d.glob("shard_*.json"))
+    if not metas:
+        raise FileNotFoundError(f"no shard_*.json in {d}")
+    out: dict[str, torch.Tensor] = {}
+    covered = 0
+    for mf in metas:
+        m = json.loads(mf.read_text())
+        a, b = max(lo, m["lo"]), min(hi, m["hi"])
+        if a >= b:
+            continue
+        with safe_open(str(mf.with_suffix(".safetensors")), framework="pt") as f:
+            for k in f.keys():
+                part = f.get_slice(k)[a - m["lo"]:b - m["lo"]]
+                if k not in out:
+                    out[k] = torch.empty((hi - lo,) + tuple(part.shape[1:]), dtype=part.dtype)
+                out[k][a - lo:b - lo] = part
+        covered += b - a
+    if covered != hi - lo:
+        raise ValueError(f"shards in {d} cover {covered} of the {hi - lo} rows [{lo}, {hi}) requested")
+    return out
