@@ -69,14 +69,16 @@ class MultiHeadEmbedding(nn.Module):
     @property
     def offsets(self) -> torch.Tensor:
         """Row offset of each head, int64 (H,), on the table's device."""
-        dev = self.embedding.weight.device
+        return self._offsets_on(self.embedding.weight.device)
+
+    def _offsets_on(self, dev: torch.device) -> torch.Tensor:
         if dev not in self._offsets_cache:
             self._offsets_cache[dev] = torch.tensor(self._offsets, dtype=torch.long, device=dev)
         return self._offsets_cache[dev]
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        if self.backend is not None:  # offloaded table (engram.tables): gather through the backend
-            rows = self.backend.gather((hash_ids + self.offsets).reshape(-1))
+        if self.backend is not None:  # offloaded table (engram.tables): gather on the backend's side
+            rows = self.backend.gather((hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1))
             return rows.view(*hash_ids.shape, self.embedding_dim)
         return self.embedding(hash_ids + self.offsets)
 
