@@ -9,25 +9,19 @@ Prints a table, then one JSON line (`inram_vs_index_select`, `mmap_cached_vs_inr
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import timeit  # noqa: E402
+
 from engram.tables import InRamTable, MmapTable, write_table_file
 
 
-def timeit(fn, repeats=10):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main():

@@ -8,29 +8,20 @@ Outputs are checked bit-identical. Prints a table, then one JSON line.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import timeit  # noqa: E402
 from _reference import reference_hash  # noqa: E402
 
 from engram import EngramConfig, get_hash_mapping  # noqa: E402
 from engram import _fasthash  # noqa: E402
 
 
-def timeit(fn, repeats):
-    fn()  # warm up (compiles / allocates)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():

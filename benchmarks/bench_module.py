@@ -10,7 +10,6 @@ Prints a table, then one JSON line.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,19 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import timeit  # noqa: E402
 from _reference import RefEngram  # noqa: E402
 
 from engram import BackBoneConfig, Engram, EngramConfig  # noqa: E402
 
 
-def timeit(fn, repeats):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main():

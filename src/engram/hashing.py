@@ -130,7 +130,7 @@ class NgramHashMapping:
         self.seed = int(seed)
         self.compressed_tokenizer = compressed_tokenizer or CompressedTokenizer(tokenizer_name_or_path)
         if not compress:  # ablation: hash raw token ids (identity "compression")
-            self.compressed_tokenizer = _IdentityCompression(self.compressed_tokenizer)
+            self.compressed_tokenizer = CompressedTokenizer.identity(self.compressed_tokenizer)
         if hash_mode not in ("ngram", "shuffled", "constant"):
             raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {hash_mode!r}")
         self.compress, self.hash_mode = bool(compress), hash_mode
@@ -392,27 +392,6 @@ class NgramHashMapping:
             if [int(v) for v in m.layer_multipliers[l]] != entry["multipliers"] or m.vocab_size_across_layers[l] != entry["head_moduli"]:
                 raise ConfigError(f"spec layer {l}: multipliers or primes differ from the ones this config derives")
         return m
-
-
-class _IdentityCompression:
-    """Ablation stand-in for `CompressedTokenizer`: every token id is its own compressed id."""
-
-    def __init__(self, ct: CompressedTokenizer):
-        self.tokenizer_file, self.tokenizer_sha256 = ct.tokenizer_file, ct.tokenizer_sha256
-        self.lookup_table = np.arange(len(ct), dtype=np.int64)
-        self.num_new_token = len(ct)
-
-    @property
-    def lookup_sha256(self) -> str:
-        from .utils import sha256_bytes
-
-        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
-
-    def __len__(self) -> int:
-        return len(self.lookup_table)
-
-    def __call__(self, input_ids):
-        return np.asarray(input_ids, dtype=np.int64).copy()
 
 
 _MAPPING_CACHE: dict[str, NgramHashMapping] = {}

@@ -150,6 +150,15 @@ class CompressedTokenizer:
         self.lookup_table: np.ndarray = table
         self.num_new_token = int(table.max()) + 1 if n else 0
 
+    @classmethod
+    def identity(cls, base: "CompressedTokenizer") -> "CompressedTokenizer":
+        """Ablation: no compression; every token id of `base`'s tokenizer is its own compressed id."""
+        ct = cls.__new__(cls)
+        ct.tokenizer_file, ct.tokenizer, ct.tokenizer_sha256 = base.tokenizer_file, base.tokenizer, base.tokenizer_sha256
+        ct.lookup_table = np.arange(len(base), dtype=np.int64)
+        ct.num_new_token = len(base)
+        return ct
+
     @property
     def lookup_sha256(self) -> str:
         """sha256 of the lookup table as little-endian int32 bytes (the `engram spec` field)."""
