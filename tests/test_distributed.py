@@ -70,3 +70,26 @@ def test_two_rank_sharded_training_equals_single_process(tmp_path):
     assert torch.allclose(part["weight"], W.detach()[30:80], atol=1e-6)
     with pytest.raises(ValueError, match="cover"):
         load_sharded(tmp_path, 0, ROWS + 5)
+
+
+def test_cli_nproc2_matches_nproc1(tmp_path):
+    """`engram train --nproc 2` (torchrun, sharded tables, DDP) ends at the loss of `--nproc 1`."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from test_train import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus")
+    losses = {}
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, "-m", "engram.cli", "train", "--preset", "tiny", "--data", str(corpus),
+                            "--out", f"run{n}", "--max-steps", "5", "--nproc", str(n)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = [json.loads(l) for l in (tmp_path / f"run{n}" / "metrics.jsonl").read_text().splitlines()]
+        losses[n] = [x["train_loss"] for x in rows]
+        assert (tmp_path / f"run{n}" / "final" / "model.safetensors").is_file()
+    assert len(losses[1]) == len(losses[2]) == 6
+    assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-4

@@ -133,6 +133,15 @@ def cmd_spec(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        # relaunch under torchrun: one process per rank, tables row-sharded, dense parameters with DDP
+        import subprocess
+
+        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--nproc" and (i == 0 or sys.argv[i] != "--nproc")]
+        argv = [a for a in argv if not a.startswith("--nproc=")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               "-m", "engram.cli", *argv]
+        return subprocess.call(cmd)
     from .train import train
 
     overrides = {}
@@ -144,6 +153,8 @@ def cmd_train(args) -> int:
                     overrides=overrides)
     if summary.get("interrupted"):
         return 130
+    if "final" not in summary:  # a non-zero rank of a --nproc run: rank 0 reports and saves
+        return 0
     print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
           f"model in {summary['final']}" + (f", curve in {summary['plot']}" if summary.get("plot") else ""))
     return 0
@@ -397,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
     t.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
+    t.add_argument("--nproc", type=int, default=1,
+                   help="processes (torchrun): Engram tables row-sharded across them, dense parameters with DDP")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")

@@ -51,6 +51,7 @@ class MultiHeadEmbedding(nn.Module):
         self._offsets = offsets
         self._offsets_cache: dict[torch.device, torch.Tensor] = {}
         self.backend = None  # set by engram.tables.offload_tables
+        self.sharded = None  # set by engram.distributed.DistContext.parallelize
         weight = torch.empty(int(sum(list_of_N)), D, dtype=dtype)
         self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
         self.reset_parameters()
@@ -77,6 +78,8 @@ class MultiHeadEmbedding(nn.Module):
         return self._offsets_cache[dev]
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        if self.sharded is not None:  # row-sharded across ranks (engram.distributed)
+            return self.sharded(hash_ids + self._offsets_on(hash_ids.device))
         if self.backend is not None:  # offloaded table (engram.tables): gather on the backend's side
             rows = self.backend.gather((hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1))
             return rows.view(*hash_ids.shape, self.embedding_dim)

@@ -264,11 +264,18 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
 
+    from .distributed.parallel import DistContext
+
+    ddp = DistContext(dev)
+    if ddp.world > 1 and resume:
+        raise ConfigError("--resume is not supported with --nproc > 1 yet; resume single-process runs only")
     torch.manual_seed(tcfg.seed)
     mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
                               model_overrides=model_overrides)
     model = EngramForCausalLM(mcfg).to(dev).train()
+    step_model = ddp.parallelize(model)  # the model itself when single-process
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
+    progress = progress and ddp.is_main
     batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
                       hash_mapping=model.model.mapping)
     val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
@@ -295,7 +302,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             atomic_write_bytes(metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         print(f"resumed {run_dir} at step {step}")
     elif metrics_path.exists():
-        metrics_path.unlink()
+        metrics_path.unlink(missing_ok=True)
 
     n_params = sum(p.numel() for p in model.parameters())
     n_table = sum(p.numel() for _, p in split_params(model)[1])
@@ -304,8 +311,9 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
               f"train {manifest['splits']['train']['tokens']:,} tokens, val windows {len(val)}, device {dev}")
 
     def log(rec):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if ddp.is_main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     dense_params = [p for _, p in split_params(model)[0]]
@@ -324,7 +332,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
         while step < tcfg.max_steps:
             if stop_after is not None and step >= stop_after:
                 raise KeyboardInterrupt
-            ids, hashes = batcher.next()
+            ids, hashes = ddp.local_batch(*batcher.next())
             ids = ids.to(dev)
             hashes = {k: v.to(dev, non_blocking=True) for k, v in hashes.items()} if hashes else None
             mult = warmup_cosine(step, tcfg.max_steps, tcfg.warmup_steps, tcfg.min_lr_ratio)
@@ -332,7 +340,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                 for g in o.param_groups:
                     g["lr"] = g["base_lr"] * mult
             with autocast:
-                loss = model(ids, labels=ids, hash_ids=hashes).loss
+                loss = step_model(ids, labels=ids, hash_ids=hashes).loss
             for o in opts.values():
                 o.zero_grad(set_to_none=True)
             loss.backward()
@@ -341,12 +349,12 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             for o in opts.values():
                 o.step()
             step += 1
-            last_loss = loss.item()
+            last_loss = ddp.mean(loss.item())
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"loss became {last_loss} at step {step}; lower --lr or check the data")
             now = time.perf_counter()
             rec = {"step": step, "train_loss": last_loss, "lr": opts["dense"].param_groups[0]["lr"],
-                   "tok_s": ids.numel() / max(now - t_last, 1e-9)}
+                   "tok_s": ids.numel() * ddp.world / max(now - t_last, 1e-9)}
             t_last = now
             if step % eval_every == 0 or step == tcfg.max_steps:
                 last_val = rec["val_loss"] = evaluate(model, val, tcfg.batch_size, dev)
@@ -355,12 +363,22 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", val=f"{last_val:.3f}" if last_val else "-",
                             tok_s=f"{rec['tok_s']:.0f}")
-            if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps:
+            if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps and ddp.world == 1:
                 save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         bar.close()
+    if ddp.world > 1:  # sharded runs save the final model (tables gathered), no resumable checkpoints yet
+        ddp.unshard(model)
+        ddp.close()  # before saving: transformers' save_pretrained must not see a process group others left
+        summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run_dir),
+                   "world_size": ddp.world}
+        if ddp.is_main and not interrupted:
+            summary["plot"] = str(_plot(run_dir))
+            summary["final"] = str(save_final(model, run_dir, manifest))
+            atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
+        return summary
     save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
     if interrupted:
         print(f"interrupted at step {step}; checkpoint saved in {run_dir / 'checkpoints'}; continue with --resume")

@@ -31,7 +31,7 @@ def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> 
 
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, rows, lo, chunk, world, group):
+    def forward(ctx, weight, rows, lo, chunk, world, group, grad_scale):
         owner = torch.div(rows, chunk, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_rows = rows.index_select(0, order)
@@ -46,26 +46,29 @@ class _ShardedLookup(torch.autograd.Function):
         out = torch.empty_like(back)
         out.index_copy_(0, order, back)
         ctx.save_for_backward(order, local)
-        ctx.meta = (send_l, recv_l, group, weight.shape)
+        ctx.meta = (send_l, recv_l, group, weight.shape, grad_scale)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         order, local = ctx.saved_tensors
-        send_l, recv_l, group, shape = ctx.meta
+        send_l, recv_l, group, shape, grad_scale = ctx.meta
         g = _a2a(grad.index_select(0, order), send_l, recv_l, group)  # gradients of my rows, from everyone
+        if grad_scale != 1.0:
+            g = g * grad_scale
         gw = torch.sparse_coo_tensor(local.unsqueeze(0), g, shape)
-        return gw, None, None, None, None, None
+        return gw, None, None, None, None, None, None
 
 
 class ShardedTable(torch.nn.Module):
     """Rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`."""
 
-    def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None):
+    def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None,
+                 grad_scale: float = 1.0):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
-        self.group = group
+        self.group, self.grad_scale = group, grad_scale  # grad_scale 1/world: rank losses are means, DDP averages
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_rows, self.dim = num_rows, dim
         self.chunk = math.ceil(num_rows / self.world)
@@ -80,8 +83,18 @@ class ShardedTable(torch.nn.Module):
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         shape = rows.shape
         flat = rows.reshape(-1).long()
-        out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group)
+        out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group, self.grad_scale)
         return out.view(*shape, self.dim)
+
+
+def gather_full(table: ShardedTable) -> torch.Tensor:
+    """The whole (num_rows, dim) table on every rank (all_gather of the shards)."""
+    w = table.weight.detach()
+    pad = torch.zeros(table.chunk, table.dim, dtype=w.dtype, device=w.device)
+    pad[: w.shape[0]] = w
+    parts = [torch.empty_like(pad) for _ in range(table.world)]
+    dist.all_gather(parts, pad, group=table.group)
+    return torch.cat(parts)[: table.num_rows]
 
 
 def save_sharded(table: ShardedTable, directory: str | Path, optimizer=None) -> None:
