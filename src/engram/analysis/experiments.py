@@ -10,7 +10,8 @@ Experiments:
                budget moved into a wider FFN (iso-parameter): val loss curves.
   placement    one Engram layer at each block: final val loss vs block index.
   capacity     rows per head swept over orders of magnitude down to 1 (hash_mode="constant").
-  ablations    shuffled hash, frozen random table, no gate, no short conv, no tokenizer compression.
+  ablations    shuffled hash, frozen random table, no gate, no short conv, no tokenizer compression,
+               and single-branch vs per-stream gating (both with 4 mHC streams).
   sensitivity  suppress Engram at inference in the trained iso/engram models; loss increase on
                tokens completing frequent train n-grams vs all other tokens.
 """
@@ -50,7 +51,10 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
         return {"full": {}, **{k: {"model_overrides": {"engram": v}} for k, v in {
             "shuffled-hash": {"hash_mode": "shuffled"}, "frozen-table": {"freeze_table": True},
             "no-gate": {"use_gate": False}, "no-conv": {"use_short_conv": False},
-            "no-compression": {"compress_tokenizer": False}}.items()}}  # the no-Engram baseline is in `iso`
+            "no-compression": {"compress_tokenizer": False}}.items()},  # the no-Engram baseline is in `iso`
+            # per-stream vs single-branch gating needs several streams: both arms with hc_mult=4 (mHC)
+            "hc4-per-stream": {"model_overrides": {"hc_mult": 4}},
+            "hc4-single-branch": {"model_overrides": {"hc_mult": 4, "engram": {"single_branch": True}}}}
     from ..config import ConfigError
 
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
