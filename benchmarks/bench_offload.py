@@ -35,7 +35,11 @@ def main():
                                                          n_head_per_ngram=4, layer_ids=[1]))
     model = EngramForCausalLM(cfg).eval()
     gb = sum(p.numel() for n, p in model.named_parameters() if "multi_head_embedding" in n) * 4 / 1e9
-    batches = [torch.randint(2, 8192, (args.batch, args.seq)) for _ in range(args.batches)]
+    # Zipf-distributed token ids (text-like: frequent tokens and n-grams recur, so hot rows exist)
+    g = torch.Generator().manual_seed(0)
+    zipf = 1.0 / torch.arange(1, 8191, dtype=torch.float64) ** 1.1
+    batches = [torch.multinomial(zipf, args.batch * args.seq, replacement=True, generator=g).view(args.batch, args.seq) + 2
+               for _ in range(args.batches)]
 
     def run(prefetch=None):
         ts = []
@@ -51,22 +55,29 @@ def main():
         return logits, statistics.median(ts[1:])
 
     ref, t_ram = run()
+    res = {}
     with tempfile.TemporaryDirectory() as d:
         tables = offload_tables(model, "mmap", d, cache_bytes=args.cache_mb << 20)
         pf = Prefetcher(model)
-        out, t_mm = run(pf)
-        pf.close()
+        out, res["cache"] = run(pf)
         hit = tables[1].stats()["hit_rate"]
-    same = torch.equal(out, ref)
+        tables[1].slots = 0  # same file, cache off: prefetch only
+        out2, res["nocache"] = run(pf)
+        pf.close()
+    same = torch.equal(out, ref) and torch.equal(out2, ref)
+    t_mm = min(res.values())
+    best = min(res, key=res.get)
     ntok = args.batch * args.seq
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; Engram table {gb:.2f} GB; "
           f"batch {args.batch} x {args.seq}; threads {torch.get_num_threads()}")
     print(f"{'tables':<28} {'s/batch':>8} {'tok/s':>8}")
     print(f"{'in RAM':<28} {t_ram:>8.3f} {ntok / t_ram:>8.0f}")
-    print(f"{'mmap + cache + prefetch':<28} {t_mm:>8.3f} {ntok / t_mm:>8.0f}")
+    print(f"{'mmap + cache + prefetch':<28} {res['cache']:>8.3f} {ntok / res['cache']:>8.0f}")
+    print(f"{'mmap + prefetch (no cache)':<28} {res['nocache']:>8.3f} {ntok / res['nocache']:>8.0f}")
     print(f"identical logits: {same}; cache hit rate {hit:.1%}")
     print(json.dumps({"bench": "offload", "table_gb": round(gb, 2), "tok_s_ram": round(ntok / t_ram),
                       "tok_s_mmap": round(ntok / t_mm), "throughput_ratio": round(t_ram / t_mm, 3),
+                      "best_variant": best, "cache_throughput_ratio": round(t_ram / res["cache"], 3),
                       "identical": same, "hit_rate": round(hit, 3)}))
 
 

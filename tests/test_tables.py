@@ -26,6 +26,18 @@ def test_backends_gather_identical_rows_and_count_cache(tmp_path, dtype, policy)
     assert s["hits"] + s["misses"] == 1000 and s["hits"] > 0 and s["misses"] > 0 and s["cache_rows"] == 64
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_cache_stays_consistent_under_slot_conflicts(tmp_path, policy):
+    torch.manual_seed(0)
+    W = torch.randn(50000, 8)
+    mm = MmapTable(write_table_file(tmp_path / "t.safetensors", W), cache_bytes=64 * 8 * 4, policy=policy)
+    for _ in range(10):  # many distinct rows per slot in every batch (large enough for parallel kernels)
+        rows = torch.randint(0, 50000, (200000,))
+        assert torch.equal(mm.gather(rows), W[rows])
+    live = mm.tags >= 0
+    assert torch.equal(mm.cache[live], W[mm.tags[live]])
+
+
 def test_short_or_corrupt_table_files_fail_clearly(tmp_path):
     f = write_table_file(tmp_path / "t.safetensors", torch.randn(100, 4))
     data = f.read_bytes()

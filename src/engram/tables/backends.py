@@ -155,8 +155,15 @@ class MmapTable(TableBackend):
                 rfreq = torch.where(resident >= 0, self.freq[resident.clamp_min(0) % self.freq.numel()], -1)
                 admit = (self.freq.index_select(0, fi) >= rfreq).nonzero().squeeze(1)
                 mslot, mrows, vals = mslot[admit], mrows[admit], vals[admit]
-            self.tags.index_copy_(0, mslot, mrows)  # duplicates within a batch: one of them wins the slot
-            self.cache.index_copy_(0, mslot, vals)
+            # several misses may map to one slot: install exactly one per slot (the last), so that
+            # tags and cached rows are written from the same element (index_copy_ with duplicates is not)
+            order = torch.argsort(mslot, stable=True)
+            ms = mslot.index_select(0, order)
+            last = torch.ones_like(ms, dtype=torch.bool)
+            last[:-1] = ms[1:] != ms[:-1]
+            pick = order[last]
+            self.tags.index_copy_(0, mslot.index_select(0, pick), mrows.index_select(0, pick))
+            self.cache.index_copy_(0, mslot.index_select(0, pick), vals.index_select(0, pick))
         return out
 
     def stats(self) -> dict:
