@@ -1,4 +1,5 @@
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,13 @@ def _isolated_cache(tmp_path_factory):
     if "ENGRAM_CACHE_DIR" not in os.environ:
         os.environ["ENGRAM_CACHE_DIR"] = str(tmp_path_factory.mktemp("engram-cache"))
     yield
+
+
+@pytest.fixture
+def free_port():
+    """A function returning a TCP port on 127.0.0.1 that was free a moment ago."""
+    def get() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return get

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -81,14 +80,6 @@ def server():
     srv.shutdown()
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def run(args, env_extra=None, cwd=None, mode="ok"):
     Stub.mode = mode
     env = {k: v for k, v in os.environ.items() if k not in ("ENGRAM_API_KEY", "OPENAI_API_KEY", "ENGRAM_BASE_URL",
@@ -163,7 +154,7 @@ def test_timeout(server):
     assert r.returncode == 2 and "timeout" in r.stderr
 
 
-def test_connection_failure_names_proxy(server):
+def test_connection_failure_names_proxy(server, free_port):
     dead = f"http://127.0.0.1:{free_port()}"
     env = {"ENGRAM_API_KEY": KEY, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "NO_PROXY": ""}
     r = run(["ask", "hi", "--base-url", server + "/v1", "--retries", "0"], env)

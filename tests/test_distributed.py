@@ -1,7 +1,6 @@
 """2-process gloo test: sharded lookup and 3 lazy-Adam training steps equal the single-process run."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -44,16 +43,8 @@ def _worker(rank, world, port, outdir):
         dist.destroy_process_group()
 
 
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def test_two_rank_sharded_training_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+def test_two_rank_sharded_training_equals_single_process(tmp_path, free_port):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     # single process: the same losses summed over both ranks' data, one lazy Adam on the full table
     W = torch.nn.Parameter(_full_table().clone())
     opt = LazyRowAdam([W], lr=0.05)
