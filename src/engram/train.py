@@ -371,6 +371,10 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
         bar.close()
     if ddp.world > 1:  # sharded runs save the final model (tables gathered), no resumable checkpoints yet
         ddp.unshard(model)
+        del step_model  # free the DDP reducer while its process group is alive: its destructor can hang after
+        import gc
+
+        gc.collect()
         ddp.close()  # before saving: transformers' save_pretrained must not see a process group others left
         summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run_dir),
                    "world_size": ddp.world}
