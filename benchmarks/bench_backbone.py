@@ -10,9 +10,13 @@ JSON line with `engram_overhead` and `mhc_overhead` (fractions of the step time 
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import timeit  # noqa: E402
 
 from engram import presets
 from engram.model import EngramForCausalLM
@@ -26,13 +30,7 @@ def step_time(cfg, ids, repeats):
         m.zero_grad(set_to_none=True)
         m(ids, labels=ids).loss.backward()
 
-    step()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return timeit(step, repeats)
 
 
 def main():
