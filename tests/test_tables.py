@@ -69,3 +69,18 @@ def test_offloaded_model_and_prefetch_give_identical_logits(tmp_path, backend):
     if backend == "mmap":
         assert m.model.layers[1].engram.multi_head_embedding.embedding.weight.numel() == 0  # RAM copy freed
         assert tables[1].stats()["hits"] + tables[1].stats()["misses"] == 2 * 2 * 16 * 4
+
+
+def test_attached_prefetcher_in_generate_matches_plain_generate():
+    torch.manual_seed(0)
+    m = EngramForCausalLM(presets.tiny()).eval()
+    ids = torch.randint(0, 1000, (2, 6))
+    want = m.generate(ids, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        full = m(want).logits
+    pf = Prefetcher.attach(m)
+    got = m.generate(ids, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        full_pf = m(want).logits
+    pf.close()
+    assert torch.equal(got, want) and torch.equal(full_pf, full)

@@ -244,6 +244,7 @@ class EngramModel(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i, self.mapping) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.engram_scale = 1.0
+        self.prefetcher = None  # engram.tables.Prefetcher.attach(model) sets it
 
     def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None,
                 engram_rows: dict | None = None):
@@ -258,7 +259,12 @@ class EngramModel(nn.Module):
             prev = getattr(cache, "engram_history", None) if cache is not None else None
             if prev is not None and past > 0:
                 ctx = torch.cat([prev, input_ids], dim=1)
-            hash_ids = {k: v[:, -T:] for k, v in self.mapping.hash(ctx).items()}
+            if self.prefetcher is not None and engram_rows is None:
+                # start this step's lookups on the prefetch thread; blocks before the first Engram layer
+                # run meanwhile (in generate(): the new token's rows are fetched as soon as it is sampled)
+                engram_rows = self.prefetcher.submit(ctx, keep_last=T)
+            else:
+                hash_ids = {k: v[:, -T:] for k, v in self.mapping.hash(ctx).items()}
             if cache is not None:
                 cache.engram_history = ctx[:, -(self.mapping.max_ngram_size - 1):]
         hash_ids = hash_ids or {}

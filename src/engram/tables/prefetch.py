@@ -4,6 +4,7 @@ background thread while earlier blocks compute; a layer waits only if its rows a
     pf = Prefetcher(model)
     rows = pf.submit(input_ids)                       # returns at once: {layer_id: Future}
     logits = model(input_ids, engram_rows=rows).logits
+    Prefetcher.attach(model)                          # or: every forward and generate() prefetch
 
 Gathers release the GIL (index_select, page-ins of memory-mapped tables), so they overlap with
 the backbone's compute on CPU; on GPU the gathered rows are copied with `non_blocking=True`.
@@ -27,14 +28,28 @@ class Prefetcher:
         self.device = torch.device(device) if device is not None else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
 
-    def submit(self, input_ids: torch.Tensor) -> dict[int, Future]:
-        """Start hashing and gathering for all Engram layers; one future per layer, in layer order."""
+    @classmethod
+    def attach(cls, model, device=None) -> "Prefetcher":
+        """Make every forward of `model` (and so `generate()`) prefetch its Engram rows automatically."""
+        pf = cls(model, device)
+        model.model.prefetcher = pf
+        return pf
+
+    def submit(self, input_ids: torch.Tensor, keep_last: int | None = None) -> dict[int, Future]:
+        """Start hashing and gathering for all Engram layers; one future per layer, in layer order.
+
+        `keep_last=T` hashes the whole context (e.g. cached history + new tokens) but gathers rows
+        for the last T positions only.
+        """
         ids = input_ids.detach().cpu()
+        grad = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's into the worker
         hashed: Future = self.pool.submit(self.mapping.hash, ids)
         futures = {}
         for lid, eng in sorted(self.engrams.items()):
             def work(lid=lid, eng=eng):
-                rows = eng.multi_head_embedding(hashed.result()[lid])  # (B, T, H, d)
+                h = hashed.result()[lid]
+                with torch.set_grad_enabled(grad):
+                    rows = eng.multi_head_embedding(h[:, -keep_last:] if keep_last else h)  # (B, T, H, d)
                 if self.device is not None and self.device.type == "cuda":
                     rows = rows.pin_memory().to(self.device, non_blocking=True)
                 return rows
