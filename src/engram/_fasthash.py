@@ -61,25 +61,17 @@ def _build():
     return kernel
 
 
-def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, primes: np.ndarray, out: np.ndarray) -> None:
-    """Fill `out` (L, B, T, O*H) with per-head rows; primes (L, O, H) int64, all <= 2^21 here."""
-    if primes.size and int(primes.max()) > (1 << 21):
-        # beyond the exact float64 range of the fused kernel: reduce with int64 numpy (rare, huge heads)
-        _hash_int64(x, pad, mult, primes, out)
-        return
+MAX_PRIME = 1 << 21  # above this, hi * (2^32 mod p) + lo may exceed 2^53: the caller uses the torch path
+
+
+def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(p, 2^32 mod p, 1/p) as float64 arrays (L, O, H), computed once per mapping."""
     p = primes.astype(np.float64)
-    c = ((1 << 32) % primes).astype(np.float64)
+    return p, ((1 << 32) % primes).astype(np.float64), 1.0 / p
+
+
+def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray) -> None:
+    """Fill `out` (L, B, T, O*H) with per-head rows; `consts` from `kernel_constants` (primes <= MAX_PRIME)."""
+    p, c, inv = consts
     with _lock:
-        _kernel(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, 1.0 / p, out)
-
-
-def _hash_int64(x, pad, mult, primes, out):
-    L, O, H = primes.shape
-    B, T = x.shape
-    padded = np.pad(x, ((0, 0), (mult.shape[1] - 1, 0)), constant_values=pad)
-    for l in range(L):
-        mix = x * mult[l, 0]
-        for k in range(1, mult.shape[1]):
-            mix = mix ^ (padded[:, mult.shape[1] - 1 - k: mult.shape[1] - 1 - k + T] * mult[l, k])
-            for h in range(H):
-                out[l, :, :, (k - 1) * H + h] = mix % primes[l, k - 1, h]
+        _kernel(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, inv, out)

@@ -16,8 +16,8 @@ mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, 
 2^53, exact in float64, and a float64 floor-division finishes the job. On CPU a fused numba
 kernel (`engram[fast]`, `_fasthash.py`) does this for all heads of all layers in one
 parallel pass; without numba, and on GPU, the same arithmetic runs as a few vectorized torch
-kernels. Larger primes reduce `hi` first (exact up to p <= 2^26) or fall back to int64
-`torch.remainder`.
+kernels. Larger primes (the numba kernel stops at 2^21) take the torch path, which reduces `hi`
+first (exact up to p <= 2^26) or falls back to int64 `torch.remainder`.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class NgramHashMapping:
         self.vocab_size_across_layers = head_moduli(
             self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram
         )
+        self.max_prime = max(p for l in self.layer_ids for p in self.head_sizes(l))
         if backend not in ("auto", "numba", "torch"):
             raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         self.backend = backend
@@ -241,10 +242,11 @@ class NgramHashMapping:
         if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
             from . import _fasthash
 
-            if _fasthash.available():
+            if not _fasthash.available():
+                if self.backend == "numba":
+                    raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
+            elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need the torch path's exact ranges
                 return self._hash_numba(input_ids)
-            if self.backend == "numba":
-                raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
             return self._hash_torch(input_ids)
 
@@ -254,13 +256,12 @@ class NgramHashMapping:
         if ("numba",) not in self._device_cache:
             P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)
-            self._device_cache[("numba",)] = (mult, P)
-        mult, P = self._device_cache[("numba",)]
-        L, O, H = P.shape
+            self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape)
+        mult, consts, (L, O, H) = self._device_cache[("numba",)]
         B, T = input_ids.shape
         x = self.compressed_tokenizer.lookup_table[input_ids.numpy()]
         out = np.empty((L, B, T, O * H), dtype=np.int64)
-        _fasthash.hash_into(x, self.pad_id, mult, P, out)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out)
         return torch.from_numpy(out)
 
     def _hash_torch(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -286,10 +287,10 @@ class NgramHashMapping:
             self._device_cache[ws_key] = (torch.empty(L, O, 1, B * T, **f64), torch.empty(L, O, 1, B * T, **f64),
                                           torch.empty(L, O, H, B * T, **f64), torch.empty(L, O, H, B * T, **f64))
         hi, lo, r, q = self._device_cache[ws_key]
-        if int(primes.max()) <= (1 << 26):
+        if self.max_prime <= (1 << 26):
             hi.copy_(mixes >> 32)
             lo.copy_(mixes & 0xFFFFFFFF)
-            if int(primes.max()) > (1 << 21):
+            if self.max_prime > (1 << 21):
                 hi = torch.remainder(hi, p64)  # reduce first so hi * c stays below 2^53
             torch.addcmul(lo, hi, c64, out=r)  # (L, O, H, BT): hi * (2^32 mod p) + lo, exact
             torch.div(r, p64, out=q).floor_()  # exact: correctly rounded a/b floors right for |a| < 2^53
