@@ -84,6 +84,14 @@ def _list_models(client) -> list[str]:
         return []
 
 
+def _raise_if_unknown_model(client, s: Settings) -> None:
+    """Turn a 404/400 into 'unknown model' (with the server's list) when GET /models says so."""
+    models = _list_models(client)
+    if models and s.model not in models:
+        raise ApiError(f"model {s.model!r} is not served by {s.base_url}; available: {', '.join(models[:20])} "
+                       "(pass --model or set ENGRAM_MODEL)") from None
+
+
 def chat(messages: list[dict], settings: Settings, timeout: float = 60.0, retries: int = 3, **kw) -> str:
     """One chat completion; returns the reply text or raises a diagnosed `ApiError`."""
     openai, client = _client(settings, timeout, retries)
@@ -96,20 +104,14 @@ def chat(messages: list[dict], settings: Settings, timeout: float = 60.0, retrie
         raise ApiError(f"the server at {s.base_url} rejected the API key (HTTP 401): check ENGRAM_API_KEY "
                        "(or OPENAI_API_KEY) for this provider") from None
     except openai.NotFoundError as e:
-        models = _list_models(client)
+        _raise_if_unknown_model(client, s)
         msg = _redact(str(getattr(e, "body", None) or e), s.api_key)
-        if models and s.model not in models:
-            raise ApiError(f"model {s.model!r} is not served by {s.base_url}; available: {', '.join(models[:20])} "
-                           "(pass --model or set ENGRAM_MODEL)") from None
         raise ApiError(f"HTTP 404 from {s.base_url}/chat/completions ({msg[:200]}): is the base URL right? "
                        "It should end where the provider's /chat/completions path begins, usually .../v1") from None
     except openai.BadRequestError as e:
         msg = _redact(str(getattr(e, "body", None) or e), s.api_key)
         if "model" in msg.lower():
-            models = _list_models(client)
-            if models and s.model not in models:
-                raise ApiError(f"model {s.model!r} is not served by {s.base_url}; available: {', '.join(models[:20])} "
-                               "(pass --model or set ENGRAM_MODEL)") from None
+            _raise_if_unknown_model(client, s)
         raise ApiError(f"the server refused the request (HTTP 400): {msg[:300]}") from None
     except openai.RateLimitError:
         raise ApiError(f"rate limited by {s.base_url} (HTTP 429) after {retries} retries with backoff: "

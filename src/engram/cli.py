@@ -147,7 +147,8 @@ def cmd_train(args) -> int:
     overrides = {}
     for kv in args.set or []:
         k, _, v = kv.partition("=")
-        overrides[k] = type(_train_default(k))(v) if _train_default(k) is not None else v
+        default = _train_default(k)
+        overrides[k] = type(default)(v) if default is not None else v
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
                     overrides=overrides)
@@ -200,7 +201,7 @@ def cmd_eval(args) -> int:
     import numpy as np
     import torch
 
-    from .data import Document, split_documents, load_sources, eval_windows
+    from .data import eval_windows, load_sources, split_documents
     from .train import evaluate
 
     model, tok = _load_checkpoint_dir(args.checkpoint)

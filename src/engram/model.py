@@ -250,10 +250,8 @@ class EngramModel(nn.Module):
                 engram_rows: dict | None = None):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        if (hash_ids is not None or engram_rows is not None) and cache is None:
-            pass  # computed ahead (data pipeline / prefetcher)
-        elif self.mapping is not None and self.engram_scale != 0:
-            hash_ids = {}
+        computed_ahead = (hash_ids is not None or engram_rows is not None) and cache is None  # pipeline / prefetcher
+        if not computed_ahead and self.mapping is not None and self.engram_scale != 0:
             # Engram at position t needs ids t-N+2..t: keep the last N-1 ids in the cache between calls.
             ctx = input_ids
             prev = getattr(cache, "engram_history", None) if cache is not None else None
