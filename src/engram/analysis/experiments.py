@@ -178,16 +178,10 @@ def frequent_ngram_mask(train_tokens: np.ndarray, tokens: np.ndarray, min_count:
     tri = (tr[:-2] * V + tr[1:-1]) * V + tr[2:]
     ub, cb = np.unique(big, return_counts=True)
     ut, ctr = np.unique(tri, return_counts=True)
-    freq_big, freq_tri = set(ub[cb >= min_count].tolist()), set(ut[ctr >= min_count].tolist())
     x = tokens.astype(np.int64)
     mask = np.zeros(x.shape, dtype=bool)
-    for b in range(x.shape[0]):
-        for t in range(1, x.shape[1]):
-            key_b = x[b, t - 1] * V + x[b, t]
-            if t >= 2 and ((x[b, t - 2] * V + x[b, t - 1]) * V + x[b, t]) in freq_tri:
-                mask[b, t] = True
-            elif key_b in freq_big and x[b, t] not in (0, 1):
-                mask[b, t] = True
+    mask[:, 2:] |= np.isin((x[:, :-2] * V + x[:, 1:-1]) * V + x[:, 2:], ut[ctr >= min_count])
+    mask[:, 1:] |= np.isin(x[:, :-1] * V + x[:, 1:], ub[cb >= min_count]) & ~np.isin(x[:, 1:], (0, 1))
     return mask
 
 
