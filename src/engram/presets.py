@@ -76,18 +76,14 @@ def train_config(name: str):
 
 
 def _engram_param_count(cfg) -> int:
-    """Parameters an Engram-enabled config spends on Engram (tables + projections + norms + conv)."""
-    from .hashing import head_moduli
+    """Parameters an Engram-enabled config spends on Engram, counted on a meta-device model (no memory)."""
+    import torch
 
-    e = cfg.engram_config
-    total = 0
-    moduli = head_moduli(e.layer_ids, e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram)
-    D, G = cfg.hidden_size, cfg.hc_mult
-    for lid in e.layer_ids:
-        total += sum(sum(o) for o in moduli[lid]) * e.head_dim  # table rows x row width
-        total += (G + 1) * D * e.engram_hidden_size + (G + 1) * D  # kv_proj
-        total += 2 * G * D + G * D + G * D * e.kernel_size  # key/query norms, conv norm, conv
-    return total
+    from .model import EngramForCausalLM
+
+    with torch.device("meta"):
+        model = EngramForCausalLM(cfg)
+    return sum(p.numel() for name, p in model.named_parameters() if ".engram." in name)
 
 
 def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_engram: bool = True,
