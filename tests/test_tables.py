@@ -84,3 +84,96 @@ def test_attached_prefetcher_in_generate_matches_plain_generate():
         full_pf = m(want).logits
     pf.close()
     assert torch.equal(got, want) and torch.equal(full_pf, full)
+
+
+# ---------------------------------------------------------------------------- training with offloaded tables
+def _train_steps(model, steps=4, seed=1):
+    from engram.optim import build_optimizers
+
+    opts = build_optimizers(model, lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+        loss = model(ids, labels=ids).loss
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts.values():
+            o.step()
+        losses.append(loss.item())
+    return losses, opts
+
+
+@pytest.mark.parametrize("backend,cache_rows", [("ram", 0), ("mmap", 0), ("mmap", 64)])
+def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache_rows):
+    """Same losses, same final rows and moments as nn.Embedding + LazyRowAdam (CPU, fp32)."""
+    from engram.optim import LazyRowAdam, TableAdam
+
+    torch.manual_seed(0)
+    ref = EngramForCausalLM(presets.tiny())
+    m = EngramForCausalLM(presets.tiny())
+    m.load_state_dict(ref.state_dict())
+    tables = offload_tables(m, backend, tmp_path, cache_bytes=cache_rows * 16 * 4, trainable=True)
+    for tb in tables.values():
+        if backend == "mmap":
+            tb.commit(0)
+    ref_losses, ref_opts = _train_steps(ref)
+    losses, opts = _train_steps(m)
+    assert isinstance(ref_opts["tables"], LazyRowAdam) and isinstance(opts["tables"], TableAdam)
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    for mod in ref.modules():
+        if hasattr(mod, "multi_head_embedding"):
+            W = mod.multi_head_embedding.embedding.weight
+            tb = tables[mod.layer_id]
+            assert torch.allclose(tb.weight, W.detach(), atol=1e-6)
+            st = ref_opts["tables"].state[W]
+            assert torch.allclose(tb.exp_avg, st["exp_avg"], atol=1e-7)
+            assert torch.allclose(tb.exp_avg_sq, st["exp_avg_sq"], atol=1e-9)
+            if cache_rows:
+                live = tb.tags >= 0
+                assert live.any() and torch.equal(tb.cache[live], tb.weight[tb.tags[live]])  # cache kept coherent
+
+
+def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
+    """A write interrupted half-way (and later writes) are undone back to the committed checkpoint."""
+    torch.manual_seed(0)
+    W = torch.randn(300, 8)
+    f = write_table_file(tmp_path / "t.safetensors", W, with_moments=True)
+    tb = MmapTable(f, cache_bytes=0, writable=True)
+    with pytest.raises(TableError, match="commit"):
+        tb.write_rows(torch.tensor([1]), torch.ones(1, 8), torch.ones(1, 8), torch.ones(1, 8))
+    tb.commit(0)
+    rows = torch.arange(0, 300, 3)
+    tb.write_rows(rows, W[rows] + 1, torch.full((100, 8), 0.5), torch.full((100, 8), 0.25))
+    tb.commit(10)  # checkpoint at step 10
+    at10 = (tb.weight.clone(), tb.exp_avg.clone(), tb.exp_avg_sq.clone())
+    tb.write_rows(rows[:50], torch.zeros(50, 8), torch.zeros(50, 8), torch.zeros(50, 8))
+    tb.write_rows(rows, torch.full((100, 8), 7.0), torch.ones(100, 8), torch.ones(100, 8))
+    # killed in the middle of the next write: its journal entry is complete, half its rows are written
+    tb._journal_append(torch.arange(1, 300, 3))
+    tb.weight[1:150:3] = -5.0
+    tb.flush()
+    # ... and a torn entry at the journal's end (the kill landed while appending; its rows were never written)
+    jsize = tb.journal_path.stat().st_size
+    tb._journal_append(torch.arange(2, 300, 3))
+    tb.close()
+    with open(tb.journal_path, "r+b") as fh:
+        fh.truncate(jsize + 100)
+    del tb
+
+    tb = MmapTable(f, cache_bytes=0, writable=True)
+    with pytest.raises(TableError, match="cannot be rolled back"):
+        tb.recover(0)  # only the newest checkpoint is restorable
+    restored = tb.recover(10)
+    assert restored == 200  # rows 0::3 (two steps) and 1::3 (the killed write); the torn entry ignored
+    for a, b in zip((tb.weight, tb.exp_avg, tb.exp_avg_sq), at10):
+        assert torch.equal(a, b)
+    tb.close()
+    read_only = MmapTable(f)
+    with pytest.raises(TableError, match="read-only"):
+        read_only.read_rows(torch.tensor([0]))
+    plain = write_table_file(tmp_path / "plain.safetensors", W)
+    with pytest.raises(TableError, match="moments"):
+        MmapTable(plain, writable=True)

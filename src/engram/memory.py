@@ -81,7 +81,11 @@ class MultiHeadEmbedding(nn.Module):
         if self.sharded is not None:  # row-sharded across ranks (engram.distributed)
             return self.sharded(hash_ids + self._offsets_on(hash_ids.device))
         if self.backend is not None:  # offloaded table (engram.tables): gather on the backend's side
-            rows = self.backend.gather((hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1))
+            flat = (hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1)
+            rows = self.backend.gather(flat)  # (N, D)
+            if self.backend.trainable and self.training and torch.is_grad_enabled():
+                rows.requires_grad_(True)  # a leaf: backward leaves the rows' gradients for TableAdam
+                self.backend.record(flat, rows)
             return rows.view(*hash_ids.shape, self.embedding_dim)
         return self.embedding(hash_ids + self.offsets)
 

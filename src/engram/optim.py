@@ -28,6 +28,19 @@ def _row_grads(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, g.index_select(0, rows).float()
 
 
+def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: float, lr: float,
+               b1: float, b2: float, eps: float, denom: torch.Tensor | None = None) -> None:
+    """One Adam update of gathered rows, in place (all (R, D) float32): the math every table optimizer shares.
+
+    m <- b1*m + (1-b1)*g;  v <- b2*v + (1-b2)*g^2;  w <- w - lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
+    (SparseAdam's form: bias correction folded into the step size, eps added after the sqrt).
+    """
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    step_size = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    w.addcdiv_(m, torch.sqrt(v, out=denom).add_(eps), value=-step_size)
+
+
 class LazyRowAdam(torch.optim.Optimizer):
     """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients."""
 
@@ -41,7 +54,7 @@ class LazyRowAdam(torch.optim.Optimizer):
         bufs = self._bufs.get(id(p))
         if bufs is None or bufs[0].shape[0] < n:
             cap = max(n, int(1.25 * (bufs[0].shape[0] if bufs else 0)))
-            bufs = [torch.empty((cap,) + tuple(p.shape[1:]), dtype=torch.float32, device=p.device) for _ in range(3)]
+            bufs = [torch.empty((cap,) + tuple(p.shape[1:]), dtype=torch.float32, device=p.device) for _ in range(4)]
             self._bufs[id(p)] = bufs
         return bufs
 
@@ -66,18 +79,68 @@ class LazyRowAdam(torch.optim.Optimizer):
                     continue
                 n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
                 bufs = self._buffers(p, n)  # reused gather buffers: fresh ones cost 3x in page faults
-                m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n]).lerp_(gv, 1 - b1)  # b1*m + (1-b1)*g
-                v_rows = torch.index_select(v, 0, rows, out=bufs[1][:n]).mul_(b2).addcmul_(gv, gv, value=1 - b2)
-                m.index_copy_(0, rows, m_rows)
-                v.index_copy_(0, rows, v_rows)
-                step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n])
+                v_rows = torch.index_select(v, 0, rows, out=bufs[1][:n])
                 if p.dtype == torch.float32:
                     w_rows = torch.index_select(p, 0, rows, out=bufs[2][:n])
                 else:
                     w_rows = p.index_select(0, rows).float()
-                w_rows.addcdiv_(m_rows, v_rows.sqrt_().add_(group["eps"]), value=-step_size)
+                adam_rows_(w_rows, m_rows, v_rows, gv, step, group["lr"], b1, b2, group["eps"], denom=bufs[3][:n])
+                m.index_copy_(0, rows, m_rows)
+                v.index_copy_(0, rows, v_rows)
                 p.index_copy_(0, rows, w_rows.to(p.dtype))
         return loss
+
+
+class TableAdam:
+    """Lazy row Adam for Engram tables that live in a trainable backend (`engram.tables`).
+
+    Same update as `LazyRowAdam` (the shared `adam_rows_`), but the rows and both moments are read
+    from and written back to the backend (e.g. a memory-mapped file), so neither the table nor its
+    optimizer state has to fit in RAM. Duck-types the torch optimizer surface the trainer uses:
+    `param_groups`, `zero_grad`, `step`, `state_dict`, `load_state_dict`.
+    """
+
+    def __init__(self, backends: list, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid TableAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
+        self.backends = list(backends)
+        self.param_groups = [dict(lr=lr, betas=tuple(betas), eps=eps)]
+        self.steps = [0] * len(self.backends)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.backends:
+            b.clear_grads()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        group = self.param_groups[0]
+        b1, b2 = group["betas"]
+        for i, b in enumerate(self.backends):
+            got = b.take_grads()
+            if got is None:
+                continue
+            self.steps[i] += 1
+            rows, gv = got
+            if rows.numel():
+                w, m, v = b.read_rows(rows)  # (R, D) float32 each
+                adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"])
+                b.write_rows(rows, w, m, v)
+            b.clear_grads(all=True)
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": [{**self.param_groups[0], "steps": list(self.steps)}]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        g = dict(sd["param_groups"][0])
+        steps = g.pop("steps")
+        if len(steps) != len(self.backends):
+            raise ValueError(f"TableAdam state has {len(steps)} tables, this optimizer {len(self.backends)}")
+        g["betas"] = tuple(g["betas"])
+        self.param_groups = [g]
+        self.steps = [int(s) for s in steps]
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -100,14 +163,22 @@ def split_params(model: torch.nn.Module):
 
 def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult: float = 5.0,
                      betas=(0.9, 0.95)) -> dict[str, torch.optim.Optimizer]:
-    """AdamW (decay on matrices only) for the backbone; LazyRowAdam at `table_lr_mult` x LR, no decay, for tables."""
+    """AdamW (decay on matrices only) for the backbone; lazy row Adam at `table_lr_mult` x LR, no decay, for tables.
+
+    Tables that are parameters get `LazyRowAdam`; tables in trainable backends get `TableAdam`.
+    """
     dense, tables = split_params(model)
     decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
     opts = {"dense": torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)}
+    backends = [m.backend for m in model.modules() if getattr(getattr(m, "backend", None), "trainable", False)]
+    if tables and backends:
+        raise ValueError("some Engram tables are parameters and some live in backends; offload all or none")
     if tables:
         opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas)
+    elif backends:  # tables offloaded with engram.tables.offload_tables(..., trainable=True)
+        opts["tables"] = TableAdam(backends, lr=lr * table_lr_mult, betas=betas)
     for o in opts.values():
         for g in o.param_groups:
             g["base_lr"] = g["lr"]

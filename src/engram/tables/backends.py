@@ -13,6 +13,16 @@ lookups. The cache is direct-mapped (slot = row mod slots), which keeps lookups 
 one compare for hits, one gather from the file for misses. Policy "lru" always installs the most
 recent row in its slot; "lfu" admits a row only when its (hashed) lookup count is at least the
 resident's. `benchmarks/bench_gather.py` measures both.
+
+Training (`trainable=True`): a backend also keeps the Adam moments of its rows (for `MmapTable`,
+as tensors `exp_avg` and `exp_avg_sq` in the same file), records each training lookup so that
+backward leaves the looked-up rows' gradients with it (`take_grads`), and lets
+`engram.optim.TableAdam` read and write back only the touched rows (`read_rows`/`write_rows`).
+A writable `MmapTable` keeps an undo journal beside its file: before a row is first overwritten
+after a checkpoint, its old weight and moments are appended (with a CRC, fsync'd) to
+`<file>.journal`; `commit(step)` flushes the file and starts a new journal, and
+`recover(step)` rolls the file back to the checkpoint after a kill at any point (a torn journal
+tail belongs to a write that never reached the table).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +50,47 @@ class TableBackend:
     num_rows: int
     dim: int
     dtype: torch.dtype
+    trainable: bool = False  # set by offload_tables(..., trainable=True)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, dim)
         raise NotImplementedError
 
     def stats(self) -> dict:
         return {}
+
+    # ---- training: lookups recorded in forward, their gradients collected after backward
+    def record(self, rows: torch.Tensor, vals: torch.Tensor) -> None:
+        """Remember a training lookup: rows (N,) and the leaf `vals` (N, dim) whose .grad backward fills."""
+        self.__dict__.setdefault("_pending", []).append((rows, vals))
+
+    def take_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(distinct rows [R], summed gradients [R, dim] float32) of the recorded lookups, or None."""
+        from ..optim import _row_grads
+
+        pending = [(r, v.grad) for r, v in self.__dict__.get("_pending", []) if v.grad is not None]
+        if not pending:
+            return None
+        rows = torch.cat([r for r, _ in pending])
+        grads = torch.cat([g for _, g in pending])
+        # the same uncoalesced COO gradient nn.Embedding(sparse=True) produces: same sums, same order
+        sparse = torch.sparse_coo_tensor(rows[None], grads, (self.num_rows, self.dim), check_invariants=False)
+        return _row_grads(sparse)
+
+    def clear_grads(self, all: bool = False) -> None:
+        """Forget recorded lookups whose gradients arrived (zero_grad); `all=True` also those still awaiting backward.
+
+        zero_grad may run between forward and backward, so a lookup without a gradient yet is kept.
+        """
+        self.__dict__["_pending"] = [] if all else [(r, v) for r, v in self.__dict__.get("_pending", [])
+                                                    if v.grad is None]
+
+    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight, exp_avg, exp_avg_sq) of `rows`, each (R, dim) float32, fresh tensors."""
+        raise TableError(f"{type(self).__name__} is not trainable")
+
+    def write_rows(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Store updated rows (distinct ids) and their moments."""
+        raise TableError(f"{type(self).__name__} is not trainable")
 
 
 class InRamTable(TableBackend):
@@ -60,16 +106,39 @@ class InRamTable(TableBackend):
         return torch.index_select(self.weight, 0, rows, out=out) if out is not None else \
             torch.index_select(self.weight, 0, rows)
 
+    def read_rows(self, rows):
+        if not hasattr(self, "exp_avg"):  # moments are created on the first update
+            self.exp_avg = torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        return (self.weight.index_select(0, rows).float(), self.exp_avg.index_select(0, rows),
+                self.exp_avg_sq.index_select(0, rows))
 
-def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: int = 1 << 20) -> Path:
-    """Write `weight` as a safetensors file with one tensor `weight`, streamed in chunks, atomically."""
+    def write_rows(self, rows, w, m, v):
+        self.weight.index_copy_(0, rows, w.to(self.dtype))
+        self.exp_avg.index_copy_(0, rows, m)
+        self.exp_avg_sq.index_copy_(0, rows, v)
+
+
+def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: int = 1 << 20,
+                     with_moments: bool = False) -> Path:
+    """Write `weight` as a safetensors file with one tensor `weight`, streamed in chunks, atomically.
+
+    `with_moments=True` adds zero float32 tensors `exp_avg` and `exp_avg_sq` of the same shape
+    (the Adam moments a trainable `MmapTable` keeps beside the rows).
+    """
     path = Path(path)
     w = weight.detach().cpu().contiguous()
     dt = _ST_DTYPES.get(w.dtype)
     if dt is None:
         raise TableError(f"table dtype {w.dtype} is not supported (use float32, bfloat16 or float16)")
     nbytes = w.numel() * w.element_size()
-    header = json.dumps({"weight": {"dtype": dt, "shape": list(w.shape), "data_offsets": [0, nbytes]}}).encode()
+    meta = {"weight": {"dtype": dt, "shape": list(w.shape), "data_offsets": [0, nbytes]}}
+    mbytes = w.numel() * 4
+    if with_moments:
+        meta["exp_avg"] = {"dtype": "F32", "shape": list(w.shape), "data_offsets": [nbytes, nbytes + mbytes]}
+        meta["exp_avg_sq"] = {"dtype": "F32", "shape": list(w.shape),
+                              "data_offsets": [nbytes + mbytes, nbytes + 2 * mbytes]}
+    header = json.dumps(meta).encode()
     header += b" " * ((8 - len(header) % 8) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -79,47 +148,86 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
         flat = w.view(torch.uint8).view(w.shape[0], -1) if w.dtype != torch.uint8 else w
         for s in range(0, w.shape[0], chunk_rows):
             f.write(flat[s:s + chunk_rows].numpy().tobytes())
+        if with_moments:
+            zeros = bytes(min(chunk_rows, max(1, w.shape[0])) * w.shape[1] * 4)
+            for _ in range(2):
+                left = mbytes
+                while left > 0:
+                    f.write(zeros[:left])
+                    left -= len(zeros)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-class MmapTable(TableBackend):
-    """Table memory-mapped from a safetensors file, with a direct-mapped hot-row cache of `cache_bytes`."""
+def _read_header(path: Path) -> tuple[int, dict, int]:
+    """(header length, tensor table, file size) of a safetensors file, with clear errors."""
+    if not path.is_file():
+        raise TableError(f"table file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise TableError(f"{path} is too short to be a table file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 1 << 24):
+            raise TableError(f"{path}: corrupt header length {n}")
+        try:
+            meta = json.loads(f.read(n))
+            meta["weight"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise TableError(f"{path}: corrupt header (expected a safetensors file with a 'weight' tensor)") from None
+    return n, meta, size
 
-    def __init__(self, path: str | os.PathLike, cache_bytes: int = 64 << 20, policy: str = "lru"):
+
+_JMAGIC = b"ENGJRN01"
+_JHEAD = struct.Struct("<8sqqq")  # magic, base step, rows, dim
+_JENTRY = struct.Struct("<qI")  # rows in the entry, crc32 of its payload
+
+
+class MmapTable(TableBackend):
+    """Table memory-mapped from a safetensors file, with a direct-mapped hot-row cache of `cache_bytes`.
+
+    `writable=True` (training) maps the file read-write; it must hold `exp_avg`/`exp_avg_sq`
+    (`write_table_file(..., with_moments=True)`). Writes go through the undo journal
+    `<file>.journal`; `durable=True` fsyncs each journal entry before the rows change (power-loss
+    safe; a killed process is safe either way, the page cache outlives it).
+    """
+
+    def __init__(self, path: str | os.PathLike, cache_bytes: int = 64 << 20, policy: str = "lru",
+                 writable: bool = False, durable: bool = True):
         path = Path(path)
-        if not path.is_file():
-            raise TableError(f"table file not found: {path}")
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise TableError(f"{path} is too short to be a table file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 1 << 24):
-                raise TableError(f"{path}: corrupt header length {n}")
-            try:
-                meta = json.loads(f.read(n))["weight"]
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-                raise TableError(f"{path}: corrupt header (expected a safetensors file with a 'weight' tensor)") from None
-        self.num_rows, self.dim = meta["shape"]
-        dt = meta["dtype"]
-        if dt not in _NP:
-            raise TableError(f"{path}: unsupported dtype {dt}")
-        a, b = meta["data_offsets"]
-        if 8 + n + b > size:
-            raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - n}")
-        arr = np.memmap(path, dtype=_NP[dt], mode="r", offset=8 + n + a, shape=(self.num_rows, self.dim))
+        n, meta, size = _read_header(path)
+        self.num_rows, self.dim = meta["weight"]["shape"]
+        names = ["weight"] + (["exp_avg", "exp_avg_sq"] if writable else [])
+        maps = {}
         import warnings
 
-        with warnings.catch_warnings():  # a read-only mapping is intended: rows are only ever gathered
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
-        self.weight = t.view(torch.bfloat16) if dt == "BF16" else t
+        for name in names:
+            if name not in meta:
+                raise TableError(f"{path} has no optimizer moments ('{name}'); training needs a table written with "
+                                 f"write_table_file(..., with_moments=True)")
+            info = meta[name]
+            if info["dtype"] not in _NP:
+                raise TableError(f"{path}: unsupported dtype {info['dtype']}")
+            if info["shape"] != [self.num_rows, self.dim]:
+                raise TableError(f"{path}: '{name}' has shape {info['shape']}, 'weight' {[self.num_rows, self.dim]}")
+            a, b = info["data_offsets"]
+            if 8 + n + b > size:
+                raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - n}")
+            arr = np.memmap(path, dtype=_NP[info["dtype"]], mode="r+" if writable else "r", offset=8 + n + a,
+                            shape=(self.num_rows, self.dim))
+            with warnings.catch_warnings():  # read-only mappings are only ever gathered from
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr)
+            maps[name] = (arr, t.view(torch.bfloat16) if info["dtype"] == "BF16" else t)
+        self._arrays = [a for a, _ in maps.values()]
+        self.weight = maps["weight"][1]
+        if writable:
+            self.exp_avg, self.exp_avg_sq = maps["exp_avg"][1], maps["exp_avg_sq"][1]
         self.dtype = self.weight.dtype
-        self.path, self.policy = path, policy
+        self.path, self.policy, self.writable, self.durable = path, policy, writable, durable
         if policy not in ("lru", "lfu"):
             raise TableError(f"cache policy must be 'lru' or 'lfu', got {policy!r}")
         row_bytes = self.dim * self.weight.element_size()
@@ -128,6 +236,9 @@ class MmapTable(TableBackend):
         self.tags = torch.full((self.slots,), -1, dtype=torch.long)
         self.freq = torch.zeros(max(1, self.slots * 4), dtype=torch.int32)  # hashed lookup counts (lfu)
         self.hits = self.misses = 0
+        self.journal_path = path.with_name(path.name + ".journal")
+        self._journal = None
+        self._touched = None
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.reshape(-1).long()
@@ -166,6 +277,130 @@ class MmapTable(TableBackend):
             self.cache.index_copy_(0, mslot.index_select(0, pick), vals.index_select(0, pick))
         return out
 
+    # ---- training: rows and moments read and written in place, old values journaled first
+    def read_rows(self, rows):
+        self._need_writable()
+        return (self.weight.index_select(0, rows).float(), self.exp_avg.index_select(0, rows),
+                self.exp_avg_sq.index_select(0, rows))
+
+    def write_rows(self, rows, w, m, v):
+        self._need_writable()
+        if self._journal is None:
+            raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
+                             "(it starts the undo journal)")
+        fresh = rows[~self._touched.index_select(0, rows)]  # rows not yet journaled since the checkpoint
+        if fresh.numel():
+            self._journal_append(fresh)
+            self._touched.index_fill_(0, fresh, True)
+        self.weight.index_copy_(0, rows, w.to(self.dtype))
+        self.exp_avg.index_copy_(0, rows, m)
+        self.exp_avg_sq.index_copy_(0, rows, v)
+        if self.slots:  # keep cached copies coherent
+            slot = rows % self.slots
+            cached = (self.tags.index_select(0, slot) == rows).nonzero().squeeze(1)
+            if cached.numel():
+                self.cache.index_copy_(0, slot.index_select(0, cached), self.weight.index_select(0, rows[cached]))
+
+    def _need_writable(self):
+        if not self.writable:
+            raise TableError(f"{self.path} is open read-only; open it with MmapTable(..., writable=True) to train")
+
+    def _journal_append(self, rows: torch.Tensor) -> None:
+        payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (
+            rows.long(), self.weight.index_select(0, rows), self.exp_avg.index_select(0, rows),
+            self.exp_avg_sq.index_select(0, rows)))
+        self._journal.write(_JENTRY.pack(rows.numel(), zlib.crc32(payload)) + payload)
+        self._journal.flush()
+        if self.durable:
+            os.fdatasync(self._journal.fileno())
+
+    def _journal_entries(self):
+        """Valid undo entries (rows, w, m, v) of the journal; stops at a torn or corrupt tail."""
+        data = self.journal_path.read_bytes()
+        esz = self.weight.element_size()
+        pos = _JHEAD.size
+        while pos + _JENTRY.size <= len(data):
+            k, crc = _JENTRY.unpack_from(data, pos)
+            plen = k * (8 + self.dim * (esz + 8))
+            if k <= 0 or pos + _JENTRY.size + plen > len(data):
+                break
+            payload = data[pos + _JENTRY.size: pos + _JENTRY.size + plen]
+            if zlib.crc32(payload) != crc:
+                break
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            o = [0, 8 * k, 8 * k + k * self.dim * esz, 8 * k + k * self.dim * (esz + 4), plen]
+            rows = buf[o[0]:o[1]].view(torch.int64)
+            w = buf[o[1]:o[2]].view(self.dtype).view(k, self.dim)
+            m = buf[o[2]:o[3]].view(torch.float32).view(k, self.dim)
+            v = buf[o[3]:o[4]].view(torch.float32).view(k, self.dim)
+            yield rows, w, m, v
+            pos += _JENTRY.size + plen
+
+    def journal_step(self) -> int | None:
+        """The checkpoint step the current journal undoes to, or None if there is no valid journal."""
+        try:
+            with open(self.journal_path, "rb") as f:
+                magic, step, rows, dim = _JHEAD.unpack(f.read(_JHEAD.size))
+        except (FileNotFoundError, struct.error):
+            return None
+        return step if magic == _JMAGIC and (rows, dim) == (self.num_rows, self.dim) else None
+
+    def flush(self) -> None:
+        """Write every modified page of the table file to disk (msync)."""
+        for a in self._arrays:
+            a.flush()
+
+    def commit(self, step: int) -> None:
+        """The table now is the state of checkpoint `step`: flush it and start an empty journal for `step`.
+
+        Call after the checkpoint that records `step` is durable: until the new journal replaces
+        the old one, `recover` can still roll back to the previous checkpoint.
+        """
+        self._need_writable()
+        self.flush()
+        if self._journal is not None:
+            self._journal.close()
+        tmp = self.journal_path.with_name(f".{self.journal_path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_JHEAD.pack(_JMAGIC, step, self.num_rows, self.dim))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.journal_path)
+        self._journal = open(self.journal_path, "ab")
+        self._touched = torch.zeros(self.num_rows, dtype=torch.bool)
+
+    def recover(self, step: int) -> int:
+        """Roll the table back to checkpoint `step` after a crash; returns the number of rows restored.
+
+        The journal of checkpoint `step` holds the old value of every row written since then.
+        A journal of an earlier step means the process stopped between writing checkpoint
+        `step` and starting its journal: the table is already at `step`. A later one means the
+        table moved past `step` and cannot go back (only the newest checkpoint is restorable).
+        """
+        self._need_writable()
+        base = self.journal_step()
+        if base is None:
+            raise TableError(f"{self.journal_path} is missing or corrupt: cannot tell whether {self.path.name} "
+                             f"matches checkpoint step {step}")
+        if base > step:
+            raise TableError(f"{self.path.name} has been committed at step {base}; it cannot be rolled back to step "
+                             f"{step} (only the newest checkpoint's table state is kept)")
+        restored = 0
+        if base == step:
+            for rows, w, m, v in self._journal_entries():
+                self.weight.index_copy_(0, rows, w)
+                self.exp_avg.index_copy_(0, rows, m)
+                self.exp_avg_sq.index_copy_(0, rows, v)
+                restored += rows.numel()
+        self.tags.fill_(-1)  # cached rows may predate the rollback
+        self.commit(step)
+        return restored
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
     def stats(self) -> dict:
         total = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / total if total else 0.0,
@@ -173,14 +408,22 @@ class MmapTable(TableBackend):
 
 
 def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | None = None,
-                   cache_bytes: int = 64 << 20, policy: str = "lru") -> dict:
-    """Move every Engram table of `model` into a backend and route lookups through it (inference).
+                   cache_bytes: int = 64 << 20, policy: str = "lru", trainable: bool = False,
+                   overwrite: bool = False) -> dict:
+    """Move every Engram table of `model` into a backend and route lookups through it.
 
-    backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (once) and
-    frees the in-RAM copy; "ram" keeps the tensor. Returns {layer_id: backend}.
+    backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
+    file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
+    copy; "ram" keeps the tensor. `trainable=True` keeps Adam moments in the backend (in the same
+    file for "mmap", opened writable with its undo journal) and lets `engram.optim.TableAdam`
+    train the rows; the model's table parameters become empty. Returns {layer_id: backend}.
     """
     from ..memory import Engram
 
+    if backend not in ("ram", "mmap"):
+        raise TableError(f"backend must be 'ram' or 'mmap', got {backend!r}")
+    if backend == "mmap" and directory is None:
+        raise TableError("offload_tables(backend='mmap') needs a directory for the table files")
     tables = {}
     for mod in model.modules():
         if not isinstance(mod, Engram):
@@ -188,19 +431,30 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
         mhe = mod.multi_head_embedding
         w = mhe.embedding.weight
         if backend == "ram":
-            tb = InRamTable(w)
-        elif backend == "mmap":
-            if directory is None:
-                raise TableError("offload_tables(backend='mmap') needs a directory for the table files")
+            tb = InRamTable(w.detach().clone() if trainable else w)
+        else:
             f = Path(directory) / f"engram_table_L{mod.layer_id}.safetensors"
-            if not f.is_file():
-                write_table_file(f, w)
-            tb = MmapTable(f, cache_bytes=cache_bytes, policy=policy)
+            if overwrite or not f.is_file():
+                write_table_file(f, w, with_moments=trainable)
+            tb = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
             if tb.num_rows != w.shape[0] or tb.dim != w.shape[1]:
                 raise TableError(f"{f} holds a [{tb.num_rows}, {tb.dim}] table, the model needs {list(w.shape)}")
+        tb.trainable, tb.requires_grad = trainable and w.requires_grad, w.requires_grad
+        if backend == "mmap" or trainable:
             mhe.embedding.weight = torch.nn.Parameter(torch.empty(0, w.shape[1], dtype=w.dtype), requires_grad=False)
-        else:
-            raise TableError(f"backend must be 'ram' or 'mmap', got {backend!r}")
         mhe.backend = tb
         tables[mod.layer_id] = tb
     return tables
+
+
+def restore_tables(model) -> None:
+    """Undo `offload_tables`: copy every backend's rows back into the model's table parameters."""
+    from ..memory import MultiHeadEmbedding
+
+    for mhe in model.modules():
+        if isinstance(mhe, MultiHeadEmbedding) and mhe.backend is not None:
+            tb = mhe.backend
+            mhe.embedding.weight = torch.nn.Parameter(tb.weight.clone(), requires_grad=getattr(tb, "requires_grad", True))
+            if isinstance(tb, MmapTable):
+                tb.close()
+            mhe.backend = None
