@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from engram.data import Batcher, DataError, local_documents, prepare, split_documents, strip_gutenberg  # noqa: E402
 from engram.optim import LazyRowAdam, warmup_cosine  # noqa: E402
+from engram.config import ConfigError  # noqa: E402
 from engram.train import CheckpointError, read_checkpoint, train  # noqa: E402
 
 WORDS = ("the king queen horse great alexander tame could only bucephalus denmark prince ghost father "
@@ -153,6 +154,89 @@ def test_corrupt_checkpoint_falls_back_to_previous(corpus, tmp_path):
     assert s["step"] == 20
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(21))
+
+
+def _losses(run):
+    return [json.loads(l)["train_loss"] for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_tensors(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run) / "final" / "model.safetensors"))
+
+
+def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, monkeypatch):
+    """Tables in memory-mapped files (moments beside the rows) follow the in-RAM trajectory; a crash in the
+    middle of a table write is rolled back by the undo journal and --resume ends where an uninterrupted run ends."""
+    from engram.tables import MmapTable
+
+    kw = dict(data=[str(corpus)], progress=False, max_steps=8)
+    ref = train("tiny", out=tmp_path / "ref", overrides={"ckpt_every": 3}, **kw)
+    mm = {"ckpt_every": 3, "table_backend": "mmap", "table_cache_mb": 0.01}
+    train("tiny", out=tmp_path / "mmap", overrides=mm, **kw)
+    assert _losses(tmp_path / "mmap") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
+
+    calls = {"n": 0}
+    original = MmapTable.write_rows
+
+    def dying_write(self, rows, w, m, v):
+        calls["n"] += 1
+        if calls["n"] == 5:  # step 5: journal the rows, overwrite half of them, die
+            self._journal_append(rows)
+            half = rows[: len(rows) // 2]
+            self.weight.index_copy_(0, half, torch.full((len(half), self.dim), 9.0))
+            raise RuntimeError("simulated kill during a table write")
+        return original(self, rows, w, m, v)
+
+    monkeypatch.setattr(MmapTable, "write_rows", dying_write)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        train("tiny", out=tmp_path / "crash", overrides=mm, **kw)
+    monkeypatch.setattr(MmapTable, "write_rows", original)
+    s = train("tiny", out=tmp_path / "crash", overrides=mm, resume=True, **kw)  # resumes at step 3
+    assert s["step"] == 8
+    assert _losses(tmp_path / "crash") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
+    a, b = _final_tensors(tmp_path / "ref"), _final_tensors(tmp_path / "crash")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    with pytest.raises(ConfigError, match="table_backend"):
+        train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
+
+
+def _spawned_train(rank, world, port, out, corpus, stop_after, resume):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    train("tiny", data=[corpus], out=out, progress=False, max_steps=6, stop_after=stop_after, resume=resume,
+          overrides={"ckpt_every": 100})
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_sharded_checkpoints_resume_at_another_world_size(corpus, tmp_path, free_port, first, then):
+    """Stop a run at step 3 with one world size, resume it with another: same losses as an uninterrupted run.
+
+    (Weights agree to 1e-3: DDP averages per-rank gradients, a different float summation that Adam
+    amplifies on near-zero gradients such as the mHC alphas.)
+    """
+    import torch.multiprocessing as mp
+
+    ref = tmp_path / "ref"
+    train("tiny", data=[str(corpus)], out=ref, progress=False, max_steps=6, overrides={"ckpt_every": 100})
+    run = tmp_path / "run"
+    for world, stop_after, resume in ((first, 3, False), (then, None, True)):
+        if world == 1:
+            train("tiny", data=[str(corpus)], out=run, progress=False, max_steps=6, stop_after=stop_after,
+                  resume=resume, overrides={"ckpt_every": 100})
+        else:
+            mp.spawn(_spawned_train, args=(world, free_port(), str(run), str(corpus), stop_after, resume),
+                     nprocs=world, join=True)
+        if world == 2 and stop_after:  # the sharded layout: one file per rank and table, with row ranges
+            ck = run / "checkpoints" / "step_000003"
+            assert len(list(ck.glob("tables/*/shard_*.safetensors"))) == 2
+    assert _losses(run) == pytest.approx(_losses(ref), abs=1e-4)
+    a, b = _final_tensors(ref), _final_tensors(run)
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert max(diffs.values()) < 1e-3, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
 
 
 def test_no_engram_and_iso_param_baselines(corpus, tmp_path):

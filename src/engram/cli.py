@@ -149,6 +149,10 @@ def cmd_train(args) -> int:
         k, _, v = kv.partition("=")
         default = _train_default(k)
         overrides[k] = type(default)(v) if default is not None else v
+    if args.table_backend:
+        overrides["table_backend"] = args.table_backend
+    if args.table_cache_mb is not None:
+        overrides["table_cache_mb"] = args.table_cache_mb
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
                     overrides=overrides)
@@ -411,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
     t.add_argument("--nproc", type=int, default=1,
                    help="processes (torchrun): Engram tables row-sharded across them, dense parameters with DDP")
+    t.add_argument("--table-backend", choices=["param", "mmap"],
+                   help="mmap: train the Engram tables (and their Adam moments) in memory-mapped files "
+                        "under RUN/tables (default: param, tables in RAM)")
+    t.add_argument("--table-cache-mb", type=float, help="mmap: hot-row cache size in MB (default 0)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")

@@ -55,6 +55,9 @@ class TrainConfig:
     ckpt_every: int = 250
     keep_checkpoints: int = 2
     seed: int = 0
+    table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
+    table_cache_mb: float = 0.0  # mmap: hot-row cache size
+    table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
 
     def validate(self) -> None:
         for f in ("seq_len", "batch_size", "max_steps", "keep_checkpoints"):
@@ -62,6 +65,10 @@ class TrainConfig:
                 raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.table_backend not in ("param", "mmap"):
+            raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
+        if self.table_cache_mb < 0:
+            raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -90,28 +97,74 @@ def _load_optim(opts: dict, tensors: dict, meta: dict) -> None:
         opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
 
 
-def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2) -> Path:
+def _tables(model) -> list:
+    """[(module name, MultiHeadEmbedding)] in model order."""
+    from .memory import MultiHeadEmbedding
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)]
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2,
+                    stores: dict | None = None, ddp=None) -> Path:
+    """Write checkpoint `step` into a temp folder and rename it into place.
+
+    `stores` ({layer: MmapTable}) are flushed before the checkpoint is committed and start their
+    undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
+    with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
+    to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
+    dense weights and optimizer, so the checkpoint loads at any world size.
+    """
     from safetensors.torch import save_file, save_model
 
+    sharded = ddp is not None and ddp.world > 1
+    main = ddp is None or ddp.is_main
     ckdir = run_dir / "checkpoints"
-    ckdir.mkdir(parents=True, exist_ok=True)
     final = ckdir / f"step_{step:06d}"
-    tmp = ckdir / f".tmp_step_{step:06d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    tensors, meta = _optim_tensors(opts)
-    tensors["rng.torch"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / "optim.safetensors"))
-    state = {"step": step, "batcher": batcher_state, "optim": meta,
-             "files": {f: sha256_file(tmp / f) for f in ("model.safetensors", "optim.safetensors")}}
-    atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(ckdir.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    tmp = ckdir / (f".tmp_step_{step:06d}" if sharded else f".tmp_step_{step:06d}_{os.getpid()}")
+    if main:
+        ckdir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if sharded:
+        ddp.barrier()
+        for name, mhe in _tables(model):
+            if mhe.sharded is not None:
+                from .distributed.sharded import save_sharded
+
+                save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
+        ddp.barrier()
+    if main:
+        detached = [(mhe, mhe.sharded) for _, mhe in _tables(model) if mhe.sharded is not None]
+        for mhe, _ in detached:  # table shards are saved above; model.safetensors holds the dense weights
+            mhe.sharded = None
+        try:
+            save_model(model, str(tmp / "model.safetensors"))
+        finally:
+            for mhe, sh in detached:
+                mhe.sharded = sh
+        tensors, meta = _optim_tensors({k: o for k, o in opts.items() if not (sharded and k == "tables")})
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "optim.safetensors"))
+        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        state = {"step": step, "batcher": batcher_state, "optim": meta,
+                 "files": {f: sha256_file(tmp / f) for f in files}}
+        if sharded:
+            state["sharded_tables"] = {name: f"tables/{name}" for name, m in _tables(model) if m.sharded is not None}
+        for tb in (stores or {}).values():
+            tb.flush()
+        if stores:
+            state["table_store"] = {str(k): str(tb.path) for k, tb in stores.items()}
+        atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in sorted(ckdir.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if sharded:
+        ddp.barrier()
+    for tb in (stores or {}).values():
+        tb.commit(step)
     return final
 
 
@@ -134,19 +187,65 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model, opts: dict) -> dict:
+    """Restore model, optimizers and RNG from a verified checkpoint (either layout, any world size)."""
     from safetensors.torch import load_file, load_model
 
     state = read_checkpoint(path)
     try:
-        load_model(model, str(path / "model.safetensors"))
         tensors = load_file(str(path / "optim.safetensors"))
-        _load_optim(opts, tensors, state["optim"])
+        if "sharded_tables" not in state and not any(m.sharded is not None for _, m in _tables(model)):
+            load_model(model, str(path / "model.safetensors"))
+            _load_optim(opts, tensors, state["optim"])
+        else:
+            _load_resharded(path, state, model, opts, tensors)
     except CheckpointError:
         raise
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
     torch.set_rng_state(tensors["rng.torch"])
     return state
+
+
+def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict) -> None:
+    """Load a checkpoint whose tables are sharded, or into a model whose tables are (any world size)."""
+    from safetensors.torch import load_file
+
+    from .distributed.sharded import load_sharded
+
+    sd = load_file(str(path / "model.safetensors"))
+    dense = {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    ptrs = {t.data_ptr() for k, t in model.state_dict().items() if k in dense}
+    model_sd = model.state_dict()
+    missing = [k for k in missing if "multi_head_embedding" not in k and model_sd[k].data_ptr() not in ptrs]
+    if missing or unexpected:  # (tied weights are stored once: a missing key sharing storage is loaded)
+        raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _load_optim({"dense": opts["dense"]}, tensors, {"dense": state["optim"]["dense"]})
+    topt = opts.get("tables")
+    params = topt.param_groups[0]["params"] if topt is not None else []
+    for name, mhe in _tables(model):
+        p = mhe.sharded.weight if mhe.sharded is not None else mhe.embedding.weight
+        lo, hi = (mhe.sharded.lo, mhe.sharded.hi) if mhe.sharded is not None else (0, p.shape[0])
+        if "sharded_tables" in state:
+            d = path / state["sharded_tables"][name]
+            rows = load_sharded(d, lo, hi)
+            step = json.loads(next(iter(sorted(d.glob("shard_*.json")))).read_text())["step"]
+            w, m, v = rows["weight"], rows.get("exp_avg"), rows.get("exp_avg_sq")
+        else:  # single-process checkpoint: full tables in model.safetensors, moments in optim.safetensors
+            w = sd[f"{name}.embedding.weight"][lo:hi]
+            idx = next((i for i, q in enumerate(params) if q is p), None)
+            key = f"tables.{idx}."
+            m = tensors[key + "exp_avg"][lo:hi] if key + "exp_avg" in tensors else None
+            v = tensors[key + "exp_avg_sq"][lo:hi] if m is not None else None
+            step = float(tensors[key + "step"]) if m is not None else 0
+        if w.shape != p.shape:
+            raise CheckpointError(f"{path}: table {name} rows [{lo}, {hi}) have shape {list(w.shape)}, "
+                                  f"the model needs {list(p.shape)}")
+        with torch.no_grad():
+            p.copy_(w)
+        if topt is not None and m is not None and step:
+            topt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float64),
+                             "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -256,6 +355,10 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     if resume and (run_dir / "run.json").is_file():
         prev = json.loads((run_dir / "run.json").read_text())
         keys = ("preset", "use_engram", "baseline", "model_overrides")
+        same_backend = prev.get("train", {}).get("table_backend", "param") == tcfg.table_backend
+        if not same_backend:
+            raise ConfigError(f"--resume: {run_dir} was trained with table_backend="
+                              f"{prev['train'].get('table_backend', 'param')}; use the same setting")
         if {k: prev.get(k, {} if k == "model_overrides" else None) for k in keys} != {k: run_json[k] for k in keys}:
             raise ConfigError(f"--resume: {run_dir} was started with preset={prev.get('preset')} "
                               f"use_engram={prev.get('use_engram')} baseline={prev.get('baseline')}; use the same flags")
@@ -267,12 +370,30 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     from .distributed.parallel import DistContext
 
     ddp = DistContext(dev)
-    if ddp.world > 1 and resume:
-        raise ConfigError("--resume is not supported with --nproc > 1 yet; resume single-process runs only")
+    if ddp.world > 1 and tcfg.table_backend != "param":
+        raise ConfigError(f"table_backend={tcfg.table_backend} is single-process; with --nproc the tables are "
+                          "row-sharded across the ranks (use table_backend=param)")
     torch.manual_seed(tcfg.seed)
     mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
                               model_overrides=model_overrides)
     model = EngramForCausalLM(mcfg).to(dev).train()
+    n_params = sum(p.numel() for p in model.parameters())  # counted before tables move to files or shards
+    n_table = sum(p.numel() for _, p in split_params(model)[1])
+    stores = {}
+    if tcfg.table_backend == "mmap" and use_engram:
+        from .tables import offload_tables
+
+        table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
+        if resume:
+            missing = [str(f) for f in (table_dir / f"engram_table_L{l}.safetensors" for l in mcfg.engram["layer_ids"])
+                       if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"--resume: table files missing: {', '.join(missing)}")
+        stores = offload_tables(model, "mmap", table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20),
+                                trainable=True, overwrite=not resume)
+        if not resume:
+            for tb in stores.values():
+                tb.commit(0)
     step_model = ddp.parallelize(model)  # the model itself when single-process
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     progress = progress and ddp.is_main
@@ -296,6 +417,15 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                     raise CheckpointError(f"no usable checkpoint in {run_dir}: {e}") from None
                 print(f"engram: warning: {e}; falling back to {cks[i + 1].name}")
         step = st["step"]
+        from .tables.backends import TableError
+
+        for tb in stores.values():  # roll each table file back to the checkpoint (undo journal)
+            try:
+                n = tb.recover(step)
+            except TableError as e:
+                raise CheckpointError(f"--resume from {ck.name}: {e}") from None
+            if n and progress:
+                print(f"restored {n:,} rows of {tb.path.name} to step {step} from its journal")
         batcher.load_state_dict(st["batcher"])
         if metrics_path.is_file():  # drop metrics past the checkpoint: the resumed run rewrites them
             keep = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
@@ -304,8 +434,6 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     elif metrics_path.exists():
         metrics_path.unlink(missing_ok=True)
 
-    n_params = sum(p.numel() for p in model.parameters())
-    n_table = sum(p.numel() for _, p in split_params(model)[1])
     if progress:
         print(f"model: {n_params / 1e6:.2f}M parameters ({n_table / 1e6:.2f}M in Engram tables), "
               f"train {manifest['splits']['train']['tokens']:,} tokens, val windows {len(val)}, device {dev}")
@@ -327,11 +455,13 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
         log({"step": 0, "train_loss": first, "val_loss": evaluate(model, val, tcfg.batch_size, dev)})
     bar = tqdm(total=tcfg.max_steps, initial=step, disable=not progress, desc="train", dynamic_ncols=True)
     t_last, last_loss, last_val = time.perf_counter(), float("nan"), None
-    interrupted = False
+    interrupted = aborted = in_step = False
+    stop = _StopRequest()
     try:
         while step < tcfg.max_steps:
-            if stop_after is not None and step >= stop_after:
+            if ddp.any(stop.requested or (stop_after is not None and step >= stop_after)):
                 raise KeyboardInterrupt
+            in_step = True
             ids, hashes = ddp.local_batch(*batcher.next())
             ids = ids.to(dev)
             hashes = {k: v.to(dev, non_blocking=True) for k, v in hashes.items()} if hashes else None
@@ -349,6 +479,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             for o in opts.values():
                 o.step()
             step += 1
+            in_step = False
             last_loss = ddp.mean(loss.item())
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"loss became {last_loss} at step {step}; lower --lr or check the data")
@@ -363,33 +494,71 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", val=f"{last_val:.3f}" if last_val else "-",
                             tok_s=f"{rec['tok_s']:.0f}")
-            if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps and ddp.world == 1:
-                save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
+            if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps:
+                save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
+                                stores=stores, ddp=ddp)
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted, aborted = True, in_step
     finally:
+        stop.close()
         bar.close()
-    if ddp.world > 1:  # sharded runs save the final model (tables gathered), no resumable checkpoints yet
+    if aborted:  # a second Ctrl-C inside a step: the weights are half-updated, do not checkpoint them
+        for tb in stores.values():
+            tb.close()
+        print(f"aborted during step {step + 1}; no checkpoint written; --resume continues from the last one")
+        return {"interrupted": True, "step": step, "run_dir": str(run_dir)}
+    save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
+                    stores=stores, ddp=ddp)
+    table_stats = {str(k): tb.stats() for k, tb in stores.items()}
+    if stores:
+        from .tables.backends import restore_tables
+
+        restore_tables(model)  # final/ is a plain save_pretrained model with the trained tables inside
+    if ddp.world > 1:
         ddp.unshard(model)
         del step_model  # free the DDP reducer while its process group is alive: its destructor can hang after
         import gc
 
         gc.collect()
         ddp.close()  # before saving: transformers' save_pretrained must not see a process group others left
-        summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run_dir),
-                   "world_size": ddp.world}
-        if ddp.is_main and not interrupted:
-            summary["plot"] = str(_plot(run_dir))
-            summary["final"] = str(save_final(model, run_dir, manifest))
-            atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
-        return summary
-    save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints)
+        if not ddp.is_main:
+            return {"step": step, "train_loss": last_loss, "run_dir": str(run_dir), "world_size": ddp.world,
+                    **({"interrupted": True} if interrupted else {})}
     if interrupted:
         print(f"interrupted at step {step}; checkpoint saved in {run_dir / 'checkpoints'}; continue with --resume")
         return {"interrupted": True, "step": step, "run_dir": str(run_dir)}
     plot = _plot(run_dir)
     final = save_final(model, run_dir, manifest)
     summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run_dir),
-               "final": str(final), "plot": str(plot) if plot else None, "params": n_params, "table_params": n_table}
+               "final": str(final), "plot": str(plot) if plot else None, "params": n_params, "table_params": n_table,
+               "world_size": ddp.world}
+    if table_stats:
+        summary["table_cache"] = table_stats
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
     return summary
+
+
+class _StopRequest:
+    """Ctrl-C during training: finish the current step, checkpoint, stop. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.requested = False
+        self._prev = None
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nengram: stopping after this step to save a checkpoint (Ctrl-C again to abort without one)", flush=True)
+
+    def close(self) -> None:
+        if self._prev is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._prev)
+            self._prev = None

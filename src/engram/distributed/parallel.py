@@ -59,6 +59,18 @@ class DistContext:
         sl = slice(self.rank * b, (self.rank + 1) * b)
         return ids[sl], ({k: v[sl] for k, v in hashes.items()} if hashes else hashes)
 
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any (e.g. a stop request seen by one rank)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t)
+        return bool(t.item() > 0)
+
     def mean(self, value: float) -> float:
         if self.world == 1:
             return value

@@ -386,8 +386,8 @@ class MmapTable(TableBackend):
             raise TableError(f"{self.path.name} has been committed at step {base}; it cannot be rolled back to step "
                              f"{step} (only the newest checkpoint's table state is kept)")
         restored = 0
-        if base == step:
-            for rows, w, m, v in self._journal_entries():
+        if base == step:  # newest entry first, so a row journaled twice ends at its oldest (checkpoint) value
+            for rows, w, m, v in reversed(list(self._journal_entries())):
                 self.weight.index_copy_(0, rows, w)
                 self.exp_avg.index_copy_(0, rows, m)
                 self.exp_avg_sq.index_copy_(0, rows, v)
