@@ -202,6 +202,44 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
         train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
 
 
+def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch):
+    """One Ctrl-C: the step completes, a checkpoint is written, --resume continues exactly.
+    Two Ctrl-C inside a step: abort without writing the half-updated weights."""
+    import os
+    import signal
+
+    from engram.optim import LazyRowAdam
+    from engram.train import checkpoints
+
+    kw = dict(data=[str(corpus)], progress=False, max_steps=8, overrides={"ckpt_every": 100})
+    train("tiny", out=tmp_path / "ref", **kw)
+    original = LazyRowAdam.step
+
+    def press(at, times):
+        calls = {"n": 0}
+
+        def step(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == at:
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return original(self, *a, **k)
+        monkeypatch.setattr(LazyRowAdam, "step", step)
+
+    press(4, 1)
+    s = train("tiny", out=tmp_path / "run", **kw)
+    assert s.get("interrupted") and s["step"] == 4
+    assert [c.name for c in checkpoints(tmp_path / "run")] == ["step_000004"]
+    monkeypatch.setattr(LazyRowAdam, "step", original)
+    train("tiny", out=tmp_path / "run", resume=True, **kw)
+    assert _losses(tmp_path / "run") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
+
+    press(3, 2)
+    s = train("tiny", out=tmp_path / "abort", **kw)
+    assert s.get("interrupted") and s["step"] == 2 and checkpoints(tmp_path / "abort") == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+
+
 def _spawned_train(rank, world, port, out, corpus, stop_after, resume):
     import os
 
