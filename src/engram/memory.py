@@ -81,13 +81,22 @@ class MultiHeadEmbedding(nn.Module):
         if self.sharded is not None:  # row-sharded across ranks (engram.distributed)
             return self.sharded(hash_ids + self._offsets_on(hash_ids.device))
         if self.backend is not None:  # offloaded table (engram.tables): gather on the backend's side
-            flat = (hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1)
-            rows = self.backend.gather(flat)  # (N, D)
-            if self.backend.trainable and self.training and torch.is_grad_enabled():
-                rows.requires_grad_(True)  # a leaf: backward leaves the rows' gradients for TableAdam
-                self.backend.record(flat, rows)
-            return rows.view(*hash_ids.shape, self.embedding_dim)
+            return self.lookup_host(hash_ids).to(hash_ids.device)
         return self.embedding(hash_ids + self.offsets)
+
+    def lookup_host(self, hash_ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """Rows of an offloaded table, gathered on the host: `(..., H)` ids -> `(..., H, D)` CPU tensor.
+
+        `pin=True` gathers straight into page-locked memory (for an asynchronous copy to a GPU).
+        In training mode with a trainable backend the rows are a leaf whose gradient the backend keeps.
+        """
+        flat = (hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1)
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.backend.dtype, pin_memory=True) if pin else None
+        rows = self.backend.gather(flat, out=out)  # (N, D)
+        if self.backend.trainable and self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)  # a leaf: backward leaves the rows' gradients for TableAdam
+            self.backend.record(flat, rows)
+        return rows.view(*hash_ids.shape, self.embedding_dim)
 
     def row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After backward: `(rows [R], grads [R, D])` for the R distinct rows touched, or None.
@@ -180,7 +189,9 @@ class Engram(nn.Module):
         if G != self.hc_mult or D != self.hidden_size:
             raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
         if rows is not None:  # prefetched table rows (B, T, H, d), possibly still arriving (a Future)
-            rows = rows.result() if hasattr(rows, "result") else rows
+            from .tables.prefetch import resolve_rows
+
+            rows = resolve_rows(rows)
             e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
             return self._from_memory(hidden_states, e, return_gates)
         if hash_ids is None:

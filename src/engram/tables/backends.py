@@ -52,7 +52,8 @@ class TableBackend:
     dtype: torch.dtype
     trainable: bool = False  # set by offload_tables(..., trainable=True)
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, dim)
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (N,) int64 -> (N, dim); written into `out` when given (e.g. a reused or pinned buffer)."""
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -240,16 +241,17 @@ class MmapTable(TableBackend):
         self._journal = None
         self._touched = None
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
         if self.slots == 0:
             self.misses += rows.numel()
-            return torch.index_select(self.weight, 0, rows)
+            return torch.index_select(self.weight, 0, rows, out=out) if out is not None else \
+                torch.index_select(self.weight, 0, rows)
         slot = rows % self.slots
         hit = self.tags.index_select(0, slot) == rows
         hit_idx = hit.nonzero().squeeze(1)
         miss_idx = (~hit).nonzero().squeeze(1)
-        out = torch.empty(rows.numel(), self.dim, dtype=self.dtype)
+        out = torch.empty(rows.numel(), self.dim, dtype=self.dtype) if out is None else out
         self.hits += hit_idx.numel()
         self.misses += miss_idx.numel()
         if hit_idx.numel():

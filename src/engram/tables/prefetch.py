@@ -7,7 +7,10 @@ background thread while earlier blocks compute; a layer waits only if its rows a
     Prefetcher.attach(model)                          # or: every forward and generate() prefetch
 
 Gathers release the GIL (index_select, page-ins of memory-mapped tables), so they overlap with
-the backbone's compute on CPU; on GPU the gathered rows are copied with `non_blocking=True`.
+the backbone's compute on CPU. On GPU (`device="cuda"`, tables offloaded to host memory) the rows
+are gathered straight into page-locked memory and copied on a side CUDA stream; the Engram layer
+makes its stream wait for that copy's event (`resolve_rows`), so the copy overlaps the earlier
+blocks' kernels and nothing synchronizes the host.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Prefetcher:
         self.mapping = next(iter(self.engrams.values())).hash_mapping
         self.device = torch.device(device) if device is not None else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
 
     @classmethod
     def attach(cls, model, device=None) -> "Prefetcher":
@@ -48,13 +52,38 @@ class Prefetcher:
         for lid, eng in sorted(self.engrams.items()):
             def work(lid=lid, eng=eng):
                 h = hashed.result()[lid]
+                h = h[:, -keep_last:] if keep_last else h
+                mhe = eng.multi_head_embedding
                 with torch.set_grad_enabled(grad):
-                    rows = eng.multi_head_embedding(h[:, -keep_last:] if keep_last else h)  # (B, T, H, d)
-                if self.device is not None and self.device.type == "cuda":
-                    rows = rows.pin_memory().to(self.device, non_blocking=True)
-                return rows
+                    if self.stream is None or mhe.backend is None:
+                        return mhe(h)  # (B, T, H, d)
+                    rows = mhe.lookup_host(h, pin=True)  # (B, T, H, d), page-locked
+                    with torch.cuda.stream(self.stream):
+                        on_dev = rows.to(self.device, non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(self.stream)
+                return _OnStream(on_dev, done)
             futures[lid] = self.pool.submit(work)
         return futures
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class _OnStream:
+    """Rows copied to the GPU on the prefetcher's side stream, with the event that marks the copy done."""
+
+    def __init__(self, tensor: torch.Tensor, event):
+        self.tensor, self.event = tensor, event
+
+
+def resolve_rows(rows):
+    """A prefetched value (tensor, Future, or side-stream copy) -> a tensor safe to use on the current stream."""
+    if hasattr(rows, "result"):
+        rows = rows.result()
+    if isinstance(rows, _OnStream):
+        cur = torch.cuda.current_stream(rows.tensor.device)
+        cur.wait_event(rows.event)  # the GPU waits for the copy; the host does not
+        rows.tensor.record_stream(cur)  # its memory (allocated on the side stream) is in use on this one too
+        return rows.tensor
+    return rows
