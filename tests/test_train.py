@@ -240,33 +240,35 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
 
 
-def _spawned_train(rank, world, port, out, corpus, stop_after, resume):
+def _spawned_train(rank, world, port, out, corpus, stop_after, resume, dense):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     train("tiny", data=[corpus], out=out, progress=False, max_steps=6, stop_after=stop_after, resume=resume,
-          overrides={"ckpt_every": 100})
+          overrides={"ckpt_every": 100, "dense_parallel": dense})
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp2")),
+                                        ((2, "fsdp2"), (2, "ddp"))])
 def test_sharded_checkpoints_resume_at_another_world_size(corpus, tmp_path, free_port, first, then):
-    """Stop a run at step 3 with one world size, resume it with another: same losses as an uninterrupted run.
+    """Stop a run at step 3 with one world size / dense wrapper, resume it with another: same losses as an
+    uninterrupted single-process run.
 
-    (Weights agree to 1e-3: DDP averages per-rank gradients, a different float summation that Adam
-    amplifies on near-zero gradients such as the mHC alphas.)
+    (Weights agree to 1e-3: data parallelism averages per-rank gradients, a different float summation
+    that Adam amplifies on near-zero gradients such as the mHC alphas.)
     """
     import torch.multiprocessing as mp
 
     ref = tmp_path / "ref"
     train("tiny", data=[str(corpus)], out=ref, progress=False, max_steps=6, overrides={"ckpt_every": 100})
     run = tmp_path / "run"
-    for world, stop_after, resume in ((first, 3, False), (then, None, True)):
+    for (world, dense), stop_after, resume in ((first, 3, False), (then, None, True)):
         if world == 1:
             train("tiny", data=[str(corpus)], out=run, progress=False, max_steps=6, stop_after=stop_after,
                   resume=resume, overrides={"ckpt_every": 100})
         else:
-            mp.spawn(_spawned_train, args=(world, free_port(), str(run), str(corpus), stop_after, resume),
+            mp.spawn(_spawned_train, args=(world, free_port(), str(run), str(corpus), stop_after, resume, dense),
                      nprocs=world, join=True)
         if world == 2 and stop_after:  # the sharded layout: one file per rank and table, with row ranges
             ck = run / "checkpoints" / "step_000003"

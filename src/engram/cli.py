@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="cpu | cuda (default: cuda if available)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
     t.add_argument("--nproc", type=int, default=1,
-                   help="processes (torchrun): Engram tables row-sharded across them, dense parameters with DDP")
+                   help="processes (torchrun): Engram tables row-sharded across them, dense parameters with DDP "
+                        "(--set dense_parallel=fsdp2: sharded with FSDP2)")
     t.add_argument("--table-backend", choices=["param", "mmap"],
                    help="mmap: train the Engram tables (and their Adam moments) in memory-mapped files "
                         "under RUN/tables (default: param, tables in RAM)")

@@ -58,6 +58,7 @@ class TrainConfig:
     table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
     table_cache_mb: float = 0.0  # mmap: hot-row cache size
     table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
+    dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)
 
     def validate(self) -> None:
         for f in ("seq_len", "batch_size", "max_steps", "keep_checkpoints"):
@@ -67,15 +68,17 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.table_backend not in ("param", "mmap"):
             raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
+        if self.dense_parallel not in ("ddp", "fsdp2"):
+            raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.table_cache_mb < 0:
             raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def _optim_tensors(opts: dict) -> tuple[dict, dict]:
+def _optim_tensors(sds: dict) -> tuple[dict, dict]:
+    """{name: optimizer state_dict} -> (tensors for safetensors, JSON meta)."""
     tensors, meta = {}, {}
-    for name, opt in opts.items():
-        sd = opt.state_dict()
+    for name, sd in sds.items():
         meta[name] = {"param_groups": sd["param_groups"], "state_keys": {}}
         for idx, st in sd["state"].items():
             meta[name]["state_keys"][str(idx)] = {}
@@ -88,13 +91,30 @@ def _optim_tensors(opts: dict) -> tuple[dict, dict]:
     return tensors, meta
 
 
+def _optim_state(name: str, tensors: dict, meta: dict) -> dict:
+    """The optimizer state_dict `name` saved by `_optim_tensors`."""
+    m = meta[name]
+    state = {}
+    for idx, keys in m["state_keys"].items():
+        state[int(idx)] = {k: (tensors[f"{name}.{idx}.{k}"] if v == "tensor" else v) for k, v in keys.items()}
+    return {"state": state, "param_groups": m["param_groups"]}
+
+
 def _load_optim(opts: dict, tensors: dict, meta: dict) -> None:
     for name, opt in opts.items():
-        m = meta[name]
-        state = {}
-        for idx, keys in m["state_keys"].items():
-            state[int(idx)] = {k: (tensors[f"{name}.{idx}.{k}"] if v == "tensor" else v) for k, v in keys.items()}
-        opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
+        opt.load_state_dict(_optim_state(name, tensors, meta))
+
+
+def _dedup(sd: dict) -> dict:
+    """Drop later names of tensors sharing storage (tied weights), as safetensors requires."""
+    seen, out = set(), {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if v.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = v.contiguous()
+    return out
 
 
 def _tables(model) -> list:
@@ -128,22 +148,21 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         tmp.mkdir()
     if sharded:
         ddp.barrier()
+        from .distributed.sharded import save_sharded
+
         for name, mhe in _tables(model):
             if mhe.sharded is not None:
-                from .distributed.sharded import save_sharded
-
                 save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
+        dense_sd = ddp.dense_state_dict(model)  # full tensors (collective under FSDP2), tables left out
+        dense_osd = ddp.optim_state_dict(model, opts["dense"])
         ddp.barrier()
     if main:
-        detached = [(mhe, mhe.sharded) for _, mhe in _tables(model) if mhe.sharded is not None]
-        for mhe, _ in detached:  # table shards are saved above; model.safetensors holds the dense weights
-            mhe.sharded = None
-        try:
+        if sharded:
+            save_file(_dedup(dense_sd), str(tmp / "model.safetensors"))
+            tensors, meta = _optim_tensors({"dense": dense_osd})
+        else:
             save_model(model, str(tmp / "model.safetensors"))
-        finally:
-            for mhe, sh in detached:
-                mhe.sharded = sh
-        tensors, meta = _optim_tensors({k: o for k, o in opts.items() if not (sharded and k == "tables")})
+            tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(tensors, str(tmp / "optim.safetensors"))
         files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
@@ -186,7 +205,7 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, model, opts: dict) -> dict:
+def load_checkpoint(path: Path, model, opts: dict, ddp=None) -> dict:
     """Restore model, optimizers and RNG from a verified checkpoint (either layout, any world size)."""
     from safetensors.torch import load_file, load_model
 
@@ -197,7 +216,7 @@ def load_checkpoint(path: Path, model, opts: dict) -> dict:
             load_model(model, str(path / "model.safetensors"))
             _load_optim(opts, tensors, state["optim"])
         else:
-            _load_resharded(path, state, model, opts, tensors)
+            _load_resharded(path, state, model, opts, tensors, ddp)
     except CheckpointError:
         raise
     except Exception as e:
@@ -206,21 +225,25 @@ def load_checkpoint(path: Path, model, opts: dict) -> dict:
     return state
 
 
-def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict) -> None:
+def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, ddp=None) -> None:
     """Load a checkpoint whose tables are sharded, or into a model whose tables are (any world size)."""
     from safetensors.torch import load_file
 
+    from .distributed.parallel import DistContext
     from .distributed.sharded import load_sharded
 
+    ddp = ddp or DistContext(torch.device("cpu"))
     sd = load_file(str(path / "model.safetensors"))
     dense = {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
-    missing, unexpected = model.load_state_dict(dense, strict=False)
-    ptrs = {t.data_ptr() for k, t in model.state_dict().items() if k in dense}
-    model_sd = model.state_dict()
-    missing = [k for k in missing if "multi_head_embedding" not in k and model_sd[k].data_ptr() not in ptrs]
-    if missing or unexpected:  # (tied weights are stored once: a missing key sharing storage is loaded)
+    missing, unexpected = ddp.load_dense_state_dict(model, dense)
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    tied_loaded = {n for group in names.values() if any(k in dense for k in group) for n in group}
+    missing = [k for k in missing if "multi_head_embedding" not in k and k not in tied_loaded]
+    if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
         raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    _load_optim({"dense": opts["dense"]}, tensors, {"dense": state["optim"]["dense"]})
+    ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
     topt = opts.get("tables")
     params = topt.param_groups[0]["params"] if topt is not None else []
     for name, mhe in _tables(model):
@@ -394,7 +417,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
         if not resume:
             for tb in stores.values():
                 tb.commit(0)
-    step_model = ddp.parallelize(model)  # the model itself when single-process
+    step_model = ddp.parallelize(model, tcfg.dense_parallel)  # the model itself when single-process / FSDP2
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     progress = progress and ddp.is_main
     batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
@@ -410,7 +433,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             raise CheckpointError(f"--resume: no checkpoints under {run_dir / 'checkpoints'}")
         for i, ck in enumerate(cks):
             try:
-                st = load_checkpoint(ck, model, opts)
+                st = load_checkpoint(ck, model, opts, ddp)
                 break
             except CheckpointError as e:
                 if i + 1 == len(cks):
@@ -478,6 +501,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                 torch.nn.utils.clip_grad_norm_(dense_params, tcfg.grad_clip)
             for o in opts.values():
                 o.step()
+            ddp.sync_buffers(model)
             step += 1
             in_step = False
             last_loss = ddp.mean(loss.item())
@@ -515,7 +539,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
 
         restore_tables(model)  # final/ is a plain save_pretrained model with the trained tables inside
     if ddp.world > 1:
-        ddp.unshard(model)
+        model = ddp.unshard(model, lambda: EngramForCausalLM(mcfg))
         del step_model  # free the DDP reducer while its process group is alive: its destructor can hang after
         import gc
 

@@ -1,11 +1,15 @@
 """Data-parallel training with row-sharded Engram tables, applied from outside the model.
 
 Under `torchrun` (WORLD_SIZE > 1) `DistContext.parallelize(model)` replaces every Engram table by a
-`ShardedTable` (rows split across ranks, lookups and gradients by all-to-all) and wraps the model
-in DistributedDataParallel for the dense parameters (the sharded tables are excluded from DDP's
-all-reduce: their gradients already travel to their owners). Each rank trains on its slice of the
-global batch; the reported loss is the mean over ranks, so `--nproc N` and `--nproc 1` follow the
-same curve at the same global batch. With WORLD_SIZE == 1 every method is a no-op.
+`ShardedTable` (rows split across ranks, lookups and gradients by all-to-all) and, for the dense
+parameters, either wraps the model in DistributedDataParallel (`dense="ddp"`) or applies FSDP2
+`fully_shard` to every decoder layer and the root (`dense="fsdp2"`: parameters, gradients and
+optimizer state sharded too). The sharded tables are left out of both (their gradients already
+travel to their owners). Each rank trains on its slice of the global batch; the reported loss is
+the mean over ranks, so `--nproc N` and `--nproc 1` follow the same curve at the same global batch.
+The state-dict helpers give full (unsharded) dense weights and optimizer state in the
+single-process layout whichever wrapper is used, so checkpoints do not depend on it.
+With WORLD_SIZE == 1 every method is a no-op.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class DistContext:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = device
+        self.fsdp = False
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
@@ -28,14 +33,19 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def parallelize(self, model):
-        """Shard the Engram tables and wrap in DDP; returns the module to call for training steps."""
+    def parallelize(self, model, dense: str = "ddp"):
+        """Shard the Engram tables and parallelize the dense parameters (`dense`: "ddp" or "fsdp2").
+
+        Returns the module to call for training steps (the DDP wrapper, or the model itself).
+        """
+        if dense not in ("ddp", "fsdp2"):
+            raise ValueError(f"dense parallelism must be 'ddp' or 'fsdp2', got {dense!r}")
         if self.world == 1:
             return model
         from ..memory import MultiHeadEmbedding
         from .sharded import ShardedTable
 
-        ignore = []
+        ignore, ignore_params = [], set()
         for name, mod in model.named_modules():
             if isinstance(mod, MultiHeadEmbedding):
                 W = mod.embedding.weight
@@ -43,10 +53,76 @@ class DistContext:
                                            grad_scale=1.0 / self.world)
                 mod.embedding.weight = torch.nn.Parameter(W.new_empty(0, W.shape[1]), requires_grad=False)
                 ignore.append(f"{name}.sharded.weight")
+                ignore_params |= {mod.sharded.weight, mod.embedding.weight}
+        if dense == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world,))
+            for layer in model.model.layers:  # one all-gather per block, resharded after its forward
+                fully_shard(layer, mesh=mesh, ignored_params=ignore_params)
+            fully_shard(model, mesh=mesh, ignored_params=ignore_params)
+            self.fsdp = True
+            return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def sync_buffers(self, model) -> None:
+        """FSDP2 leaves buffers alone: broadcast the MoE routing biases from rank 0 after each step, as DDP does."""
+        if self.fsdp:
+            for name, b in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    dist.broadcast(b, 0)
+
+    # ---- full (unsharded) dense state in the single-process layout, whatever the wrapper
+    def dense_state_dict(self, model) -> dict:
+        """Dense weights (no Engram tables) as full CPU tensors. Collective under FSDP2 (call on every rank;
+        only rank 0 receives them there)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            sd = model.state_dict()
+        return {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
+
+    def load_dense_state_dict(self, model, sd: dict):
+        """Load full dense weights; returns (missing, unexpected) keys like `load_state_dict(strict=False)`."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            return set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        return model.load_state_dict(sd, strict=False)
+
+    def _order(self, model, opt) -> list[str]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+    def optim_state_dict(self, model, opt) -> dict:
+        """`opt.state_dict()` in torch's index layout, with full tensors (collective under FSDP2; rank 0 gets it)."""
+        if not self.fsdp:
+            return opt.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not osd:  # with cpu_offload only rank 0 receives the full state
+            return {}
+        index = {n: i for i, n in enumerate(self._order(model, opt))}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+        return {"state": {index[n]: st for n, st in osd["state"].items()}, "param_groups": groups}
+
+    def load_optim_state_dict(self, model, opt, sd: dict) -> None:
+        if not self.fsdp:
+            opt.load_state_dict(sd)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        order = self._order(model, opt)
+        osd = {"state": {order[int(i)]: st for i, st in sd["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+        set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(full_state_dict=True))
 
     def local_batch(self, ids: torch.Tensor, hashes: dict | None):
         """This rank's rows of the global batch (the batch size must divide by the world size)."""
@@ -78,19 +154,40 @@ class DistContext:
         dist.all_reduce(t)
         return float(t.item() / self.world)
 
-    def unshard(self, model) -> None:
-        """Put full tables back into the model (every rank) so it saves like a single-process model."""
+    def unshard(self, model, plain_factory=None):
+        """A single-process model with the full tables (and, under FSDP2, full dense weights).
+
+        Under FSDP2 the trained weights are copied into `plain_factory()` (a fresh model of the same
+        config), since a fully_shard-ed module keeps DTensor parameters; only rank 0 receives the
+        full dense weights there, so the other ranks get None. Collective: call on every rank.
+        """
         if self.world == 1:
-            return
+            return model
         from ..memory import MultiHeadEmbedding
         from .sharded import gather_full
 
+        dense = self.dense_state_dict(model) if self.fsdp else None
         for mod in model.modules():
             if isinstance(mod, MultiHeadEmbedding) and getattr(mod, "sharded", None) is not None:
                 full = gather_full(mod.sharded)
                 mod.embedding.weight = torch.nn.Parameter(full.clone())
                 del mod.sharded
                 mod.sharded = None
+        if not self.fsdp:
+            return model
+        if not self.is_main:
+            return None
+        plain = plain_factory()
+        tables = {n: m.embedding.weight.detach() for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)}
+        missing, unexpected = plain.load_state_dict(dense, strict=False)
+        with torch.no_grad():
+            for n, m in plain.named_modules():
+                if isinstance(m, MultiHeadEmbedding):
+                    m.embedding.weight.copy_(tables[n])
+        left = [k for k in missing if "multi_head_embedding" not in k]
+        if left or unexpected:
+            raise RuntimeError(f"unshard: missing {left[:5]}, unexpected {unexpected[:5]}")
+        return plain
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
