@@ -202,6 +202,33 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
         train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
 
 
+def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
+    """A real `kill -9` of `engram train --table-backend mmap` at an arbitrary moment (after its first
+    checkpoint): --resume rolls the table file back and ends with the uninterrupted run's losses."""
+    import signal
+    import time
+
+    steps, mm = 40, {"ckpt_every": 4, "table_backend": "mmap"}
+    train("tiny", data=[str(corpus)], out=tmp_path / "ref", progress=False, max_steps=steps, overrides=mm)
+    args = [sys.executable, "-m", "engram.cli", "train", "--preset", "tiny", "--data", str(corpus), "--out", "run",
+            "--max-steps", str(steps), "--set", "ckpt_every=4", "--table-backend", "mmap"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 120
+
+    def logged():
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    while logged() < 11 and time.time() < deadline:  # step 10 logged: checkpoint 8 exists, step 11 running
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [c.name for c in (tmp_path / "run" / "checkpoints").glob("step_*")]
+    assert done and "step_%06d" % steps not in done, "the kill must land before the run ended"
+    r = subprocess.run(args + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _losses(tmp_path / "run") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
+
+
 def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch):
     """One Ctrl-C: the step completes, a checkpoint is written, --resume continues exactly.
     Two Ctrl-C inside a step: abort without writing the half-updated weights."""
