@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -5,7 +7,8 @@ pytest.importorskip("transformers")
 
 from engram import presets  # noqa: E402
 from engram.model import EngramForCausalLM  # noqa: E402
-from engram.tables import InRamTable, MmapTable, Prefetcher, offload_tables, write_table_file  # noqa: E402
+from engram.tables import (InRamTable, MmapTable, Prefetcher, offload_tables, restore_tables,  # noqa: E402
+                           write_table_file)
 from engram.tables.backends import TableError  # noqa: E402
 
 
@@ -134,6 +137,8 @@ def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache
             if cache_rows:
                 live = tb.tags >= 0
                 assert live.any() and torch.equal(tb.cache[live], tb.weight[tb.tags[live]])  # cache kept coherent
+    restore_tables(m)  # back to plain parameters: the same model as the reference
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
 
 
 def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
@@ -177,3 +182,28 @@ def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
     plain = write_table_file(tmp_path / "plain.safetensors", W)
     with pytest.raises(TableError, match="moments"):
         MmapTable(plain, writable=True)
+
+
+def test_tables_created_as_files_never_live_in_ram(tmp_path):
+    """defer_table_allocation + offload_tables(init_seed=): the model never holds its table; the file is N(0,1)."""
+    from engram.memory import MultiHeadEmbedding, defer_table_allocation
+    from engram.tables import create_table_file
+
+    with defer_table_allocation():
+        m = EngramForCausalLM(presets.tiny())
+    mhe = next(x for x in m.modules() if isinstance(x, MultiHeadEmbedding))
+    assert mhe.embedding.weight.shape[0] == 0 and mhe.num_rows > 0
+    with pytest.raises(TableError, match="init_seed"):
+        offload_tables(m, "mmap", tmp_path / "a", trainable=True)
+    with pytest.raises(TableError, match="defer_table_allocation"):
+        offload_tables(m, "ram", trainable=True)
+    tables = offload_tables(m, "mmap", tmp_path / "b", trainable=True, init_seed=7)
+    tb = next(iter(tables.values()))
+    assert tb.num_rows == mhe.num_rows and abs(float(tb.weight.mean())) < 0.05 and abs(float(tb.weight.std()) - 1) < 0.05
+    again = MmapTable(create_table_file(tmp_path / "c.safetensors", tb.num_rows, tb.dim, seed=7 + 1))
+    assert torch.equal(again.weight, tb.weight)  # seed + layer id: the same rows again
+    tb.commit(0)
+    losses, _ = _train_steps(m, steps=3)
+    assert all(math.isfinite(x) for x in losses)
+    changed = (tb.weight != again.weight).any(dim=1)
+    assert 0 < int(changed.sum()) < tb.num_rows  # training wrote the looked-up rows into the file, only those

@@ -202,6 +202,19 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
         train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
 
 
+def test_file_initialized_tables_train_and_resume(corpus, tmp_path):
+    """table_init=file: the tables are created as files (never in RAM); stop + resume equals an uninterrupted run."""
+    kw = dict(data=[str(corpus)], progress=False, max_steps=6)
+    mm = {"ckpt_every": 100, "table_backend": "mmap", "table_init": "file"}
+    full = train("tiny", out=tmp_path / "full", overrides=mm, **kw)
+    train("tiny", out=tmp_path / "cut", overrides=mm, stop_after=3, **kw)
+    train("tiny", out=tmp_path / "cut", overrides=mm, resume=True, **kw)
+    assert _losses(tmp_path / "cut") == pytest.approx(_losses(tmp_path / "full"), abs=1e-6)
+    ref = train("tiny", out=tmp_path / "param", **kw)
+    assert (full["params"], full["table_params"]) == (ref["params"], ref["table_params"])
+    assert _losses(tmp_path / "full")[0] != _losses(tmp_path / "param")[0]  # other table init, same model size
+
+
 def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
     """A real `kill -9` of `engram train --table-backend mmap` at an arbitrary moment (after its first
     checkpoint): --resume rolls the table file back and ends with the uninterrupted run's losses."""

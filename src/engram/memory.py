@@ -15,6 +15,7 @@ Same math as the reference `engram_demo_v1.py`, arranged for speed:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -34,6 +35,24 @@ def _rstd(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     return (ms + eps).rsqrt()
 
 
+_DEFER_TABLES = False
+
+
+@contextlib.contextmanager
+def defer_table_allocation():
+    """Build models whose Engram tables get no storage (0-row weights, no init draws).
+
+    For tables that will live in a backend created on its own (`offload_tables(..., init_seed=)`
+    streams an N(0, 1) file), so a table larger than RAM is never materialized.
+    """
+    global _DEFER_TABLES
+    old, _DEFER_TABLES = _DEFER_TABLES, True
+    try:
+        yield
+    finally:
+        _DEFER_TABLES = old
+
+
 class MultiHeadEmbedding(nn.Module):
     """All heads' tables concatenated in one `(sum(list_of_N), D)` embedding with per-head row offsets.
 
@@ -43,6 +62,7 @@ class MultiHeadEmbedding(nn.Module):
     def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True):
         super().__init__()
         self.num_heads = len(list_of_N)
+        self.num_rows = int(sum(list_of_N))  # the table's rows, also when its storage lives elsewhere
         self.embedding_dim = D
         offsets = [0]
         for n in list_of_N[:-1]:
@@ -52,7 +72,7 @@ class MultiHeadEmbedding(nn.Module):
         self._offsets_cache: dict[torch.device, torch.Tensor] = {}
         self.backend = None  # set by engram.tables.offload_tables
         self.sharded = None  # set by engram.distributed.DistContext.parallelize
-        weight = torch.empty(int(sum(list_of_N)), D, dtype=dtype)
+        weight = torch.empty(0 if _DEFER_TABLES else self.num_rows, D, dtype=dtype)
         self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
         self.reset_parameters()
 

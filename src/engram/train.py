@@ -16,6 +16,7 @@ biases, the data position and the RNG, so the loss curve continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -58,6 +59,7 @@ class TrainConfig:
     table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
     table_cache_mb: float = 0.0  # mmap: hot-row cache size
     table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
+    table_init: str = "model"  # mmap: model (init in RAM, then written: same run as param) | file (streamed, never in RAM)
     dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)
 
     def validate(self) -> None:
@@ -68,6 +70,10 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.table_backend not in ("param", "mmap"):
             raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
+        if self.table_init not in ("model", "file"):
+            raise ConfigError(f"table_init must be 'model' or 'file', got {self.table_init!r}")
+        if self.table_init == "file" and self.table_backend != "mmap":
+            raise ConfigError("table_init=file needs table_backend=mmap (the tables are created as files)")
         if self.dense_parallel not in ("ddp", "fsdp2"):
             raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.table_cache_mb < 0:
@@ -344,6 +350,21 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
         model.save_pretrained(tmp)
     finally:
         model.config.engram = old
+    backed = {f"{name}.embedding.weight": m.backend for name, m in _tables(model) if m.backend is not None}
+    if backed:  # tables in files: stream their rows into model.safetensors, a block at a time
+        from safetensors import safe_open
+
+        from .tables.backends import _row_chunks, write_safetensors
+
+        f = tmp / "model.safetensors"
+        with safe_open(str(f), framework="pt") as st:
+            meta, small = st.metadata(), {k: st.get_tensor(k) for k in st.keys()}
+        missing = set(backed) - set(small)
+        if missing:
+            raise CheckpointError(f"save_final: {f} lacks the table entries {sorted(missing)}")
+        entries = [(k, t.dtype, tuple(t.shape), _row_chunks(t))
+                   for k, t in ((k, backed[k].weight if k in backed else v) for k, v in small.items())]
+        write_safetensors(f, entries, meta)
     shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
     if final.exists():
         shutil.rmtree(final)
@@ -399,9 +420,16 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     torch.manual_seed(tcfg.seed)
     mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
                               model_overrides=model_overrides)
-    model = EngramForCausalLM(mcfg).to(dev).train()
-    n_params = sum(p.numel() for p in model.parameters())  # counted before tables move to files or shards
-    n_table = sum(p.numel() for _, p in split_params(model)[1])
+    from .memory import MultiHeadEmbedding, defer_table_allocation
+
+    file_init = tcfg.table_backend == "mmap" and tcfg.table_init == "file"
+    with defer_table_allocation() if file_init else contextlib.nullcontext():
+        model = EngramForCausalLM(mcfg).to(dev).train()
+    # counted before the tables move to files or shards
+    tables = [m for m in model.modules() if isinstance(m, MultiHeadEmbedding)]
+    n_table = sum(m.num_rows * m.embedding_dim for m in tables if m.embedding.weight.requires_grad)  # trained rows
+    n_params = (sum(p.numel() for n, p in model.named_parameters() if "multi_head_embedding" not in n)
+                + sum(m.num_rows * m.embedding_dim for m in tables))
     stores = {}
     if tcfg.table_backend == "mmap" and use_engram:
         from .tables import offload_tables
@@ -413,7 +441,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             if missing:
                 raise CheckpointError(f"--resume: table files missing: {', '.join(missing)}")
         stores = offload_tables(model, "mmap", table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20),
-                                trainable=True, overwrite=not resume)
+                                trainable=True, overwrite=not resume, init_seed=tcfg.seed if file_init else None)
         if not resume:
             for tb in stores.values():
                 tb.commit(0)
@@ -534,10 +562,6 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
                     stores=stores, ddp=ddp)
     table_stats = {str(k): tb.stats() for k, tb in stores.items()}
-    if stores:
-        from .tables.backends import restore_tables
-
-        restore_tables(model)  # final/ is a plain save_pretrained model with the trained tables inside
     if ddp.world > 1:
         model = ddp.unshard(model, lambda: EngramForCausalLM(mcfg))
         del step_model  # free the DDP reducer while its process group is alive: its destructor can hang after

@@ -28,6 +28,7 @@ tail belongs to a write that never reached the table).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -38,7 +39,8 @@ import torch
 
 from ..utils import atomic_write_bytes
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -127,18 +129,54 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
     `with_moments=True` adds zero float32 tensors `exp_avg` and `exp_avg_sq` of the same shape
     (the Adam moments a trainable `MmapTable` keeps beside the rows).
     """
+    w = weight.detach().cpu()
+    entries = [("weight", w.dtype, tuple(w.shape), _row_chunks(w, chunk_rows))]
+    return write_safetensors(path, entries + (_zero_moments(*w.shape, chunk_rows) if with_moments else []))
+
+
+def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
+                      seed: int = 0, with_moments: bool = False, chunk_rows: int = 1 << 18) -> Path:
+    """A new table file with N(0, 1) rows (nn.Embedding's init) drawn chunk by chunk from `seed`.
+
+    Memory stays at one chunk, so the table can be larger than RAM. Same seed, same file.
+    """
+    g = torch.Generator().manual_seed(seed)
+    chunks = (torch.randn(min(chunk_rows, num_rows - s), dim, generator=g).to(dtype)
+              for s in range(0, num_rows, chunk_rows))
+    entries = [("weight", dtype, (num_rows, dim), chunks)]
+    return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []))
+
+
+def _row_chunks(t: torch.Tensor, chunk_rows: int = 1 << 18):
+    """Row blocks of `t` (e.g. a memory-mapped table): only one block is ever copied at a time."""
+    return (t[s:s + chunk_rows] for s in range(0, max(1, t.shape[0]), chunk_rows)) if t.dim() else iter([t])
+
+
+def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
+    def zeros():
+        for s in range(0, num_rows, chunk_rows):
+            yield torch.zeros(min(chunk_rows, num_rows - s), dim)
+    return [("exp_avg", torch.float32, (num_rows, dim), zeros()), ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
+
+
+def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None) -> Path:
+    """Stream tensors into a safetensors file, atomically (temp file, fsync, rename).
+
+    `entries`: `(name, dtype, shape, chunks)` in file order, where `chunks` yields row blocks whose
+    concatenation is the tensor, so tensors larger than RAM (memory-mapped, generated) are written
+    a block at a time.
+    """
     path = Path(path)
-    w = weight.detach().cpu().contiguous()
-    dt = _ST_DTYPES.get(w.dtype)
-    if dt is None:
-        raise TableError(f"table dtype {w.dtype} is not supported (use float32, bfloat16 or float16)")
-    nbytes = w.numel() * w.element_size()
-    meta = {"weight": {"dtype": dt, "shape": list(w.shape), "data_offsets": [0, nbytes]}}
-    mbytes = w.numel() * 4
-    if with_moments:
-        meta["exp_avg"] = {"dtype": "F32", "shape": list(w.shape), "data_offsets": [nbytes, nbytes + mbytes]}
-        meta["exp_avg_sq"] = {"dtype": "F32", "shape": list(w.shape),
-                              "data_offsets": [nbytes + mbytes, nbytes + 2 * mbytes]}
+    meta, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        dt = _ST_DTYPES.get(dtype)
+        if dt is None:
+            raise TableError(f"{name}: dtype {dtype} is not supported (use float32, bfloat16 or float16)")
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        meta[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        meta["__metadata__"] = metadata
     header = json.dumps(meta).encode()
     header += b" " * ((8 - len(header) % 8) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,16 +184,15 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        flat = w.view(torch.uint8).view(w.shape[0], -1) if w.dtype != torch.uint8 else w
-        for s in range(0, w.shape[0], chunk_rows):
-            f.write(flat[s:s + chunk_rows].numpy().tobytes())
-        if with_moments:
-            zeros = bytes(min(chunk_rows, max(1, w.shape[0])) * w.shape[1] * 4)
-            for _ in range(2):
-                left = mbytes
-                while left > 0:
-                    f.write(zeros[:left])
-                    left -= len(zeros)
+        for name, dtype, shape, chunks in entries:
+            written = 0
+            for c in chunks:
+                b = c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if c.numel() else b""
+                f.write(b)
+                written += len(b)
+            a, z = meta[name]["data_offsets"]
+            if written != z - a:
+                raise TableError(f"{name}: wrote {written} bytes, the header promises {z - a}")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -411,14 +448,17 @@ class MmapTable(TableBackend):
 
 def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | None = None,
                    cache_bytes: int = 64 << 20, policy: str = "lru", trainable: bool = False,
-                   overwrite: bool = False) -> dict:
+                   overwrite: bool = False, init_seed: int | None = None) -> dict:
     """Move every Engram table of `model` into a backend and route lookups through it.
 
     backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
     file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
     copy; "ram" keeps the tensor. `trainable=True` keeps Adam moments in the backend (in the same
     file for "mmap", opened writable with its undo journal) and lets `engram.optim.TableAdam`
-    train the rows; the model's table parameters become empty. Returns {layer_id: backend}.
+    train the rows; the model's table parameters become empty. A model built under
+    `engram.memory.defer_table_allocation()` has no table rows to write: its files are created
+    with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
+    Returns {layer_id: backend}.
     """
     from ..memory import Engram
 
@@ -432,15 +472,27 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
             continue
         mhe = mod.multi_head_embedding
         w = mhe.embedding.weight
+        deferred = w.shape[0] != mhe.num_rows
         if backend == "ram":
+            if deferred:
+                raise TableError("offload_tables(backend='ram') needs the table in the model; it was built "
+                                 "with defer_table_allocation()")
             tb = InRamTable(w.detach().clone() if trainable else w)
         else:
             f = Path(directory) / f"engram_table_L{mod.layer_id}.safetensors"
             if overwrite or not f.is_file():
-                write_table_file(f, w, with_moments=trainable)
+                if deferred and init_seed is None:
+                    raise TableError(f"{f} does not exist and the model has no table rows to write "
+                                     "(built with defer_table_allocation()): pass init_seed to create it")
+                if deferred:
+                    create_table_file(f, mhe.num_rows, w.shape[1], w.dtype, seed=init_seed + mod.layer_id,
+                                      with_moments=trainable)
+                else:
+                    write_table_file(f, w, with_moments=trainable)
             tb = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
-            if tb.num_rows != w.shape[0] or tb.dim != w.shape[1]:
-                raise TableError(f"{f} holds a [{tb.num_rows}, {tb.dim}] table, the model needs {list(w.shape)}")
+            if tb.num_rows != mhe.num_rows or tb.dim != w.shape[1]:
+                raise TableError(f"{f} holds a [{tb.num_rows}, {tb.dim}] table, the model needs "
+                                 f"{[mhe.num_rows, w.shape[1]]}")
         tb.trainable, tb.requires_grad = trainable and w.requires_grad, w.requires_grad
         if backend == "mmap" or trainable:
             mhe.embedding.weight = torch.nn.Parameter(torch.empty(0, w.shape[1], dtype=w.dtype), requires_grad=False)
