@@ -150,6 +150,8 @@ def test_corrupt_checkpoint_falls_back_to_previous(corpus, tmp_path):
     (cks[-1] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncate the newest
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         read_checkpoint(cks[-1])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "train_lo')  # a line torn by a kill while appending
     s = train("tiny", data=[str(corpus)], out=run, progress=False, resume=True)
     assert s["step"] == 20
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]

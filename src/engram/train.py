@@ -277,6 +277,14 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
                              "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line, or None for a blank or torn one (a kill while appending)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     return sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True)
 
@@ -479,7 +487,8 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                 print(f"restored {n:,} rows of {tb.path.name} to step {step} from its journal")
         batcher.load_state_dict(st["batcher"])
         if metrics_path.is_file():  # drop metrics past the checkpoint: the resumed run rewrites them
-            keep = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+            keep = [l for l in metrics_path.read_text().splitlines()
+                    if (n := _step_of(l)) is not None and n <= step]
             atomic_write_bytes(metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         print(f"resumed {run_dir} at step {step}")
     elif metrics_path.exists():
