@@ -461,7 +461,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
     eval_every = tcfg.eval_every or max(1, tcfg.max_steps // 10)
 
-    step = 0
+    step, saved_at = 0, None  # saved_at: the step the newest checkpoint on disk holds
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         cks = checkpoints(run_dir)
@@ -475,7 +475,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                 if i + 1 == len(cks):
                     raise CheckpointError(f"no usable checkpoint in {run_dir}: {e}") from None
                 print(f"engram: warning: {e}; falling back to {cks[i + 1].name}")
-        step = st["step"]
+        step = saved_at = st["step"]
         from .tables.backends import TableError
 
         for tb in stores.values():  # roll each table file back to the checkpoint (undo journal)
@@ -558,6 +558,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             if step % tcfg.ckpt_every == 0 and step < tcfg.max_steps:
                 save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
                                 stores=stores, ddp=ddp)
+                saved_at = step
     except KeyboardInterrupt:
         interrupted, aborted = True, in_step
     finally:
@@ -568,8 +569,9 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
             tb.close()
         print(f"aborted during step {step + 1}; no checkpoint written; --resume continues from the last one")
         return {"interrupted": True, "step": step, "run_dir": str(run_dir)}
-    save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
-                    stores=stores, ddp=ddp)
+    if step != saved_at:  # (never replace a checkpoint by an identical one: the old one is gone meanwhile)
+        save_checkpoint(run_dir, step, model, opts, batcher.consumed_state(), tcfg.keep_checkpoints,
+                        stores=stores, ddp=ddp)
     table_stats = {str(k): tb.stats() for k, tb in stores.items()}
     if ddp.world > 1:
         model = ddp.unshard(model, lambda: EngramForCausalLM(mcfg))
