@@ -33,11 +33,15 @@ def corpus(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------- optimizer
-def test_lazy_row_adam_matches_sparse_adam():
+@pytest.mark.parametrize("fused", [True, False])  # numba kernel in place / torch gather-update-scatter
+def test_lazy_row_adam_matches_sparse_adam(fused):
+    if fused:
+        pytest.importorskip("numba")
     torch.manual_seed(0)
     W = torch.randn(64, 8)
     a, b = torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone())
-    oa, ob = LazyRowAdam([a], lr=0.05, betas=(0.9, 0.95)), torch.optim.SparseAdam([b], lr=0.05, betas=(0.9, 0.95))
+    oa = LazyRowAdam([a], lr=0.05, betas=(0.9, 0.95), fused=fused)
+    ob = torch.optim.SparseAdam([b], lr=0.05, betas=(0.9, 0.95))
     for s in range(8):
         idx = torch.randint(0, 16 + 4 * s, (40,))  # overlapping, repeated rows
         g = torch.sparse_coo_tensor(idx[None], torch.randn(40, 8), (64, 8))

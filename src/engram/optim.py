@@ -28,26 +28,49 @@ def _row_grads(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, g.index_select(0, rows).float()
 
 
+def _fused_ok(*ts: torch.Tensor) -> bool:
+    """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram[fast]`)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
+        return False
+    from . import _fastadam
+
+    return _fastadam.available()
+
+
 def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: float, lr: float,
-               b1: float, b2: float, eps: float, denom: torch.Tensor | None = None) -> None:
+               b1: float, b2: float, eps: float, denom: torch.Tensor | None = None, fused: bool = True) -> None:
     """One Adam update of gathered rows, in place (all (R, D) float32): the math every table optimizer shares.
 
     m <- b1*m + (1-b1)*g;  v <- b2*v + (1-b2)*g^2;  w <- w - lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
     (SparseAdam's form: bias correction folded into the step size, eps added after the sqrt).
+    On CPU with numba (`fused`) one fused kernel does it (`_fastadam`, the same kernel LazyRowAdam
+    runs in place on the table, so both give identical rows); else a few torch ops.
     """
+    step_size = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    if fused and _fused_ok(w, m, v, g):
+        from . import _fastadam
+
+        rows = torch.arange(w.shape[0])
+        _fastadam.adam_rows(w.numpy(), m.numpy(), v.numpy(), rows.numpy(), g.numpy(), b1, b2, step_size, eps)
+        return
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    step_size = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
     w.addcdiv_(m, torch.sqrt(v, out=denom).add_(eps), value=-step_size)
 
 
 class LazyRowAdam(torch.optim.Optimizer):
-    """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients."""
+    """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients.
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
+    `fused=True` (default) updates float32 CPU tables in place with the numba kernel when numba is
+    installed (`engram[fast]`); otherwise, and on GPU, touched rows are gathered, updated and
+    scattered back with torch ops.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, fused: bool = True):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid LazyRowAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+        self.fused = fused
         self._bufs: dict[int, list[torch.Tensor]] = {}
 
     def _buffers(self, p: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -74,10 +97,27 @@ class LazyRowAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 state["step"] += 1
                 step = float(state["step"])
+                if (self.fused and g.is_sparse and not g.is_coalesced() and g._values().dtype == torch.float32
+                        and _fused_ok(p, state["exp_avg"], state["exp_avg_sq"])):
+                    from . import _fastadam  # sum repeated rows and update them in one pass, in place
+
+                    step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                    n = g._nnz()
+                    _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
+                                               g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
+                                               b1, b2, step_size, group["eps"], gsum=self._buffers(p, n)[0].numpy())
+                    continue
                 rows, gv = _row_grads(g)
                 if rows.numel() == 0:
                     continue
                 n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
+                if self.fused and _fused_ok(p, m, v, gv):  # in place on the table: no gather, no scatter
+                    from . import _fastadam
+
+                    step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                    _fastadam.adam_rows(p.detach().numpy(), m.numpy(), v.numpy(), rows.contiguous().numpy(),
+                                        gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
+                    continue
                 bufs = self._buffers(p, n)  # reused gather buffers: fresh ones cost 3x in page faults
                 m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n])
                 v_rows = torch.index_select(v, 0, rows, out=bufs[1][:n])
@@ -85,7 +125,8 @@ class LazyRowAdam(torch.optim.Optimizer):
                     w_rows = torch.index_select(p, 0, rows, out=bufs[2][:n])
                 else:
                     w_rows = p.index_select(0, rows).float()
-                adam_rows_(w_rows, m_rows, v_rows, gv, step, group["lr"], b1, b2, group["eps"], denom=bufs[3][:n])
+                adam_rows_(w_rows, m_rows, v_rows, gv, step, group["lr"], b1, b2, group["eps"], denom=bufs[3][:n],
+                           fused=self.fused)
                 m.index_copy_(0, rows, m_rows)
                 v.index_copy_(0, rows, v_rows)
                 p.index_copy_(0, rows, w_rows.to(p.dtype))
@@ -101,10 +142,11 @@ class TableAdam:
     `param_groups`, `zero_grad`, `step`, `state_dict`, `load_state_dict`.
     """
 
-    def __init__(self, backends: list, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
+    def __init__(self, backends: list, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, fused: bool = True):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid TableAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
         self.backends = list(backends)
+        self.fused = fused
         self.param_groups = [dict(lr=lr, betas=tuple(betas), eps=eps)]
         self.steps = [0] * len(self.backends)
 
@@ -125,7 +167,7 @@ class TableAdam:
             rows, gv = got
             if rows.numel():
                 w, m, v = b.read_rows(rows)  # (R, D) float32 each
-                adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"])
+                adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"], fused=self.fused)
                 b.write_rows(rows, w, m, v)
             b.clear_grads(all=True)
         return loss
