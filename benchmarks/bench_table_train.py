@@ -6,6 +6,7 @@ Same model, data and seed, one process; three ways to keep the table:
   * memory-mapped file with weight + moments and the undo journal (`table_backend=mmap`),
     journal entries fsync'd (`durable`, the default) and not (`durable=False`), committed every
     `--commit-every` steps as a checkpoint would (commit time reported apart from step time).
+The four runs take turns step by step (medians over the steps after the first).
 The file is freshly written, so the page cache is warm (a table larger than RAM would page in from
 disk; this machine cannot show that). Checks that all variants give the same losses. Prints a
 table, then one JSON line (`mmap_vs_ram`: step-time ratio in RAM / mmap).
@@ -46,48 +47,51 @@ def main():
     init = EngramForCausalLM(cfg).state_dict()
     table_gb = sum(v.numel() for k, v in init.items() if "multi_head_embedding" in k) * 4 / 1e9
 
-    def run(kind, tmp=None, durable=True):
+    def setup(kind, tmp=None):
         model = EngramForCausalLM(cfg)
         model.load_state_dict(init)
         tables = {}
         if kind.startswith("mmap"):
             tables = offload_tables(model, "mmap", tmp, cache_bytes=0, trainable=True, overwrite=True)
             for tb in tables.values():
-                tb.durable = durable
+                tb.durable = kind == "mmap"
                 tb.commit(0)
         opts = build_optimizers(model, 1e-3)
         if kind == "sparseadam":
             tparams = opts["tables"].param_groups[0]["params"]
             opts["tables"] = torch.optim.SparseAdam(tparams, lr=5e-3, betas=(0.9, 0.95))
-        model.train()
-        times, losses, commits = [], [], []
-        for i, ids in enumerate(batches):
-            t = time.perf_counter()
-            loss = model(ids, labels=ids).loss
-            for o in opts.values():
-                o.zero_grad(set_to_none=True)
-            loss.backward()
-            for o in opts.values():
-                o.step()
-            times.append(time.perf_counter() - t)
-            if tables and (i + 1) % args.commit_every == 0:  # a checkpoint: flush the file, new journal
-                t = time.perf_counter()
-                for tb in tables.values():
-                    tb.commit(i + 1)
-                commits.append(time.perf_counter() - t)
-            losses.append(loss.item())
-        jbytes = sum(tb.journal_path.stat().st_size for tb in tables.values())
-        for tb in tables.values():
-            tb.close()
-        return statistics.median(times[1:]), losses, jbytes, statistics.mean(commits) if commits else 0.0
+        return dict(model=model.train(), opts=opts, tables=tables, times=[], losses=[], commits=[])
 
-    res = {}
-    res["sparseadam"] = run("sparseadam")
-    res["lazy"] = run("lazy")
-    with tempfile.TemporaryDirectory() as d:
-        res["mmap"] = run("mmap", d, durable=True)
-    with tempfile.TemporaryDirectory() as d:
-        res["mmap_nosync"] = run("mmap_nosync", d, durable=False)
+    def step(r, i, ids):
+        t = time.perf_counter()
+        loss = r["model"](ids, labels=ids).loss
+        for o in r["opts"].values():
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in r["opts"].values():
+            o.step()
+        r["times"].append(time.perf_counter() - t)
+        r["losses"].append(loss.item())
+        if r["tables"] and (i + 1) % args.commit_every == 0:  # a checkpoint: flush the file, new journal
+            t = time.perf_counter()
+            for tb in r["tables"].values():
+                tb.commit(i + 1)
+            r["commits"].append(time.perf_counter() - t)
+
+    # the variants take turns step by step, so that drift in this noisy machine's speed hits all alike
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        runs = {"sparseadam": setup("sparseadam"), "lazy": setup("lazy"), "mmap": setup("mmap", d1),
+                "mmap_nosync": setup("mmap_nosync", d2)}
+        for i, ids in enumerate(batches):
+            for r in runs.values():
+                step(r, i, ids)
+        res = {}
+        for k, r in runs.items():
+            jbytes = sum(tb.journal_path.stat().st_size for tb in r["tables"].values())
+            for tb in r["tables"].values():
+                tb.close()
+            res[k] = (statistics.median(r["times"][1:]), r["losses"], jbytes,
+                      statistics.mean(r["commits"]) if r["commits"] else 0.0)
     ref_losses = res["lazy"][1]
     same = all(max(abs(a - b) for a, b in zip(v[1], ref_losses)) < 1e-5 for v in res.values())
     ntok = args.batch * args.seq

@@ -90,10 +90,10 @@ def test_attached_prefetcher_in_generate_matches_plain_generate():
 
 
 # ---------------------------------------------------------------------------- training with offloaded tables
-def _train_steps(model, steps=4, seed=1):
+def _train_steps(model, steps=4, seed=1, fused=True):
     from engram.optim import build_optimizers
 
-    opts = build_optimizers(model, lr=3e-3)
+    opts = build_optimizers(model, lr=3e-3, fused=fused)
     g = torch.Generator().manual_seed(seed)
     losses = []
     model.train()
@@ -109,9 +109,12 @@ def _train_steps(model, steps=4, seed=1):
     return losses, opts
 
 
+@pytest.mark.parametrize("fused", [True, False])  # in place with the numba kernel / torch read-update-write
 @pytest.mark.parametrize("backend,cache_rows", [("ram", 0), ("mmap", 0), ("mmap", 64)])
-def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache_rows):
+def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache_rows, fused):
     """Same losses, same final rows and moments as nn.Embedding + LazyRowAdam (CPU, fp32)."""
+    if fused:
+        pytest.importorskip("numba")
     from engram.optim import LazyRowAdam, TableAdam
 
     torch.manual_seed(0)
@@ -122,8 +125,8 @@ def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache
     for tb in tables.values():
         if backend == "mmap":
             tb.commit(0)
-    ref_losses, ref_opts = _train_steps(ref)
-    losses, opts = _train_steps(m)
+    ref_losses, ref_opts = _train_steps(ref, fused=fused)
+    losses, opts = _train_steps(m, fused=fused)
     assert isinstance(ref_opts["tables"], LazyRowAdam) and isinstance(opts["tables"], TableAdam)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     for mod in ref.modules():

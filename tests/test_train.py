@@ -184,21 +184,20 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
     assert _losses(tmp_path / "mmap") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
 
     calls = {"n": 0}
-    original = MmapTable.write_rows
+    original = MmapTable.begin_write
 
-    def dying_write(self, rows, w, m, v):
+    def dying_write(self, rows):  # every table update starts here (journal), then writes the rows
+        original(self, rows)
         calls["n"] += 1
-        if calls["n"] == 5:  # step 5: journal the rows, overwrite half of them, die
-            self._journal_append(rows)
+        if calls["n"] == 5:  # step 5: rows journaled, half of them overwritten, then the process dies
             half = rows[: len(rows) // 2]
             self.weight.index_copy_(0, half, torch.full((len(half), self.dim), 9.0))
             raise RuntimeError("simulated kill during a table write")
-        return original(self, rows, w, m, v)
 
-    monkeypatch.setattr(MmapTable, "write_rows", dying_write)
+    monkeypatch.setattr(MmapTable, "begin_write", dying_write)
     with pytest.raises(RuntimeError, match="simulated kill"):
         train("tiny", out=tmp_path / "crash", overrides=mm, **kw)
-    monkeypatch.setattr(MmapTable, "write_rows", original)
+    monkeypatch.setattr(MmapTable, "begin_write", original)
     s = train("tiny", out=tmp_path / "crash", overrides=mm, resume=True, **kw)  # resumes at step 3
     assert s["step"] == 8
     assert _losses(tmp_path / "crash") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)

@@ -165,7 +165,19 @@ class TableAdam:
                 continue
             self.steps[i] += 1
             rows, gv = got
-            if rows.numel():
+            if not rows.numel():
+                pass
+            elif self.fused and _fused_ok(*b.tensors(), gv):  # in place in the backend's storage
+                from . import _fastadam
+
+                step = float(self.steps[i])
+                step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                W, M, V = b.tensors()
+                b.begin_write(rows)
+                _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(),
+                                    gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
+                b.end_write(rows)
+            else:
                 w, m, v = b.read_rows(rows)  # (R, D) float32 each
                 adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"], fused=self.fused)
                 b.write_rows(rows, w, m, v)
@@ -204,10 +216,11 @@ def split_params(model: torch.nn.Module):
 
 
 def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult: float = 5.0,
-                     betas=(0.9, 0.95)) -> dict[str, torch.optim.Optimizer]:
+                     betas=(0.9, 0.95), fused: bool = True) -> dict[str, torch.optim.Optimizer]:
     """AdamW (decay on matrices only) for the backbone; lazy row Adam at `table_lr_mult` x LR, no decay, for tables.
 
-    Tables that are parameters get `LazyRowAdam`; tables in trainable backends get `TableAdam`.
+    Tables that are parameters get `LazyRowAdam`; tables in trainable backends get `TableAdam`
+    (`fused`: their numba kernel on CPU, see `LazyRowAdam`).
     """
     dense, tables = split_params(model)
     decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
@@ -218,9 +231,9 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
     if tables and backends:
         raise ValueError("some Engram tables are parameters and some live in backends; offload all or none")
     if tables:
-        opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas)
+        opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas, fused=fused)
     elif backends:  # tables offloaded with engram.tables.offload_tables(..., trainable=True)
-        opts["tables"] = TableAdam(backends, lr=lr * table_lr_mult, betas=betas)
+        opts["tables"] = TableAdam(backends, lr=lr * table_lr_mult, betas=betas, fused=fused)
     for o in opts.values():
         for g in o.param_groups:
             g["base_lr"] = g["lr"]

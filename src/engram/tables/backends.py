@@ -95,6 +95,19 @@ class TableBackend:
         """Store updated rows (distinct ids) and their moments."""
         raise TableError(f"{type(self).__name__} is not trainable")
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole (weight, exp_avg, exp_avg_sq), for optimizers that update rows in place.
+
+        Bracket in-place writes with `begin_write(rows)` / `end_write(rows)`.
+        """
+        raise TableError(f"{type(self).__name__} is not trainable")
+
+    def begin_write(self, rows: torch.Tensor) -> None:
+        """Rows (distinct) are about to change in place (a journaled backend saves their old values)."""
+
+    def end_write(self, rows: torch.Tensor) -> None:
+        """Rows changed in place (a cached backend refreshes its copies)."""
+
 
 class InRamTable(TableBackend):
     """A tensor in RAM; gathers with `torch.index_select(..., out=)` into a reused buffer."""
@@ -109,12 +122,15 @@ class InRamTable(TableBackend):
         return torch.index_select(self.weight, 0, rows, out=out) if out is not None else \
             torch.index_select(self.weight, 0, rows)
 
-    def read_rows(self, rows):
+    def tensors(self):
         if not hasattr(self, "exp_avg"):  # moments are created on the first update
             self.exp_avg = torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        return (self.weight.index_select(0, rows).float(), self.exp_avg.index_select(0, rows),
-                self.exp_avg_sq.index_select(0, rows))
+        return self.weight, self.exp_avg, self.exp_avg_sq
+
+    def read_rows(self, rows):
+        w, m, v = self.tensors()
+        return w.index_select(0, rows).float(), m.index_select(0, rows), v.index_select(0, rows)
 
     def write_rows(self, rows, w, m, v):
         self.weight.index_copy_(0, rows, w.to(self.dtype))
@@ -323,6 +339,17 @@ class MmapTable(TableBackend):
                 self.exp_avg_sq.index_select(0, rows))
 
     def write_rows(self, rows, w, m, v):
+        self.begin_write(rows)
+        self.weight.index_copy_(0, rows, w.to(self.dtype))
+        self.exp_avg.index_copy_(0, rows, m)
+        self.exp_avg_sq.index_copy_(0, rows, v)
+        self.end_write(rows)
+
+    def tensors(self):
+        self._need_writable()
+        return self.weight, self.exp_avg, self.exp_avg_sq
+
+    def begin_write(self, rows):
         self._need_writable()
         if self._journal is None:
             raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
@@ -331,9 +358,8 @@ class MmapTable(TableBackend):
         if fresh.numel():
             self._journal_append(fresh)
             self._touched.index_fill_(0, fresh, True)
-        self.weight.index_copy_(0, rows, w.to(self.dtype))
-        self.exp_avg.index_copy_(0, rows, m)
-        self.exp_avg_sq.index_copy_(0, rows, v)
+
+    def end_write(self, rows):
         if self.slots:  # keep cached copies coherent
             slot = rows % self.slots
             cached = (self.tags.index_select(0, slot) == rows).nonzero().squeeze(1)
