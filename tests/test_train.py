@@ -357,6 +357,10 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path):
         (("train", "--preset", "nope", "--out", "y"), "unknown preset"),
         (("eval", "--checkpoint", "nowhere"), "no model here"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"), "unknown training setting"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "2", "--table-backend", "mmap"),
+         "single-process"),  # checked before torchrun starts
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "3"), "does not divide"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"), "needs table_backend"),
     ]:
         r = run_cli(*args, cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr and msg in r.stderr, (args, r.stderr)

@@ -133,16 +133,7 @@ def cmd_spec(args) -> int:
 
 
 def cmd_train(args) -> int:
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        # relaunch under torchrun: one process per rank, tables row-sharded, dense parameters with DDP
-        import subprocess
-
-        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--nproc" and (i == 0 or sys.argv[i] != "--nproc")]
-        argv = [a for a in argv if not a.startswith("--nproc=")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "engram.cli", *argv]
-        return subprocess.call(cmd)
-    from .train import train
+    from .train import train, train_config
 
     overrides = {}
     for kv in args.set or []:
@@ -153,6 +144,8 @@ def cmd_train(args) -> int:
         overrides["table_backend"] = args.table_backend
     if args.table_cache_mb is not None:
         overrides["table_cache_mb"] = args.table_cache_mb
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_torchrun(args, train_config(args.preset, overrides, args.max_steps, world=args.nproc))
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
                     overrides=overrides)
@@ -162,6 +155,32 @@ def cmd_train(args) -> int:
         return 0
     print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
           f"model in {summary['final']}" + (f", curve in {summary['plot']}" if summary.get("plot") else ""))
+    return 0
+
+
+def _launch_torchrun(args, tcfg) -> int:
+    """Relaunch this command under torchrun, one process per rank (settings already validated).
+
+    The data is prepared here first, so the workers find it cached instead of tokenizing it twice.
+    A failing worker prints its own one-line error; this reports how many failed, without
+    torchrun's traceback.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from .data import prepare
+
+    prepare(args.data, tcfg.tokenizer)
+    argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--nproc" and (i == 0 or sys.argv[i] != "--nproc")]
+    argv = [a for a in argv if not a.startswith("--nproc=")]
+    ns = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={args.nproc}", "-m", "engram.cli", *argv])
+    try:
+        run(ns)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"engram: error: {len(e.failures)} of {args.nproc} training processes failed (exit codes {codes}); "
+              "their messages are above", file=sys.stderr)
+        return 2 if codes == [2] else 1
     return 0
 
 

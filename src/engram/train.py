@@ -381,6 +381,32 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
 
 
 # ------------------------------------------------------------------------------------ the loop
+def train_config(preset: str, overrides: dict | None = None, max_steps: int | None = None,
+                 world: int = 1) -> TrainConfig:
+    """The validated training settings of a run: the preset's, then `overrides`, then `max_steps`.
+
+    `world` > 1 also checks what data-parallel runs need (batch divisible, tables shardable).
+    """
+    from . import presets
+
+    base = presets.train_config(preset)
+    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown:
+        raise ConfigError(f"unknown training settings {sorted(unknown)}")
+    tcfg = dataclasses.replace(base, **(overrides or {}))
+    if max_steps is not None:
+        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
+    tcfg.validate()
+    if world > 1:
+        if tcfg.batch_size % world:
+            raise ConfigError(f"batch_size {tcfg.batch_size} does not divide by --nproc {world}; "
+                              f"use --set batch_size=N with N a multiple of {world}")
+        if tcfg.table_backend != "param":
+            raise ConfigError(f"table_backend={tcfg.table_backend} is single-process; with --nproc the tables are "
+                              "row-sharded across the ranks (use table_backend=param)")
+    return tcfg
+
+
 def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | os.PathLike = "runs/cpu-small",
           max_steps: int | None = None, use_engram: bool = True, baseline: str | None = None, resume: bool = False,
           device: str | None = None, overrides: dict | None = None, progress: bool = True,
@@ -394,10 +420,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     from . import presets
     from .model import EngramForCausalLM
 
-    tcfg = dataclasses.replace(presets.train_config(preset), **(overrides or {}))
-    if max_steps is not None:
-        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
-    tcfg.validate()
+    tcfg = train_config(preset, overrides, max_steps)
     run_dir = Path(out)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
@@ -422,9 +445,8 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     from .distributed.parallel import DistContext
 
     ddp = DistContext(dev)
-    if ddp.world > 1 and tcfg.table_backend != "param":
-        raise ConfigError(f"table_backend={tcfg.table_backend} is single-process; with --nproc the tables are "
-                          "row-sharded across the ranks (use table_backend=param)")
+    if ddp.world > 1:
+        train_config(preset, overrides, max_steps, world=ddp.world)
     torch.manual_seed(tcfg.seed)
     mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
                               model_overrides=model_overrides)
