@@ -28,6 +28,37 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     return m
 
 
+class _FusedSinkhorn(torch.autograd.Function):
+    """`sinkhorn_knopp` as one numba kernel each way (CPU, float32); same unrolled math and gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        from . import _fastsinkhorn
+
+        n = logits.shape[-1]
+        out, its = _fastsinkhorn.forward(logits.detach().reshape(-1, n, n).contiguous().numpy(), iters)
+        ctx.its, ctx.shape = its, logits.shape
+        return torch.from_numpy(out).view(logits.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from . import _fastsinkhorn
+
+        n = ctx.shape[-1]
+        gin = _fastsinkhorn.backward(ctx.its, grad.detach().float().reshape(-1, n, n).contiguous().numpy())
+        return torch.from_numpy(gin).view(ctx.shape), None
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 20, fused: bool = True) -> torch.Tensor:
+    """`sinkhorn_knopp`, through the fused numba kernels when possible (CPU float32, `engram[fast]`)."""
+    if fused and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        from . import _fastsinkhorn
+
+        if _fastsinkhorn.available():
+            return _FusedSinkhorn.apply(logits, iters)
+    return sinkhorn_knopp(logits, iters)
+
+
 class HyperConnection(nn.Module):
     """Wraps one sublayer F (attention or FFN) with n-stream mHC mixing."""
 
@@ -50,7 +81,7 @@ class HyperConnection(nn.Module):
         h = a * h + self.bias
         h_pre = torch.sigmoid(h[..., :n])
         h_post = 2 * torch.sigmoid(h[..., n:2 * n])
-        h_res = sinkhorn_knopp(h[..., 2 * n:].view(B, T, n, n), self.sinkhorn_iters)
+        h_res = sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
