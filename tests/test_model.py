@@ -121,6 +121,16 @@ def test_fused_sinkhorn_matches_autograd_of_the_unrolled_iterations():
     assert torch.equal(sinkhorn(x, 20, fused=False), ref)
 
 
+def test_engram_fused_0_turns_the_fused_kernels_off():
+    import subprocess
+    import sys
+
+    code = "from engram import _fastadam, _fastsinkhorn; print(_fastadam.available(), _fastsinkhorn.available())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**__import__("os").environ, "ENGRAM_FUSED": "0"})
+    assert r.stdout.split() == ["False", "False"], r.stderr
+
+
 def test_moe_bias_balancing_reduces_imbalance():
     torch.manual_seed(0)
     cfg = presets.tiny(ffn="moe", n_routed_experts=8, num_experts_per_tok=2, moe_bias_update_speed=0.02)

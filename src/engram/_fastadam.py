@@ -9,6 +9,8 @@ numba is imported on first use only, and the compiled kernel is cached on disk.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ._fasthash import _lock  # one lock for every numba kernel: the workqueue layer is process-wide
@@ -22,6 +24,8 @@ def available() -> bool:
     global _kernel, _sparse_kernel, _checked
     if not _checked:
         _checked = True
+        if os.environ.get("ENGRAM_FUSED", "1") == "0":  # torch ops only (reproduces pre-kernel numerics exactly)
+            return False
         try:
             _kernel, _sparse_kernel = _build()
         except Exception:  # numba missing or broken: the torch path takes over

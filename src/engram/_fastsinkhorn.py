@@ -9,6 +9,8 @@ which dominated mHC's coefficient cost on CPU.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ._fasthash import _lock
@@ -21,6 +23,8 @@ def available() -> bool:
     global _fwd, _bwd, _checked
     if not _checked:
         _checked = True
+        if os.environ.get("ENGRAM_FUSED", "1") == "0":  # torch ops only (reproduces pre-kernel numerics exactly)
+            return False
         try:
             _fwd, _bwd = _build()
         except Exception:  # numba missing or broken: the torch path takes over
