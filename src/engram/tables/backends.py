@@ -175,12 +175,13 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
     return [("exp_avg", torch.float32, (num_rows, dim), zeros()), ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
 
 
-def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None) -> Path:
+def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
+                      progress_bytes: int = 1 << 30) -> Path:
     """Stream tensors into a safetensors file, atomically (temp file, fsync, rename).
 
     `entries`: `(name, dtype, shape, chunks)` in file order, where `chunks` yields row blocks whose
     concatenation is the tensor, so tensors larger than RAM (memory-mapped, generated) are written
-    a block at a time.
+    a block at a time. Files of `progress_bytes` or more show a progress bar.
     """
     path = Path(path)
     meta, offset = {}, 0
@@ -197,7 +198,11 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     header += b" " * ((8 - len(header) % 8) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=f"writing {path.name}",
+               disable=offset < progress_bytes, leave=False)
+    with open(tmp, "wb") as f, bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for name, dtype, shape, chunks in entries:
@@ -206,6 +211,7 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
                 b = c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if c.numel() else b""
                 f.write(b)
                 written += len(b)
+                bar.update(len(b))
             a, z = meta[name]["data_offsets"]
             if written != z - a:
                 raise TableError(f"{name}: wrote {written} bytes, the header promises {z - a}")
