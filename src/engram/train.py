@@ -445,6 +445,7 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     from .distributed.parallel import DistContext
 
     ddp = DistContext(dev)
+    dev = ddp.device  # under torchrun on GPUs: cuda:LOCAL_RANK
     if ddp.world > 1:
         train_config(preset, overrides, max_steps, world=ddp.world)
     torch.manual_seed(tcfg.seed)

@@ -24,6 +24,10 @@ class DistContext:
     def __init__(self, device: torch.device):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per local rank
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         self.device = device
         self.fsdp = False
         if self.world > 1 and not dist.is_initialized():
