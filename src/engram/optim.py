@@ -28,6 +28,11 @@ def _row_grads(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, g.index_select(0, rows).float()
 
 
+def _step_size(lr: float, b1: float, b2: float, step: float) -> float:
+    """Adam's step size with both bias corrections folded in (SparseAdam's form)."""
+    return lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+
+
 def _fused_ok(*ts: torch.Tensor) -> bool:
     """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram[fast]`)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
@@ -46,7 +51,7 @@ def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     On CPU with numba (`fused`) one fused kernel does it (`_fastadam`, the same kernel LazyRowAdam
     runs in place on the table, so both give identical rows); else a few torch ops.
     """
-    step_size = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    step_size = _step_size(lr, b1, b2, step)
     if fused and _fused_ok(w, m, v, g):
         from . import _fastadam
 
@@ -101,7 +106,7 @@ class LazyRowAdam(torch.optim.Optimizer):
                         and _fused_ok(p, state["exp_avg"], state["exp_avg_sq"])):
                     from . import _fastadam  # sum repeated rows and update them in one pass, in place
 
-                    step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                    step_size = _step_size(group["lr"], b1, b2, step)
                     n = g._nnz()
                     _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
                                                g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
@@ -114,7 +119,7 @@ class LazyRowAdam(torch.optim.Optimizer):
                 if self.fused and _fused_ok(p, m, v, gv):  # in place on the table: no gather, no scatter
                     from . import _fastadam
 
-                    step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                    step_size = _step_size(group["lr"], b1, b2, step)
                     _fastadam.adam_rows(p.detach().numpy(), m.numpy(), v.numpy(), rows.contiguous().numpy(),
                                         gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
                     continue
@@ -165,23 +170,20 @@ class TableAdam:
                 continue
             self.steps[i] += 1
             rows, gv = got
-            if not rows.numel():
-                pass
-            elif self.fused and _fused_ok(*b.tensors(), gv):  # in place in the backend's storage
+            if rows.numel() and self.fused and _fused_ok(*b.tensors(), gv):  # in place in the backend's storage
                 from . import _fastadam
 
-                step = float(self.steps[i])
-                step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+                step_size = _step_size(group["lr"], b1, b2, float(self.steps[i]))
                 W, M, V = b.tensors()
                 b.begin_write(rows)
                 _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(),
                                     gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
                 b.end_write(rows)
-            else:
+            elif rows.numel():
                 w, m, v = b.read_rows(rows)  # (R, D) float32 each
                 adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"], fused=self.fused)
                 b.write_rows(rows, w, m, v)
-            b.clear_grads(all=True)
+            b.clear_grads(everything=True)
         return loss
 
     def state_dict(self) -> dict:

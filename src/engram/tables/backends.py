@@ -79,12 +79,12 @@ class TableBackend:
         sparse = torch.sparse_coo_tensor(rows[None], grads, (self.num_rows, self.dim), check_invariants=False)
         return _row_grads(sparse)
 
-    def clear_grads(self, all: bool = False) -> None:
-        """Forget recorded lookups whose gradients arrived (zero_grad); `all=True` also those still awaiting backward.
+    def clear_grads(self, everything: bool = False) -> None:
+        """Forget recorded lookups whose gradients arrived (zero_grad); `everything=True` also those awaiting backward.
 
         zero_grad may run between forward and backward, so a lookup without a gradient yet is kept.
         """
-        self.__dict__["_pending"] = [] if all else [(r, v) for r, v in self.__dict__.get("_pending", [])
+        self.__dict__["_pending"] = [] if everything else [(r, v) for r, v in self.__dict__.get("_pending", [])
                                                     if v.grad is None]
 
     def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
