@@ -9,28 +9,14 @@ numba is imported on first use only, and the compiled kernel is cached on disk.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from ._fasthash import _lock  # one lock for every numba kernel: the workqueue layer is process-wide
-
-_kernel = _sparse_kernel = None
-_checked = False
+from ._numba import LazyKernels, lock as _lock
 
 
 def available() -> bool:
-    """True when numba imports; compiles the kernel on first call."""
-    global _kernel, _sparse_kernel, _checked
-    if not _checked:
-        _checked = True
-        if os.environ.get("ENGRAM_FUSED", "1") == "0":  # torch ops only (reproduces pre-kernel numerics exactly)
-            return False
-        try:
-            _kernel, _sparse_kernel = _build()
-        except Exception:  # numba missing or broken: the torch path takes over
-            _kernel = _sparse_kernel = None
-    return _kernel is not None
+    """True when numba imports (and ENGRAM_FUSED is not 0); compiles the kernels on first call."""
+    return _kernels.get() is not None
 
 
 def _build():
@@ -77,11 +63,14 @@ def _build():
     return kernel, sparse_kernel
 
 
+_kernels = LazyKernels(_build, switchable=True)
+
+
 def adam_rows(w, m, v, rows, g, b1: float, b2: float, step_size: float, eps: float) -> None:
     """In place on numpy float32 arrays: rows `rows` of w, m, v get one Adam update with gradients g."""
     f = np.float32
     with _lock:
-        _kernel(w, m, v, rows, g, f(1 - b1), f(b2), f(1 - b2), f(step_size), f(eps))
+        _kernels.get()[0](w, m, v, rows, g, f(1 - b1), f(b2), f(1 - b2), f(step_size), f(eps))
 
 
 def sparse_adam_rows(w, m, v, rows, vals, b1: float, b2: float, step_size: float, eps: float, gsum=None) -> None:
@@ -101,5 +90,5 @@ def sparse_adam_rows(w, m, v, rows, vals, b1: float, b2: float, step_size: float
         gsum = np.empty((starts.numel() - 1, vals.shape[1]), dtype=np.float32)
     f = np.float32
     with _lock:
-        _sparse_kernel(w, m, v, srows.numpy(), order.numpy(), starts.numpy(), vals, gsum, f(1 - b1), f(b2),
-                       f(1 - b2), f(step_size), f(eps))
+        _kernels.get()[1](w, m, v, srows.numpy(), order.numpy(), starts.numpy(), vals, gsum, f(1 - b1), f(b2),
+                          f(1 - b2), f(step_size), f(eps))

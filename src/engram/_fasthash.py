@@ -7,25 +7,14 @@ the exact float64 split-modulo of `hashing.py`; numba is imported on first use o
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-_kernel = None
-_lock = threading.Lock()  # numba's default (workqueue) threading layer must not be entered concurrently
-_checked = False
+from ._numba import LazyKernels, lock as _lock
 
 
 def available() -> bool:
     """True when numba imports; compiles the kernel on first call."""
-    global _kernel, _checked
-    if not _checked:
-        _checked = True
-        try:
-            _kernel = _build()
-        except Exception:  # numba missing or broken: the torch path takes over
-            _kernel = None
-    return _kernel is not None
+    return _kernels.get() is not None
 
 
 def _build():
@@ -61,6 +50,7 @@ def _build():
     return kernel
 
 
+_kernels = LazyKernels(_build)
 MAX_PRIME = 1 << 21  # above this, hi * (2^32 mod p) + lo may exceed 2^53: the caller uses the torch path
 
 
@@ -74,4 +64,4 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     """Fill `out` (L, B, T, O*H) with per-head rows; `consts` from `kernel_constants` (primes <= MAX_PRIME)."""
     p, c, inv = consts
     with _lock:
-        _kernel(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, inv, out)
+        _kernels.get()(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, inv, out)

@@ -9,27 +9,14 @@ which dominated mHC's coefficient cost on CPU.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from ._fasthash import _lock
-
-_fwd = _bwd = None
-_checked = False
+from ._numba import LazyKernels, lock as _lock
 
 
 def available() -> bool:
-    global _fwd, _bwd, _checked
-    if not _checked:
-        _checked = True
-        if os.environ.get("ENGRAM_FUSED", "1") == "0":  # torch ops only (reproduces pre-kernel numerics exactly)
-            return False
-        try:
-            _fwd, _bwd = _build()
-        except Exception:  # numba missing or broken: the torch path takes over
-            _fwd = _bwd = None
-    return _fwd is not None
+    """True when numba imports (and ENGRAM_FUSED is not 0); compiles the kernels on first call."""
+    return _kernels.get() is not None
 
 
 def _build():
@@ -102,17 +89,20 @@ def _build():
     return fwd, bwd
 
 
+_kernels = LazyKernels(_build, switchable=True)
+
+
 def forward(logits: np.ndarray, iters: int):
     N, n, _ = logits.shape
     its = np.empty((N, 2 * iters + 1, n, n), dtype=np.float32)
     out = np.empty((N, n, n), dtype=np.float32)
     with _lock:
-        _fwd(logits, its, out)
+        _kernels.get()[0](logits, its, out)
     return out, its
 
 
 def backward(its: np.ndarray, grad: np.ndarray) -> np.ndarray:
     gin = np.empty(grad.shape, dtype=np.float32)
     with _lock:
-        _bwd(its, grad, gin)
+        _kernels.get()[1](its, grad, gin)
     return gin
