@@ -179,6 +179,9 @@ def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
     for a, b in zip((tb.weight, tb.exp_avg, tb.exp_avg_sq), at10):
         assert torch.equal(a, b)
     tb.close()
+    tb.journal_path.unlink()  # without its journal the file cannot be matched to a checkpoint
+    with pytest.raises(TableError, match="missing or corrupt"):
+        MmapTable(f, writable=True).recover(10)
     read_only = MmapTable(f)
     with pytest.raises(TableError, match="read-only"):
         read_only.read_rows(torch.tensor([0]))

@@ -205,6 +205,9 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     with pytest.raises(ConfigError, match="table_backend"):
         train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
+    (tmp_path / "crash" / "tables" / "engram_table_L1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="table files missing"):
+        train("tiny", out=tmp_path / "crash", resume=True, overrides=mm, **kw)
 
 
 def test_file_initialized_tables_train_and_resume(corpus, tmp_path):
