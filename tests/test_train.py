@@ -288,13 +288,26 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
 
 
-def _spawned_train(rank, world, port, out, corpus, stop_after, resume, dense):
+def _spawned_train(rank, world, port, out, corpus, stop_after, resume, dense, model_overrides=None):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     train("tiny", data=[corpus], out=out, progress=False, max_steps=6, stop_after=stop_after, resume=resume,
-          overrides={"ckpt_every": 100, "dense_parallel": dense})
+          overrides={"ckpt_every": 100, "dense_parallel": dense}, model_overrides=model_overrides)
+
+
+@pytest.mark.parametrize("dense", ["ddp", "fsdp2"])
+def test_moe_balancing_under_data_parallelism_matches_one_process(corpus, tmp_path, free_port, dense):
+    """The loss-free balancing bias follows the global expert load (summed over ranks), as in one process."""
+    import torch.multiprocessing as mp
+
+    moe = {"ffn": "moe", "n_routed_experts": 4, "num_experts_per_tok": 2}
+    train("tiny", data=[str(corpus)], out=tmp_path / "one", progress=False, max_steps=6,
+          overrides={"ckpt_every": 100}, model_overrides=moe)
+    mp.spawn(_spawned_train, args=(2, free_port(), str(tmp_path / "two"), str(corpus), None, False, dense, moe),
+             nprocs=2, join=True)
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)
 
 
 @pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp2")),

@@ -167,6 +167,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.randn(E, D, I) / math.sqrt(I))
         self.shared = SwiGLU(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.last_load: torch.Tensor | None = None
+        self.load_reduce = None  # data parallelism sets a sum over ranks: the bias follows the global load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -192,6 +193,8 @@ class MoE(nn.Module):
         if self.training and self.speed > 0:
             with torch.no_grad():
                 load = counts.to(self.expert_bias.dtype)
+                if self.load_reduce is not None:
+                    load = self.load_reduce(load)
                 self.expert_bias += self.speed * torch.sign(load.mean() - load)
         if self.shared is not None:
             out = out + self.shared(xf)

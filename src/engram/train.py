@@ -561,7 +561,6 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
                 torch.nn.utils.clip_grad_norm_(dense_params, tcfg.grad_clip)
             for o in opts.values():
                 o.step()
-            ddp.sync_buffers(model)
             step += 1
             in_step = False
             last_loss = ddp.mean(loss.item())

@@ -5,7 +5,8 @@ Under `torchrun` (WORLD_SIZE > 1) `DistContext.parallelize(model)` replaces ever
 parameters, either wraps the model in DistributedDataParallel (`dense="ddp"`) or applies FSDP2
 `fully_shard` to every decoder layer and the root (`dense="fsdp2"`: parameters, gradients and
 optimizer state sharded too). The sharded tables are left out of both (their gradients already
-travel to their owners). Each rank trains on its slice of the global batch; the reported loss is
+travel to their owners). MoE layers get a sum over ranks for their expert loads, so the
+loss-free balancing bias moves as in one process. Each rank trains on its slice of the global batch; the reported loss is
 the mean over ranks, so `--nproc N` and `--nproc 1` follow the same curve at the same global batch.
 The state-dict helpers give full (unsharded) dense weights and optimizer state in the
 single-process layout whichever wrapper is used, so checkpoints do not depend on it.
@@ -58,6 +59,11 @@ class DistContext:
                 mod.embedding.weight = torch.nn.Parameter(W.new_empty(0, W.shape[1]), requires_grad=False)
                 ignore.append(f"{name}.sharded.weight")
                 ignore_params |= {mod.sharded.weight, mod.embedding.weight}
+        from ..model import MoE
+
+        for mod in model.modules():  # loss-free balancing from the global expert load, as in one process
+            if isinstance(mod, MoE):
+                mod.load_reduce = self._sum
         if dense == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -73,12 +79,11 @@ class DistContext:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    def sync_buffers(self, model) -> None:
-        """FSDP2 leaves buffers alone: broadcast the MoE routing biases from rank 0 after each step, as DDP does."""
-        if self.fsdp:
-            for name, b in model.named_buffers():
-                if name.endswith("expert_bias"):
-                    dist.broadcast(b, 0)
+    @staticmethod
+    def _sum(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
 
     # ---- full (unsharded) dense state in the single-process layout, whatever the wrapper
     def dense_state_dict(self, model) -> dict:
