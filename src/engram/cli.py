@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--set dense_parallel=fsdp2: sharded with FSDP2)")
     t.add_argument("--table-backend", choices=["param", "mmap"],
                    help="mmap: train the Engram tables (and their Adam moments) in memory-mapped files "
-                        "under RUN/tables (default: param, tables in RAM)")
+                        "under RUN/tables, one per rank with --nproc (default: param, tables in RAM)")
     t.add_argument("--table-cache-mb", type=float, help="mmap: hot-row cache size in MB (default 0)")
     t.set_defaults(func=cmd_train)
 

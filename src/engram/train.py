@@ -31,7 +31,7 @@ import torch
 
 from .config import ConfigError
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
-from .optim import build_optimizers, split_params, warmup_cosine
+from .optim import TableAdam, build_optimizers, split_params, warmup_cosine
 from .utils import atomic_write_bytes, sha256_file
 
 
@@ -147,6 +147,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     ckdir = run_dir / "checkpoints"
     final = ckdir / f"step_{step:06d}"
     tmp = ckdir / (f".tmp_step_{step:06d}" if sharded else f".tmp_step_{step:06d}_{os.getpid()}")
+    for tb in (stores or {}).values():  # every rank: table files hold the state of `step` on disk
+        tb.flush()
     if main:
         ckdir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -157,7 +159,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         from .distributed.sharded import save_sharded
 
         for name, mhe in _tables(model):
-            if mhe.sharded is not None:
+            if mhe.sharded is not None and mhe.sharded.backend is None:  # (file-backed shards are their own store)
                 save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
         dense_sd = ddp.dense_state_dict(model)  # full tensors (collective under FSDP2), tables left out
         dense_osd = ddp.optim_state_dict(model, opts["dense"])
@@ -165,7 +167,10 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     if main:
         if sharded:
             save_file(_dedup(dense_sd), str(tmp / "model.safetensors"))
-            tensors, meta = _optim_tensors({"dense": dense_osd})
+            osds = {"dense": dense_osd}
+            if isinstance(opts.get("tables"), TableAdam):  # file-backed shards: step counts (equal on all ranks)
+                osds["tables"] = opts["tables"].state_dict()
+            tensors, meta = _optim_tensors(osds)
         else:
             save_model(model, str(tmp / "model.safetensors"))
             tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
@@ -175,11 +180,11 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         state = {"step": step, "batcher": batcher_state, "optim": meta,
                  "files": {f: sha256_file(tmp / f) for f in files}}
         if sharded:
-            state["sharded_tables"] = {name: f"tables/{name}" for name, m in _tables(model) if m.sharded is not None}
-        for tb in (stores or {}).values():
-            tb.flush()
+            state["sharded_tables"] = {name: f"tables/{name}" for name, m in _tables(model)
+                                       if m.sharded is not None and m.sharded.backend is None}
         if stores:
             state["table_store"] = {str(k): str(tb.path) for k, tb in stores.items()}
+            state["table_store_world"] = ddp.world if ddp is not None else 1
         atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
         if final.exists():
             shutil.rmtree(final)
@@ -226,6 +231,8 @@ def load_checkpoint(path: Path, model, opts: dict, ddp=None) -> dict:
     except CheckpointError:
         raise
     except Exception as e:
+        if os.environ.get("ENGRAM_DEBUG"):
+            raise
         raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
     torch.set_rng_state(tensors["rng.torch"])
     return state
@@ -250,9 +257,15 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
     if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
         raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
+    if isinstance(opts.get("tables"), TableAdam):
+        if "tables" not in state["optim"]:
+            raise CheckpointError(f"{path} has no table optimizer state for memory-mapped table shards")
+        opts["tables"].load_state_dict(_optim_state("tables", tensors, state["optim"]))
     topt = opts.get("tables")
-    params = topt.param_groups[0]["params"] if topt is not None else []
+    params = topt.param_groups[0]["params"] if topt is not None and not isinstance(topt, TableAdam) else []
     for name, mhe in _tables(model):
+        if mhe.sharded is not None and mhe.sharded.backend is not None:
+            continue  # rows and moments live in this rank's table file (rolled back by its journal)
         p = mhe.sharded.weight if mhe.sharded is not None else mhe.embedding.weight
         lo, hi = (mhe.sharded.lo, mhe.sharded.hi) if mhe.sharded is not None else (0, p.shape[0])
         if "sharded_tables" in state:
@@ -401,9 +414,6 @@ def train_config(preset: str, overrides: dict | None = None, max_steps: int | No
         if tcfg.batch_size % world:
             raise ConfigError(f"batch_size {tcfg.batch_size} does not divide by --nproc {world}; "
                               f"use --set batch_size=N with N a multiple of {world}")
-        if tcfg.table_backend != "param":
-            raise ConfigError(f"table_backend={tcfg.table_backend} is single-process; with --nproc the tables are "
-                              "row-sharded across the ranks (use table_backend=param)")
     return tcfg
 
 
@@ -462,10 +472,11 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     n_params = (sum(p.numel() for n, p in model.named_parameters() if "multi_head_embedding" not in n)
                 + sum(m.num_rows * m.embedding_dim for m in tables))
     stores = {}
-    if tcfg.table_backend == "mmap" and use_engram:
+    table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
+    mmap_shards = tcfg.table_backend == "mmap" and use_engram and ddp.world > 1
+    if tcfg.table_backend == "mmap" and use_engram and ddp.world == 1:
         from .tables import offload_tables
 
-        table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
         if resume:
             missing = [str(f) for f in (table_dir / f"engram_table_L{l}.safetensors" for l in mcfg.engram["layer_ids"])
                        if not f.is_file()]
@@ -476,7 +487,14 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
         if not resume:
             for tb in stores.values():
                 tb.commit(0)
-    step_model = ddp.parallelize(model, tcfg.dense_parallel)  # the model itself when single-process / FSDP2
+    shard_files = dict(table_dir=table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20),
+                       init_seed=tcfg.seed if file_init else None, overwrite=not resume) if mmap_shards else {}
+    step_model = ddp.parallelize(model, tcfg.dense_parallel, **shard_files)  # the model itself: 1 process / FSDP2
+    if mmap_shards:  # each rank's rows in its own journaled file
+        stores = ddp.stores
+        if not resume:
+            for tb in stores.values():
+                tb.commit(0)
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     progress = progress and ddp.is_main
     batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,

@@ -38,27 +38,42 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def parallelize(self, model, dense: str = "ddp"):
+    def parallelize(self, model, dense: str = "ddp", table_dir=None, cache_bytes: int = 0,
+                    init_seed: int | None = None, overwrite: bool = True):
         """Shard the Engram tables and parallelize the dense parameters (`dense`: "ddp" or "fsdp2").
 
+        `table_dir`: each rank keeps its shard (rows and Adam moments) in a journaled memory-mapped
+        file `engram_table_L{layer}.rank{r}-of-{world}.safetensors` there instead of in RAM (written
+        from the model's table, or created from `init_seed` when the model was built without one;
+        existing files are used when `overwrite` is False); `self.stores` lists them.
         Returns the module to call for training steps (the DDP wrapper, or the model itself).
         """
         if dense not in ("ddp", "fsdp2"):
             raise ValueError(f"dense parallelism must be 'ddp' or 'fsdp2', got {dense!r}")
+        self.stores = {}
         if self.world == 1:
             return model
-        from ..memory import MultiHeadEmbedding
+        from ..memory import Engram
         from .sharded import ShardedTable
 
         ignore, ignore_params = [], set()
-        for name, mod in model.named_modules():
-            if isinstance(mod, MultiHeadEmbedding):
-                W = mod.embedding.weight
+        for name, eng in model.named_modules():
+            if not isinstance(eng, Engram):
+                continue
+            mod = eng.multi_head_embedding
+            W = mod.embedding.weight
+            if table_dir is None:
                 mod.sharded = ShardedTable(W.shape[0], W.shape[1], init=W.detach(), dtype=W.dtype,
                                            grad_scale=1.0 / self.world)
-                mod.embedding.weight = torch.nn.Parameter(W.new_empty(0, W.shape[1]), requires_grad=False)
-                ignore.append(f"{name}.sharded.weight")
-                ignore_params |= {mod.sharded.weight, mod.embedding.weight}
+                ignore.append(f"{name}.multi_head_embedding.sharded.weight")
+                ignore_params.add(mod.sharded.weight)
+            else:
+                tb = self._shard_file(table_dir, eng.layer_id, mod, cache_bytes, init_seed, overwrite)
+                mod.sharded = ShardedTable(mod.num_rows, W.shape[1], dtype=W.dtype, grad_scale=1.0 / self.world,
+                                           backend=tb)
+                self.stores[eng.layer_id] = tb
+            mod.embedding.weight = torch.nn.Parameter(W.new_empty(0, W.shape[1]), requires_grad=False)
+            ignore_params.add(mod.embedding.weight)
         from ..model import MoE
 
         for mod in model.modules():  # loss-free balancing from the global expert load, as in one process
@@ -78,6 +93,33 @@ class DistContext:
 
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def _shard_file(self, table_dir, layer_id: int, mod, cache_bytes: int, init_seed, overwrite: bool):
+        """This rank's rows of one table in a trainable, journaled MmapTable."""
+        import math
+        from pathlib import Path
+
+        from ..tables.backends import MmapTable, create_table_file, write_table_file
+
+        W = mod.embedding.weight
+        chunk = math.ceil(mod.num_rows / self.world)
+        lo = min(mod.num_rows, self.rank * chunk)
+        hi = min(mod.num_rows, lo + chunk)
+        f = Path(table_dir) / f"engram_table_L{layer_id}.rank{self.rank}-of-{self.world}.safetensors"
+        if not overwrite and not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: a run with memory-mapped table shards resumes with the --nproc "
+                                    "it was started with")
+        if overwrite:
+            if W.shape[0] == mod.num_rows:
+                write_table_file(f, W.detach()[lo:hi], with_moments=True)
+            elif init_seed is not None:
+                create_table_file(f, hi - lo, W.shape[1], W.dtype, seed=init_seed + 1009 * layer_id + self.rank,
+                                  with_moments=True)
+            else:
+                raise FileNotFoundError(f"{f} does not exist and the model has no table rows to write")
+        tb = MmapTable(f, cache_bytes=cache_bytes, writable=True)
+        tb.trainable, tb.requires_grad = W.requires_grad, W.requires_grad
+        return tb
 
     @staticmethod
     def _sum(t: torch.Tensor) -> torch.Tensor:

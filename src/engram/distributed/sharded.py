@@ -10,7 +10,9 @@ each owner gathers its rows and sends them back. Backward is the mirror image: t
 to their owners and arrive as a sparse COO gradient of the local shard, so `LazyRowAdam` (or
 `SparseAdam`) works unchanged. All ranks must call forward and backward together (lockstep, as in
 data-parallel training). Checkpoints store each shard with its global row range, so they load at
-another world size.
+another world size. `backend=` keeps this rank's rows in a trainable `engram.tables` backend (a
+journaled memory-mapped file) instead of a parameter: gradients then go to `backend.add_grad`
+and `engram.optim.TableAdam` updates them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> 
 
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, rows, lo, chunk, world, group, grad_scale):
+    def forward(ctx, weight, rows, lo, chunk, world, group, grad_scale, backend=None):
         owner = torch.div(rows, chunk, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_rows = rows.index_select(0, order)
@@ -41,30 +43,33 @@ class _ShardedLookup(torch.autograd.Function):
         send_l, recv_l = send.tolist(), recv.tolist()
         req = _a2a(send_rows, send_l, recv_l, group)  # rows others want from me
         local = req - lo
-        vals = weight.index_select(0, local)  # (sum(recv), dim)
+        vals = backend.gather(local) if backend is not None else weight.index_select(0, local)  # (sum(recv), dim)
         back = _a2a(vals, recv_l, send_l, group)  # my rows, in owner-sorted order
         out = torch.empty_like(back)
         out.index_copy_(0, order, back)
         ctx.save_for_backward(order, local)
-        ctx.meta = (send_l, recv_l, group, weight.shape, grad_scale)
+        ctx.meta = (send_l, recv_l, group, weight.shape, grad_scale, backend)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         order, local = ctx.saved_tensors
-        send_l, recv_l, group, shape, grad_scale = ctx.meta
+        send_l, recv_l, group, shape, grad_scale, backend = ctx.meta
         g = _a2a(grad.index_select(0, order), send_l, recv_l, group)  # gradients of my rows, from everyone
         if grad_scale != 1.0:
             g = g * grad_scale
+        if backend is not None:  # rows in a trainable backend: it keeps the gradient for TableAdam
+            backend.add_grad(local, g)
+            return None, None, None, None, None, None, None, None
         gw = torch.sparse_coo_tensor(local.unsqueeze(0), g, shape, check_invariants=False)
-        return gw, None, None, None, None, None, None
+        return gw, None, None, None, None, None, None, None
 
 
 class ShardedTable(torch.nn.Module):
     """Rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`."""
 
     def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, backend=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
@@ -74,22 +79,39 @@ class ShardedTable(torch.nn.Module):
         self.chunk = math.ceil(num_rows / self.world)
         self.lo = min(num_rows, self.rank * self.chunk)
         self.hi = min(num_rows, self.lo + self.chunk)
+        self.backend = backend  # this rank's rows in a trainable engram.tables backend (e.g. a memory-mapped file)
+        if backend is not None:
+            if (backend.num_rows, backend.dim) != (self.hi - self.lo, dim):
+                raise ValueError(f"backend holds [{backend.num_rows}, {backend.dim}], shard {self.rank} needs "
+                                 f"[{self.hi - self.lo}, {dim}]")
+            self.weight = None
+            return
         if init is not None:  # the full table (tests) or this shard
             w = init[self.lo:self.hi] if init.shape[0] == num_rows else init
         else:
             w = torch.randn(self.hi - self.lo, dim)
         self.weight = torch.nn.Parameter(w.to(dtype).clone())
 
+    def local_rows(self) -> torch.Tensor:
+        """This rank's rows (hi - lo, dim): the parameter, or the backend's storage."""
+        return self.backend.weight if self.backend is not None else self.weight.detach()
+
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         shape = rows.shape
         flat = rows.reshape(-1).long()
-        out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group, self.grad_scale)
+        if self.backend is not None:  # a fresh leaf makes autograd call backward, which feeds the backend
+            anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
+            out = _ShardedLookup.apply(anchor, flat, self.lo, self.chunk, self.world, self.group, self.grad_scale,
+                                       self.backend)
+        else:
+            out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group,
+                                       self.grad_scale)
         return out.view(*shape, self.dim)
 
 
 def gather_full(table: ShardedTable) -> torch.Tensor:
     """The whole (num_rows, dim) table on every rank (all_gather of the shards)."""
-    w = table.weight.detach()
+    w = table.local_rows()
     pad = torch.zeros(table.chunk, table.dim, dtype=w.dtype, device=w.device)
     pad[: w.shape[0]] = w
     parts = [torch.empty_like(pad) for _ in range(table.world)]

@@ -66,6 +66,10 @@ class TableBackend:
         """Remember a training lookup: rows (N,) and the leaf `vals` (N, dim) whose .grad backward fills."""
         self.__dict__.setdefault("_pending", []).append((rows, vals))
 
+    def add_grad(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Gradients computed elsewhere (e.g. routed to this rank by a sharded lookup): rows (N,), grads (N, dim)."""
+        self.__dict__.setdefault("_pending", []).append((rows, _Arrived(grads)))
+
     def take_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(distinct rows [R], summed gradients [R, dim] float32) of the recorded lookups, or None."""
         from ..optim import _row_grads
@@ -107,6 +111,13 @@ class TableBackend:
 
     def end_write(self, rows: torch.Tensor) -> None:
         """Rows changed in place (a cached backend refreshes its copies)."""
+
+
+class _Arrived:
+    """A recorded lookup whose gradient is already known (has `.grad` like a leaf after backward)."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
 
 
 class InRamTable(TableBackend):
