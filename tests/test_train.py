@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 from engram.data import Batcher, DataError, local_documents, prepare, split_documents, strip_gutenberg  # noqa: E402
 from engram.optim import LazyRowAdam, warmup_cosine  # noqa: E402
 from engram.config import ConfigError  # noqa: E402
-from engram.train import CheckpointError, read_checkpoint, train  # noqa: E402
+from engram.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
+from engram.train import train  # noqa: E402
 
 WORDS = ("the king queen horse great alexander tame could only bucephalus denmark prince ghost father "
          "mother sword crown night day love death").split()
@@ -178,7 +179,7 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
     from engram.tables import MmapTable
 
     kw = dict(data=[str(corpus)], progress=False, max_steps=8)
-    ref = train("tiny", out=tmp_path / "ref", overrides={"ckpt_every": 3}, **kw)
+    train("tiny", out=tmp_path / "ref", overrides={"ckpt_every": 3}, **kw)
     mm = {"ckpt_every": 3, "table_backend": "mmap", "table_cache_mb": 0.01}
     train("tiny", out=tmp_path / "mmap", overrides=mm, **kw)
     assert _losses(tmp_path / "mmap") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
@@ -257,7 +258,7 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch
     import signal
 
     from engram.optim import LazyRowAdam
-    from engram.train import checkpoints
+    from engram.checkpoint import checkpoints
 
     kw = dict(data=[str(corpus)], progress=False, max_steps=8, overrides={"ckpt_every": 100})
     train("tiny", out=tmp_path / "ref", **kw)

@@ -202,7 +202,7 @@ def _load_checkpoint_dir(path):
 
     from .model import EngramForCausalLM
     from .tokenizer import load_tokenizer
-    from .train import CheckpointError
+    from .checkpoint import CheckpointError
 
     p = Path(path)
     if (p / "final" / "config.json").is_file():

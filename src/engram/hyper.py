@@ -16,7 +16,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:

@@ -7,10 +7,9 @@ One run directory holds everything:
     DIR/loss.png           loss curves (matplotlib, if installed)
     DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable)
 
-Checkpoints are written to a temp folder and renamed; every file's sha256 is recorded in
-`state.json`, so a truncated or corrupt checkpoint is detected and `--resume` falls back to the
-previous one. Nothing is unpickled: tensors are safetensors, metadata is JSON. Ctrl-C saves a
-checkpoint at the last completed step. Resuming restores weights, optimizer moments, the MoE
+Checkpoints (`checkpoint.py`) are written to a temp folder and renamed, with every file's sha256
+in `state.json`; `--resume` falls back to the previous one if the newest is corrupt. Ctrl-C
+finishes the step and saves a checkpoint. Resuming restores weights, optimizer moments, the MoE
 biases, the data position and the RNG, so the loss curve continues exactly.
 """
 
@@ -29,14 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint import CheckpointError, _step_of, _tables, checkpoints, load_checkpoint, save_checkpoint
 from .config import ConfigError
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
-from .optim import TableAdam, build_optimizers, split_params, warmup_cosine
-from .utils import atomic_write_bytes, sha256_file
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, truncated or corrupt; the message names the file."""
+from .optim import build_optimizers, split_params, warmup_cosine
+from .utils import atomic_write_bytes
 
 
 @dataclass
@@ -78,228 +74,6 @@ class TrainConfig:
             raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.table_cache_mb < 0:
             raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
-
-
-# ------------------------------------------------------------------------------------ checkpoints
-def _optim_tensors(sds: dict) -> tuple[dict, dict]:
-    """{name: optimizer state_dict} -> (tensors for safetensors, JSON meta)."""
-    tensors, meta = {}, {}
-    for name, sd in sds.items():
-        meta[name] = {"param_groups": sd["param_groups"], "state_keys": {}}
-        for idx, st in sd["state"].items():
-            meta[name]["state_keys"][str(idx)] = {}
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"{name}.{idx}.{k}"] = v.detach().cpu().contiguous()
-                    meta[name]["state_keys"][str(idx)][k] = "tensor"
-                else:
-                    meta[name]["state_keys"][str(idx)][k] = v
-    return tensors, meta
-
-
-def _optim_state(name: str, tensors: dict, meta: dict) -> dict:
-    """The optimizer state_dict `name` saved by `_optim_tensors`."""
-    m = meta[name]
-    state = {}
-    for idx, keys in m["state_keys"].items():
-        state[int(idx)] = {k: (tensors[f"{name}.{idx}.{k}"] if v == "tensor" else v) for k, v in keys.items()}
-    return {"state": state, "param_groups": m["param_groups"]}
-
-
-def _load_optim(opts: dict, tensors: dict, meta: dict) -> None:
-    for name, opt in opts.items():
-        opt.load_state_dict(_optim_state(name, tensors, meta))
-
-
-def _dedup(sd: dict) -> dict:
-    """Drop later names of tensors sharing storage (tied weights), as safetensors requires."""
-    seen, out = set(), {}
-    for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if v.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[k] = v.contiguous()
-    return out
-
-
-def _tables(model) -> list:
-    """[(module name, MultiHeadEmbedding)] in model order."""
-    from .memory import MultiHeadEmbedding
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)]
-
-
-def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2,
-                    stores: dict | None = None, ddp=None) -> Path:
-    """Write checkpoint `step` into a temp folder and rename it into place.
-
-    `stores` ({layer: MmapTable}) are flushed before the checkpoint is committed and start their
-    undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
-    with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
-    to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
-    dense weights and optimizer, so the checkpoint loads at any world size.
-    """
-    from safetensors.torch import save_file, save_model
-
-    sharded = ddp is not None and ddp.world > 1
-    main = ddp is None or ddp.is_main
-    ckdir = run_dir / "checkpoints"
-    final = ckdir / f"step_{step:06d}"
-    tmp = ckdir / (f".tmp_step_{step:06d}" if sharded else f".tmp_step_{step:06d}_{os.getpid()}")
-    for tb in (stores or {}).values():  # every rank: table files hold the state of `step` on disk
-        tb.flush()
-    if main:
-        ckdir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    if sharded:
-        ddp.barrier()
-        from .distributed.sharded import save_sharded
-
-        for name, mhe in _tables(model):
-            if mhe.sharded is not None and mhe.sharded.backend is None:  # (file-backed shards are their own store)
-                save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
-        dense_sd = ddp.dense_state_dict(model)  # full tensors (collective under FSDP2), tables left out
-        dense_osd = ddp.optim_state_dict(model, opts["dense"])
-        ddp.barrier()
-    if main:
-        if sharded:
-            save_file(_dedup(dense_sd), str(tmp / "model.safetensors"))
-            osds = {"dense": dense_osd}
-            if isinstance(opts.get("tables"), TableAdam):  # file-backed shards: step counts (equal on all ranks)
-                osds["tables"] = opts["tables"].state_dict()
-            tensors, meta = _optim_tensors(osds)
-        else:
-            save_model(model, str(tmp / "model.safetensors"))
-            tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "optim.safetensors"))
-        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-        state = {"step": step, "batcher": batcher_state, "optim": meta,
-                 "files": {f: sha256_file(tmp / f) for f in files}}
-        if sharded:
-            state["sharded_tables"] = {name: f"tables/{name}" for name, m in _tables(model)
-                                       if m.sharded is not None and m.sharded.backend is None}
-        if stores:
-            state["table_store"] = {str(k): str(tb.path) for k, tb in stores.items()}
-            state["table_store_world"] = ddp.world if ddp is not None else 1
-        atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in sorted(ckdir.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    if sharded:
-        ddp.barrier()
-    for tb in (stores or {}).values():
-        tb.commit(step)
-    return final
-
-
-def read_checkpoint(path: Path) -> dict:
-    """Verify a checkpoint folder and return its state (raises CheckpointError naming the problem)."""
-    path = Path(path)
-    sf = path / "state.json"
-    if not sf.is_file():
-        raise CheckpointError(f"{sf} is missing (checkpoint incomplete)")
-    try:
-        state = json.loads(sf.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{sf} is corrupt: {e}") from None
-    for f, digest in state.get("files", {}).items():
-        if not (path / f).is_file():
-            raise CheckpointError(f"{path / f} is missing")
-        if sha256_file(path / f) != digest:
-            raise CheckpointError(f"{path / f} is truncated or corrupt (sha256 mismatch)")
-    return state
-
-
-def load_checkpoint(path: Path, model, opts: dict, ddp=None) -> dict:
-    """Restore model, optimizers and RNG from a verified checkpoint (either layout, any world size)."""
-    from safetensors.torch import load_file, load_model
-
-    state = read_checkpoint(path)
-    try:
-        tensors = load_file(str(path / "optim.safetensors"))
-        if "sharded_tables" not in state and not any(m.sharded is not None for _, m in _tables(model)):
-            load_model(model, str(path / "model.safetensors"))
-            _load_optim(opts, tensors, state["optim"])
-        else:
-            _load_resharded(path, state, model, opts, tensors, ddp)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        if os.environ.get("ENGRAM_DEBUG"):
-            raise
-        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
-    torch.set_rng_state(tensors["rng.torch"])
-    return state
-
-
-def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, ddp=None) -> None:
-    """Load a checkpoint whose tables are sharded, or into a model whose tables are (any world size)."""
-    from safetensors.torch import load_file
-
-    from .distributed.parallel import DistContext
-    from .distributed.sharded import load_sharded
-
-    ddp = ddp or DistContext(torch.device("cpu"))
-    sd = load_file(str(path / "model.safetensors"))
-    dense = {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
-    missing, unexpected = ddp.load_dense_state_dict(model, dense)
-    names: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    tied_loaded = {n for group in names.values() if any(k in dense for k in group) for n in group}
-    missing = [k for k in missing if "multi_head_embedding" not in k and k not in tied_loaded]
-    if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
-        raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
-    if isinstance(opts.get("tables"), TableAdam):
-        if "tables" not in state["optim"]:
-            raise CheckpointError(f"{path} has no table optimizer state for memory-mapped table shards")
-        opts["tables"].load_state_dict(_optim_state("tables", tensors, state["optim"]))
-    topt = opts.get("tables")
-    params = topt.param_groups[0]["params"] if topt is not None and not isinstance(topt, TableAdam) else []
-    for name, mhe in _tables(model):
-        if mhe.sharded is not None and mhe.sharded.backend is not None:
-            continue  # rows and moments live in this rank's table file (rolled back by its journal)
-        p = mhe.sharded.weight if mhe.sharded is not None else mhe.embedding.weight
-        lo, hi = (mhe.sharded.lo, mhe.sharded.hi) if mhe.sharded is not None else (0, p.shape[0])
-        if "sharded_tables" in state:
-            d = path / state["sharded_tables"][name]
-            rows = load_sharded(d, lo, hi)
-            step = json.loads(next(iter(sorted(d.glob("shard_*.json")))).read_text())["step"]
-            w, m, v = rows["weight"], rows.get("exp_avg"), rows.get("exp_avg_sq")
-        else:  # single-process checkpoint: full tables in model.safetensors, moments in optim.safetensors
-            w = sd[f"{name}.embedding.weight"][lo:hi]
-            idx = next((i for i, q in enumerate(params) if q is p), None)
-            key = f"tables.{idx}."
-            m = tensors[key + "exp_avg"][lo:hi] if key + "exp_avg" in tensors else None
-            v = tensors[key + "exp_avg_sq"][lo:hi] if m is not None else None
-            step = float(tensors[key + "step"]) if m is not None else 0
-        if w.shape != p.shape:
-            raise CheckpointError(f"{path}: table {name} rows [{lo}, {hi}) have shape {list(w.shape)}, "
-                                  f"the model needs {list(p.shape)}")
-        with torch.no_grad():
-            p.copy_(w)
-        if topt is not None and m is not None and step:
-            topt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float64),
-                             "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a metrics.jsonl line, or None for a blank or torn one (a kill while appending)."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    return sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True)
 
 
 # ------------------------------------------------------------------------------------ model building
@@ -427,7 +201,6 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     """
     from tqdm.auto import tqdm
 
-    from . import presets
     from .model import EngramForCausalLM
 
     tcfg = train_config(preset, overrides, max_steps)

@@ -67,7 +67,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default") -> dict:
-    from ..train import checkpoints, train
+    from ..checkpoint import checkpoints
+    from ..train import train
 
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..utils import atomic_write_bytes
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
