@@ -206,11 +206,12 @@ class DistContext:
         return float(t.item() / self.world)
 
     def unshard(self, model, plain_factory=None):
-        """A single-process model with the full tables (and, under FSDP2, full dense weights).
+        """On rank 0: a single-process model with the full tables (and, under FSDP2, full dense weights).
 
-        Under FSDP2 the trained weights are copied into `plain_factory()` (a fresh model of the same
-        config), since a fully_shard-ed module keeps DTensor parameters; only rank 0 receives the
-        full dense weights there, so the other ranks get None. Collective: call on every rank.
+        Only rank 0 receives the gathered tables (and full dense weights), so the other ranks get
+        None and never hold a whole table. Under FSDP2 the trained weights are copied into
+        `plain_factory()` (a fresh model of the same config), since a fully_shard-ed module keeps
+        DTensor parameters. Collective: call on every rank.
         """
         if self.world == 1:
             return model
@@ -220,14 +221,15 @@ class DistContext:
         dense = self.dense_state_dict(model) if self.fsdp else None
         for mod in model.modules():
             if isinstance(mod, MultiHeadEmbedding) and getattr(mod, "sharded", None) is not None:
-                full = gather_full(mod.sharded)
-                mod.embedding.weight = torch.nn.Parameter(full.clone())
-                del mod.sharded
-                mod.sharded = None
-        if not self.fsdp:
-            return model
+                full = gather_full(mod.sharded, dst=0)
+                if self.is_main:
+                    mod.embedding.weight = torch.nn.Parameter(full)
+                    del mod.sharded
+                    mod.sharded = None
         if not self.is_main:
             return None
+        if not self.fsdp:
+            return model
         plain = plain_factory()
         tables = {n: m.embedding.weight.detach() for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)}
         missing, unexpected = plain.load_state_dict(dense, strict=False)

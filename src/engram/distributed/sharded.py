@@ -109,13 +109,19 @@ class ShardedTable(torch.nn.Module):
         return out.view(*shape, self.dim)
 
 
-def gather_full(table: ShardedTable) -> torch.Tensor:
-    """The whole (num_rows, dim) table on every rank (all_gather of the shards)."""
+def gather_full(table: ShardedTable, dst: int | None = None) -> torch.Tensor | None:
+    """The whole (num_rows, dim) table: on every rank (all_gather), or only on rank `dst` (gather; None elsewhere)."""
     w = table.local_rows()
     pad = torch.zeros(table.chunk, table.dim, dtype=w.dtype, device=w.device)
     pad[: w.shape[0]] = w
-    parts = [torch.empty_like(pad) for _ in range(table.world)]
-    dist.all_gather(parts, pad, group=table.group)
+    if dst is None:
+        parts = [torch.empty_like(pad) for _ in range(table.world)]
+        dist.all_gather(parts, pad, group=table.group)
+    else:
+        parts = [torch.empty_like(pad) for _ in range(table.world)] if table.rank == dst else None
+        dist.gather(pad, parts, dst=dst, group=table.group)
+        if parts is None:
+            return None
     return torch.cat(parts)[: table.num_rows]
 
 
