@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
+from .memory import is_table_key
 from .optim import TableAdam
 from .utils import atomic_write_bytes, sha256_file
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, truncated or corrupt; the message names the file."""
-
 
 
 def _optim_tensors(sds: dict) -> tuple[dict, dict]:
@@ -103,13 +103,14 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+    # shards held as parameters are saved here; file-backed shards are their own store
+    param_shards = [(n, m) for n, m in _tables(model) if m.sharded is not None and m.sharded.backend is None]
     if sharded:
         ddp.barrier()
         from .distributed.sharded import save_sharded
 
-        for name, mhe in _tables(model):
-            if mhe.sharded is not None and mhe.sharded.backend is None:  # (file-backed shards are their own store)
-                save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
+        for name, mhe in param_shards:
+            save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
         dense_sd = ddp.dense_state_dict(model)  # full tensors (collective under FSDP2), tables left out
         dense_osd = ddp.optim_state_dict(model, opts["dense"])
         ddp.barrier()
@@ -129,11 +130,9 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         state = {"step": step, "batcher": batcher_state, "optim": meta,
                  "files": {f: sha256_file(tmp / f) for f in files}}
         if sharded:
-            state["sharded_tables"] = {name: f"tables/{name}" for name, m in _tables(model)
-                                       if m.sharded is not None and m.sharded.backend is None}
+            state["sharded_tables"] = {name: f"tables/{name}" for name, _ in param_shards}
         if stores:
             state["table_store"] = {str(k): str(tb.path) for k, tb in stores.items()}
-            state["table_store_world"] = ddp.world if ddp is not None else 1
         atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
         if final.exists():
             shutil.rmtree(final)
@@ -196,13 +195,13 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
 
     ddp = ddp or DistContext(torch.device("cpu"))
     sd = load_file(str(path / "model.safetensors"))
-    dense = {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
+    dense = {k: v for k, v in sd.items() if not is_table_key(k)}
     missing, unexpected = ddp.load_dense_state_dict(model, dense)
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     tied_loaded = {n for group in names.values() if any(k in dense for k in group) for n in group}
-    missing = [k for k in missing if "multi_head_embedding" not in k and k not in tied_loaded]
+    missing = [k for k in missing if not is_table_key(k) and k not in tied_loaded]
     if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
         raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
@@ -237,14 +236,6 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
         if topt is not None and m is not None and step:
             topt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float64),
                              "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a metrics.jsonl line, or None for a blank or torn one (a kill while appending)."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

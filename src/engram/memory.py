@@ -35,6 +35,11 @@ def _rstd(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     return (ms + eps).rsqrt()
 
 
+def is_table_key(name: str) -> bool:
+    """True for the parameter / state-dict names of Engram tables (their rows live in `multi_head_embedding`)."""
+    return "multi_head_embedding" in name
+
+
 _DEFER_TABLES = False
 
 

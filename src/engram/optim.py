@@ -2,9 +2,10 @@
 
 `LazyRowAdam` updates only the rows a step touched (and only their moments), with the semantics
 of `torch.optim.SparseAdam` (the global step count drives bias correction; untouched rows and
-their moments do not move). It reads the sparse gradient the Engram table produces, gathers the
-touched rows of the weight and both moments with `index_select`, updates them, and writes them
-back with `index_copy_`: O(touched rows) work instead of O(table) for dense Adam.
+their moments do not move): O(touched rows) work instead of O(table) for dense Adam. On CPU with
+numba a fused kernel updates the touched rows in place (`_fastadam.py`); otherwise the rows of the
+weight and both moments are gathered with `index_select`, updated and written back with
+`index_copy_`. `TableAdam` does the same for tables that live in `engram.tables` backends.
 The paper trains the tables with Adam at 5x the backbone LR and no weight decay.
 """
 
@@ -42,6 +43,15 @@ def _fused_ok(*ts: torch.Tensor) -> bool:
     return _fastadam.available()
 
 
+def _adam_in_place(W: torch.Tensor, M: torch.Tensor, V: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
+                   step: float, lr: float, b1: float, b2: float, eps: float) -> None:
+    """The fused kernel: rows `rows` of W, M, V (float32 CPU) get one Adam update with gradients g (R, D)."""
+    from . import _fastadam
+
+    _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(), g.contiguous().numpy(),
+                        b1, b2, _step_size(lr, b1, b2, step), eps)
+
+
 def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: float, lr: float,
                b1: float, b2: float, eps: float, denom: torch.Tensor | None = None, fused: bool = True) -> None:
     """One Adam update of gathered rows, in place (all (R, D) float32): the math every table optimizer shares.
@@ -51,16 +61,12 @@ def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     On CPU with numba (`fused`) one fused kernel does it (`_fastadam`, the same kernel LazyRowAdam
     runs in place on the table, so both give identical rows); else a few torch ops.
     """
-    step_size = _step_size(lr, b1, b2, step)
     if fused and _fused_ok(w, m, v, g):
-        from . import _fastadam
-
-        rows = torch.arange(w.shape[0])
-        _fastadam.adam_rows(w.numpy(), m.numpy(), v.numpy(), rows.numpy(), g.numpy(), b1, b2, step_size, eps)
+        _adam_in_place(w, m, v, torch.arange(w.shape[0]), g, step, lr, b1, b2, eps)
         return
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    w.addcdiv_(m, torch.sqrt(v, out=denom).add_(eps), value=-step_size)
+    w.addcdiv_(m, torch.sqrt(v, out=denom).add_(eps), value=-_step_size(lr, b1, b2, step))
 
 
 class LazyRowAdam(torch.optim.Optimizer):
@@ -117,11 +123,7 @@ class LazyRowAdam(torch.optim.Optimizer):
                     continue
                 n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
                 if self.fused and _fused_ok(p, m, v, gv):  # in place on the table: no gather, no scatter
-                    from . import _fastadam
-
-                    step_size = _step_size(group["lr"], b1, b2, step)
-                    _fastadam.adam_rows(p.detach().numpy(), m.numpy(), v.numpy(), rows.contiguous().numpy(),
-                                        gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
+                    _adam_in_place(p, m, v, rows, gv, step, group["lr"], b1, b2, group["eps"])
                     continue
                 bufs = self._buffers(p, n)  # reused gather buffers: fresh ones cost 3x in page faults
                 m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n])
@@ -141,9 +143,9 @@ class LazyRowAdam(torch.optim.Optimizer):
 class TableAdam:
     """Lazy row Adam for Engram tables that live in a trainable backend (`engram.tables`).
 
-    Same update as `LazyRowAdam` (the shared `adam_rows_`), but the rows and both moments are read
-    from and written back to the backend (e.g. a memory-mapped file), so neither the table nor its
-    optimizer state has to fit in RAM. Duck-types the torch optimizer surface the trainer uses:
+    Same update as `LazyRowAdam` (the same fused kernel, in place in the backend's storage after
+    `begin_write` journals the rows; without numba `adam_rows_` on rows read from and written back
+    to the backend), so neither the table nor its optimizer state has to fit in RAM. Duck-types the torch optimizer surface the trainer uses:
     `param_groups`, `zero_grad`, `step`, `state_dict`, `load_state_dict`.
     """
 
@@ -170,18 +172,14 @@ class TableAdam:
                 continue
             self.steps[i] += 1
             rows, gv = got
+            step = float(self.steps[i])
             if rows.numel() and self.fused and _fused_ok(*b.tensors(), gv):  # in place in the backend's storage
-                from . import _fastadam
-
-                step_size = _step_size(group["lr"], b1, b2, float(self.steps[i]))
-                W, M, V = b.tensors()
                 b.begin_write(rows)
-                _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(),
-                                    gv.contiguous().numpy(), b1, b2, step_size, group["eps"])
+                _adam_in_place(*b.tensors(), rows, gv, step, group["lr"], b1, b2, group["eps"])
                 b.end_write(rows)
             elif rows.numel():
                 w, m, v = b.read_rows(rows)  # (R, D) float32 each
-                adam_rows_(w, m, v, gv, float(self.steps[i]), group["lr"], b1, b2, group["eps"], fused=self.fused)
+                adam_rows_(w, m, v, gv, step, group["lr"], b1, b2, group["eps"], fused=self.fused)
                 b.write_rows(rows, w, m, v)
             b.clear_grads(everything=True)
         return loss
@@ -209,11 +207,13 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 
 def split_params(model: torch.nn.Module):
     """(dense named params, table params): Engram tables are the `multi_head_embedding` weights."""
+    from .memory import is_table_key
+
     dense, tables = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (tables if "multi_head_embedding" in name else dense).append((name, p))
+        (tables if is_table_key(name) else dense).append((name, p))
     return dense, tables
 
 

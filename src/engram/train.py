@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, _step_of, _tables, checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, _tables, checkpoints, load_checkpoint, save_checkpoint
 from .config import ConfigError
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .optim import build_optimizers, split_params, warmup_cosine
@@ -74,6 +74,14 @@ class TrainConfig:
             raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.table_cache_mb < 0:
             raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line, or None for a blank or torn one (a kill while appending)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------ model building
@@ -149,7 +157,7 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
     if backed:  # tables in files: stream their rows into model.safetensors, a block at a time
         from safetensors import safe_open
 
-        from .tables.backends import _row_chunks, write_safetensors
+        from .tables.backends import tensor_entry, write_safetensors
 
         f = tmp / "model.safetensors"
         with safe_open(str(f), framework="pt") as st:
@@ -157,9 +165,7 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
         missing = set(backed) - set(small)
         if missing:
             raise CheckpointError(f"save_final: {f} lacks the table entries {sorted(missing)}")
-        entries = [(k, t.dtype, tuple(t.shape), _row_chunks(t))
-                   for k, t in ((k, backed[k].weight if k in backed else v) for k, v in small.items())]
-        write_safetensors(f, entries, meta)
+        write_safetensors(f, [tensor_entry(k, backed[k].weight if k in backed else v) for k, v in small.items()], meta)
     shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
     if final.exists():
         shutil.rmtree(final)
@@ -203,9 +209,12 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
 
     from .model import EngramForCausalLM
 
-    tcfg = train_config(preset, overrides, max_steps)
+    from .distributed.parallel import DistContext
+
+    ddp = DistContext(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    dev = ddp.device  # under torchrun on GPUs: cuda:LOCAL_RANK
+    tcfg = train_config(preset, overrides, max_steps, world=ddp.world)
     run_dir = Path(out)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
     manifest = load_manifest(data_dir)
     run_json = {"preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
@@ -225,16 +234,10 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
 
-    from .distributed.parallel import DistContext
-
-    ddp = DistContext(dev)
-    dev = ddp.device  # under torchrun on GPUs: cuda:LOCAL_RANK
-    if ddp.world > 1:
-        train_config(preset, overrides, max_steps, world=ddp.world)
     torch.manual_seed(tcfg.seed)
     mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,
                               model_overrides=model_overrides)
-    from .memory import MultiHeadEmbedding, defer_table_allocation
+    from .memory import MultiHeadEmbedding, defer_table_allocation, is_table_key
 
     file_init = tcfg.table_backend == "mmap" and tcfg.table_init == "file"
     with defer_table_allocation() if file_init else contextlib.nullcontext():
@@ -242,32 +245,28 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     # counted before the tables move to files or shards
     tables = [m for m in model.modules() if isinstance(m, MultiHeadEmbedding)]
     n_table = sum(m.num_rows * m.embedding_dim for m in tables if m.embedding.weight.requires_grad)  # trained rows
-    n_params = (sum(p.numel() for n, p in model.named_parameters() if "multi_head_embedding" not in n)
+    n_params = (sum(p.numel() for n, p in model.named_parameters() if not is_table_key(n))
                 + sum(m.num_rows * m.embedding_dim for m in tables))
-    stores = {}
     table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
-    mmap_shards = tcfg.table_backend == "mmap" and use_engram and ddp.world > 1
-    if tcfg.table_backend == "mmap" and use_engram and ddp.world == 1:
-        from .tables import offload_tables
+    mmap = tcfg.table_backend == "mmap" and use_engram
+    table_kw = dict(cache_bytes=int(tcfg.table_cache_mb * 2**20), init_seed=tcfg.seed if file_init else None,
+                    overwrite=not resume)
+    stores = {}
+    if mmap and ddp.world == 1:
+        from .tables import offload_tables, table_file
 
         if resume:
-            missing = [str(f) for f in (table_dir / f"engram_table_L{l}.safetensors" for l in mcfg.engram["layer_ids"])
-                       if not f.is_file()]
+            missing = [str(f) for f in (table_file(table_dir, l) for l in mcfg.engram["layer_ids"]) if not f.is_file()]
             if missing:
                 raise CheckpointError(f"--resume: table files missing: {', '.join(missing)}")
-        stores = offload_tables(model, "mmap", table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20),
-                                trainable=True, overwrite=not resume, init_seed=tcfg.seed if file_init else None)
-        if not resume:
-            for tb in stores.values():
-                tb.commit(0)
-    shard_files = dict(table_dir=table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20),
-                       init_seed=tcfg.seed if file_init else None, overwrite=not resume) if mmap_shards else {}
+        stores = offload_tables(model, "mmap", table_dir, trainable=True, **table_kw)
+    # with --nproc and mmap tables each rank keeps its shard in its own journaled file (ddp.stores)
+    shard_files = dict(table_dir=table_dir, **table_kw) if mmap and ddp.world > 1 else {}
     step_model = ddp.parallelize(model, tcfg.dense_parallel, **shard_files)  # the model itself: 1 process / FSDP2
-    if mmap_shards:  # each rank's rows in its own journaled file
-        stores = ddp.stores
-        if not resume:
-            for tb in stores.values():
-                tb.commit(0)
+    stores = stores or ddp.stores
+    if not resume:
+        for tb in stores.values():
+            tb.commit(0)  # start each undo journal at step 0
     opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     progress = progress and ddp.is_main
     batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,

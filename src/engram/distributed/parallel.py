@@ -6,8 +6,9 @@ parameters, either wraps the model in DistributedDataParallel (`dense="ddp"`) or
 `fully_shard` to every decoder layer and the root (`dense="fsdp2"`: parameters, gradients and
 optimizer state sharded too). The sharded tables are left out of both (their gradients already
 travel to their owners). MoE layers get a sum over ranks for their expert loads, so the
-loss-free balancing bias moves as in one process. Each rank trains on its slice of the global batch; the reported loss is
-the mean over ranks, so `--nproc N` and `--nproc 1` follow the same curve at the same global batch.
+loss-free balancing bias moves as in one process. Each rank trains on its slice of the global
+batch; the reported loss is the mean over ranks, so `--nproc N` and `--nproc 1` follow the same
+curve at the same global batch.
 The state-dict helpers give full (unsharded) dense weights and optimizer state in the
 single-process layout whichever wrapper is used, so checkpoints do not depend on it.
 With WORLD_SIZE == 1 every method is a no-op.
@@ -96,27 +97,19 @@ class DistContext:
 
     def _shard_file(self, table_dir, layer_id: int, mod, cache_bytes: int, init_seed, overwrite: bool):
         """This rank's rows of one table in a trainable, journaled MmapTable."""
-        import math
-        from pathlib import Path
-
-        from ..tables.backends import MmapTable, create_table_file, write_table_file
+        from ..tables.backends import MmapTable, new_table_file, table_file
+        from .sharded import shard_range
 
         W = mod.embedding.weight
-        chunk = math.ceil(mod.num_rows / self.world)
-        lo = min(mod.num_rows, self.rank * chunk)
-        hi = min(mod.num_rows, lo + chunk)
-        f = Path(table_dir) / f"engram_table_L{layer_id}.rank{self.rank}-of-{self.world}.safetensors"
-        if not overwrite and not f.is_file():
+        lo, hi = shard_range(mod.num_rows, self.rank, self.world)
+        f = table_file(table_dir, layer_id, self.rank, self.world)
+        if overwrite:
+            rows = W.detach()[lo:hi] if W.shape[0] == mod.num_rows else W.detach()  # (empty: a deferred table)
+            new_table_file(f, rows, hi - lo, None if init_seed is None else init_seed + 1009 * layer_id + self.rank,
+                           with_moments=True)
+        elif not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a run with memory-mapped table shards resumes with the --nproc "
                                     "it was started with")
-        if overwrite:
-            if W.shape[0] == mod.num_rows:
-                write_table_file(f, W.detach()[lo:hi], with_moments=True)
-            elif init_seed is not None:
-                create_table_file(f, hi - lo, W.shape[1], W.dtype, seed=init_seed + 1009 * layer_id + self.rank,
-                                  with_moments=True)
-            else:
-                raise FileNotFoundError(f"{f} does not exist and the model has no table rows to write")
         tb = MmapTable(f, cache_bytes=cache_bytes, writable=True)
         tb.trainable, tb.requires_grad = W.requires_grad, W.requires_grad
         return tb
@@ -137,7 +130,9 @@ class DistContext:
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             sd = model.state_dict()
-        return {k: v for k, v in sd.items() if "multi_head_embedding" not in k}
+        from ..memory import is_table_key
+
+        return {k: v for k, v in sd.items() if not is_table_key(k)}
 
     def load_dense_state_dict(self, model, sd: dict):
         """Load full dense weights; returns (missing, unexpected) keys like `load_state_dict(strict=False)`."""
@@ -215,7 +210,7 @@ class DistContext:
         """
         if self.world == 1:
             return model
-        from ..memory import MultiHeadEmbedding
+        from ..memory import MultiHeadEmbedding, is_table_key
         from .sharded import gather_full
 
         dense = self.dense_state_dict(model) if self.fsdp else None
@@ -237,7 +232,7 @@ class DistContext:
             for n, m in plain.named_modules():
                 if isinstance(m, MultiHeadEmbedding):
                     m.embedding.weight.copy_(tables[n])
-        left = [k for k in missing if "multi_head_embedding" not in k]
+        left = [k for k in missing if not is_table_key(k)]
         if left or unexpected:
             raise RuntimeError(f"unshard: missing {left[:5]}, unexpected {unexpected[:5]}")
         return plain

@@ -65,6 +65,13 @@ class _ShardedLookup(torch.autograd.Function):
         return gw, None, None, None, None, None, None, None
 
 
+def shard_range(num_rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [lo, hi) that `rank` owns: contiguous blocks of ceil(num_rows / world)."""
+    chunk = math.ceil(num_rows / world)
+    lo = min(num_rows, rank * chunk)
+    return lo, min(num_rows, lo + chunk)
+
+
 class ShardedTable(torch.nn.Module):
     """Rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`."""
 
@@ -77,8 +84,7 @@ class ShardedTable(torch.nn.Module):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_rows, self.dim = num_rows, dim
         self.chunk = math.ceil(num_rows / self.world)
-        self.lo = min(num_rows, self.rank * self.chunk)
-        self.hi = min(num_rows, self.lo + self.chunk)
+        self.lo, self.hi = shard_range(num_rows, self.rank, self.world)
         self.backend = backend  # this rank's rows in a trainable engram.tables backend (e.g. a memory-mapped file)
         if backend is not None:
             if (backend.num_rows, backend.dim) != (self.hi - self.lo, dim):
@@ -109,20 +115,14 @@ class ShardedTable(torch.nn.Module):
         return out.view(*shape, self.dim)
 
 
-def gather_full(table: ShardedTable, dst: int | None = None) -> torch.Tensor | None:
-    """The whole (num_rows, dim) table: on every rank (all_gather), or only on rank `dst` (gather; None elsewhere)."""
+def gather_full(table: ShardedTable, dst: int = 0) -> torch.Tensor | None:
+    """The whole (num_rows, dim) table on rank `dst` (None on the others, which never hold it)."""
     w = table.local_rows()
     pad = torch.zeros(table.chunk, table.dim, dtype=w.dtype, device=w.device)
     pad[: w.shape[0]] = w
-    if dst is None:
-        parts = [torch.empty_like(pad) for _ in range(table.world)]
-        dist.all_gather(parts, pad, group=table.group)
-    else:
-        parts = [torch.empty_like(pad) for _ in range(table.world)] if table.rank == dst else None
-        dist.gather(pad, parts, dst=dst, group=table.group)
-        if parts is None:
-            return None
-    return torch.cat(parts)[: table.num_rows]
+    parts = [torch.empty_like(pad) for _ in range(table.world)] if table.rank == dst else None
+    dist.gather(pad, parts, dst=dst, group=table.group)
+    return torch.cat(parts)[: table.num_rows] if parts is not None else None
 
 
 def save_sharded(table: ShardedTable, directory: str | Path, optimizer=None) -> None:

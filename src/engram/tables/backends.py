@@ -90,20 +90,29 @@ class TableBackend:
         self.__dict__["_pending"] = [] if everything else [(r, v) for r, v in self.__dict__.get("_pending", [])
                                                     if v.grad is None]
 
-    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weight, exp_avg, exp_avg_sq) of `rows`, each (R, dim) float32, fresh tensors."""
-        raise TableError(f"{type(self).__name__} is not trainable")
-
-    def write_rows(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-        """Store updated rows (distinct ids) and their moments."""
-        raise TableError(f"{type(self).__name__} is not trainable")
-
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole (weight, exp_avg, exp_avg_sq), for optimizers that update rows in place.
 
         Bracket in-place writes with `begin_write(rows)` / `end_write(rows)`.
         """
         raise TableError(f"{type(self).__name__} is not trainable")
+
+    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight, exp_avg, exp_avg_sq) of `rows`, each (R, dim) float32, fresh tensors."""
+        w, m, v = self.tensors()
+        return w.index_select(0, rows).float(), m.index_select(0, rows), v.index_select(0, rows)
+
+    def write_rows(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Store updated rows (distinct ids) and their moments."""
+        self.begin_write(rows)
+        self._put(rows, w, m, v)
+        self.end_write(rows)
+
+    def _put(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        W, M, V = self.tensors()
+        W.index_copy_(0, rows, w.to(W.dtype))
+        M.index_copy_(0, rows, m)
+        V.index_copy_(0, rows, v)
 
     def begin_write(self, rows: torch.Tensor) -> None:
         """Rows (distinct) are about to change in place (a journaled backend saves their old values)."""
@@ -138,14 +147,11 @@ class InRamTable(TableBackend):
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         return self.weight, self.exp_avg, self.exp_avg_sq
 
-    def read_rows(self, rows):
-        w, m, v = self.tensors()
-        return w.index_select(0, rows).float(), m.index_select(0, rows), v.index_select(0, rows)
 
-    def write_rows(self, rows, w, m, v):
-        self.weight.index_copy_(0, rows, w.to(self.dtype))
-        self.exp_avg.index_copy_(0, rows, m)
-        self.exp_avg_sq.index_copy_(0, rows, v)
+def table_file(directory: str | os.PathLike, layer_id: int, rank: int | None = None, world: int | None = None) -> Path:
+    """Where layer `layer_id`'s table lives: one file, or with `rank`/`world` one file per rank's shard."""
+    shard = f".rank{rank}-of-{world}" if rank is not None else ""
+    return Path(directory) / f"engram_table_L{layer_id}{shard}.safetensors"
 
 
 def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: int = 1 << 20,
@@ -156,8 +162,22 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
     (the Adam moments a trainable `MmapTable` keeps beside the rows).
     """
     w = weight.detach().cpu()
-    entries = [("weight", w.dtype, tuple(w.shape), _row_chunks(w, chunk_rows))]
+    entries = [tensor_entry("weight", w, chunk_rows)]
     return write_safetensors(path, entries + (_zero_moments(*w.shape, chunk_rows) if with_moments else []))
+
+
+def new_table_file(path: str | os.PathLike, rows: torch.Tensor, num_rows: int, seed: int | None,
+                   with_moments: bool) -> Path:
+    """A table file of `num_rows` rows: `rows` written out when it holds them, else N(0, 1) drawn from `seed`.
+
+    `rows` gives dim and dtype; it is empty for a model built under `defer_table_allocation()`.
+    """
+    if rows.shape[0] == num_rows:
+        return write_table_file(path, rows, with_moments=with_moments)
+    if seed is None:
+        raise TableError(f"{path} does not exist and the model has no table rows to write "
+                         "(built with defer_table_allocation()): pass init_seed to create it")
+    return create_table_file(path, num_rows, rows.shape[1], rows.dtype, seed=seed, with_moments=with_moments)
 
 
 def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
@@ -173,9 +193,10 @@ def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: t
     return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []))
 
 
-def _row_chunks(t: torch.Tensor, chunk_rows: int = 1 << 18):
-    """Row blocks of `t` (e.g. a memory-mapped table): only one block is ever copied at a time."""
-    return (t[s:s + chunk_rows] for s in range(0, max(1, t.shape[0]), chunk_rows)) if t.dim() else iter([t])
+def tensor_entry(name: str, t: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple:
+    """A `write_safetensors` entry for tensor `t` (e.g. a memory-mapped table), copied one row block at a time."""
+    chunks = (t[s:s + chunk_rows] for s in range(0, max(1, t.shape[0]), chunk_rows)) if t.dim() else iter([t])
+    return name, t.dtype, tuple(t.shape), chunks
 
 
 def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
@@ -348,19 +369,7 @@ class MmapTable(TableBackend):
             self.cache.index_copy_(0, mslot.index_select(0, pick), vals.index_select(0, pick))
         return out
 
-    # ---- training: rows and moments read and written in place, old values journaled first
-    def read_rows(self, rows):
-        self._need_writable()
-        return (self.weight.index_select(0, rows).float(), self.exp_avg.index_select(0, rows),
-                self.exp_avg_sq.index_select(0, rows))
-
-    def write_rows(self, rows, w, m, v):
-        self.begin_write(rows)
-        self.weight.index_copy_(0, rows, w.to(self.dtype))
-        self.exp_avg.index_copy_(0, rows, m)
-        self.exp_avg_sq.index_copy_(0, rows, v)
-        self.end_write(rows)
-
+    # ---- training: rows and moments written in place, old values journaled first
     def tensors(self):
         self._need_writable()
         return self.weight, self.exp_avg, self.exp_avg_sq
@@ -469,9 +478,7 @@ class MmapTable(TableBackend):
         restored = 0
         if base == step:  # newest entry first, so a row journaled twice ends at its oldest (checkpoint) value
             for rows, w, m, v in reversed(list(self._journal_entries())):
-                self.weight.index_copy_(0, rows, w)
-                self.exp_avg.index_copy_(0, rows, m)
-                self.exp_avg_sq.index_copy_(0, rows, v)
+                self._put(rows, w, m, v)  # (not journaled: these are the checkpoint's values)
                 restored += rows.numel()
         self.tags.fill_(-1)  # cached rows may predate the rollback
         self.commit(step)
@@ -514,23 +521,16 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
             continue
         mhe = mod.multi_head_embedding
         w = mhe.embedding.weight
-        deferred = w.shape[0] != mhe.num_rows
         if backend == "ram":
-            if deferred:
+            if w.shape[0] != mhe.num_rows:
                 raise TableError("offload_tables(backend='ram') needs the table in the model; it was built "
                                  "with defer_table_allocation()")
             tb = InRamTable(w.detach().clone() if trainable else w)
         else:
-            f = Path(directory) / f"engram_table_L{mod.layer_id}.safetensors"
+            f = table_file(directory, mod.layer_id)
             if overwrite or not f.is_file():
-                if deferred and init_seed is None:
-                    raise TableError(f"{f} does not exist and the model has no table rows to write "
-                                     "(built with defer_table_allocation()): pass init_seed to create it")
-                if deferred:
-                    create_table_file(f, mhe.num_rows, w.shape[1], w.dtype, seed=init_seed + mod.layer_id,
-                                      with_moments=trainable)
-                else:
-                    write_table_file(f, w, with_moments=trainable)
+                new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mod.layer_id,
+                               with_moments=trainable)
             tb = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
             if tb.num_rows != mhe.num_rows or tb.dim != w.shape[1]:
                 raise TableError(f"{f} holds a [{tb.num_rows}, {tb.dim}] table, the model needs "
