@@ -133,13 +133,17 @@ def cmd_spec(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from .config import ConfigError
     from .train import train, train_config
 
     overrides = {}
     for kv in args.set or []:
         k, _, v = kv.partition("=")
         default = _train_default(k)
-        overrides[k] = type(default)(v) if default is not None else v
+        try:
+            overrides[k] = type(default)(v) if default is not None else v
+        except ValueError:
+            raise ConfigError(f"--set {k}={v}: expected a {type(default).__name__} value") from None
     if args.table_backend:
         overrides["table_backend"] = args.table_backend
     if args.table_cache_mb is not None:
