@@ -14,6 +14,11 @@ def tiny(hc_mult=4, N=3, hidden=32, **kw):
     return e, b
 
 
+def run(m, h, ids):
+    """The layer on token ids: hash, look up its table's rows, then the math -> (delta, gate)."""
+    return m(h, m.multi_head_embedding(m.hash_mapping.hash(ids)[m.layer_id]))
+
+
 def load_golden_module(golden_dir):
     z = np.load(golden_dir / "forward_small.npz")
     cfg = json.loads((golden_dir / "forward_small_config.json").read_text())
@@ -41,8 +46,9 @@ def test_golden_forward(golden_dir):
     ids = torch.from_numpy(z["input_ids"])
     assert np.array_equal(m.hash_mapping.hash(ids)[1].numpy(), z["hash_ids"])
     with torch.no_grad():
-        out, gates = m(torch.from_numpy(z["hidden_states"]), ids, return_gates=True)
-        out2 = m(torch.from_numpy(z["hidden_states"]), hash_ids=torch.from_numpy(z["hash_ids"]))
+        out, gates = run(m, torch.from_numpy(z["hidden_states"]), ids)
+        rows = m.multi_head_embedding(torch.from_numpy(z["hash_ids"]))  # (B, T, H, d) from precomputed hash ids
+        out2, _ = m(torch.from_numpy(z["hidden_states"]), rows)
     np.testing.assert_allclose(gates.numpy(), z["gates"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(out.numpy(), z["output"], atol=1e-5, rtol=0)
     assert torch.equal(out, out2)
@@ -56,13 +62,13 @@ def test_tiny_configs_shapes_and_causality(hc_mult, N):
     m = Engram(0, e, b)
     ids = torch.randint(0, 128815, (2, 12))
     h = torch.randn(2, 12, hc_mult, 32)
-    out, g = m(h, ids, return_gates=True)
+    out, g = run(m, h, ids)
     assert out.shape == h.shape and g.shape == (2, 12, hc_mult)
     assert ((g > 0) & (g < 1)).all()
     ids2, h2 = ids.clone(), h.clone()
     ids2[:, 7:] = torch.randint(0, 128815, (2, 5))
     h2[:, 7:] = torch.randn(2, 5, hc_mult, 32)
-    out2 = m(h2, ids2)
+    out2, _ = run(m, h2, ids2)
     assert torch.equal(out[:, :7], out2[:, :7])
     assert not torch.equal(out[:, 7:], out2[:, 7:])
 
@@ -73,7 +79,7 @@ def test_sparse_gradient_touches_only_looked_up_rows():
     m = Engram(0, e, b)
     ids = torch.randint(0, 128815, (2, 10))
     h = torch.randn(2, 10, 4, 32)
-    m(h, ids).square().sum().backward()
+    run(m, h, ids)[0].square().sum().backward()
     W = m.multi_head_embedding.embedding.weight
     assert W.grad.is_sparse
     rows, grads = m.multi_head_embedding.row_grads()
@@ -83,7 +89,7 @@ def test_sparse_gradient_touches_only_looked_up_rows():
     dense = Engram(0, e, b)
     dense.load_state_dict(m.state_dict())
     dense.multi_head_embedding.embedding.sparse = False
-    dense(h, ids).square().sum().backward()
+    run(dense, h, ids)[0].square().sum().backward()
     gd = dense.multi_head_embedding.embedding.weight.grad
     assert torch.allclose(gd[rows], grads, atol=1e-6)
     mask = torch.ones(gd.shape[0], dtype=torch.bool)
@@ -96,7 +102,7 @@ def test_conv_zero_init_gives_identity_on_value():
     m = Engram(0, e, b)
     assert m.short_conv.conv.weight.abs().max() == 0
     h, ids = torch.randn(1, 6, 4, 32), torch.randint(0, 1000, (1, 6))
-    out, g = m(h, ids, return_gates=True)
+    out, g = run(m, h, ids)
     e_rows = m.multi_head_embedding(m.hash_mapping.hash(ids)[0]).flatten(-2)
     v = g.unsqueeze(-1) * m.kv_proj(e_rows)[..., :32].unsqueeze(2)
     assert torch.allclose(out, v, atol=1e-6)
@@ -118,12 +124,12 @@ def test_bf16_table_and_bad_shapes():
     e, b = tiny(table_dtype="bfloat16")
     m = Engram(0, e, b)
     assert m.multi_head_embedding.embedding.weight.dtype == torch.bfloat16
-    out = m(torch.randn(1, 4, 4, 32), torch.randint(0, 1000, (1, 4)))
+    out, _ = run(m, torch.randn(1, 4, 4, 32), torch.randint(0, 1000, (1, 4)))
     assert out.dtype == torch.float32
     with pytest.raises(ValueError, match=r"hidden_states must be \(B, T, 4, 32\)"):
-        m(torch.randn(1, 4, 2, 32), torch.randint(0, 1000, (1, 4)))
-    with pytest.raises(ValueError, match="needs input_ids"):
-        m(torch.randn(1, 4, 4, 32))
+        run(m, torch.randn(1, 4, 2, 32), torch.randint(0, 1000, (1, 4)))
+    with pytest.raises(ValueError, match=r"rows must be \(B=1, T=4, H, d\)"):
+        m(torch.randn(1, 4, 4, 32), torch.randn(1, 3, 4, 8))
     with pytest.raises(ValueError, match="not in engram_cfg.layer_ids"):
         Engram(1, e, b)
 
@@ -171,11 +177,11 @@ def test_gradients_match_plain_formula(hc_mult):
     h1 = torch.randn(2, 9, hc_mult, 32, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
     w = torch.randn(2, 9, hc_mult, 32)
-    (m(h1, ids) * w).sum().backward()
+    (run(m, h1, ids)[0] * w).sum().backward()
     ours = {n: p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad(set_to_none=True)
     out_plain = plain_forward(m, h2, ids)
-    assert torch.allclose(m(h2.detach(), ids), out_plain, atol=1e-5)
+    assert torch.allclose(run(m, h2.detach(), ids)[0], out_plain, atol=1e-5)
     (out_plain * w).sum().backward()
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
     for n, p in m.named_parameters():
@@ -192,7 +198,7 @@ def test_ablation_switches_run_and_do_what_they_say(opt):
     m = Engram(0, e, b)
     ids = torch.randint(0, 128815, (2, 8))
     h = torch.randn(2, 8, 4, 32, requires_grad=True)
-    out, g = m(h, ids, return_gates=True)
+    out, g = run(m, h, ids)
     out.sum().backward()
     rows = m.hash_mapping.hash(ids)[0]
     ref = get_hash_mapping(tiny()[0]).hash(ids)[0]
@@ -209,6 +215,13 @@ def test_ablation_switches_run_and_do_what_they_say(opt):
         assert torch.equal(rows, m.hash_mapping.hash(ids)[0])  # fixed, deterministic
     if opt.get("compress_tokenizer") is False:
         assert m.hash_mapping.tokenizer_vocab_size == 128815
+        # two raw ids that compression merges: same rows with compression, different rows without
+        lut = get_hash_mapping(tiny()[0]).compressed_tokenizer.lookup_table
+        a = int(np.flatnonzero(np.bincount(lut) > 1)[0])
+        x, y = np.flatnonzero(lut == a)[:2]
+        pair = torch.tensor([[5, int(x)], [5, int(y)]])
+        merged, raw = get_hash_mapping(tiny()[0]).hash(pair)[0], m.hash_mapping.hash(pair)[0]
+        assert torch.equal(merged[0], merged[1]) and not torch.equal(raw[0, 1], raw[1, 1])
     if opt.get("use_short_conv") is False:
         e_rows = m.multi_head_embedding(rows).flatten(-2)
         assert torch.allclose(out, g.unsqueeze(-1) * m.kv_proj(e_rows)[..., :32].unsqueeze(2), atol=1e-6)

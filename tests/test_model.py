@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import engram  # noqa: E402,F401  (registers the Auto classes)
 from engram import ConfigError, presets  # noqa: E402
 from engram.hyper import HyperConnection  # noqa: E402
-from engram.model import _CACHE_FIELD, EngramForCausalLM, MoE  # noqa: E402
+from engram.model import CACHE_FIELD, EngramForCausalLM, MoE, update_expert_bias  # noqa: E402
 
 
 def make(**kw):
@@ -52,7 +52,7 @@ def test_incremental_decoding_matches_full_forward(kw):
     with torch.no_grad():
         full = m(ids).logits
         out = m(ids[:, :5], use_cache=True)
-        cache, steps = out[_CACHE_FIELD], [out.logits]
+        cache, steps = out[CACHE_FIELD], [out.logits]
         for t in range(5, 12):
             out = m(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
@@ -149,8 +149,16 @@ def test_moe_bias_balancing_reduces_imbalance():
     before = imbalance()
     for _ in range(200):
         moe(x)
+        update_expert_bias(moe)  # the training step's balancing (forward only counts)
     after = imbalance()
     assert before > 2.5 and after < 0.6 * before, (before, after)
+    moe.take_load()
+    moe(x)
+    moe(x)
+    assert torch.equal(moe.take_load(), 2 * moe.last_load)  # the count covers every forward since the last update
+    assert moe.take_load().sum() == 0
+    moe.eval()(x)
+    assert moe.take_load().sum() == 0  # evaluation does not move the balance
 
 
 def test_engram_switch_recovers_backbone_exactly():

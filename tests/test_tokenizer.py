@@ -16,9 +16,19 @@ def ct():
 
 def test_lookup_table_equals_golden(ct, golden_dir):
     golden = np.load(golden_dir / "deepseek_v3_lookup_table.npy")
-    assert len(ct) == 128815 == len(golden)
+    assert ct.vocab_size == 128815 == len(golden)
     assert np.array_equal(ct.lookup_table, golden)
     assert ct.num_new_token == 98627
+
+
+def test_len_is_the_compressed_vocabulary_as_in_the_reference(ct, golden_dir):
+    """The reference's `__len__` returns the compressed size: multipliers derived from `len()` are the golden ones."""
+    from engram.hashing import layer_multipliers
+
+    assert len(ct) == 98627 == ct.num_new_token
+    golden = json.loads((golden_dir / "hash_default.json").read_text())["layer_multipliers"]
+    derived = layer_multipliers([1, 15], 3, len(ct), 0)
+    assert {str(k): [int(x) for x in v] for k, v in derived.items()} == golden
 
 
 def test_call_keeps_shape_and_passes_negatives(ct):

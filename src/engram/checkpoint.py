@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from .distributed.sharded import ShardedTable, load_sharded, save_sharded
 from .memory import is_table_key
 from .optim import TableAdam
+from .tables.base import find_tables, installed_tables
 from .utils import atomic_write_bytes, sha256_file
 
 
@@ -72,19 +74,18 @@ def _dedup(sd: dict) -> dict:
     return out
 
 
-def _tables(model) -> list:
-    """[(module name, MultiHeadEmbedding)] in model order."""
-    from .memory import MultiHeadEmbedding
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)]
+def durable_tables(model) -> dict:
+    """{layer_id: table} of the tables that keep their own trained rows (files, trainable RAM tables, file-backed
+    shards): a checkpoint flushes them and starts their undo journals; resume rolls them back."""
+    return {lid: t for lid, t in installed_tables(model).items() if t.trainable}
 
 
 def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2,
-                    stores: dict | None = None, ddp=None) -> Path:
+                    ddp=None) -> Path:
     """Write checkpoint `step` into a temp folder and rename it into place.
 
-    `stores` ({layer: MmapTable}) are flushed before the checkpoint is committed and start their
-    undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
+    Tables that keep their own rows (`durable_tables`) are flushed before the checkpoint is
+    committed and start their undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
     with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
     to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
     dense weights and optimizer, so the checkpoint loads at any world size.
@@ -96,21 +97,21 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     ckdir = run_dir / "checkpoints"
     final = ckdir / f"step_{step:06d}"
     tmp = ckdir / (f".tmp_step_{step:06d}" if sharded else f".tmp_step_{step:06d}_{os.getpid()}")
-    for tb in (stores or {}).values():  # every rank: table files hold the state of `step` on disk
-        tb.flush()
+    durable = durable_tables(model)
+    for table in durable.values():  # every rank: table files hold the state of `step` on disk
+        table.flush()
     if main:
         ckdir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    # shards held as parameters are saved here; file-backed shards are their own store
-    param_shards = [(n, m) for n, m in _tables(model) if m.sharded is not None and m.sharded.backend is None]
+    # shards held as parameters are saved here; file-backed shards are durable tables of their own
+    param_shards = [(n, m) for n, m in find_tables(model)
+                    if isinstance(m.table, ShardedTable) and m.table.local_table is None]
     if sharded:
         ddp.barrier()
-        from .distributed.sharded import save_sharded
-
         for name, mhe in param_shards:
-            save_sharded(mhe.sharded, tmp / "tables" / name, opts.get("tables"))
+            save_sharded(mhe.table, tmp / "tables" / name, opts.get("tables"))
         dense_sd = ddp.dense_state_dict(model)  # full tensors (collective under FSDP2), tables left out
         dense_osd = ddp.optim_state_dict(model, opts["dense"])
         ddp.barrier()
@@ -131,8 +132,9 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
                  "files": {f: sha256_file(tmp / f) for f in files}}
         if sharded:
             state["sharded_tables"] = {name: f"tables/{name}" for name, _ in param_shards}
-        if stores:
-            state["table_store"] = {str(k): str(tb.path) for k, tb in stores.items()}
+        files = {str(k): str(t.path) for k, t in durable.items() if getattr(t, "path", None) is not None}
+        if files:
+            state["table_store"] = files
         atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
         if final.exists():
             shutil.rmtree(final)
@@ -141,8 +143,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
             shutil.rmtree(old, ignore_errors=True)
     if sharded:
         ddp.barrier()
-    for tb in (stores or {}).values():
-        tb.commit(step)
+    for table in durable.values():
+        table.commit(step)
     return final
 
 
@@ -171,7 +173,7 @@ def load_checkpoint(path: Path, model, opts: dict, ddp=None) -> dict:
     state = read_checkpoint(path)
     try:
         tensors = load_file(str(path / "optim.safetensors"))
-        if "sharded_tables" not in state and not any(m.sharded is not None for _, m in _tables(model)):
+        if "sharded_tables" not in state and not any(isinstance(m.table, ShardedTable) for _, m in find_tables(model)):
             load_model(model, str(path / "model.safetensors"))
             _load_optim(opts, tensors, state["optim"])
         else:
@@ -190,13 +192,10 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
     """Load a checkpoint whose tables are sharded, or into a model whose tables are (any world size)."""
     from safetensors.torch import load_file
 
-    from .distributed.parallel import DistContext
-    from .distributed.sharded import load_sharded
-
-    ddp = ddp or DistContext(torch.device("cpu"))
     sd = load_file(str(path / "model.safetensors"))
     dense = {k: v for k, v in sd.items() if not is_table_key(k)}
-    missing, unexpected = ddp.load_dense_state_dict(model, dense)
+    missing, unexpected = (ddp.load_dense_state_dict(model, dense) if ddp is not None
+                           else model.load_state_dict(dense, strict=False))
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -204,18 +203,23 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
     missing = [k for k in missing if not is_table_key(k) and k not in tied_loaded]
     if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
         raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
+    dense_osd = _optim_state("dense", tensors, state["optim"])
+    if ddp is not None:
+        ddp.load_optim_state_dict(model, opts["dense"], dense_osd)
+    else:
+        opts["dense"].load_state_dict(dense_osd)
     if isinstance(opts.get("tables"), TableAdam):
         if "tables" not in state["optim"]:
             raise CheckpointError(f"{path} has no table optimizer state for memory-mapped table shards")
         opts["tables"].load_state_dict(_optim_state("tables", tensors, state["optim"]))
     topt = opts.get("tables")
     params = topt.param_groups[0]["params"] if topt is not None and not isinstance(topt, TableAdam) else []
-    for name, mhe in _tables(model):
-        if mhe.sharded is not None and mhe.sharded.backend is not None:
+    for name, mhe in find_tables(model):
+        shard = mhe.table if isinstance(mhe.table, ShardedTable) else None
+        if shard is not None and shard.local_table is not None:
             continue  # rows and moments live in this rank's table file (rolled back by its journal)
-        p = mhe.sharded.weight if mhe.sharded is not None else mhe.embedding.weight
-        lo, hi = (mhe.sharded.lo, mhe.sharded.hi) if mhe.sharded is not None else (0, p.shape[0])
+        p = shard.weight if shard is not None else mhe.embedding.weight
+        lo, hi = (shard.lo, shard.hi) if shard is not None else (0, p.shape[0])
         if "sharded_tables" in state:
             d = path / state["sharded_tables"][name]
             rows = load_sharded(d, lo, hi)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .utils import atomic_write_bytes
+
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 
 
@@ -160,6 +162,57 @@ def _from_dict(cls, d: Any, section: str):
         raise ConfigError(f"section '{section}': {e}") from None
 
 
+@dataclass
+class TrainConfig:
+    """Training settings of a run (`engram train --set KEY=VALUE` overrides any of them; presets in `presets.py`)."""
+
+    tokenizer: str = "bpe:8192"
+    seq_len: int = 256
+    batch_size: int = 16
+    max_steps: int = 1500
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    table_lr_mult: float = 5.0
+    grad_clip: float = 1.0
+    eval_every: int = 0  # 0: every 10% of the run
+    eval_max_windows: int = 128
+    ckpt_every: int = 250
+    keep_checkpoints: int = 2
+    seed: int = 0
+    table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
+    table_cache_mb: float = 0.0  # mmap: hot-row cache size
+    table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
+    table_init: str = "model"  # mmap: model (init in RAM, then written: same run as param) | file (streamed, never in RAM)
+    dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)
+
+    def validate(self) -> None:
+        for f in ("seq_len", "batch_size", "max_steps", "keep_checkpoints"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.table_backend not in ("param", "mmap"):
+            raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
+        if self.table_init not in ("model", "file"):
+            raise ConfigError(f"table_init must be 'model' or 'file', got {self.table_init!r}")
+        if self.table_init == "file" and self.table_backend != "mmap":
+            raise ConfigError("table_init=file needs table_backend=mmap (the tables are created as files)")
+        if self.dense_parallel not in ("ddp", "fsdp2"):
+            raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
+        if self.table_cache_mb < 0:
+            raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
+
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return _from_dict(cls, d, "train")
+
+
 def check_layer_ids(engram: EngramConfig, backbone: BackBoneConfig) -> None:
     """Engram layers must exist in the backbone: every id in [0, num_layers)."""
     bad = [i for i in engram.layer_ids if i >= backbone.num_layers]
@@ -192,7 +245,6 @@ def load_config(path: str | os.PathLike) -> tuple[EngramConfig, BackBoneConfig]:
 
 def save_config(path: str | os.PathLike, engram: EngramConfig, backbone: BackBoneConfig) -> None:
     """Write both configs to `path` as JSON (atomically: temp file, then rename)."""
-    from .utils import atomic_write_bytes
-
+    
     text = json.dumps({"engram": engram.to_dict(), "backbone": backbone.to_dict()}, indent=2) + "\n"
     atomic_write_bytes(Path(path), text.encode("utf-8"))

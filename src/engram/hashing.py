@@ -134,7 +134,7 @@ class NgramHashMapping:
         if hash_mode not in ("ngram", "shuffled", "constant"):
             raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {hash_mode!r}")
         self.compress, self.hash_mode = bool(compress), hash_mode
-        self.tokenizer_len = len(self.compressed_tokenizer)
+        self.tokenizer_len = self.compressed_tokenizer.vocab_size
         if not 0 <= pad_id < self.tokenizer_len:
             raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.tokenizer_len})")
         self.raw_pad_id = int(pad_id)
@@ -314,6 +314,17 @@ class NgramHashMapping:
         if as_numpy:
             out = out.numpy()
         return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
+
+    def hash_continuation(self, input_ids: torch.Tensor, history: torch.Tensor | None = None) -> dict:
+        """Hash ids of new tokens whose n-grams reach back into earlier ones: `{layer_id: (B, T, H)}`.
+
+        `history` (B, <= N-1) holds the ids before `input_ids` (B, T) (decoding with a KV cache:
+        `model.EngramCache` keeps them); the result covers the T new positions only.
+        """
+        if history is None or history.shape[1] == 0:
+            return self.hash(input_ids)
+        T = input_ids.shape[1]
+        return {k: v[:, -T:] for k, v in self.hash(torch.cat([history.to(input_ids.device), input_ids], dim=1)).items()}
 
     # ------------------------------------------------------------------ spec
     def spec(self, include_lookup_table: bool = True) -> dict:

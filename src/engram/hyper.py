@@ -67,10 +67,16 @@ class HyperConnection(nn.Module):
         self.norm = nn.RMSNorm(n * hidden_size, eps=1e-6)
         self.phi = nn.Linear(n * hidden_size, n + n + n * n, bias=False)  # [pre (n); post (n); res (n*n)]
         nn.init.normal_(self.phi.weight, std=1.0 / math.sqrt(n * hidden_size))
+        self.alpha_init = alpha_init
         self.alpha = nn.Parameter(torch.full((3,), alpha_init))
+        self.bias = nn.Parameter(self.initial_bias())
+
+    def initial_bias(self) -> torch.Tensor:
+        """[pre (n); post (n); res (n*n)] logits at init: pre at 1/n after the sigmoid, res a mild identity."""
+        n = self.n
         b_pre = torch.full((n,), math.log(1.0 / n) - math.log1p(-1.0 / n)) if n > 1 else torch.full((1,), 4.0)
         b_res = torch.eye(n)  # mild identity preference; a stronger one slows Sinkhorn past 20 iterations
-        self.bias = nn.Parameter(torch.cat([b_pre, torch.zeros(n), b_res.flatten()]))
+        return torch.cat([b_pre, torch.zeros(n), b_res.flatten()])
 
     def coefficients(self, x: torch.Tensor):
         """x (B, T, n, C) -> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n)."""

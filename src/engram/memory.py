@@ -59,24 +59,29 @@ def defer_table_allocation():
 
 
 class MultiHeadEmbedding(nn.Module):
-    """All heads' tables concatenated in one `(sum(list_of_N), D)` embedding with per-head row offsets.
+    """One Engram layer's table: all heads' rows in one `(sum(list_of_N), D)` embedding, per-head row offsets.
 
-    forward: per-head row ids `(..., H)` -> rows `(..., H, D)`.
+    forward: per-head row ids `(..., H)` -> rows `(..., H, D)`. The rows live in this module's own
+    `embedding` parameter (sparse gradient, trained by `optim.LazyRowAdam`) unless a table from
+    `engram.tables` or `engram.distributed` was installed (`engram.tables.install`): then `table`
+    holds it and every lookup goes there. Either way it is one call, `table.lookup(flat row ids)`;
+    this module is itself the parameter implementation of that interface (`engram.tables.base.Table`).
     """
 
-    def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True):
+    def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True,
+                 layer_id: int | None = None):
         super().__init__()
+        self.layer_id = layer_id
         self.num_heads = len(list_of_N)
         self.num_rows = int(sum(list_of_N))  # the table's rows, also when its storage lives elsewhere
-        self.embedding_dim = D
+        self.embedding_dim = self.dim = D
         offsets = [0]
         for n in list_of_N[:-1]:
             offsets.append(offsets[-1] + int(n))
         # Offsets are derived from the config, never stored: a plain list, turned into a tensor per device.
         self._offsets = offsets
         self._offsets_cache: dict[torch.device, torch.Tensor] = {}
-        self.backend = None  # set by engram.tables.offload_tables
-        self.sharded = None  # set by engram.distributed.DistContext.parallelize
+        self.table = None  # an installed engram.tables Table; None: the rows are `embedding.weight`
         weight = torch.empty(0 if _DEFER_TABLES else self.num_rows, D, dtype=dtype)
         self.embedding = nn.Embedding(weight.shape[0], D, sparse=sparse, _weight=weight)  # _weight: skip default init
         self.reset_parameters()
@@ -93,6 +98,10 @@ class MultiHeadEmbedding(nn.Module):
                 block.copy_(torch.randn(block.shape, dtype=torch.float32))
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
     def offsets(self) -> torch.Tensor:
         """Row offset of each head, int64 (H,), on the table's device."""
         return self._offsets_on(self.embedding.weight.device)
@@ -102,26 +111,24 @@ class MultiHeadEmbedding(nn.Module):
             self._offsets_cache[dev] = torch.tensor(self._offsets, dtype=torch.long, device=dev)
         return self._offsets_cache[dev]
 
-    def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        if self.sharded is not None:  # row-sharded across ranks (engram.distributed)
-            return self.sharded(hash_ids + self._offsets_on(hash_ids.device))
-        if self.backend is not None:  # offloaded table (engram.tables): gather on the backend's side
-            return self.lookup_host(hash_ids).to(hash_ids.device)
-        return self.embedding(hash_ids + self.offsets)
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.table is not None:  # a trainable table records lookups for its optimizer only while training
+            self.table.training = mode
+        return self
 
-    def lookup_host(self, hash_ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
-        """Rows of an offloaded table, gathered on the host: `(..., H)` ids -> `(..., H, D)` CPU tensor.
+    def lookup(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The `Table` interface for rows in this module's parameter: flat row ids (N,) -> (N, D)."""
+        vals = self.embedding(rows.to(self.embedding.weight.device))
+        return out.copy_(vals) if out is not None else vals
 
-        `pin=True` gathers straight into page-locked memory (for an asynchronous copy to a GPU).
-        In training mode with a trainable backend the rows are a leaf whose gradient the backend keeps.
-        """
-        flat = (hash_ids.cpu() + self._offsets_on(torch.device("cpu"))).reshape(-1)
-        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.backend.dtype, pin_memory=True) if pin else None
-        rows = self.backend.gather(flat, out=out)  # (N, D)
-        if self.backend.trainable and self.training and torch.is_grad_enabled():
-            rows.requires_grad_(True)  # a leaf: backward leaves the rows' gradients for TableAdam
-            self.backend.record(flat, rows)
-        return rows.view(*hash_ids.shape, self.embedding_dim)
+    def take_grads(self):
+        return None  # the gradient lands on embedding.weight (sparse COO): LazyRowAdam reads it there
+
+    def forward(self, hash_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = (hash_ids + self._offsets_on(hash_ids.device)).reshape(-1)  # (N,) global row ids
+        rows = (self if self.table is None else self.table).lookup(flat, out=out)  # (N, D)
+        return rows.view(*hash_ids.shape, self.embedding_dim)  # (..., H, D)
 
     def row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After backward: `(rows [R], grads [R, D])` for the R distinct rows touched, or None.
@@ -141,9 +148,10 @@ class MultiHeadEmbedding(nn.Module):
 class ShortConv(nn.Module):
     """`SiLU(causal dilated depthwise conv(RMSNorm_g(x)))` over the G*D channels, branch-major.
 
-    x: (B, T, G, D) -> (B, T, G, D). `zero_init=True` starts the conv at zero (the paper's
-    init: the Engram block is then exactly `v` at step 0); False keeps nn.Conv1d's init
-    (the reference's).
+    x: (B, T, G, D) -> (B, T, G, D). The conv runs as K shifted multiply-adds; its weight keeps
+    nn.Conv1d's layout and name (`conv.weight`, (C, 1, K), tap K-1 = the current token) so
+    reference and older checkpoints load. `zero_init=True` starts it at zero (the paper's init: the
+    Engram block is then exactly `v` at step 0); False keeps nn.Conv1d's init (the reference's).
     """
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, dilation: int = 1, norm_eps: float = 1e-5,
@@ -151,11 +159,19 @@ class ShortConv(nn.Module):
         super().__init__()
         self.hc_mult, self.hidden_size = hc_mult, hidden_size
         self.kernel_size, self.dilation, self.norm_eps, self.activation = kernel_size, dilation, norm_eps, activation
+        self.zero_init = zero_init
         C = hidden_size * hc_mult
-        self.conv = nn.Conv1d(C, C, kernel_size, groups=C, bias=False)  # weight (C, 1, K); used as parameter holder
-        if zero_init:
-            nn.init.zeros_(self.conv.weight)
+        self.conv = nn.ParameterDict({"weight": nn.Parameter(torch.empty(C, 1, kernel_size))})  # (C, 1, K)
         self.norm_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Conv1d's init (kaiming-uniform, a=sqrt(5)), then zeros when `zero_init`; norm weight ones."""
+        nn.init.kaiming_uniform_(self.conv.weight, a=math.sqrt(5))  # drawn either way: same RNG stream
+        if self.zero_init:
+            nn.init.zeros_(self.conv.weight)
+        nn.init.ones_(self.norm_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, G, D = x.shape
@@ -173,11 +189,16 @@ class ShortConv(nn.Module):
 
 
 class Engram(nn.Module):
-    """One Engram layer: `forward(hidden_states (B,T,G,D), input_ids (B,T)) -> (B,T,G,D)`.
+    """One Engram layer: `forward(hidden (B, T, G, D), rows (B, T, H, d)) -> (delta (B, T, G, D), gate (B, T, G))`.
 
-    The caller adds the output to the residual stream (`H <- H + Engram(H, ids)`). Pass
-    `hash_ids` (B, T, H) instead of (or with) `input_ids` when hashing ran ahead in a data
-    pipeline or prefetcher. `return_gates=True` also returns the gates (B, T, G).
+    Pure math over retrieved rows: where the rows come from (this layer's table, a memory-mapped
+    file, other ranks, a prefetch thread) is the caller's business. The caller adds the delta to
+    the residual stream (`H <- H + delta`). The layer's table and its addressing live beside the
+    math: `multi_head_embedding` (per-head hash ids -> rows, see `engram.tables`) and
+    `hash_mapping` (token ids -> per-head hash ids):
+
+        rows = layer.multi_head_embedding(layer.hash_mapping.hash(ids)[layer.layer_id])  # (B, T, H, d)
+        delta, gate = layer(hidden, rows)
     """
 
     def __init__(self, layer_id: int, engram_cfg: EngramConfig | None = None, backbone_cfg: BackBoneConfig | None = None,
@@ -194,7 +215,8 @@ class Engram(nn.Module):
         self.hc_mult = G = backbone_cfg.hc_mult
         E = engram_cfg.engram_hidden_size
         self.multi_head_embedding = MultiHeadEmbedding(
-            self.hash_mapping.head_sizes(layer_id), engram_cfg.head_dim, dtype=_DTYPES[engram_cfg.table_dtype]
+            self.hash_mapping.head_sizes(layer_id), engram_cfg.head_dim, dtype=_DTYPES[engram_cfg.table_dtype],
+            layer_id=layer_id,
         )
         self.short_conv = ShortConv(D, engram_cfg.kernel_size, dilation=engram_cfg.max_ngram_size, hc_mult=G,
                                     zero_init=engram_cfg.conv_zero_init)
@@ -208,30 +230,19 @@ class Engram(nn.Module):
         if engram_cfg.freeze_table:
             self.multi_head_embedding.embedding.weight.requires_grad_(False)
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
-                hash_ids: torch.Tensor | None = None, return_gates: bool = False, rows=None):
+    def forward(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, G, D = hidden_states.shape
         if G != self.hc_mult or D != self.hidden_size:
             raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
-        if rows is not None:  # prefetched table rows (B, T, H, d), possibly still arriving (a Future)
-            from .tables.prefetch import resolve_rows
-
-            rows = resolve_rows(rows)
-            e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
-            return self._from_memory(hidden_states, e, return_gates)
-        if hash_ids is None:
-            if input_ids is None:
-                raise ValueError("Engram.forward needs input_ids (B, T) or precomputed hash_ids (B, T, H)")
-            hash_ids = self.hash_mapping.hash(input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids))[self.layer_id]
-        hash_ids = hash_ids.to(hidden_states.device)
-        e = self.multi_head_embedding(hash_ids).flatten(start_dim=-2).to(hidden_states.dtype)  # (B, T, E)
-        return self._from_memory(hidden_states, e, return_gates)
-
-    def _from_memory(self, hidden_states: torch.Tensor, e: torch.Tensor, return_gates: bool):
-        """Gate, value and short conv from the retrieved memory e (B, T, E)."""
-        B, T, G, D = hidden_states.shape
-        kv = self.kv_proj(e)  # (B, T, (G+1)*D)
+        if rows.shape[:2] != (B, T) or rows.dim() != 4:
+            raise ValueError(f"rows must be (B={B}, T={T}, H, d) table rows for these hidden states, got "
+                             f"{tuple(rows.shape)}; look them up with layer.multi_head_embedding(hash_ids)")
+        # 1. retrieved memory e_t: the heads' rows concatenated                     (B, T, E)
+        e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
+        # 2. value and per-branch keys, one fused projection                        (B, T, (Gk+1)*D)
+        kv = self.kv_proj(e)
         value = kv[..., :D]  # (B, T, D)
+        # 3. gate per branch: sigmoid(signed sqrt(<RMSNorm_k(key), RMSNorm_q(h)> / sqrt(D)))  (B, T, G)
         if self.use_gate:
             h = hidden_states.mean(dim=2, keepdim=True) if self.single_branch else hidden_states  # (B, T, Gk, D)
             key = kv[..., D:].view(B, T, h.shape[2], D)  # (B, T, Gk, D), pre-norm
@@ -243,11 +254,12 @@ class Engram(nn.Module):
             gate = gate.sigmoid().expand(B, T, G)
         else:  # ablation: no gate
             gate = hidden_states.new_ones(B, T, G)
-        v = gate.unsqueeze(-1) * value.unsqueeze(2)  # (B, T, G, D)
+        # 4. gated value per branch                                                 (B, T, G, D)
+        v = gate.unsqueeze(-1) * value.unsqueeze(2)
         if not self.use_short_conv:  # ablation: no short conv
-            return (v, gate) if return_gates else v
-        out = self.short_conv(v).add_(v)  # conv output is a fresh buffer no backward needs: add in place
-        return (out, gate) if return_gates else out
+            return v, gate
+        # 5. delta = v + ShortConv(v)                                               (B, T, G, D)
+        return self.short_conv(v).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
 
     @torch.no_grad()
     def load_reference_state_dict(self, sd: dict) -> None:

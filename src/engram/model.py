@@ -17,11 +17,13 @@ import contextlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -29,11 +31,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import BackBoneConfig, ConfigError, EngramConfig
 from .hashing import get_hash_mapping
 from .hyper import HyperConnection
-from .memory import Engram
+from .memory import Engram, ShortConv
 
 SPEC_FILE = "engram_hash_spec.json"
-# transformers >= 5 renamed the KV-cache field of model outputs and generate kwargs to `cache`
-_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+# ---- the transformers versions we support differ in two names; decided once here, never in class bodies
+# 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to `cache`.
+CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+# 5.x maps each tied target to its source; 4.x takes a list of tied targets.
+TIED_LM_HEAD = ({"lm_head.weight": "model.embed_tokens.weight"} if int(transformers.__version__.split(".")[0]) >= 5
+                else ["lm_head.weight"])
 
 
 class EngramLMConfig(PretrainedConfig):
@@ -152,7 +159,9 @@ class MoE(nn.Module):
     """DeepSeekMoE-style FFN: shared experts + top-k routed experts with sigmoid affinities.
 
     Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, used only for *selecting*
-    experts, moves by `speed * sign(mean_load - load)` after every training forward.
+    experts, moves by `speed * sign(mean_load - load)` once per training step. Forward only counts
+    the tokens routed to each expert (`tokens_per_expert`, training mode); the training step
+    applies `update_bias(load)` with the load summed over data-parallel ranks.
     Dispatch: tokens are sorted by expert once and each expert runs one batched matmul.
     """
 
@@ -166,8 +175,8 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(E, I, D) / math.sqrt(D))
         self.w_down = nn.Parameter(torch.randn(E, D, I) / math.sqrt(I))
         self.shared = SwiGLU(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.last_load: torch.Tensor | None = None
-        self.load_reduce = None  # data parallelism sets a sum over ranks: the bias follows the global load
+        self.last_load: torch.Tensor | None = None  # tokens per expert of the last forward (E,)
+        self.tokens_per_expert = torch.zeros(E, dtype=torch.long)  # training forwards since the last bias update
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -190,15 +199,35 @@ class MoE(nn.Module):
         ys = torch.cat(outs) * w.flatten().index_select(0, order).unsqueeze(-1).to(xs.dtype)
         out = torch.zeros_like(xf).index_add_(0, tok, ys)
         self.last_load = counts.detach()
-        if self.training and self.speed > 0:
-            with torch.no_grad():
-                load = counts.to(self.expert_bias.dtype)
-                if self.load_reduce is not None:
-                    load = self.load_reduce(load)
-                self.expert_bias += self.speed * torch.sign(load.mean() - load)
+        if self.training:
+            self.tokens_per_expert = self.tokens_per_expert.to(counts.device) + self.last_load
         if self.shared is not None:
             out = out + self.shared(xf)
         return out.view(shape)
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens routed to each expert (E,) by the training forwards since the last call; resets the count."""
+        load, self.tokens_per_expert = self.tokens_per_expert, torch.zeros_like(self.tokens_per_expert)
+        return load
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Loss-free balancing step: under-loaded experts' selection bias up, over-loaded down, by `speed`."""
+        if self.speed > 0:
+            load = load.to(self.expert_bias.dtype)
+            self.expert_bias += self.speed * torch.sign(load.mean() - load)
+
+
+def update_expert_bias(model: nn.Module, reduce=None) -> None:
+    """One balancing step for every MoE layer of `model`, from the loads counted since the last call.
+
+    `reduce(load) -> load` sums the load over data-parallel ranks (`engram.distributed`), so the
+    bias moves as it would in one process. Call once per optimizer step (the trainer does).
+    """
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            load = mod.take_load()
+            mod.update_bias(reduce(load) if reduce is not None else load)
 
 
 class Block(nn.Module):
@@ -216,14 +245,11 @@ class Block(nn.Module):
             self.hc_attn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
             self.hc_ffn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
 
-    def forward(self, x, hash_ids, pos, cache=None, engram_scale: float = 1.0, gates: dict | None = None,
-                engram_rows: dict | None = None):
-        # x: (B, T, n, C)
-        if self.engram is not None and engram_scale != 0:
-            rows = engram_rows.get(self.idx) if engram_rows else None
-            out, g = self.engram(x, hash_ids=None if rows is not None else hash_ids[self.idx], return_gates=True,
-                                 rows=rows)
-            x = x + (out if engram_scale == 1 else engram_scale * out)
+    def forward(self, x, pos, cache=None, rows=None, engram_scale: float = 1.0, gates: dict | None = None):
+        # x: (B, T, n, C); rows: this block's Engram rows (B, T, H, d), None when it has no Engram or it is off
+        if rows is not None:
+            delta, g = self.engram(x, rows)  # (B, T, n, C), (B, T, n)
+            x = x + (delta if engram_scale == 1 else engram_scale * delta)
             if gates is not None:
                 gates[self.idx] = g.detach()
         attn = lambda u: self.self_attn(self.input_layernorm(u), pos, cache)  # noqa: E731
@@ -236,8 +262,18 @@ class Block(nn.Module):
         return self.hc_ffn(self.hc_attn(x, attn), ffn)
 
 
+def wait_rows(rows):
+    """Rows handed over ahead of time: a tensor, or a pending value (`.wait()` -> tensor, e.g. the prefetcher's)."""
+    return rows if isinstance(rows, torch.Tensor) else rows.wait()
+
+
 class EngramModel(nn.Module):
-    """Embedding + blocks + final norm: ids (B, T) -> hidden (B, T, C)."""
+    """Embedding + blocks + final norm: ids (B, T) + per-layer Engram inputs -> hidden (B, T, C).
+
+    Each Engram layer gets either its rows (`engram_rows[layer]`: (B, T, H, d) or pending, from a
+    prefetcher) or its hash ids (`hash_ids[layer]`: (B, T, H), from the data pipeline or
+    `EngramForCausalLM`), which its table turns into rows. The model never hashes.
+    """
 
     def __init__(self, cfg: EngramLMConfig):
         super().__init__()
@@ -247,33 +283,69 @@ class EngramModel(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i, self.mapping) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.engram_scale = 1.0
-        self.prefetcher = None  # engram.tables.Prefetcher.attach(model) sets it
+
+    def engram_rows(self, layer: Block, hash_ids: dict | None, engram_rows: dict | None):
+        """Layer `layer`'s Engram rows (B, T, H, d), or None when it has no Engram or Engram is switched off."""
+        if layer.engram is None or self.engram_scale == 0:
+            return None
+        if engram_rows is not None:
+            return wait_rows(engram_rows[layer.idx])
+        if hash_ids is None:
+            raise ValueError("EngramModel needs hash_ids or engram_rows for its Engram layers "
+                             "(EngramForCausalLM.forward computes them from input_ids)")
+        return layer.engram.multi_head_embedding(hash_ids[layer.idx])
 
     def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None,
                 engram_rows: dict | None = None):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        computed_ahead = (hash_ids is not None or engram_rows is not None) and cache is None  # pipeline / prefetcher
-        if not computed_ahead and self.mapping is not None and self.engram_scale != 0:
-            # Engram at position t needs ids t-N+2..t: keep the last N-1 ids in the cache between calls.
-            ctx = input_ids
-            prev = getattr(cache, "engram_history", None) if cache is not None else None
-            if prev is not None and past > 0:
-                ctx = torch.cat([prev, input_ids], dim=1)
-            if self.prefetcher is not None and engram_rows is None:
-                # start this step's lookups on the prefetch thread; blocks before the first Engram layer
-                # run meanwhile (in generate(): the new token's rows are fetched as soon as it is sampled)
-                engram_rows = self.prefetcher.submit(ctx, keep_last=T)
-            else:
-                hash_ids = {k: v[:, -T:] for k, v in self.mapping.hash(ctx).items()}
-            if cache is not None:
-                cache.engram_history = ctx[:, -(self.mapping.max_ngram_size - 1):]
-        hash_ids = hash_ids or {}
         pos = torch.arange(past, past + T, device=input_ids.device)
         x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
         for layer in self.layers:
-            x = layer(x, hash_ids, pos, cache, self.engram_scale, gates, engram_rows)
+            x = layer(x, pos, cache, self.engram_rows(layer, hash_ids, engram_rows), self.engram_scale, gates)
         return self.norm(x.mean(dim=2))  # (B, T, C)
+
+
+class EngramCache(DynamicCache):
+    """The KV cache plus the last N-1 token ids, which Engram needs to hash the next token's n-grams.
+
+    `generate()` creates one; pass one yourself (`past_key_values=EngramCache()`) for manual decoding.
+    Beam search reorders the id history with the keys and values.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ngram_history: torch.Tensor | None = None  # (B, <= N-1) int64
+
+    def push_ngram_history(self, input_ids: torch.Tensor, keep: int) -> None:
+        ctx = input_ids if self.ngram_history is None else torch.cat([self.ngram_history, input_ids], dim=1)
+        self.ngram_history = ctx[:, -keep:] if keep > 0 else ctx[:, :0]
+
+    def reset(self):
+        super().reset()
+        self.ngram_history = None
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        if self.ngram_history is not None:
+            self.ngram_history = self.ngram_history.index_select(0, beam_idx.to(self.ngram_history.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.ngram_history is not None:
+            self.ngram_history = self.ngram_history.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        if self.ngram_history is not None:
+            self.ngram_history = self.ngram_history[indices]
+
+
+@dataclass
+class EngramCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus `gates`: `{layer_id: (B, T, hc_mult)}` when `return_gates=True`."""
+
+    gates: dict | None = None
 
 
 class EngramForCausalLM(PreTrainedModel, GenerationMixin):
@@ -281,18 +353,55 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_cache_class = True
-    # transformers >= 5 maps tied target -> source; 4.x takes a list of tied targets
-    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"}
-                          if int(__import__("transformers").__version__.split(".")[0]) >= 5 else ["lm_head.weight"])
+    _tied_weights_keys = TIED_LM_HEAD
 
     def __init__(self, config: EngramLMConfig):
         super().__init__(config)
         self.model = EngramModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()  # ties lm_head to embed_tokens when config.tie_word_embeddings
+        self.prefetcher = None  # engram.tables.Prefetcher.attach(model): it hashes and gathers ahead of each forward
+        # Every module drew its weights in its constructor, in a fixed order the documented runs depend on, so
+        # post_init only collects HF properties and ties; `_init_weights` is what from_pretrained uses for keys a
+        # checkpoint lacks (and what `model.initialize_weights()` re-runs).
+        from transformers import initialization
 
+        with initialization.no_init_weights():
+            self.post_init()
+        self.tie_weights()
+
+    @torch.no_grad()
     def _init_weights(self, module):
-        pass  # modules initialize themselves in their constructors (Engram tables N(0,1), Linear default)
+        """Initialize `module`'s own parameters as its constructor does (transformers' guarded init functions,
+        so weights already loaded from a checkpoint are left alone)."""
+        from transformers import initialization as init
+
+        if isinstance(module, nn.Embedding):  # token embedding and Engram tables: N(0, 1)
+            init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, nn.Linear):
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            if module.bias is not None:
+                bound = 1 / math.sqrt(module.in_features) if module.in_features > 0 else 0
+                init.uniform_(module.bias, -bound, bound)
+        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+            init.ones_(module.weight)
+        elif isinstance(module, ShortConv):
+            init.kaiming_uniform_(module.conv.weight, a=math.sqrt(5))
+            if module.zero_init:
+                init.zeros_(module.conv.weight)
+            init.ones_(module.norm_weight)
+        elif isinstance(module, Engram) and module.use_gate:
+            init.ones_(module.key_norm_weight)
+            init.ones_(module.query_norm_weight)
+        elif isinstance(module, MoE):
+            D, I = module.w_gate.shape[2], module.w_gate.shape[1]
+            init.normal_(module.w_gate, std=1 / math.sqrt(D))
+            init.normal_(module.w_up, std=1 / math.sqrt(D))
+            init.normal_(module.w_down, std=1 / math.sqrt(I))
+            init.zeros_(module.expert_bias)
+        elif isinstance(module, HyperConnection):
+            init.normal_(module.phi.weight, std=1.0 / math.sqrt(module.phi.in_features))
+            init.constant_(module.alpha, module.alpha_init)
+            init.copy_(module.bias, module.initial_bias())
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -310,27 +419,53 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             self.model.engram_scale = old
 
+    def engram_inputs(self, input_ids: torch.Tensor, cache=None) -> tuple[dict | None, dict | None]:
+        """(hash_ids, engram_rows) for this forward: hashed here, or prefetched when a Prefetcher is attached.
+
+        With a cache, the n-grams of the new tokens reach back into the ids of earlier calls:
+        `EngramCache` keeps the last N-1 of them.
+        """
+        mapping = self.model.mapping
+        if mapping is None or self.model.engram_scale == 0:
+            return None, None
+        history = None
+        if cache is not None and cache.get_seq_length() > 0:
+            if not isinstance(cache, EngramCache):
+                raise ValueError(f"decoding with a {type(cache).__name__} loses the token ids Engram hashes; pass "
+                                 "past_key_values=engram.model.EngramCache() (generate() creates one)")
+            history = cache.ngram_history
+        if isinstance(cache, EngramCache):
+            cache.push_ngram_history(input_ids, mapping.max_ngram_size - 1)
+        if self.prefetcher is not None:
+            # this step's lookups start on the prefetch thread; blocks before the first Engram layer run meanwhile
+            return None, self.prefetcher.submit(input_ids, history)
+        return mapping.hash_continuation(input_ids, history), None
+
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
                 return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None,
                 cache=None, engram_rows: dict | None = None, **kwargs):
-        """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss; `hash_ids` are optional
-        precomputed `{layer: (B, T, H)}` row ids (from `Batcher`), used when no cache is passed;
-        `engram_rows` are prefetched table rows `{layer: (B, T, H, d) or Future}` (`engram.tables.Prefetcher`)."""
+        """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss.
+
+        Engram inputs per layer, when computed ahead: `hash_ids` `{layer: (B, T, H)}` (the data
+        pipeline, `Batcher`) or `engram_rows` `{layer: (B, T, H, d) or pending}` (`Prefetcher.submit`);
+        otherwise they are computed from `input_ids` (and the cache's id history) here.
+        """
         if input_ids is None:
             raise ValueError("input_ids (B, T) are required (Engram hashes token ids; inputs_embeds are not supported)")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be 2-D (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        if cache is not None:  # transformers >= 5 names the KV cache `cache`
+        if cache is not None:  # transformers >= 5.24 names the KV cache `cache`
             past_key_values = cache
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
+            past_key_values = EngramCache()
         gates = {} if return_gates else None
         old = self.model.engram_scale
         if engram_scale is not None:
             self.model.engram_scale = engram_scale
         try:
-            h = self.model(input_ids, past_key_values if use_cache or past_key_values is not None else None, gates,
-                           hash_ids, engram_rows)
+            if hash_ids is None and engram_rows is None:
+                hash_ids, engram_rows = self.engram_inputs(input_ids, past_key_values)
+            h = self.model(input_ids, past_key_values, gates, hash_ids, engram_rows)
         finally:
             self.model.engram_scale = old
         logits = self.lm_head(h)
@@ -338,18 +473,19 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits)
-        if past_key_values is not None:
-            out[_CACHE_FIELD] = past_key_values
-        if return_gates:
-            out["gates"] = gates
-        return out
+        return EngramCausalLMOutput(loss=loss, logits=logits, gates=gates, **{CACHE_FIELD: past_key_values})
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate` with an `EngramCache` (KV cache + n-gram id history) unless one is passed."""
+        if kwargs.get("use_cache", True) and kwargs.get(CACHE_FIELD) is None:
+            kwargs[CACHE_FIELD] = EngramCache()
+        return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, cache=None, **kwargs):
         past_key_values = cache if cache is not None else past_key_values
         if past_key_values is not None and past_key_values.get_seq_length() > 0:
             input_ids = input_ids[:, past_key_values.get_seq_length():]
-        return {"input_ids": input_ids, _CACHE_FIELD: past_key_values, "use_cache": True}
+        return {"input_ids": input_ids, CACHE_FIELD: past_key_values, "use_cache": True}
 
     # ---------------------------------------------------------------- hashing manifest
     def save_pretrained(self, save_directory, *args, **kwargs):

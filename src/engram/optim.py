@@ -15,18 +15,9 @@ import math
 
 import torch
 
-
-def _row_grads(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(distinct rows [R], summed row gradients [R, D] float32) of a sparse COO or dense gradient."""
-    if g.is_sparse:
-        if g.is_coalesced():
-            return g.indices()[0], g.values().float()
-        # unique + index_add is ~3x faster than Tensor.coalesce() for row-sparse embedding gradients
-        rows, inv = torch.unique(g._indices()[0], sorted=True, return_inverse=True)
-        vals = torch.zeros((rows.numel(),) + tuple(g.shape[1:]), dtype=torch.float32, device=g.device)
-        return rows, vals.index_add_(0, inv, g._values().float())
-    rows = g.abs().sum(dim=tuple(range(1, g.dim()))).nonzero().squeeze(1)  # dense: rows with any non-zero
-    return rows, g.index_select(0, rows).float()
+from . import _fastadam
+from .memory import is_table_key
+from .tables.base import installed_tables, row_grads
 
 
 def _step_size(lr: float, b1: float, b2: float, step: float) -> float:
@@ -38,16 +29,12 @@ def _fused_ok(*ts: torch.Tensor) -> bool:
     """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram[fast]`)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
         return False
-    from . import _fastadam
-
     return _fastadam.available()
 
 
 def _adam_in_place(W: torch.Tensor, M: torch.Tensor, V: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
                    step: float, lr: float, b1: float, b2: float, eps: float) -> None:
     """The fused kernel: rows `rows` of W, M, V (float32 CPU) get one Adam update with gradients g (R, D)."""
-    from . import _fastadam
-
     _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(), g.contiguous().numpy(),
                         b1, b2, _step_size(lr, b1, b2, step), eps)
 
@@ -110,15 +97,14 @@ class LazyRowAdam(torch.optim.Optimizer):
                 step = float(state["step"])
                 if (self.fused and g.is_sparse and not g.is_coalesced() and g._values().dtype == torch.float32
                         and _fused_ok(p, state["exp_avg"], state["exp_avg_sq"])):
-                    from . import _fastadam  # sum repeated rows and update them in one pass, in place
-
+                    # sum repeated rows and update them in one pass, in place
                     step_size = _step_size(group["lr"], b1, b2, step)
                     n = g._nnz()
                     _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
                                                g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
                                                b1, b2, step_size, group["eps"], gsum=self._buffers(p, n)[0].numpy())
                     continue
-                rows, gv = _row_grads(g)
+                rows, gv = row_grads(g)
                 if rows.numel() == 0:
                     continue
                 n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
@@ -141,39 +127,40 @@ class LazyRowAdam(torch.optim.Optimizer):
 
 
 class TableAdam:
-    """Lazy row Adam for Engram tables that live in a trainable backend (`engram.tables`).
+    """Lazy row Adam for Engram tables that keep their own rows and moments (trainable `engram.tables.Table`s).
 
-    Same update as `LazyRowAdam` (the same fused kernel, in place in the backend's storage after
+    Same update as `LazyRowAdam` (the same fused kernel, in place in the table's storage after
     `begin_write` journals the rows; without numba `adam_rows_` on rows read from and written back
-    to the backend), so neither the table nor its optimizer state has to fit in RAM. Duck-types the torch optimizer surface the trainer uses:
-    `param_groups`, `zero_grad`, `step`, `state_dict`, `load_state_dict`.
+    to the table), so neither the table nor its optimizer state has to fit in RAM. Duck-types the
+    torch optimizer surface the trainer uses: `param_groups`, `zero_grad`, `step`, `state_dict`,
+    `load_state_dict`.
     """
 
-    def __init__(self, backends: list, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, fused: bool = True):
+    def __init__(self, tables: list, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, fused: bool = True):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid TableAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
-        self.backends = list(backends)
+        self.tables = list(tables)
         self.fused = fused
         self.param_groups = [dict(lr=lr, betas=tuple(betas), eps=eps)]
-        self.steps = [0] * len(self.backends)
+        self.steps = [0] * len(self.tables)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for b in self.backends:
-            b.clear_grads()
+        for t in self.tables:
+            t.clear_grads()
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         group = self.param_groups[0]
         b1, b2 = group["betas"]
-        for i, b in enumerate(self.backends):
+        for i, b in enumerate(self.tables):
             got = b.take_grads()
             if got is None:
                 continue
             self.steps[i] += 1
             rows, gv = got
             step = float(self.steps[i])
-            if rows.numel() and self.fused and _fused_ok(*b.tensors(), gv):  # in place in the backend's storage
+            if rows.numel() and self.fused and _fused_ok(*b.tensors(), gv):  # in place in the table's storage
                 b.begin_write(rows)
                 _adam_in_place(*b.tensors(), rows, gv, step, group["lr"], b1, b2, group["eps"])
                 b.end_write(rows)
@@ -190,8 +177,8 @@ class TableAdam:
     def load_state_dict(self, sd: dict) -> None:
         g = dict(sd["param_groups"][0])
         steps = g.pop("steps")
-        if len(steps) != len(self.backends):
-            raise ValueError(f"TableAdam state has {len(steps)} tables, this optimizer {len(self.backends)}")
+        if len(steps) != len(self.tables):
+            raise ValueError(f"TableAdam state has {len(steps)} tables, this optimizer {len(self.tables)}")
         g["betas"] = tuple(g["betas"])
         self.param_groups = [g]
         self.steps = [int(s) for s in steps]
@@ -207,8 +194,6 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 
 def split_params(model: torch.nn.Module):
     """(dense named params, table params): Engram tables are the `multi_head_embedding` weights."""
-    from .memory import is_table_key
-
     dense, tables = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -221,21 +206,21 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
                      betas=(0.9, 0.95), fused: bool = True) -> dict[str, torch.optim.Optimizer]:
     """AdamW (decay on matrices only) for the backbone; lazy row Adam at `table_lr_mult` x LR, no decay, for tables.
 
-    Tables that are parameters get `LazyRowAdam`; tables in trainable backends get `TableAdam`
-    (`fused`: their numba kernel on CPU, see `LazyRowAdam`).
+    Tables that are parameters get `LazyRowAdam`; tables that keep their own rows and moments
+    (trainable `engram.tables.Table`s) get `TableAdam` (`fused`: their numba kernel on CPU, see `LazyRowAdam`).
     """
     dense, tables = split_params(model)
     decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
     opts = {"dense": torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)}
-    backends = [m.backend for m in model.modules() if getattr(getattr(m, "backend", None), "trainable", False)]
-    if tables and backends:
-        raise ValueError("some Engram tables are parameters and some live in backends; offload all or none")
+    stores = [t for _, t in sorted(installed_tables(model).items()) if t.trainable]
+    if tables and stores:
+        raise ValueError("some Engram tables are parameters and some keep their own rows; offload all or none")
     if tables:
         opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas, fused=fused)
-    elif backends:  # tables offloaded with engram.tables.offload_tables(..., trainable=True)
-        opts["tables"] = TableAdam(backends, lr=lr * table_lr_mult, betas=betas, fused=fused)
+    elif stores:  # tables offloaded with engram.tables.offload_tables(..., trainable=True) or file-backed shards
+        opts["tables"] = TableAdam(stores, lr=lr * table_lr_mult, betas=betas, fused=fused)
     for o in opts.values():
         for g in o.param_groups:
             g["base_lr"] = g["lr"]

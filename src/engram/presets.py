@@ -1,6 +1,12 @@
-"""Model presets: functions returning an `EngramLMConfig` (needs `engram[hf]`)."""
+"""Presets: named model configs (functions returning an `EngramLMConfig`, needs `engram[hf]`) with their
+training settings, in one registry (`PRESETS`) that the CLI, the trainer and the experiments read."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import ConfigError, TrainConfig
 
 
 def tiny(**overrides):
@@ -54,25 +60,44 @@ def exp(**overrides):
     return EngramLMConfig(**kw)
 
 
-TRAIN_PRESETS = ("tiny", "exp", "cpu-small")
+@dataclass(frozen=True)
+class Preset:
+    """A named configuration: the model (`model(**overrides) -> EngramLMConfig`) and, for trainable
+    presets, the training settings (`TrainConfig`)."""
+
+    name: str
+    model: Callable
+    train: TrainConfig | None
+    summary: str
 
 
-def train_config(name: str):
+# The one list of presets: the CLI, the trainer and the experiments read it.
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("tiny", tiny, TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3,
+                                     warmup_steps=2, eval_every=5, eval_max_windows=4, ckpt_every=5),
+           "tests: hidden 32, 2 layers, 20 steps in seconds"),
+    Preset("exp", exp, TrainConfig(tokenizer="bpe:4096", seq_len=128, batch_size=8, max_steps=500, lr=3e-3,
+                                   warmup_steps=40, eval_max_windows=96, ckpt_every=250),
+           "evidence experiments: hidden 128, 4 layers, ~1-2 min per run"),
+    Preset("cpu-small", cpu_small, TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3,
+                                               warmup_steps=80, eval_max_windows=128, ckpt_every=200),
+           "hidden 256, 4 layers, 16.8M table params, ~10 min on 2 cores"),
+    Preset("demo", demo, None, "the tutorial's 30-layer demo model (not trainable on a CPU)"),
+)}
+TRAIN_PRESETS = tuple(name for name, p in PRESETS.items() if p.train is not None)
+
+
+def get_preset(name: str, trainable: bool = True) -> Preset:
+    """The preset `name`; `trainable=True` also requires training settings."""
+    names = TRAIN_PRESETS if trainable else tuple(PRESETS)
+    if name not in names:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(names)}")
+    return PRESETS[name]
+
+
+def train_config(name: str) -> TrainConfig:
     """Training hyper-parameters of a preset (`TrainConfig`)."""
-    from .train import TrainConfig
-
-    if name == "tiny":
-        return TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2,
-                           eval_every=5, eval_max_windows=4, ckpt_every=5)
-    if name == "exp":
-        return TrainConfig(tokenizer="bpe:4096", seq_len=128, batch_size=8, max_steps=500, lr=3e-3, warmup_steps=40,
-                           eval_max_windows=96, ckpt_every=250)
-    if name == "cpu-small":
-        return TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3, warmup_steps=80,
-                           eval_max_windows=128, ckpt_every=200)
-    from .config import ConfigError
-
-    raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    return get_preset(name).train
 
 
 def _engram_param_count(cfg) -> int:
@@ -93,11 +118,7 @@ def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_
     baseline=None/"iso-flop": the same backbone (`use_engram=False` removes Engram: iso-FLOP).
     baseline="iso-param": no Engram, and its parameter budget moved into a wider SwiGLU FFN.
     """
-    from .config import ConfigError
-
-    preset_fn = {"tiny": tiny, "exp": exp, "cpu-small": cpu_small}.get(name)
-    if preset_fn is None:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(TRAIN_PRESETS)}")
+    preset_fn = get_preset(name).model
     overrides = dict(overrides or {})
     engram_over = overrides.pop("engram", {})
 

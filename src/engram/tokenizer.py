@@ -125,7 +125,7 @@ class CompressedTokenizer:
     """Token id -> compressed id map for any `tokenizers` tokenizer (reference-compatible).
 
     >>> ct = CompressedTokenizer()          # DeepSeek-V3, offline
-    >>> len(ct), ct.num_new_token
+    >>> ct.vocab_size, len(ct)              # token ids in, compressed ids out (as the reference's len())
     (128815, 98627)
     >>> ct(np.array([[1, 2, 3]]))           # same shape, compressed ids
     """
@@ -155,8 +155,8 @@ class CompressedTokenizer:
         """Ablation: no compression; every token id of `base`'s tokenizer is its own compressed id."""
         ct = cls.__new__(cls)
         ct.tokenizer_file, ct.tokenizer, ct.tokenizer_sha256 = base.tokenizer_file, base.tokenizer, base.tokenizer_sha256
-        ct.lookup_table = np.arange(len(base), dtype=np.int64)
-        ct.num_new_token = len(base)
+        ct.lookup_table = np.arange(base.vocab_size, dtype=np.int64)
+        ct.num_new_token = base.vocab_size
         return ct
 
     @property
@@ -164,8 +164,15 @@ class CompressedTokenizer:
         """sha256 of the lookup table as little-endian int32 bytes (the `engram spec` field)."""
         return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
 
-    def __len__(self) -> int:
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this map accepts: the tokenizer's vocabulary (with added tokens)."""
         return len(self.lookup_table)
+
+    def __len__(self) -> int:
+        """The compressed vocabulary size, as the reference's `__len__` (98,627 for DeepSeek-V3): code that
+        derives hashing constants from `len(compressed_tokenizer)` gets the reference's multipliers."""
+        return self.num_new_token
 
     def __call__(self, input_ids):
         """Compress ids (numpy array or nested lists) -> int64 numpy array of the same shape.

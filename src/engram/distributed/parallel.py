@@ -5,8 +5,8 @@ Under `torchrun` (WORLD_SIZE > 1) `DistContext.parallelize(model)` replaces ever
 parameters, either wraps the model in DistributedDataParallel (`dense="ddp"`) or applies FSDP2
 `fully_shard` to every decoder layer and the root (`dense="fsdp2"`: parameters, gradients and
 optimizer state sharded too). The sharded tables are left out of both (their gradients already
-travel to their owners). MoE layers get a sum over ranks for their expert loads, so the
-loss-free balancing bias moves as in one process. Each rank trains on its slice of the global
+travel to their owners). `sum` adds a tensor over ranks: the trainer sums MoE expert loads with it,
+so the loss-free balancing bias moves as in one process. Each rank trains on its slice of the global
 batch; the reported loss is the mean over ranks, so `--nproc N` and `--nproc 1` follow the same
 curve at the same global batch.
 The state-dict helpers give full (unsharded) dense weights and optimizer state in the
@@ -20,6 +20,11 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from ..memory import is_table_key
+from ..tables.backends import MmapTable, new_table_file, table_file
+from ..tables.base import find_tables, install, uninstall
+from .sharded import ShardedTable, gather_full, shard_range
 
 
 class DistContext:
@@ -43,43 +48,31 @@ class DistContext:
                     init_seed: int | None = None, overwrite: bool = True):
         """Shard the Engram tables and parallelize the dense parameters (`dense`: "ddp" or "fsdp2").
 
-        `table_dir`: each rank keeps its shard (rows and Adam moments) in a journaled memory-mapped
-        file `engram_table_L{layer}.rank{r}-of-{world}.safetensors` there instead of in RAM (written
+        Every Engram layer gets a `ShardedTable` installed (`engram.tables.install`). `table_dir`:
+        each rank keeps its shard (rows and Adam moments) in a journaled memory-mapped file
+        `engram_table_L{layer}.rank{r}-of-{world}.safetensors` there instead of in RAM (written
         from the model's table, or created from `init_seed` when the model was built without one;
-        existing files are used when `overwrite` is False); `self.stores` lists them.
+        existing files are used when `overwrite` is False).
         Returns the module to call for training steps (the DDP wrapper, or the model itself).
         """
         if dense not in ("ddp", "fsdp2"):
             raise ValueError(f"dense parallelism must be 'ddp' or 'fsdp2', got {dense!r}")
-        self.stores = {}
         if self.world == 1:
             return model
-        from ..memory import Engram
-        from .sharded import ShardedTable
-
         ignore, ignore_params = [], set()
-        for name, eng in model.named_modules():
-            if not isinstance(eng, Engram):
-                continue
-            mod = eng.multi_head_embedding
-            W = mod.embedding.weight
+        for name, mhe in find_tables(model):
+            W = mhe.embedding.weight
             if table_dir is None:
-                mod.sharded = ShardedTable(W.shape[0], W.shape[1], init=W.detach(), dtype=W.dtype,
-                                           grad_scale=1.0 / self.world)
-                ignore.append(f"{name}.multi_head_embedding.sharded.weight")
-                ignore_params.add(mod.sharded.weight)
+                table = ShardedTable(W.shape[0], W.shape[1], init=W.detach(), dtype=W.dtype,
+                                     grad_scale=1.0 / self.world)
+                ignore.append(f"{name}.table.weight")
+                ignore_params.add(table.weight)
             else:
-                tb = self._shard_file(table_dir, eng.layer_id, mod, cache_bytes, init_seed, overwrite)
-                mod.sharded = ShardedTable(mod.num_rows, W.shape[1], dtype=W.dtype, grad_scale=1.0 / self.world,
-                                           backend=tb)
-                self.stores[eng.layer_id] = tb
-            mod.embedding.weight = torch.nn.Parameter(W.new_empty(0, W.shape[1]), requires_grad=False)
-            ignore_params.add(mod.embedding.weight)
-        from ..model import MoE
-
-        for mod in model.modules():  # loss-free balancing from the global expert load, as in one process
-            if isinstance(mod, MoE):
-                mod.load_reduce = self._sum
+                local = self._shard_file(table_dir, mhe, cache_bytes, init_seed, overwrite)
+                table = ShardedTable(mhe.num_rows, W.shape[1], dtype=W.dtype, grad_scale=1.0 / self.world,
+                                     local_table=local)
+            install(mhe, table)
+            ignore_params.add(mhe.embedding.weight)
         if dense == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -95,27 +88,26 @@ class DistContext:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    def _shard_file(self, table_dir, layer_id: int, mod, cache_bytes: int, init_seed, overwrite: bool):
+    def _shard_file(self, table_dir, mhe, cache_bytes: int, init_seed, overwrite: bool) -> MmapTable:
         """This rank's rows of one table in a trainable, journaled MmapTable."""
-        from ..tables.backends import MmapTable, new_table_file, table_file
-        from .sharded import shard_range
-
-        W = mod.embedding.weight
-        lo, hi = shard_range(mod.num_rows, self.rank, self.world)
-        f = table_file(table_dir, layer_id, self.rank, self.world)
+        W = mhe.embedding.weight
+        lo, hi = shard_range(mhe.num_rows, self.rank, self.world)
+        f = table_file(table_dir, mhe.layer_id, self.rank, self.world)
         if overwrite:
-            rows = W.detach()[lo:hi] if W.shape[0] == mod.num_rows else W.detach()  # (empty: a deferred table)
-            new_table_file(f, rows, hi - lo, None if init_seed is None else init_seed + 1009 * layer_id + self.rank,
-                           with_moments=True)
+            rows = W.detach()[lo:hi] if W.shape[0] == mhe.num_rows else W.detach()  # (empty: a deferred table)
+            seed = None if init_seed is None else init_seed + 1009 * mhe.layer_id + self.rank
+            new_table_file(f, rows, hi - lo, seed, with_moments=True)
         elif not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a run with memory-mapped table shards resumes with the --nproc "
                                     "it was started with")
-        tb = MmapTable(f, cache_bytes=cache_bytes, writable=True)
-        tb.trainable, tb.requires_grad = W.requires_grad, W.requires_grad
-        return tb
+        local = MmapTable(f, cache_bytes=cache_bytes, writable=True)
+        local.trainable = local.requires_grad = W.requires_grad
+        return local
 
-    @staticmethod
-    def _sum(t: torch.Tensor) -> torch.Tensor:
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over ranks (a copy; `t` itself with one process), e.g. MoE expert loads for balancing."""
+        if self.world == 1:
+            return t
         t = t.clone()
         dist.all_reduce(t)
         return t
@@ -130,8 +122,6 @@ class DistContext:
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             sd = model.state_dict()
-        from ..memory import is_table_key
-
         return {k: v for k, v in sd.items() if not is_table_key(k)}
 
     def load_dense_state_dict(self, model, sd: dict):
@@ -210,28 +200,22 @@ class DistContext:
         """
         if self.world == 1:
             return model
-        from ..memory import MultiHeadEmbedding, is_table_key
-        from .sharded import gather_full
-
         dense = self.dense_state_dict(model) if self.fsdp else None
-        for mod in model.modules():
-            if isinstance(mod, MultiHeadEmbedding) and getattr(mod, "sharded", None) is not None:
-                full = gather_full(mod.sharded, dst=0)
+        for _, mhe in find_tables(model):
+            if isinstance(mhe.table, ShardedTable):
+                full = gather_full(mhe.table, dst=0)
                 if self.is_main:
-                    mod.embedding.weight = torch.nn.Parameter(full)
-                    del mod.sharded
-                    mod.sharded = None
+                    uninstall(mhe, full)
         if not self.is_main:
             return None
         if not self.fsdp:
             return model
         plain = plain_factory()
-        tables = {n: m.embedding.weight.detach() for n, m in model.named_modules() if isinstance(m, MultiHeadEmbedding)}
+        tables = {n: m.embedding.weight.detach() for n, m in find_tables(model)}
         missing, unexpected = plain.load_state_dict(dense, strict=False)
         with torch.no_grad():
-            for n, m in plain.named_modules():
-                if isinstance(m, MultiHeadEmbedding):
-                    m.embedding.weight.copy_(tables[n])
+            for n, m in find_tables(plain):
+                m.embedding.weight.copy_(tables[n])
         left = [k for k in missing if not is_table_key(k)]
         if left or unexpected:
             raise RuntimeError(f"unshard: missing {left[:5]}, unexpected {unexpected[:5]}")

@@ -10,9 +10,9 @@ each owner gathers its rows and sends them back. Backward is the mirror image: t
 to their owners and arrive as a sparse COO gradient of the local shard, so `LazyRowAdam` (or
 `SparseAdam`) works unchanged. All ranks must call forward and backward together (lockstep, as in
 data-parallel training). Checkpoints store each shard with its global row range, so they load at
-another world size. `backend=` keeps this rank's rows in a trainable `engram.tables` backend (a
-journaled memory-mapped file) instead of a parameter: gradients then go to `backend.add_grad`
-and `engram.optim.TableAdam` updates them.
+another world size. `local_table=` keeps this rank's rows in a trainable `engram.tables` table (a
+journaled memory-mapped file) instead of a parameter: gradients then go to its `add_grad` and
+`engram.optim.TableAdam` updates them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..tables.base import Table
+
 
 def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
     out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
@@ -33,7 +35,7 @@ def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> 
 
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, rows, lo, chunk, world, group, grad_scale, backend=None):
+    def forward(ctx, weight, rows, lo, chunk, world, group, grad_scale, local_table=None):
         owner = torch.div(rows, chunk, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_rows = rows.index_select(0, order)
@@ -43,23 +45,23 @@ class _ShardedLookup(torch.autograd.Function):
         send_l, recv_l = send.tolist(), recv.tolist()
         req = _a2a(send_rows, send_l, recv_l, group)  # rows others want from me
         local = req - lo
-        vals = backend.gather(local) if backend is not None else weight.index_select(0, local)  # (sum(recv), dim)
+        vals = local_table.gather(local) if local_table is not None else weight.index_select(0, local)  # (sum(recv), dim)
         back = _a2a(vals, recv_l, send_l, group)  # my rows, in owner-sorted order
         out = torch.empty_like(back)
         out.index_copy_(0, order, back)
         ctx.save_for_backward(order, local)
-        ctx.meta = (send_l, recv_l, group, weight.shape, grad_scale, backend)
+        ctx.meta = (send_l, recv_l, group, weight.shape, grad_scale, local_table)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         order, local = ctx.saved_tensors
-        send_l, recv_l, group, shape, grad_scale, backend = ctx.meta
+        send_l, recv_l, group, shape, grad_scale, local_table = ctx.meta
         g = _a2a(grad.index_select(0, order), send_l, recv_l, group)  # gradients of my rows, from everyone
         if grad_scale != 1.0:
             g = g * grad_scale
-        if backend is not None:  # rows in a trainable backend: it keeps the gradient for TableAdam
-            backend.add_grad(local, g)
+        if local_table is not None:  # rows in a trainable table: it keeps the gradient for TableAdam
+            local_table.add_grad(local, g)
             return None, None, None, None, None, None, None, None
         gw = torch.sparse_coo_tensor(local.unsqueeze(0), g, shape, check_invariants=False)
         return gw, None, None, None, None, None, None, None
@@ -72,11 +74,17 @@ def shard_range(num_rows: int, rank: int, world: int) -> tuple[int, int]:
     return lo, min(num_rows, lo + chunk)
 
 
-class ShardedTable(torch.nn.Module):
-    """Rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`."""
+class ShardedTable(torch.nn.Module, Table):
+    """A `Table` whose rows [rank*chunk, (rank+1)*chunk) of a (num_rows, dim) table live on `rank`.
+
+    This rank's rows are a parameter (`weight`, trained by `LazyRowAdam` from its sparse gradient)
+    or, with `local_table=`, a trainable `engram.tables` table (e.g. a journaled memory-mapped
+    file) that receives the routed gradients and that `TableAdam`, checkpoints and recovery reach
+    through this object (`take_grads`, `tensors`, `commit`, ... are the local table's).
+    """
 
     def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None,
-                 grad_scale: float = 1.0, backend=None):
+                 grad_scale: float = 1.0, local_table: Table | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
@@ -85,34 +93,93 @@ class ShardedTable(torch.nn.Module):
         self.num_rows, self.dim = num_rows, dim
         self.chunk = math.ceil(num_rows / self.world)
         self.lo, self.hi = shard_range(num_rows, self.rank, self.world)
-        self.backend = backend  # this rank's rows in a trainable engram.tables backend (e.g. a memory-mapped file)
-        if backend is not None:
-            if (backend.num_rows, backend.dim) != (self.hi - self.lo, dim):
-                raise ValueError(f"backend holds [{backend.num_rows}, {backend.dim}], shard {self.rank} needs "
-                                 f"[{self.hi - self.lo}, {dim}]")
+        self.local_table = local_table
+        if local_table is not None:
+            if (local_table.num_rows, local_table.dim) != (self.hi - self.lo, dim):
+                raise ValueError(f"local table holds [{local_table.num_rows}, {local_table.dim}], shard {self.rank} "
+                                 f"needs [{self.hi - self.lo}, {dim}]")
             self.weight = None
+            self.dtype = local_table.dtype
             return
         if init is not None:  # the full table (tests) or this shard
             w = init[self.lo:self.hi] if init.shape[0] == num_rows else init
         else:
             w = torch.randn(self.hi - self.lo, dim)
         self.weight = torch.nn.Parameter(w.to(dtype).clone())
+        self.dtype = self.weight.dtype
+
+    @property
+    def trainable(self) -> bool:  # trained by TableAdam (rows in a local table) rather than through `weight`
+        return self.local_table is not None and self.local_table.trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        pass  # decided by the local table
 
     def local_rows(self) -> torch.Tensor:
-        """This rank's rows (hi - lo, dim): the parameter, or the backend's storage."""
-        return self.backend.weight if self.backend is not None else self.weight.detach()
+        """This rank's rows (hi - lo, dim): the parameter, or the local table's storage."""
+        return self.local_table.weight if self.local_table is not None else self.weight.detach()
+
+    def lookup(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        vals = self(rows)
+        return out.copy_(vals) if out is not None else vals
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         shape = rows.shape
         flat = rows.reshape(-1).long()
-        if self.backend is not None:  # a fresh leaf makes autograd call backward, which feeds the backend
+        if self.local_table is not None:  # a fresh leaf makes autograd call backward, which feeds the local table
             anchor = torch.empty(0, requires_grad=torch.is_grad_enabled() and self.training)
             out = _ShardedLookup.apply(anchor, flat, self.lo, self.chunk, self.world, self.group, self.grad_scale,
-                                       self.backend)
+                                       self.local_table)
         else:
             out = _ShardedLookup.apply(self.weight, flat, self.lo, self.chunk, self.world, self.group,
                                        self.grad_scale)
         return out.view(*shape, self.dim)
+
+    # ---- the local table's training and durability hooks (no-ops for a parameter shard)
+    def take_grads(self):
+        return self.local_table.take_grads() if self.local_table is not None else None
+
+    def clear_grads(self, everything: bool = False) -> None:
+        if self.local_table is not None:
+            self.local_table.clear_grads(everything)
+
+    def tensors(self):
+        return self.local_table.tensors() if self.local_table is not None else Table.tensors(self)
+
+    def begin_write(self, rows):
+        self.local_table.begin_write(rows)
+
+    def end_write(self, rows):
+        self.local_table.end_write(rows)
+
+    def read_rows(self, rows):
+        return self.local_table.read_rows(rows)
+
+    def write_rows(self, rows, w, m, v):
+        self.local_table.write_rows(rows, w, m, v)
+
+    def flush(self) -> None:
+        if self.local_table is not None:
+            self.local_table.flush()
+
+    def commit(self, step: int) -> None:
+        if self.local_table is not None:
+            self.local_table.commit(step)
+
+    def recover(self, step: int) -> int:
+        return self.local_table.recover(step) if self.local_table is not None else 0
+
+    def close(self) -> None:
+        if self.local_table is not None:
+            self.local_table.close()
+
+    def stats(self) -> dict:
+        return self.local_table.stats() if self.local_table is not None else {}
+
+    @property
+    def path(self):
+        return getattr(self.local_table, "path", None)
 
 
 def gather_full(table: ShardedTable, dst: int = 0) -> torch.Tensor | None:

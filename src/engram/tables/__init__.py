@@ -1,8 +1,12 @@
-"""Storage backends for Engram tables (see `backends.py`) and the lookup prefetcher (`prefetch.py`)."""
+"""Where Engram rows live: the `Table` interface (`base.py`), in-RAM and memory-mapped backends
+(`backends.py`) and the lookup prefetcher (`prefetch.py`). Row shards over ranks are in
+`engram.distributed`."""
 
-from .backends import (InRamTable, MmapTable, TableBackend, create_table_file, new_table_file, offload_tables,
-                       restore_tables, table_file, tensor_entry, write_safetensors, write_table_file)
-from .prefetch import Prefetcher
+from .backends import (InRamTable, MmapTable, create_table_file, new_table_file, offload_tables, restore_tables,
+                       table_file, tensor_entry, write_safetensors, write_table_file)
+from .base import Table, TableError, find_tables, install, installed_tables, row_grads, uninstall
+from .prefetch import PendingRows, Prefetcher
 
-__all__ = ["InRamTable", "MmapTable", "Prefetcher", "TableBackend", "create_table_file", "new_table_file",
-           "offload_tables", "restore_tables", "table_file", "tensor_entry", "write_safetensors", "write_table_file"]
+__all__ = ["InRamTable", "MmapTable", "PendingRows", "Prefetcher", "Table", "TableError", "create_table_file",
+           "find_tables", "install", "installed_tables", "new_table_file", "offload_tables", "restore_tables",
+           "row_grads", "table_file", "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]

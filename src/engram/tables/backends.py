@@ -1,9 +1,9 @@
 """Engram table storage behind one gather interface: in RAM, or memory-mapped from disk with a hot-row cache.
 
 Engram addresses depend only on the token ids, so a table far larger than RAM (or than an
-accelerator) can live elsewhere and be gathered ahead of use. Every backend implements
-`gather(rows (N,) int64) -> (N, dim)`; `offload_tables(model, ...)` moves a model's tables into a
-backend and routes its Engram lookups through it (inference).
+accelerator) can live elsewhere and be gathered ahead of use. Both backends are `Table`s
+(`base.py`: `lookup` for the model, `gather` for plain reads); `offload_tables(model, ...)`
+moves a model's tables into a backend and installs it behind each Engram layer.
 
 File layout: a safetensors file holding one tensor `weight` `[rows, dim]` (little-endian), so
 `safetensors.safe_open` reads it too; we memory-map the data section directly.
@@ -37,98 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .base import Table, TableError, find_tables, install, uninstall
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-class TableError(ValueError):
-    """A table file is missing, short or corrupt; the message names the file."""
-
-
-class TableBackend:
-    num_rows: int
-    dim: int
-    dtype: torch.dtype
-    trainable: bool = False  # set by offload_tables(..., trainable=True)
-
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """rows (N,) int64 -> (N, dim); written into `out` when given (e.g. a reused or pinned buffer)."""
-        raise NotImplementedError
-
-    def stats(self) -> dict:
-        return {}
-
-    # ---- training: lookups recorded in forward, their gradients collected after backward
-    def record(self, rows: torch.Tensor, vals: torch.Tensor) -> None:
-        """Remember a training lookup: rows (N,) and the leaf `vals` (N, dim) whose .grad backward fills."""
-        self.__dict__.setdefault("_pending", []).append((rows, vals))
-
-    def add_grad(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """Gradients computed elsewhere (e.g. routed to this rank by a sharded lookup): rows (N,), grads (N, dim)."""
-        self.__dict__.setdefault("_pending", []).append((rows, _Arrived(grads)))
-
-    def take_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(distinct rows [R], summed gradients [R, dim] float32) of the recorded lookups, or None."""
-        from ..optim import _row_grads
-
-        pending = [(r, v.grad) for r, v in self.__dict__.get("_pending", []) if v.grad is not None]
-        if not pending:
-            return None
-        rows = torch.cat([r for r, _ in pending])
-        grads = torch.cat([g for _, g in pending])
-        # the same uncoalesced COO gradient nn.Embedding(sparse=True) produces: same sums, same order
-        sparse = torch.sparse_coo_tensor(rows[None], grads, (self.num_rows, self.dim), check_invariants=False)
-        return _row_grads(sparse)
-
-    def clear_grads(self, everything: bool = False) -> None:
-        """Forget recorded lookups whose gradients arrived (zero_grad); `everything=True` also those awaiting backward.
-
-        zero_grad may run between forward and backward, so a lookup without a gradient yet is kept.
-        """
-        self.__dict__["_pending"] = [] if everything else [(r, v) for r, v in self.__dict__.get("_pending", [])
-                                                    if v.grad is None]
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The whole (weight, exp_avg, exp_avg_sq), for optimizers that update rows in place.
-
-        Bracket in-place writes with `begin_write(rows)` / `end_write(rows)`.
-        """
-        raise TableError(f"{type(self).__name__} is not trainable")
-
-    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weight, exp_avg, exp_avg_sq) of `rows`, each (R, dim) float32, fresh tensors."""
-        w, m, v = self.tensors()
-        return w.index_select(0, rows).float(), m.index_select(0, rows), v.index_select(0, rows)
-
-    def write_rows(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-        """Store updated rows (distinct ids) and their moments."""
-        self.begin_write(rows)
-        self._put(rows, w, m, v)
-        self.end_write(rows)
-
-    def _put(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-        W, M, V = self.tensors()
-        W.index_copy_(0, rows, w.to(W.dtype))
-        M.index_copy_(0, rows, m)
-        V.index_copy_(0, rows, v)
-
-    def begin_write(self, rows: torch.Tensor) -> None:
-        """Rows (distinct) are about to change in place (a journaled backend saves their old values)."""
-
-    def end_write(self, rows: torch.Tensor) -> None:
-        """Rows changed in place (a cached backend refreshes its copies)."""
-
-
-class _Arrived:
-    """A recorded lookup whose gradient is already known (has `.grad` like a leaf after backward)."""
-
-    def __init__(self, grad: torch.Tensor):
-        self.grad = grad
-
-
-class InRamTable(TableBackend):
+class InRamTable(Table):
     """A tensor in RAM; gathers with `torch.index_select(..., out=)` into a reused buffer."""
 
     def __init__(self, weight: torch.Tensor):
@@ -277,7 +193,7 @@ _JHEAD = struct.Struct("<8sqqq")  # magic, base step, rows, dim
 _JENTRY = struct.Struct("<qI")  # rows in the entry, crc32 of its payload
 
 
-class MmapTable(TableBackend):
+class MmapTable(Table):
     """Table memory-mapped from a safetensors file, with a direct-mapped hot-row cache of `cache_bytes`.
 
     `writable=True` (training) maps the file read-write; it must hold `exp_avg`/`exp_avg_sq`
@@ -497,8 +413,8 @@ class MmapTable(TableBackend):
 
 def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | None = None,
                    cache_bytes: int = 64 << 20, policy: str = "lru", trainable: bool = False,
-                   overwrite: bool = False, init_seed: int | None = None) -> dict:
-    """Move every Engram table of `model` into a backend and route lookups through it.
+                   overwrite: bool = False, init_seed: int | None = None) -> dict[int, Table]:
+    """Move every Engram table of `model` into a backend and install it behind its layer.
 
     backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
     file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
@@ -507,50 +423,34 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
     train the rows; the model's table parameters become empty. A model built under
     `engram.memory.defer_table_allocation()` has no table rows to write: its files are created
     with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
-    Returns {layer_id: backend}.
+    Returns {layer_id: table}.
     """
-    from ..memory import Engram
-
     if backend not in ("ram", "mmap"):
         raise TableError(f"backend must be 'ram' or 'mmap', got {backend!r}")
     if backend == "mmap" and directory is None:
         raise TableError("offload_tables(backend='mmap') needs a directory for the table files")
     tables = {}
-    for mod in model.modules():
-        if not isinstance(mod, Engram):
-            continue
-        mhe = mod.multi_head_embedding
+    for _, mhe in find_tables(model):
         w = mhe.embedding.weight
         if backend == "ram":
             if w.shape[0] != mhe.num_rows:
                 raise TableError("offload_tables(backend='ram') needs the table in the model; it was built "
                                  "with defer_table_allocation()")
-            tb = InRamTable(w.detach().clone() if trainable else w)
+            table = InRamTable(w.detach().clone() if trainable else w)
         else:
-            f = table_file(directory, mod.layer_id)
+            f = table_file(directory, mhe.layer_id)
             if overwrite or not f.is_file():
-                new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mod.layer_id,
+                new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mhe.layer_id,
                                with_moments=trainable)
-            tb = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
-            if tb.num_rows != mhe.num_rows or tb.dim != w.shape[1]:
-                raise TableError(f"{f} holds a [{tb.num_rows}, {tb.dim}] table, the model needs "
-                                 f"{[mhe.num_rows, w.shape[1]]}")
-        tb.trainable, tb.requires_grad = trainable and w.requires_grad, w.requires_grad
-        if backend == "mmap" or trainable:
-            mhe.embedding.weight = torch.nn.Parameter(torch.empty(0, w.shape[1], dtype=w.dtype), requires_grad=False)
-        mhe.backend = tb
-        tables[mod.layer_id] = tb
+            table = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
+        table.trainable = trainable and w.requires_grad
+        install(mhe, table, free_parameter=backend == "mmap" or trainable)
+        tables[mhe.layer_id] = table
     return tables
 
 
 def restore_tables(model) -> None:
-    """Undo `offload_tables`: copy every backend's rows back into the model's table parameters."""
-    from ..memory import MultiHeadEmbedding
-
-    for mhe in model.modules():
-        if isinstance(mhe, MultiHeadEmbedding) and mhe.backend is not None:
-            tb = mhe.backend
-            mhe.embedding.weight = torch.nn.Parameter(tb.weight.clone(), requires_grad=getattr(tb, "requires_grad", True))
-            if isinstance(tb, MmapTable):
-                tb.close()
-            mhe.backend = None
+    """Undo `offload_tables`: copy every table's rows back into the model's table parameters."""
+    for _, mhe in find_tables(model):
+        if mhe.table is not None:
+            uninstall(mhe)
