@@ -18,7 +18,7 @@ def main():
         sys.exit("bench_gpu_offload: needs a CUDA device (this measures pinned-host tables vs on-device tables)")
     from engram import presets
     from engram.model import EngramForCausalLM
-    from engram.tables import InRamTable, Prefetcher
+    from engram.tables import InRamTable, Prefetcher, find_tables, install
 
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 2_000_003
     torch.manual_seed(0)
@@ -47,11 +47,8 @@ def main():
 
     model.to(dev)
     ref, t_dev = run(None)
-    for m in model.modules():  # tables to pinned host memory, gathered on the host and copied ahead
-        if hasattr(m, "multi_head_embedding"):
-            mhe = m.multi_head_embedding
-            mhe.backend = InRamTable(mhe.embedding.weight.detach().cpu().pin_memory())
-            mhe.embedding.weight = torch.nn.Parameter(torch.empty(0, mhe.embedding_dim, device=dev), requires_grad=False)
+    for _, mhe in find_tables(model):  # tables to pinned host memory, gathered on the host and copied ahead
+        install(mhe, InRamTable(mhe.embedding.weight.detach().cpu().pin_memory()))
     torch.cuda.empty_cache()
     pf = Prefetcher(model, device=dev)
     out, t_host = run(pf)

@@ -1,5 +1,7 @@
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,9 @@ def free_port():
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     return get
+
+
+def run_cli(*args, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
+    """`engram ARGS...` in a fresh interpreter (as a user runs it): the one CLI helper of the test suite."""
+    return subprocess.run([sys.executable, "-m", "engram.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)

@@ -1,13 +1,13 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+from conftest import run_cli  # noqa: E402
 from engram.analysis.experiments import run_experiment  # noqa: E402
 from test_train import make_corpus  # noqa: E402  (shared corpus builder)
 
@@ -40,17 +40,24 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     assert again["variants"] == table
 
 
-def test_sensitivity_reuses_iso_runs(corpus, tmp_path):
+def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
+    iso_run = tmp_path / "iso" / "engram-seed0"
+    before = {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()}
+    from engram.analysis import experiments
+
+    def no_training(*a, **k):
+        raise AssertionError("sensitivity trained a model although the iso experiment's run is finished")
+
+    monkeypatch.setattr(experiments, "train", no_training)
     s = run_experiment("sensitivity", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3,
                        progress=False)
+    assert {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()} == before  # read, not rewritten
+    assert not [d for d in (tmp_path / "sensitivity").iterdir() if d.is_dir()]  # no runs of its own
+    assert s["variants"]["all other tokens"]["on"]["values"][0] > 0
     t = s["variants"]
     assert set(t) == {"frequent n-gram completions", "all other tokens"}
     assert all(v["tokens"] > 0 for v in t.values())
-
-
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_gates_and_stats_cli(corpus, tmp_path):

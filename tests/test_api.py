@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -11,6 +9,7 @@ import pytest
 
 pytest.importorskip("openai")
 
+from conftest import run_cli  # noqa: E402
 from engram.api import align, normalize_base_url, parse_entities  # noqa: E402
 
 KEY = "sk-test-SECRET-123"
@@ -82,12 +81,11 @@ def server():
 
 def run(args, env_extra=None, cwd=None, mode="ok"):
     Stub.mode = mode
-    env = {k: v for k, v in os.environ.items() if k not in ("ENGRAM_API_KEY", "OPENAI_API_KEY", "ENGRAM_BASE_URL",
-                                                           "ENGRAM_MODEL") and "proxy" not in k.lower()}
+    env = {k: v for k, v in os.environ.items() if k not in ("ENGRAM_API_KEY", "OPENAI_API_KEY", "TAOTOKEN_API_KEY",
+                                                           "ENGRAM_BASE_URL", "ENGRAM_MODEL") and "proxy" not in k.lower()}
     env.update({"ENGRAM_MODEL": "good-model", "NO_PROXY": "127.0.0.1,localhost"})
     env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, env=env, cwd=cwd,
-                       timeout=120)
+    r = run_cli(*args, env=env, cwd=cwd, timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     assert KEY not in r.stdout + r.stderr
     return r
@@ -104,6 +102,15 @@ def test_key_from_dotenv_and_openai_fallback(server, tmp_path):
     assert run(["ask", "hi"], cwd=tmp_path).returncode == 0
     r = run(["ask", "hi", "--base-url", server + "/v1"], {"OPENAI_API_KEY": KEY}, cwd=tmp_path.parent)
     assert r.returncode == 0
+
+
+def test_tutorial_key_variable_is_read_last(server, tmp_path):
+    """The tutorial tells readers to set TAOTOKEN_API_KEY; ENGRAM_API_KEY and OPENAI_API_KEY come first."""
+    r = run(["ask", "hi", "--base-url", server + "/v1"], {"TAOTOKEN_API_KEY": KEY}, cwd=tmp_path)
+    assert r.returncode == 0 and Stub.calls[-1][1] == f"Bearer {KEY}", r.stderr
+    r = run(["ask", "hi", "--base-url", server + "/v1"], {"TAOTOKEN_API_KEY": "sk-other", "OPENAI_API_KEY": KEY},
+            cwd=tmp_path)
+    assert r.returncode == 0 and Stub.calls[-1][1] == f"Bearer {KEY}", r.stderr
 
 
 def test_no_key(server, tmp_path):

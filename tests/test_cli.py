@@ -1,14 +1,11 @@
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_cli as run
 
 from engram import BackBoneConfig, EngramConfig, save_config
 
 
-def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
 @pytest.fixture
@@ -23,16 +20,24 @@ def tiny_config(tmp_path):
 def test_demo_with_small_config(tiny_config, mock):
     r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great", *(["--mock-blocks"] if mock else []))
     assert r.returncode == 0, r.stderr
-    assert "Input shape  : [1, 4]" in r.stdout
-    assert "Output shape : [1, 4, 129280]" in r.stdout
-    assert "Layer  1: hash shape [1, 4, 8]; gate min" in r.stdout
+    # tokenized as the tutorial's AutoTokenizer does: BOS first, then the 4 text tokens
+    assert "Tokens     : ['<｜begin▁of▁sentence｜>', 'Only'" in r.stdout and "BOS" in r.stdout
+    assert "Input shape  : [1, 5]" in r.stdout
+    assert "Output shape : [1, 5, 129280]" in r.stdout
+    assert "Layer  1: hash shape [1, 5, 8]; gate min" in r.stdout
     assert "peak RSS" in r.stdout
+    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great", "--no-bos", "--mock-blocks")
+    assert r.returncode == 0, r.stderr
+    assert "Input shape  : [1, 4]" in r.stdout and "without a BOS token" in r.stdout
 
 
 def test_hash_prints_tokens_and_rows(tiny_config):
     r = run("hash", "Alexander the Great", "--config", str(tiny_config))
     assert r.returncode == 0, r.stderr
-    assert "Alexander" in r.stdout and "layer 1: per-head row ids [T=3, 8]" in r.stdout
+    assert "Alexander" in r.stdout and "layer 1: per-head row ids [T=4, 8]" in r.stdout
+    assert "  0  '<｜begin▁of▁sentence｜>'       0" in r.stdout
+    r = run("hash", "Alexander the Great", "--config", str(tiny_config), "--no-bos")
+    assert r.returncode == 0 and "layer 1: per-head row ids [T=3, 8]" in r.stdout, r.stderr
 
 
 def test_spec_writes_manifest(tmp_path, tiny_config):
@@ -70,8 +75,10 @@ def test_cli_errors_are_one_line(tmp_path, args, content, match):
 def test_demo_default_config_within_budget():
     r = run("demo")
     assert r.returncode == 0, r.stderr
-    assert "Output shape : [1, 13, 129280]" in r.stdout
-    assert "Layer 15: hash shape [1, 13, 16]" in r.stdout
+    # the tutorial's printout: 13 text tokens + BOS, vocab 129280, 16 heads per layer
+    assert "Input shape  : [1, 14]" in r.stdout
+    assert "Output shape : [1, 14, 129280]" in r.stdout
+    assert "Layer  1: hash shape [1, 14, 16]" in r.stdout and "Layer 15: hash shape [1, 14, 16]" in r.stdout
     line = [l for l in r.stdout.splitlines() if l.startswith("Wall time")][0]
     total = float(line.split("total ")[1].split(" s")[0])
     rss = float(line.split("peak RSS ")[1].split(" GiB")[0])

@@ -66,18 +66,16 @@ def test_two_rank_sharded_training_equals_single_process(tmp_path, free_port):
 def test_cli_nproc2_matches_nproc1(tmp_path):
     """`engram train --nproc 2` (torchrun, sharded tables, DDP) ends at the loss of `--nproc 1`."""
     import json
-    import subprocess
-    import sys
 
     pytest.importorskip("transformers")
+    from conftest import run_cli
     from test_train import make_corpus
 
     corpus = make_corpus(tmp_path / "corpus")
     losses = {}
     for n in (1, 2):
-        r = subprocess.run([sys.executable, "-m", "engram.cli", "train", "--preset", "tiny", "--data", str(corpus),
-                            "--out", f"run{n}", "--max-steps", "5", "--nproc", str(n)],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        r = run_cli("train", "--preset", "tiny", "--data", corpus, "--out", f"run{n}", "--max-steps", "5",
+                    "--nproc", n, cwd=tmp_path, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         rows = [json.loads(l) for l in (tmp_path / f"run{n}" / "metrics.jsonl").read_text().splitlines()]
         losses[n] = [x["train_loss"] for x in rows]

@@ -9,6 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import run_cli  # noqa: E402
+
 from engram.data import Batcher, DataError, local_documents, prepare, split_documents, strip_gutenberg  # noqa: E402
 from engram.optim import LazyRowAdam, warmup_cosine  # noqa: E402
 from engram.config import ConfigError  # noqa: E402
@@ -377,8 +379,6 @@ def test_no_engram_and_iso_param_baselines(corpus, tmp_path):
     assert not flop.use_engram and not par.use_engram and par.intermediate_size > eng.intermediate_size
 
 
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "engram.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_cli_train_eval_sample_and_errors(corpus, tmp_path):

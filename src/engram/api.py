@@ -1,7 +1,8 @@
 """OpenAI-compatible chat channel for `engram ask` and `engram crosscheck` (`pip install 'engram[api]'`).
 
 Works with any provider that speaks the chat-completions protocol (DeepSeek, OpenAI, gateways,
-vLLM, Ollama). Settings: key from `ENGRAM_API_KEY` (fallback `OPENAI_API_KEY`), base URL and
+vLLM, Ollama). Settings: key from `ENGRAM_API_KEY` (fallbacks `OPENAI_API_KEY`,
+`TAOTOKEN_API_KEY` as the tutorial names it), base URL and
 model from flags or `ENGRAM_BASE_URL` / `ENGRAM_MODEL`; a `.env` file in the working directory
 is read if present (real environment variables win). Every failure people hit is turned into one
 `ApiError` line that names the cause and the fix; the key never appears in any message.
@@ -56,11 +57,15 @@ def normalize_base_url(url: str) -> tuple[str, str | None]:
     return u, note
 
 
+KEY_VARIABLES = ("ENGRAM_API_KEY", "OPENAI_API_KEY", "TAOTOKEN_API_KEY")  # first set wins; the tutorial sets the last
+
+
 def load_settings(model: str | None = None, base_url: str | None = None) -> Settings:
     env = {**_dotenv(), **os.environ}
-    key = env.get("ENGRAM_API_KEY") or env.get("OPENAI_API_KEY")
-    if key is None or not key.strip():
-        raise ApiError("no API key: set ENGRAM_API_KEY (or OPENAI_API_KEY) in the environment or in ./.env")
+    key = next((env[k] for k in KEY_VARIABLES if env.get(k) and env[k].strip()), None)
+    if key is None:
+        raise ApiError("no API key: set ENGRAM_API_KEY (or OPENAI_API_KEY, or the tutorial's TAOTOKEN_API_KEY) in the "
+                       "environment or in ./.env")
     url, note = normalize_base_url(base_url or env.get("ENGRAM_BASE_URL") or DEFAULT_BASE_URL)
     return Settings(api_key=key.strip(), base_url=url, model=model or env.get("ENGRAM_MODEL") or DEFAULT_MODEL, note=note)
 
@@ -206,9 +211,9 @@ def crosscheck(text: str, model, tokenizer, settings: Settings, threshold: float
         raise ApiError("TEXT is empty after tokenization")
     with torch.no_grad():
         out = model(torch.tensor([enc.ids]), return_gates=True)
-    if not out["gates"]:
+    if not out.gates:
         raise ApiError("this checkpoint has no Engram layers (trained with --no-engram?)")
-    gates = {int(k): v[0].float().mean(-1).numpy() for k, v in out["gates"].items()}  # layer -> (T,)
+    gates = {int(k): v[0].float().mean(-1).numpy() for k, v in out.gates.items()}  # layer -> (T,)
     inside, ends = align(text, enc.offsets, items)
     mean_gate = np.mean(np.stack(list(gates.values())), axis=0)
     pred = mean_gate > threshold

@@ -1,4 +1,8 @@
-"""`engram` command line: `demo` (real blocks by default, `--mock-blocks`), `hash`, `spec`.
+"""The `engram` command: one thin function per command over the library, and the parser.
+
+Modules that import transformers, matplotlib or torch.distributed (model, training, analysis,
+the launcher) are imported inside the commands that use them, so `engram hash` and `engram
+--help` do not pay for them (~2 s for transformers alone).
 
 Every expected failure (bad config, missing file, bad ids) prints one line
 `engram: error: ...` and exits with status 2; no Python traceback. Set ENGRAM_DEBUG=1 to
@@ -8,148 +12,105 @@ see tracebacks.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-import time
+from pathlib import Path
+
+from .api import ApiError, chat, crosscheck, load_settings
+from .config import BackBoneConfig, EngramConfig, TrainConfig, load_config
+from .data import load_manifest, load_sources, prepare, split_documents
+from .hashing import get_hash_mapping
+from .presets import PRESETS, TRAIN_PRESETS
+from .tokenizer import bos_id, encode, load_tokenizer, train_bpe
 
 DEMO_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
 
 
 def _configs(path):
-    from .config import BackBoneConfig, EngramConfig, load_config
-
-    if path:
-        return load_config(path)
-    return EngramConfig(), BackBoneConfig()
+    return load_config(path) if path else (EngramConfig(), BackBoneConfig())
 
 
-def _peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
-
-
+# ------------------------------------------------------------------------------------------ model commands
 def cmd_demo(args) -> int:
     import dataclasses
 
-    import torch
+    from .demo import run_demo
 
-    from .demo import DemoLM
-    from .tokenizer import load_tokenizer
-
-    t0 = time.perf_counter()
-    engram_cfg, backbone_cfg = _configs(args.config)
+    ecfg, bcfg = _configs(args.config)
     if args.table_dtype:
-        engram_cfg = dataclasses.replace(engram_cfg, table_dtype=args.table_dtype)
-    torch.manual_seed(args.seed)
-    tok = load_tokenizer(engram_cfg.tokenizer_name_or_path)
-    ids = tok.encode(args.text, add_special_tokens=False).ids
-    if not ids:
-        raise ValueError("--text is empty after tokenization; give some text")
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    mock = args.mock_blocks
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        if not mock:
-            print("  (transformers not installed: real blocks need pip install 'engram[hf]'; using --mock-blocks)")
-        mock = True
-    print(f"Building demo LLM: {backbone_cfg.num_layers} layers, hidden {backbone_cfg.hidden_size}, hc_mult "
-          f"{backbone_cfg.hc_mult}, vocab {backbone_cfg.vocab_size}, Engram at layers {engram_cfg.layer_ids} "
-          f"(tables stored as {engram_cfg.table_dtype})", flush=True)
-    if mock:
-        model = DemoLM(engram_cfg, backbone_cfg).eval()
-        engrams = [b.engram for b in model.blocks if b.engram is not None]
-        blocks_desc = "attention/MoE inside blocks are pass-through mocks (as in the reference demo)"
-    else:
-        from . import presets
-        from .model import EngramForCausalLM
-
-        cfg = presets.demo(vocab_size=backbone_cfg.vocab_size, hidden_size=backbone_cfg.hidden_size,
-                           num_hidden_layers=backbone_cfg.num_layers, hc_mult=backbone_cfg.hc_mult,
-                           engram=engram_cfg.to_dict())
-        model = EngramForCausalLM(cfg).eval()
-        engrams = [b.engram for b in model.model.layers if b.engram is not None]
-        blocks_desc = (f"real blocks: RoPE attention ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV), "
-                       f"SwiGLU FFN ({cfg.intermediate_size}), mHC with {cfg.hc_mult} streams")
-    n_table = sum(e.multi_head_embedding.embedding.weight.numel() for e in engrams)
-    n_all = sum(p.numel() for p in model.parameters())
-    print(f"  parameters: {n_all / 1e6:.1f}M, of which Engram tables {n_table / 1e6:.1f}M; {blocks_desc}")
-    t1 = time.perf_counter()
-    with torch.no_grad():
-        if mock:
-            logits, hash_ids, gates = model.forward_with_details(input_ids)
-        else:
-            out = model(input_ids, return_gates=True)
-            logits, gates = out.logits, out["gates"]
-            hash_ids = model.model.mapping.hash(input_ids)
-    t2 = time.perf_counter()
+        ecfg = dataclasses.replace(ecfg, table_dtype=args.table_dtype)
+    print(f"Building demo LLM: {bcfg.num_layers} layers, hidden {bcfg.hidden_size}, hc_mult {bcfg.hc_mult}, vocab "
+          f"{bcfg.vocab_size}, Engram at layers {ecfg.layer_ids} (tables stored as {ecfg.table_dtype})", flush=True)
+    r = run_demo(args.text, ecfg, bcfg, mock_blocks=args.mock_blocks, seed=args.seed, bos=not args.no_bos)
+    if r["mock_blocks"] and not args.mock_blocks:
+        print("  (transformers not installed: real blocks need pip install 'engram[hf]'; using --mock-blocks)")
+    print(f"  parameters: {r['params'] / 1e6:.1f}M, of which Engram tables {r['table_params'] / 1e6:.1f}M; {r['blocks']}")
     print(f"Input text : {args.text!r}")
-    print(f"Tokens     : {tok.encode(args.text, add_special_tokens=False).tokens}")
-    print(f"Input shape  : {list(input_ids.shape)}")
-    print(f"Output shape : {list(logits.shape)}")
-    for lid in engram_cfg.layer_ids:
-        g = gates[lid]
-        print(f"Layer {lid:>2}: hash shape {list(hash_ids[lid].shape)}; gate min {g.min():.4f} max {g.max():.4f} "
-              f"mean {g.mean():.4f}")
-    print(f"Wall time: build {t1 - t0:.1f} s, forward {t2 - t1:.2f} s, total {t2 - t0:.1f} s; "
-          f"peak RSS {_peak_rss_gib():.2f} GiB")
+    print(f"Tokens     : {r['tokens']}")
+    print(_bos_note(r["bos_token"], args.no_bos))
+    print(f"Input shape  : {r['input_shape']}")
+    print(f"Output shape : {r['output_shape']}")
+    for lid, g in r["layers"].items():
+        print(f"Layer {lid:>2}: hash shape {g['hash_shape']}; gate min {g['gate_min']:.4f} max {g['gate_max']:.4f} "
+              f"mean {g['gate_mean']:.4f}")
+    print(f"Wall time: build {r['build_s']:.1f} s, forward {r['forward_s']:.2f} s, total {r['total_s']:.1f} s; "
+          f"peak RSS {r['peak_rss_gib']:.2f} GiB")
     return 0
+
+
+def _bos_note(bos_token, no_bos: bool) -> str:
+    if no_bos:
+        return "  (tokenized without a BOS token: --no-bos)"
+    if bos_token is None:
+        return "  (this tokenizer has no BOS token we know; none prepended)"
+    return f"  (BOS {bos_token} prepended, as the tutorial's AutoTokenizer does; --no-bos leaves it out)"
 
 
 def cmd_hash(args) -> int:
     import numpy as np
 
-    from .hashing import get_hash_mapping
-    from .tokenizer import load_tokenizer
-
-    engram_cfg, _ = _configs(args.config)
-    mapping = get_hash_mapping(engram_cfg)
-    tok = load_tokenizer(engram_cfg.tokenizer_name_or_path)
-    enc = tok.encode(args.text, add_special_tokens=False)
-    ids = np.array([enc.ids], dtype=np.int64).reshape(1, -1)
+    ecfg, _ = _configs(args.config)
+    mapping = get_hash_mapping(ecfg)
+    tok = load_tokenizer(ecfg.tokenizer_name_or_path)
+    ids, tokens = encode(tok, args.text, bos=not args.no_bos)
+    ids = np.array([ids], dtype=np.int64).reshape(1, -1)
     comp = mapping.compressed_tokenizer(ids)[0]
     hashes = mapping.hash(ids)
-    K = mapping.n_head_per_ngram
+    print(_bos_note(None if args.no_bos or bos_id(tok) is None else bos_id(tok)[1], args.no_bos).strip())
     print(f"{'pos':>3}  {'token':<16} {'id':>7} {'comp':>7}")
-    for t, (tokstr, i, c) in enumerate(zip(enc.tokens, enc.ids, comp)):
+    for t, (tokstr, i, c) in enumerate(zip(tokens, ids[0], comp)):
         print(f"{t:>3}  {tokstr!r:<16} {i:>7} {c:>7}")
+    K = mapping.n_head_per_ngram
     for lid in mapping.layer_ids:
-        print(f"\nlayer {lid}: per-head row ids [T={ids.shape[1]}, {hashes[lid].shape[-1]}] "
-              f"(columns: {', '.join(f'{n}-gram h{k}' for n in range(2, mapping.max_ngram_size + 1) for k in range(K))})")
+        cols = ", ".join(f"{n}-gram h{k}" for n in range(2, mapping.max_ngram_size + 1) for k in range(K))
+        print(f"\nlayer {lid}: per-head row ids [T={ids.shape[1]}, {hashes[lid].shape[-1]}] (columns: {cols})")
         for t in range(ids.shape[1]):
             print(f"{t:>3}  " + " ".join(f"{int(v):>7}" for v in hashes[lid][0, t]))
     return 0
 
 
 def cmd_spec(args) -> int:
-    from .hashing import get_hash_mapping
-
-    engram_cfg, _ = _configs(args.config)
-    mapping = get_hash_mapping(engram_cfg)
+    mapping = get_hash_mapping(_configs(args.config)[0])
     mapping.save_spec(args.out, include_lookup_table=not args.no_table)
     print(f"wrote hash spec for layers {mapping.layer_ids} to {args.out}")
     return 0
 
 
+# ------------------------------------------------------------------------------------------ training
 def cmd_train(args) -> int:
-    from .config import ConfigError
     from .train import train, train_config
 
-    overrides = {}
-    for kv in args.set or []:
-        k, _, v = kv.partition("=")
-        default = _train_default(k)
-        try:
-            overrides[k] = type(default)(v) if default is not None else v
-        except ValueError:
-            raise ConfigError(f"--set {k}={v}: expected a {type(default).__name__} value") from None
+    overrides = TrainConfig.parse_overrides(args.set or [])
     if args.table_backend:
         overrides["table_backend"] = args.table_backend
     if args.table_cache_mb is not None:
         overrides["table_cache_mb"] = args.table_cache_mb
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch_torchrun(args, train_config(args.preset, overrides, args.max_steps, world=args.nproc))
+        from .distributed.launch import launch
+
+        tcfg = train_config(args.preset, overrides, args.max_steps, world=args.nproc)  # fail here, not in N workers
+        return launch(sys.argv[1:], args.nproc, args.data, tcfg.tokenizer)
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
                     overrides=overrides)
@@ -162,108 +123,39 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _launch_torchrun(args, tcfg) -> int:
-    """Relaunch this command under torchrun, one process per rank (settings already validated).
-
-    The data is prepared here first, so the workers find it cached instead of tokenizing it twice.
-    A failing worker prints its own one-line error; this reports how many failed, without
-    torchrun's traceback.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    from .data import prepare
-
-    prepare(args.data, tcfg.tokenizer)
-    argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--nproc" and (i == 0 or sys.argv[i] != "--nproc")]
-    argv = [a for a in argv if not a.startswith("--nproc=")]
-    ns = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={args.nproc}", "-m", "engram.cli", *argv])
-    try:
-        run(ns)
-    except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        print(f"engram: error: {len(e.failures)} of {args.nproc} training processes failed (exit codes {codes}); "
-              "their messages are above", file=sys.stderr)
-        return 2 if codes == [2] else 1
-    return 0
-
-
-def _train_default(key):
-    import dataclasses
-
-    from .config import ConfigError
-    from .train import TrainConfig
-
-    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    if key not in fields:
-        raise ConfigError(f"--set {key}=...: unknown training setting; valid: {', '.join(sorted(fields))}")
-    return fields[key]
-
-
-def _load_checkpoint_dir(path):
-    """A run dir (uses DIR/final) or a save_pretrained folder -> (model, tokenizer)."""
-    from pathlib import Path
-
-    from .model import EngramForCausalLM
-    from .tokenizer import load_tokenizer
-    from .checkpoint import CheckpointError
-
-    p = Path(path)
-    if (p / "final" / "config.json").is_file():
-        p = p / "final"
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise CheckpointError(f"{path}: no model here (expected config.json and model.safetensors, or a run dir with final/)")
-    try:
-        model = EngramForCausalLM.from_pretrained(p).eval()
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{p}: could not load the model: {str(e).splitlines()[0]}") from None
-    tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
-                         else model.config.engram.get("tokenizer_name_or_path"))
-    return model, tok
-
-
 def cmd_eval(args) -> int:
     import math
 
-    import numpy as np
-    import torch
+    from .model import load_model
+    from .train import evaluate_text
 
-    from .data import eval_windows, load_sources, split_documents
-    from .train import evaluate
-
-    model, tok = _load_checkpoint_dir(args.checkpoint)
-    docs = split_documents(load_sources(args.data))[args.split]
-    if not docs:
-        raise ValueError(f"the {args.split} split is empty for this data")
-    eos = 0 if tok.token_to_id("<|endoftext|>") == 0 else None
-    ids = []
-    for d in docs:
-        ids += tok.encode(d.text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
-    windows = eval_windows(np.asarray(ids, dtype=np.uint32), args.seq_len, args.max_windows)
-    loss = evaluate(model, windows, args.batch_size, torch.device("cpu"))
+    model, tok = load_model(args.checkpoint)
+    loss, n_tokens, n_windows = evaluate_text(model, tok, args.data, args.split, args.seq_len, args.max_windows,
+                                              args.batch_size)
     print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
-          f"({windows.size:,} tokens in {len(windows)} windows of {args.seq_len})")
+          f"({n_tokens:,} tokens in {n_windows} windows of {args.seq_len})")
     return 0
 
 
 def cmd_sample(args) -> int:
     import torch
 
-    model, tok = _load_checkpoint_dir(args.checkpoint)
+    from .model import load_model
+
+    model, tok = load_model(args.checkpoint)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
     torch.manual_seed(args.seed)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                         temperature=args.temperature if args.temperature > 0 else None, top_k=args.top_k,
+    greedy = args.temperature <= 0
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not greedy,
+                         temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
                          pad_token_id=model.config.pad_token_id)
     print(tok.decode(out[0].tolist()))
     return 0
 
 
 def cmd_data_prepare(args) -> int:
-    from .data import load_manifest, prepare
-
     d = prepare(args.data, args.tokenizer)
     m = load_manifest(d)
     print(f"prepared {d}: vocab {m['vocab_size']}, " + ", ".join(
@@ -272,59 +164,40 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
-    from .data import load_sources, split_documents
-    from .tokenizer import train_bpe
-
     docs = split_documents(load_sources(args.data))["train"]
     out = train_bpe((d.text for d in docs), args.vocab, args.out)
     print(f"wrote byte-level BPE tokenizer ({args.vocab} tokens, trained on the train split) to {out}")
     return 0
 
 
+# ------------------------------------------------------------------------------------------ analysis
 def cmd_experiment(args) -> int:
-    from .analysis.experiments import EXPERIMENTS, run_experiment
+    from .analysis import experiments
 
     if args.list or not args.name:
-        from .analysis import experiments
-
         print(experiments.__doc__.split("Experiments:")[1].rstrip())
         return 0
-    names = EXPERIMENTS if args.name == "all" else [args.name]
-    for n in names:
-        run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
-                       max_steps=args.max_steps, size=args.size)
+    for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
+        experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
+                                   max_steps=args.max_steps, size=args.size)
     return 0
 
 
 def cmd_gates(args) -> int:
-    from pathlib import Path
-
     from .analysis import gates as G
+    from .model import load_model
 
-    model, tok = _load_checkpoint_dir(args.checkpoint)
+    model, tok = load_model(args.checkpoint)
     tokens, gates = G.compute_gates(model, tok, args.text)
     print(G.terminal(tokens, gates))
     for layer in sorted(gates):
         g = gates[layer]
         print(f"layer {layer}: gate min {g.min():.3f} max {g.max():.3f} mean {g.mean():.3f}")
     if args.out:
-        out = Path(args.out)
-        if out.suffix == ".html":
-            G.save_html(tokens, gates, out, title=f"Engram gates: {args.text[:60]}")
-        elif out.suffix == ".png":
-            G.save_png(tokens, gates, out, title=args.text[:80])
-        else:
-            raise ValueError(f"--out {out}: use a .png or .html file name")
-        print(f"wrote {out}")
+        G.save(tokens, gates, Path(args.out), title=args.text)
+        print(f"wrote {args.out}")
     if args.summary:
-        import json
-
-        p = Path(args.checkpoint)
-        run = p if (p / "run.json").is_file() else p.parent
-        if not (run / "run.json").is_file():
-            raise ValueError("--summary needs a run directory (with run.json) to find the val split")
-        info = json.loads((run / "run.json").read_text())
-        for layer, r in G.gate_summary(model, Path(info["data_dir"]), info["train"]["seq_len"]).items():
+        for layer, r in G.run_gate_summary(model, Path(args.checkpoint)).items():
             print(f"layer {layer}: mean gate on frequent n-gram completions {r['entity_completion']:.3f} "
                   f"({r['n_entity']} tokens) vs function words {r['function_words']:.3f} ({r['n_function']} tokens); "
                   f"all {r['all']:.3f}")
@@ -332,42 +205,30 @@ def cmd_gates(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from pathlib import Path
-
-    import numpy as np
-
     from .analysis import stats as S
-    from .data import load_manifest, load_split, prepare
-    from .tokenizer import CompressedTokenizer, load_tokenizer
 
-    d = prepare(args.data, args.tokenizer)
-    m = load_manifest(d)
-    ct = CompressedTokenizer(m["tokenizer_file"])
-    tok = load_tokenizer(m["tokenizer_file"])
-    rep = S.compression_report(ct, tok)
-    print(f"tokenizer {Path(m['tokenizer_file']).name}: {rep['vocab']:,} ids -> {rep['compressed']:,} compressed "
-          f"({rep['reduction']:.2%} reduction); largest merged groups:")
-    for g in rep["largest_groups"]:
+    r = S.report(args.data, args.tokenizer, args.sizes)
+    c = r["compression"]
+    print(f"tokenizer {Path(r['tokenizer_file']).name}: {c['vocab']:,} ids -> {c['compressed']:,} compressed "
+          f"({c['reduction']:.2%} reduction); largest merged groups:")
+    for g in c["largest_groups"]:
         print(f"  {g['size']:>3} ids: {g['tokens']}")
-    comp = ct(np.asarray(load_split(d, "train"), dtype=np.int64))
-    print(f"\nrow usage on the train split ({len(comp):,} tokens), one head per order:")
+    print(f"\nrow usage on the train split ({r['train_tokens']:,} tokens), one head per order:")
     print(f"{'order':>5} {'rows':>9} {'distinct':>9} {'used':>9} {'usage':>7} {'collide':>8}")
-    for r in S.row_usage(comp, args.sizes):
-        print(f"{r['order']:>5} {r['table_rows']:>9,} {r['distinct_ngrams']:>9,} {r['rows_used']:>9,} "
-              f"{r['row_usage']:>7.1%} {r['collision_rate']:>8.1%}")
-    counts = S.zipf(comp)
-    for n, c in counts.items():
-        print(f"{n}-grams: {len(c):,} distinct; top 1% of them cover {c[: max(1, len(c) // 100)].sum() / c.sum():.1%} "
-              "of occurrences")
+    for u in r["row_usage"]:
+        print(f"{u['order']:>5} {u['table_rows']:>9,} {u['distinct_ngrams']:>9,} {u['rows_used']:>9,} "
+              f"{u['row_usage']:>7.1%} {u['collision_rate']:>8.1%}")
+    for n, cnt in r["zipf"].items():
+        top = cnt[: max(1, len(cnt) // 100)].sum() / cnt.sum()
+        print(f"{n}-grams: {len(cnt):,} distinct; top 1% of them cover {top:.1%} of occurrences")
     if args.out:
-        S.plot_zipf(counts, Path(args.out))
+        S.plot_zipf(r["zipf"], Path(args.out))
         print(f"wrote {args.out}")
     return 0
 
 
+# ------------------------------------------------------------------------------------------ model channel
 def cmd_ask(args) -> int:
-    from .api import chat, load_settings
-
     s = load_settings(args.model, args.base_url)
     if s.note:
         print(f"engram: note: {s.note}", file=sys.stderr)
@@ -376,14 +237,12 @@ def cmd_ask(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    import json
-
-    from .api import crosscheck, load_settings
+    from .model import load_model
 
     s = load_settings(args.model, args.base_url)
     if s.note:
         print(f"engram: note: {s.note}", file=sys.stderr)
-    model, tok = _load_checkpoint_dir(args.checkpoint)
+    model, tok = load_model(args.checkpoint)
     res = crosscheck(args.text, model, tok, s, threshold=args.threshold, timeout=args.timeout, retries=args.retries)
     if args.json:
         print(json.dumps(res, indent=1, ensure_ascii=False))
@@ -400,10 +259,8 @@ def cmd_crosscheck(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
-    sub = p.add_subparsers(dest="command", required=True)
-
+# ------------------------------------------------------------------------------------------ parser
+def _model_commands(sub) -> None:
     d = sub.add_parser("demo", help="run the tutorial's forward demo (30 layers, Engram at [1, 15])")
     d.add_argument("--text", default=DEMO_TEXT)
     d.add_argument("--config", help="engram_config.json with sections 'engram' and 'backbone'")
@@ -412,11 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--mock-blocks", action="store_true",
                    help="the reference demo's pass-through attention/MoE instead of real blocks")
+    d.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (the tutorial does)")
     d.set_defaults(func=cmd_demo)
 
     h = sub.add_parser("hash", help="print tokens, compressed ids and per-head row ids of TEXT")
     h.add_argument("text")
     h.add_argument("--config")
+    h.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (the tutorial does)")
     h.set_defaults(func=cmd_hash)
 
     s = sub.add_parser("spec", help="write the self-describing hashing manifest (JSON)")
@@ -425,8 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-table", action="store_true", help="omit the inline token->compressed-id lookup table")
     s.set_defaults(func=cmd_spec)
 
+
+def _training_commands(sub) -> None:
+    presets_help = "; ".join(f"{n}: {PRESETS[n].summary}" for n in TRAIN_PRESETS)
     t = sub.add_parser("train", help="train a preset on Shakespeare (default) or --data")
-    t.add_argument("--preset", default="cpu-small", help="tiny | cpu-small")
+    t.add_argument("--preset", default="cpu-small", metavar="{" + ",".join(TRAIN_PRESETS) + "}", help=presets_help)
     t.add_argument("--data", action="append", help="local .txt/.jsonl/.parquet file or folder, or hf:NAME (repeatable)")
     t.add_argument("--no-engram", action="store_true", help="same backbone without Engram (iso-FLOP baseline)")
     t.add_argument("--baseline", choices=["iso-flop", "iso-param"],
@@ -458,24 +320,33 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--checkpoint", required=True)
     sm.add_argument("--prompt", required=True)
     sm.add_argument("--max-new-tokens", type=int, default=60)
-    sm.add_argument("--temperature", type=float, default=0.8)
+    sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
     sm.add_argument("--top-k", type=int, default=50)
     sm.add_argument("--seed", type=int, default=0)
     sm.set_defaults(func=cmd_sample)
 
-    dp = sub.add_parser("data", help="data preparation")
-    dsub = dp.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", help="tokenize a corpus into uint32 token files + manifest")
+    dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
+    prep = dp.add_parser("prepare", help="tokenize a corpus into uint32 token files + manifest")
     prep.add_argument("--data", action="append")
     prep.add_argument("--tokenizer", default="bpe:8192", help="deepseek | bpe:N | path/to/tokenizer.json")
     prep.set_defaults(func=cmd_data_prepare)
 
+    tk = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tok_command", required=True)
+    ttrain = tk.add_parser("train", help="train a byte-level BPE tokenizer on the corpus's train split")
+    ttrain.add_argument("--vocab", type=int, default=8192)
+    ttrain.add_argument("--data", action="append")
+    ttrain.add_argument("--out", default="tokenizer.json")
+    ttrain.set_defaults(func=cmd_tokenizer_train)
+
+
+def _analysis_commands(sub) -> None:
     ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, all)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=2)
     ex.add_argument("--out", default="runs/experiments")
-    ex.add_argument("--preset", default="exp", help="model/training preset of every run (default exp)")
+    ex.add_argument("--preset", default="exp", metavar="{" + ",".join(TRAIN_PRESETS) + "}",
+                    help="model/training preset of every run")
     ex.add_argument("--data", action="append")
     ex.add_argument("--max-steps", type=int)
     ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
@@ -495,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", help="rank-frequency plot (.png)")
     st.set_defaults(func=cmd_stats)
 
+
+def _channel_commands(sub) -> None:
     for name, helptext in (("ask", "one chat completion through an OpenAI-compatible API (checks the channel)"),
                            ("crosscheck", "compare a checkpoint's gates with a hosted model's entities in TEXT")):
         a = sub.add_parser(name, help=helptext)
@@ -509,21 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--retries", type=int, default=3, help="retries with backoff on 429/5xx")
         a.set_defaults(func=cmd_ask if name == "ask" else cmd_crosscheck)
 
-    tk = sub.add_parser("tokenizer", help="tokenizer tools")
-    tsub = tk.add_subparsers(dest="tok_command", required=True)
-    ttrain = tsub.add_parser("train", help="train a byte-level BPE tokenizer on the corpus's train split")
-    ttrain.add_argument("--vocab", type=int, default=8192)
-    ttrain.add_argument("--data", action="append")
-    ttrain.add_argument("--out", default="tokenizer.json")
-    ttrain.set_defaults(func=cmd_tokenizer_train)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
+    sub = p.add_subparsers(dest="command", required=True)
+    for group in (_model_commands, _training_commands, _analysis_commands, _channel_commands):
+        group(sub)
     return p
 
 
 def main(argv=None) -> int:
-    from .api import ApiError
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -209,8 +209,34 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def parse_overrides(cls, items: list[str]) -> dict:
+        """`["lr=1e-3", "table_backend=mmap"]` (`--set KEY=VALUE`) -> {"lr": 0.001, ...}, typed like the fields."""
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        out = {}
+        for kv in items:
+            key, sep, value = kv.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {kv}: expected KEY=VALUE, e.g. lr=1e-3")
+            if key not in fields:
+                raise ConfigError(f"--set {key}=...: unknown training setting; valid: {', '.join(sorted(fields))}")
+            kind = type(fields[key])
+            try:
+                out[key] = kind(value) if kind is not bool else _parse_bool(value)
+            except ValueError:
+                raise ConfigError(f"--set {key}={value}: expected a {kind.__name__} value") from None
+        return out
+
+    @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return _from_dict(cls, d, "train")
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
 
 
 def check_layer_ids(engram: EngramConfig, backbone: BackBoneConfig) -> None:

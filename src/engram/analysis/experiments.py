@@ -25,6 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+import torch
+
+from ..checkpoint import checkpoints
+from ..config import ConfigError
+from ..data import eval_windows, load_split
+from ..model import EngramForCausalLM
+from ..presets import get_preset
+from ..train import train
 from ..utils import atomic_write_bytes
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity")
@@ -32,9 +40,7 @@ EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity")
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
     """variant name -> train() keyword arguments."""
-    from .. import presets
-
-    proto = {"tiny": presets.tiny, "exp": presets.exp, "cpu-small": presets.cpu_small}[preset]()
+    proto = get_preset(preset).model()
     if name in ("iso", "sensitivity"):
         return {"engram": {}, "no-engram": {"use_engram": False}, "iso-param": {"baseline": "iso-param"}} \
             if name == "iso" else {"engram": {}}
@@ -55,8 +61,6 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
             # per-stream vs single-branch gating needs several streams: both arms with hc_mult=4 (mHC)
             "hc4-per-stream": {"model_overrides": {"hc_mult": 4}},
             "hc4-single-branch": {"model_overrides": {"hc_mult": 4, "engram": {"single_branch": True}}}}
-    from ..config import ConfigError
-
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
 
 
@@ -67,9 +71,6 @@ def _metrics(run_dir: Path) -> list[dict]:
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default") -> dict:
-    from ..checkpoint import checkpoints
-    from ..train import train
-
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
@@ -188,11 +189,6 @@ def frequent_ngram_mask(train_tokens: np.ndarray, tokens: np.ndarray, min_count:
 
 def sensitivity(runs: list[dict], data=None) -> dict:
     """Per-token val losses with Engram on and suppressed, split by token category."""
-    import torch
-
-    from ..data import eval_windows, load_split
-    from ..model import EngramForCausalLM
-
     per = {"frequent n-gram completions": {"on": [], "off": [], "n": 0}, "all other tokens": {"on": [], "off": [], "n": 0}}
     for r in runs:
         run_dir = Path(r["run_dir"])

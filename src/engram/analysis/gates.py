@@ -15,6 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data import eval_windows, load_split
+from ..tokenizer import load_tokenizer
+from .experiments import frequent_ngram_mask
+
 FUNCTION_WORDS = set("""a an the and or but if of to in on at by for with from as is are was were be been am it its
 this that these those he she they we you i me him her them us my his their our your not no so than then there
 here what which who whom whose when where why how all any some do does did have has had will would shall should
@@ -29,7 +33,7 @@ def compute_gates(model, tokenizer, text: str):
     ids = torch.tensor([enc.ids])
     with torch.no_grad():
         out = model(ids, return_gates=True)
-    gates = {int(k): v[0].float().numpy() for k, v in out["gates"].items()}
+    gates = {int(k): v[0].float().numpy() for k, v in out.gates.items()}
     if not gates:
         raise ValueError("this checkpoint has no Engram layers (trained with --no-engram?)")
     tokens = [tokenizer.decode([i]) for i in enc.ids]
@@ -100,6 +104,16 @@ document.querySelectorAll('.tok').forEach(function (el) {{
     return Path(path)
 
 
+def save(tokens: list[str], gates: dict, path: Path, title: str = "") -> Path:
+    """A heatmap file: `.html` (hoverable) or `.png`, by the file name."""
+    path = Path(path)
+    if path.suffix == ".html":
+        return save_html(tokens, gates, path, title=f"Engram gates: {title[:60]}")
+    if path.suffix == ".png":
+        return save_png(tokens, gates, path, title=title[:80])
+    raise ValueError(f"--out {path}: use a .png or .html file name")
+
+
 _RAMP = (231, 224, 217, 210, 203, 196)
 
 
@@ -119,10 +133,6 @@ def terminal(tokens: list[str], gates: dict) -> str:
 
 def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 32) -> dict:
     """Mean gate on frequent-n-gram completions vs function words over the val split."""
-    from ..data import eval_windows, load_split
-    from ..tokenizer import load_tokenizer
-    from .experiments import frequent_ngram_mask
-
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
     tok = load_tokenizer(manifest["tokenizer_file"])
     windows = eval_windows(load_split(data_dir, "val"), seq_len, max_windows)
@@ -135,8 +145,18 @@ def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 3
     with torch.no_grad():
         out = model(torch.from_numpy(windows), return_gates=True)
     res = {}
-    for layer, g in out["gates"].items():
+    for layer, g in out.gates.items():
         gm = g.float().mean(-1).numpy()  # (N, T)
         res[int(layer)] = {"entity_completion": float(gm[ent].mean()), "function_words": float(gm[fn].mean()),
                            "all": float(gm.mean()), "n_entity": int(ent.sum()), "n_function": int(fn.sum())}
     return res
+
+
+def run_gate_summary(model, checkpoint: Path) -> dict:
+    """`gate_summary` on the val split of the run that produced `checkpoint` (a run dir or its final/)."""
+    p = Path(checkpoint)
+    run = p if (p / "run.json").is_file() else p.parent
+    if not (run / "run.json").is_file():
+        raise ValueError("--summary needs a run directory (with run.json) to find the val split")
+    info = json.loads((run / "run.json").read_text())
+    return gate_summary(model, Path(info["data_dir"]), info["train"]["seq_len"])

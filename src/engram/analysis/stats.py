@@ -8,6 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data import load_manifest, load_split, prepare
+from ..hashing import layer_multipliers, next_unused_prime
+from ..tokenizer import CompressedTokenizer, load_tokenizer
+
 
 def compression_report(ct, tokenizer, top: int = 5) -> dict:
     """Compression ratio and the largest groups of token ids merged into one compressed id."""
@@ -25,8 +29,6 @@ def compression_report(ct, tokenizer, top: int = 5) -> dict:
 def row_usage(compressed: np.ndarray, sizes: list[int], max_ngram: int = 3, seed: int = 0, pad: int = 0) -> list[dict]:
     """For each n-gram order and table size p: distinct n-grams, rows used by one head hashing into p
     rows (the reference's multiplier-XOR hash), and the fraction of distinct n-grams sharing a row."""
-    from ..hashing import layer_multipliers, next_unused_prime
-
     x = compressed.astype(np.int64)
     vocab = int(x.max()) + 1
     mult = layer_multipliers([0], max_ngram, vocab, seed)[0]
@@ -75,3 +77,13 @@ def plot_zipf(counts: dict[int, np.ndarray], path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def report(data: list[str] | None, tokenizer: str, sizes: list[int]) -> dict:
+    """Everything `engram stats` prints for a corpus: compression, row usage per table size, n-gram counts."""
+    d = prepare(data, tokenizer)
+    m = load_manifest(d)
+    ct = CompressedTokenizer(m["tokenizer_file"])
+    comp = ct(np.asarray(load_split(d, "train"), dtype=np.int64))
+    return {"tokenizer_file": m["tokenizer_file"], "compression": compression_report(ct, load_tokenizer(m["tokenizer_file"])),
+            "train_tokens": len(comp), "row_usage": row_usage(comp, sizes), "zipf": zipf(comp)}

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..tables.base import Table
+from ..utils import atomic_write_bytes
 
 
 def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
@@ -195,8 +196,6 @@ def gather_full(table: ShardedTable, dst: int = 0) -> torch.Tensor | None:
 def save_sharded(table: ShardedTable, directory: str | Path, optimizer=None) -> None:
     """Each rank writes `shard_{rank}.safetensors` (weight, Adam moments if any) plus its row range."""
     from safetensors.torch import save_file
-
-    from ..utils import atomic_write_bytes
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
