@@ -71,6 +71,76 @@ def test_generate_uses_cache_and_matches_greedy_recompute():
     assert torch.equal(gen, seq)
 
 
+def test_engram_cache_keeps_the_ngram_history_and_a_plain_cache_is_refused():
+    from transformers.cache_utils import DynamicCache
+
+    from engram.model import EngramCache, EngramCausalLMOutput
+
+    m = make().eval()
+    ids = torch.randint(0, 1000, (2, 8))
+    with torch.no_grad():
+        out = m(ids[:, :5], use_cache=True)
+        assert isinstance(out, EngramCausalLMOutput) and isinstance(out[CACHE_FIELD], EngramCache)
+        assert torch.equal(out[CACHE_FIELD].ngram_history, ids[:, 3:5])  # the last N-1 = 2 ids
+        plain = DynamicCache()
+        m(ids[:, :5], past_key_values=plain, use_cache=True)  # a first call needs no history
+        with pytest.raises(ValueError, match="EngramCache"):
+            m(ids[:, 5:6], past_key_values=plain, use_cache=True)
+
+
+def test_beam_search_reorders_the_ngram_history():
+    """Beam search with the cache (history reordered with the beams) equals beam search recomputing everything."""
+    m = make().eval()
+    ids = torch.randint(0, 1000, (2, 5))
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        assert torch.equal(m.generate(ids, **kw), m.generate(ids, use_cache=False, **kw))
+
+
+def test_gates_come_back_in_the_output_field():
+    m = make().eval()
+    with torch.no_grad():
+        out = m(torch.randint(0, 1000, (1, 7)), return_gates=True)
+        assert set(out.gates) == {1} and out.gates[1].shape == (1, 7, 4)
+        assert m(torch.randint(0, 1000, (1, 7))).gates is None
+
+
+def test_init_weights_really_initializes():
+    """`_init_weights` is what from_pretrained uses for weights a checkpoint lacks: it must give each kind of
+    weight its constructor's distribution (and post_init must not redraw what the constructors drew)."""
+    torch.manual_seed(0)
+    a = EngramForCausalLM(presets.tiny(ffn="moe", n_routed_experts=4))
+    torch.manual_seed(0)
+    b = EngramForCausalLM(presets.tiny(ffn="moe", n_routed_experts=4))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    fresh = {k: v.clone() for k, v in a.state_dict().items()}
+    with torch.no_grad():
+        for p in a.parameters():
+            p.fill_(7.0)
+    a.initialize_weights()
+    for k, v in a.state_dict().items():
+        if v.dtype.is_floating_point and v.numel() > 1 and "expert_bias" not in k:
+            assert not (v == 7.0).any(), f"{k} was not re-initialized"
+            assert abs(v.float().std() - fresh[k].float().std()) <= 0.35 * fresh[k].float().std() + 1e-6, k
+            assert abs(v.float().mean() - fresh[k].float().mean()) <= 0.35 * fresh[k].float().std() + 0.05, k
+    assert (a.model.layers[1].engram.short_conv.conv.weight == 0).all()  # conv_zero_init kept
+
+
+def test_from_pretrained_initializes_missing_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = make()
+    m.save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.engram.kv_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = EngramForCausalLM.from_pretrained(tmp_path)
+    w = loaded.model.layers[1].engram.kv_proj.weight
+    bound = 1 / w.shape[1] ** 0.5  # nn.Linear's kaiming-uniform bound
+    assert torch.isfinite(w).all() and w.abs().max() <= bound and w.std() > 0.4 * bound
+    assert torch.equal(loaded.model.layers[1].engram.kv_proj.bias, m.model.layers[1].engram.kv_proj.bias)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_load_round_trip_and_auto_class(tmp_path, tie):
     m = make(tie_word_embeddings=tie).eval()

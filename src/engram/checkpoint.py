@@ -90,8 +90,6 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
     dense weights and optimizer, so the checkpoint loads at any world size.
     """
-    from safetensors.torch import save_file, save_model
-
     sharded = ddp is not None and ddp.world > 1
     main = ddp is None or ddp.is_main
     ckdir = run_dir / "checkpoints"
@@ -116,29 +114,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         dense_osd = ddp.optim_state_dict(model, opts["dense"])
         ddp.barrier()
     if main:
-        if sharded:
-            save_file(_dedup(dense_sd), str(tmp / "model.safetensors"))
-            osds = {"dense": dense_osd}
-            if isinstance(opts.get("tables"), TableAdam):  # file-backed shards: step counts (equal on all ranks)
-                osds["tables"] = opts["tables"].state_dict()
-            tensors, meta = _optim_tensors(osds)
-        else:
-            save_model(model, str(tmp / "model.safetensors"))
-            tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "optim.safetensors"))
-        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-        state = {"step": step, "batcher": batcher_state, "optim": meta,
-                 "files": {f: sha256_file(tmp / f) for f in files}}
-        if sharded:
-            state["sharded_tables"] = {name: f"tables/{name}" for name, _ in param_shards}
-        files = {str(k): str(t.path) for k, t in durable.items() if getattr(t, "path", None) is not None}
-        if files:
-            state["table_store"] = files
-        atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        dense = (dense_sd, dense_osd) if sharded else None
+        _commit(tmp, final, step, model, opts, batcher_state, dense, param_shards, durable)
         for old in sorted(ckdir.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if sharded:
@@ -146,6 +123,38 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     for table in durable.values():
         table.commit(step)
     return final
+
+
+def _commit(tmp: Path, final: Path, step: int, model, opts: dict, batcher_state: dict, dense, param_shards: list,
+            durable: dict) -> None:
+    """Rank 0: write weights, optimizer and RNG into `tmp`, hash every file into state.json, rename to `final`.
+
+    `dense` is (dense weights, dense optimizer state) gathered from a sharded run, or None (one process).
+    """
+    from safetensors.torch import save_file, save_model
+
+    if dense is not None:
+        save_file(_dedup(dense[0]), str(tmp / "model.safetensors"))
+        osds = {"dense": dense[1]}
+        if isinstance(opts.get("tables"), TableAdam):  # file-backed shards: step counts (equal on all ranks)
+            osds["tables"] = opts["tables"].state_dict()
+        tensors, meta = _optim_tensors(osds)
+    else:
+        save_model(model, str(tmp / "model.safetensors"))
+        tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / "optim.safetensors"))
+    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+    state = {"step": step, "batcher": batcher_state, "optim": meta, "files": {f: sha256_file(tmp / f) for f in files}}
+    if dense is not None:
+        state["sharded_tables"] = {name: f"tables/{name}" for name, _ in param_shards}
+    table_files = {str(k): str(t.path) for k, t in durable.items() if getattr(t, "path", None) is not None}
+    if table_files:
+        state["table_store"] = table_files
+    atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def read_checkpoint(path: Path) -> dict:

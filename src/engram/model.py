@@ -3,7 +3,8 @@
     ids (B, T) -> embed_tokens -> (B, T, n, C) streams -> blocks -> mean over streams -> norm -> lm_head
 
 Block (0-based index i; Engram at `engram.layer_ids`, added before attention as in the paper):
-    x = x + Engram_i(x, ids)                 (B, T, n, C), gates per stream
+    x = x + Engram_i(x, rows_i)[0]           (B, T, n, C), gates per stream; rows_i (B, T, H, d) from the
+                                             layer's table for hash ids computed outside the model
     x = HC_attn(x, lambda u: Attn(RMSNorm(u)))    (plain residual when n == 1)
     x = HC_ffn (x, lambda u: FFN(RMSNorm(u)))
 
@@ -285,7 +286,7 @@ class EngramModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.engram_scale = 1.0
 
-    def engram_rows(self, layer: Block, hash_ids: dict | None, engram_rows: dict | None):
+    def rows_for(self, layer: Block, hash_ids: dict | None, engram_rows: dict | None):
         """Layer `layer`'s Engram rows (B, T, H, d), or None when it has no Engram or Engram is switched off."""
         if layer.engram is None or self.engram_scale == 0:
             return None
@@ -303,7 +304,7 @@ class EngramModel(nn.Module):
         pos = torch.arange(past, past + T, device=input_ids.device)
         x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
         for layer in self.layers:
-            x = layer(x, pos, cache, self.engram_rows(layer, hash_ids, engram_rows), self.engram_scale, gates)
+            x = layer(x, pos, cache, self.rows_for(layer, hash_ids, engram_rows), self.engram_scale, gates)
         return self.norm(x.mean(dim=2))  # (B, T, C)
 
 

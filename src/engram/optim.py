@@ -5,7 +5,7 @@ of `torch.optim.SparseAdam` (the global step count drives bias correction; untou
 their moments do not move): O(touched rows) work instead of O(table) for dense Adam. On CPU with
 numba a fused kernel updates the touched rows in place (`_fastadam.py`); otherwise the rows of the
 weight and both moments are gathered with `index_select`, updated and written back with
-`index_copy_`. `TableAdam` does the same for tables that live in `engram.tables` backends.
+`index_copy_`. `TableAdam` does the same for tables that keep their own rows (`engram.tables.Table`).
 The paper trains the tables with Adam at 5x the backbone LR and no weight decay.
 """
 
@@ -209,18 +209,18 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
     Tables that are parameters get `LazyRowAdam`; tables that keep their own rows and moments
     (trainable `engram.tables.Table`s) get `TableAdam` (`fused`: their numba kernel on CPU, see `LazyRowAdam`).
     """
-    dense, tables = split_params(model)
+    dense, table_params = split_params(model)
     decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
     opts = {"dense": torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)}
-    stores = [t for _, t in sorted(installed_tables(model).items()) if t.trainable]
-    if tables and stores:
+    own_rows = [t for _, t in sorted(installed_tables(model).items()) if t.trainable]
+    if table_params and own_rows:
         raise ValueError("some Engram tables are parameters and some keep their own rows; offload all or none")
-    if tables:
-        opts["tables"] = LazyRowAdam([p for _, p in tables], lr=lr * table_lr_mult, betas=betas, fused=fused)
-    elif stores:  # tables offloaded with engram.tables.offload_tables(..., trainable=True) or file-backed shards
-        opts["tables"] = TableAdam(stores, lr=lr * table_lr_mult, betas=betas, fused=fused)
+    if table_params:
+        opts["tables"] = LazyRowAdam([p for _, p in table_params], lr=lr * table_lr_mult, betas=betas, fused=fused)
+    elif own_rows:  # tables offloaded with engram.tables.offload_tables(..., trainable=True) or file-backed shards
+        opts["tables"] = TableAdam(own_rows, lr=lr * table_lr_mult, betas=betas, fused=fused)
     for o in opts.values():
         for g in o.param_groups:
             g["base_lr"] = g["lr"]

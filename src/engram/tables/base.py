@@ -14,7 +14,7 @@ Implementations:
 A layer's `MultiHeadEmbedding` turns per-head hash ids into flat row ids and asks its table;
 `install(mhe, table)` (used by `tables.offload_tables` and `distributed.DistContext`) is the only
 way a table is put behind a layer, and `find_tables(model)` the only way the code finds them.
-Trainable stores keep their rows' Adam moments (`tensors()`), collect the gradients of the rows
+Trainable tables keep their rows' Adam moments (`tensors()`), collect the gradients of the rows
 they handed out (`record` in forward, `take_grads` after backward) and journal in-place writes
 (`begin_write`/`end_write`, `commit`/`recover`), which is all `optim.TableAdam` and `checkpoint`
 need.
