@@ -88,6 +88,22 @@ def test_engram_cache_keeps_the_ngram_history_and_a_plain_cache_is_refused():
             m(ids[:, 5:6], past_key_values=plain, use_cache=True)
 
 
+def test_history_is_kept_while_engram_is_off_and_for_ids_hashed_ahead():
+    """Steps decoded with Engram switched off, or with hash ids passed in, still leave their ids in the cache."""
+    m = make().eval()
+    ids = torch.randint(0, 1000, (1, 9))
+    with torch.no_grad():
+        full = m(ids).logits
+        out = m(ids[:, :4], use_cache=True)
+        cache = out[CACHE_FIELD]
+        m(ids[:, 4:6], past_key_values=cache, use_cache=True, engram_scale=0.0)
+        hashes = {k: v[:, -1:] for k, v in m.model.mapping.hash(ids[:, :7]).items()}
+        m(ids[:, 6:7], past_key_values=cache, use_cache=True, hash_ids=hashes)
+        assert torch.equal(cache.ngram_history, ids[:, 5:7])
+        last = m(ids[:, 7:9], past_key_values=cache, use_cache=True).logits
+    assert torch.allclose(last, full[:, 7:9], atol=1e-4)
+
+
 def test_beam_search_reorders_the_ngram_history():
     """Beam search with the cache (history reordered with the beams) equals beam search recomputing everything."""
     m = make().eval()

@@ -3,14 +3,14 @@
     from engram import EngramConfig, BackBoneConfig, NgramHashMapping, Engram
 """
 
-from .config import BackBoneConfig, ConfigError, EngramConfig, load_config, save_config
+from .config import BackBoneConfig, ConfigError, EngramConfig, TrainConfig, load_config, save_config
 from .hashing import HashInputError, NgramHashMapping, get_hash_mapping
 from .memory import Engram, MultiHeadEmbedding, ShortConv
 from .tokenizer import CompressedTokenizer, TokenizerError
 
 __version__ = "0.1.0"
 
-_HF_NAMES = ("EngramLMConfig", "EngramForCausalLM")
+_HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
 
 
 def __getattr__(name):
@@ -62,6 +62,6 @@ _register_with_transformers()
 
 __all__ = [
     "BackBoneConfig", "CompressedTokenizer", "ConfigError", "Engram", "EngramConfig", "HashInputError",
-    "MultiHeadEmbedding", "NgramHashMapping", "ShortConv", "TokenizerError", "get_hash_mapping",
+    "MultiHeadEmbedding", "NgramHashMapping", "ShortConv", "TokenizerError", "TrainConfig", "get_hash_mapping",
     "load_config", "save_config",
 ]

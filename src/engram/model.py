@@ -428,20 +428,27 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         `EngramCache` keeps the last N-1 of them.
         """
         mapping = self.model.mapping
+        history = self._advance_history(input_ids, cache)
         if mapping is None or self.model.engram_scale == 0:
             return None, None
+        if self.prefetcher is not None:
+            # this step's lookups start on the prefetch thread; blocks before the first Engram layer run meanwhile
+            return None, self.prefetcher.submit(input_ids, history)
+        return mapping.hash_continuation(input_ids, history), None
+
+    def _advance_history(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+        """The ids before `input_ids` kept by the cache (None without one); the cache then keeps the new ones too."""
+        if self.model.mapping is None or cache is None:
+            return None
         history = None
-        if cache is not None and cache.get_seq_length() > 0:
+        if cache.get_seq_length() > 0:
             if not isinstance(cache, EngramCache):
                 raise ValueError(f"decoding with a {type(cache).__name__} loses the token ids Engram hashes; pass "
                                  "past_key_values=engram.model.EngramCache() (generate() creates one)")
             history = cache.ngram_history
         if isinstance(cache, EngramCache):
-            cache.push_ngram_history(input_ids, mapping.max_ngram_size - 1)
-        if self.prefetcher is not None:
-            # this step's lookups start on the prefetch thread; blocks before the first Engram layer run meanwhile
-            return None, self.prefetcher.submit(input_ids, history)
-        return mapping.hash_continuation(input_ids, history), None
+            cache.push_ngram_history(input_ids, self.model.mapping.max_ngram_size - 1)
+        return history
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
                 return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None,
@@ -467,6 +474,8 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             if hash_ids is None and engram_rows is None:
                 hash_ids, engram_rows = self.engram_inputs(input_ids, past_key_values)
+            else:  # computed ahead by the caller: the cache still keeps the ids for the next call
+                self._advance_history(input_ids, past_key_values)
             h = self.model(input_ids, past_key_values, gates, hash_ids, engram_rows)
         finally:
             self.model.engram_scale = old
