@@ -21,7 +21,7 @@ from .api import ApiError, chat, crosscheck, load_settings
 from .config import BackBoneConfig, EngramConfig, TrainConfig, load_config
 from .data import load_manifest, load_sources, prepare, split_documents
 from .hashing import get_hash_mapping
-from .presets import PRESETS, TRAIN_PRESETS
+from .presets import PRESETS, TRAIN_PRESETS, train_config
 from .tokenizer import bos_id, encode, load_tokenizer, train_bpe
 
 DEMO_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
@@ -99,18 +99,19 @@ def cmd_spec(args) -> int:
 
 # ------------------------------------------------------------------------------------------ training
 def cmd_train(args) -> int:
-    from .train import train, train_config
-
     overrides = TrainConfig.parse_overrides(args.set or [])
     if args.table_backend:
         overrides["table_backend"] = args.table_backend
     if args.table_cache_mb is not None:
         overrides["table_cache_mb"] = args.table_cache_mb
+    # settings fail here, before transformers is imported and before N workers start
+    tcfg = train_config(args.preset, overrides, args.max_steps, world=args.nproc)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from .distributed.launch import launch
 
-        tcfg = train_config(args.preset, overrides, args.max_steps, world=args.nproc)  # fail here, not in N workers
         return launch(sys.argv[1:], args.nproc, args.data, tcfg.tokenizer)
+    from .train import train
+
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
                     overrides=overrides)

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -37,12 +37,9 @@ from .tokenizer import load_tokenizer
 
 SPEC_FILE = "engram_hash_spec.json"
 
-# ---- the transformers versions we support differ in two names; decided once here, never in class bodies
-# 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to `cache`.
+# transformers 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to
+# `cache`; the supported range (>= 5.0) has either. Decided once here, never in a class body.
 CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
-# 5.x maps each tied target to its source; 4.x takes a list of tied targets.
-TIED_LM_HEAD = ({"lm_head.weight": "model.embed_tokens.weight"} if int(transformers.__version__.split(".")[0]) >= 5
-                else ["lm_head.weight"])
 
 
 class EngramLMConfig(PretrainedConfig):
@@ -355,7 +352,7 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_cache_class = True
-    _tied_weights_keys = TIED_LM_HEAD
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # target -> source (when tied)
 
     def __init__(self, config: EngramLMConfig):
         super().__init__(config)
@@ -365,9 +362,7 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         # Every module drew its weights in its constructor, in a fixed order the documented runs depend on, so
         # post_init only collects HF properties and ties; `_init_weights` is what from_pretrained uses for keys a
         # checkpoint lacks (and what `model.initialize_weights()` re-runs).
-        from transformers import initialization
-
-        with initialization.no_init_weights():
+        with hf_init.no_init_weights():
             self.post_init()
         self.tie_weights()
 
@@ -375,35 +370,33 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """Initialize `module`'s own parameters as its constructor does (transformers' guarded init functions,
         so weights already loaded from a checkpoint are left alone)."""
-        from transformers import initialization as init
-
         if isinstance(module, nn.Embedding):  # token embedding and Engram tables: N(0, 1)
-            init.normal_(module.weight, mean=0.0, std=1.0)
+            hf_init.normal_(module.weight, mean=0.0, std=1.0)
         elif isinstance(module, nn.Linear):
-            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            hf_init.kaiming_uniform_(module.weight, a=math.sqrt(5))
             if module.bias is not None:
                 bound = 1 / math.sqrt(module.in_features) if module.in_features > 0 else 0
-                init.uniform_(module.bias, -bound, bound)
+                hf_init.uniform_(module.bias, -bound, bound)
         elif isinstance(module, nn.RMSNorm) and module.weight is not None:
-            init.ones_(module.weight)
+            hf_init.ones_(module.weight)
         elif isinstance(module, ShortConv):
-            init.kaiming_uniform_(module.conv.weight, a=math.sqrt(5))
+            hf_init.kaiming_uniform_(module.conv.weight, a=math.sqrt(5))
             if module.zero_init:
-                init.zeros_(module.conv.weight)
-            init.ones_(module.norm_weight)
+                hf_init.zeros_(module.conv.weight)
+            hf_init.ones_(module.norm_weight)
         elif isinstance(module, Engram) and module.use_gate:
-            init.ones_(module.key_norm_weight)
-            init.ones_(module.query_norm_weight)
+            hf_init.ones_(module.key_norm_weight)
+            hf_init.ones_(module.query_norm_weight)
         elif isinstance(module, MoE):
             D, I = module.w_gate.shape[2], module.w_gate.shape[1]
-            init.normal_(module.w_gate, std=1 / math.sqrt(D))
-            init.normal_(module.w_up, std=1 / math.sqrt(D))
-            init.normal_(module.w_down, std=1 / math.sqrt(I))
-            init.zeros_(module.expert_bias)
+            hf_init.normal_(module.w_gate, std=1 / math.sqrt(D))
+            hf_init.normal_(module.w_up, std=1 / math.sqrt(D))
+            hf_init.normal_(module.w_down, std=1 / math.sqrt(I))
+            hf_init.zeros_(module.expert_bias)
         elif isinstance(module, HyperConnection):
-            init.normal_(module.phi.weight, std=1.0 / math.sqrt(module.phi.in_features))
-            init.constant_(module.alpha, module.alpha_init)
-            init.copy_(module.bias, module.initial_bias())
+            hf_init.normal_(module.phi.weight, std=1.0 / math.sqrt(module.phi.in_features))
+            hf_init.constant_(module.alpha, module.alpha_init)
+            hf_init.copy_(module.bias, module.initial_bias())
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

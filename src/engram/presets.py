@@ -3,6 +3,7 @@ training settings, in one registry (`PRESETS`) that the CLI, the trainer and the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,9 +96,23 @@ def get_preset(name: str, trainable: bool = True) -> Preset:
     return PRESETS[name]
 
 
-def train_config(name: str) -> TrainConfig:
-    """Training hyper-parameters of a preset (`TrainConfig`)."""
-    return get_preset(name).train
+def train_config(name: str, overrides: dict | None = None, max_steps: int | None = None,
+                 world: int = 1) -> TrainConfig:
+    """The validated training settings of a run: preset `name`'s, then `overrides`, then `max_steps`.
+
+    `world` > 1 also checks what data-parallel runs need (the batch divides over the ranks).
+    """
+    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown:
+        raise ConfigError(f"unknown training settings {sorted(unknown)}")
+    tcfg = dataclasses.replace(get_preset(name).train, **(overrides or {}))
+    if max_steps is not None:
+        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
+    tcfg.validate()
+    if world > 1 and tcfg.batch_size % world:
+        raise ConfigError(f"batch_size {tcfg.batch_size} does not divide by --nproc {world}; "
+                          f"use --set batch_size=N with N a multiple of {world}")
+    return tcfg
 
 
 def _engram_param_count(cfg) -> int:

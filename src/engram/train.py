@@ -155,26 +155,6 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
 
 
 # ------------------------------------------------------------------------------------ the run
-def train_config(preset: str, overrides: dict | None = None, max_steps: int | None = None,
-                 world: int = 1) -> TrainConfig:
-    """The validated training settings of a run: the preset's, then `overrides`, then `max_steps`.
-
-    `world` > 1 also checks what data-parallel runs need (batch divisible, tables shardable).
-    """
-    base = presets.train_config(preset)
-    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
-    if unknown:
-        raise ConfigError(f"unknown training settings {sorted(unknown)}")
-    tcfg = dataclasses.replace(base, **(overrides or {}))
-    if max_steps is not None:
-        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
-    tcfg.validate()
-    if world > 1 and tcfg.batch_size % world:
-        raise ConfigError(f"batch_size {tcfg.batch_size} does not divide by --nproc {world}; "
-                          f"use --set batch_size=N with N a multiple of {world}")
-    return tcfg
-
-
 @dataclass
 class Run:
     """Everything one training run holds between its units (build, restore, step, evaluate, checkpoint, finish)."""
@@ -229,7 +209,7 @@ def build(preset: str, data, out, max_steps, use_engram: bool, baseline, resume:
           progress: bool, model_overrides) -> Run:
     """Settings, data, run dir, model (tables placed, parallelized) and optimizers of a run."""
     ddp = DistContext(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    tcfg = train_config(preset, overrides, max_steps, world=ddp.world)
+    tcfg = presets.train_config(preset, overrides, max_steps, world=ddp.world)
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
     manifest = load_manifest(data_dir)
     run_json = {"preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
