@@ -1,4 +1,8 @@
-"""The Engram module: hashed n-gram lookup -> context gate per branch -> short conv.
+"""The Engram module: `(hidden (B, T, G, D), rows (B, T, H, d)) -> (delta, gate)`, and the layer's table.
+
+`Engram` is math over retrieved rows (context gate per branch, short conv); `MultiHeadEmbedding`
+turns per-head hash ids into rows through the layer's table (`engram.tables.base.Table`). This file
+imports no storage, distribution, data or training code (tests/test_architecture.py).
 
 Shapes: B batch, T tokens, G = hc_mult residual branches (streams), D = backbone hidden,
 H = (N-1)*K heads, d = per-head row width, E = H*d = (N-1)*n_embed_per_ngram.
@@ -8,8 +12,8 @@ Same math as the reference `engram_demo_v1.py`, arranged for speed:
     `Linear(E, (G+1)*D)` (weights stored as `kv_proj`, rows `[value; key_0; ...; key_{G-1}]`);
   * per-branch RMSNorms are one normalization with a `(G, D)` weight;
   * the dilated depthwise causal conv is K shifted multiply-adds in (B, T, C) layout;
-  * the table is an `nn.Embedding(sparse=True)`: backward yields the looked-up rows and their
-    gradients (a sparse COO tensor), never a dense gradient of the whole table.
+  * the default table is an `nn.Embedding(sparse=True)`: backward yields the looked-up rows and
+    their gradients (a sparse COO tensor), never a dense gradient of the whole table.
 `Engram.load_reference_state_dict` accepts the reference's parameter names.
 """
 
