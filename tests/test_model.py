@@ -99,7 +99,7 @@ def test_history_is_kept_while_engram_is_off_and_for_ids_hashed_ahead():
         hashes = {k: v[:, -1:] for k, v in m.model.mapping.hash(ids[:, :7]).items()}
         m(ids[:, 6:7], past_key_values=cache, use_cache=True, hash_ids=hashes)
         assert torch.equal(cache.ngram_history, ids[:, 5:7])
-        got, _ = m.engram_inputs(ids[:, 7:9], cache)  # the next step's n-grams reach back into those ids
+        got, _ = m.engram_inputs(ids[:, 7:9], cache.ngram_history)  # the next step's n-grams reach back into those ids
     want = m.model.mapping.hash(ids)
     assert all(torch.equal(got[k], want[k][:, 7:9]) for k in want)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed.parallel import DistContext
 from .distributed.sharded import ShardedTable, load_sharded, save_sharded
 from .memory import is_table_key
 from .optim import TableAdam
@@ -203,8 +204,8 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
 
     sd = load_file(str(path / "model.safetensors"))
     dense = {k: v for k, v in sd.items() if not is_table_key(k)}
-    missing, unexpected = (ddp.load_dense_state_dict(model, dense) if ddp is not None
-                           else model.load_state_dict(dense, strict=False))
+    ddp = ddp or DistContext(torch.device("cpu"))
+    missing, unexpected = ddp.load_dense_state_dict(model, dense)
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -212,11 +213,7 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
     missing = [k for k in missing if not is_table_key(k) and k not in tied_loaded]
     if missing or unexpected:  # (tied weights are stored once: another name of the same parameter is loaded)
         raise CheckpointError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    dense_osd = _optim_state("dense", tensors, state["optim"])
-    if ddp is not None:
-        ddp.load_optim_state_dict(model, opts["dense"], dense_osd)
-    else:
-        opts["dense"].load_state_dict(dense_osd)
+    ddp.load_optim_state_dict(model, opts["dense"], _optim_state("dense", tensors, state["optim"]))
     if isinstance(opts.get("tables"), TableAdam):
         if "tables" not in state["optim"]:
             raise CheckpointError(f"{path} has no table optimizer state for memory-mapped table shards")

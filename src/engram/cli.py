@@ -77,7 +77,8 @@ def cmd_hash(args) -> int:
     ids = np.array([ids], dtype=np.int64).reshape(1, -1)
     comp = mapping.compressed_tokenizer(ids)[0]
     hashes = mapping.hash(ids)
-    print(_bos_note(None if args.no_bos or bos_id(tok) is None else bos_id(tok)[1], args.no_bos).strip())
+    prepended = None if args.no_bos else bos_id(tok)
+    print(_bos_note(prepended[1] if prepended else None, args.no_bos).strip())
     print(f"{'pos':>3}  {'token':<16} {'id':>7} {'comp':>7}")
     for t, (tokstr, i, c) in enumerate(zip(tokens, ids[0], comp)):
         print(f"{t:>3}  {tokstr!r:<16} {i:>7} {c:>7}")

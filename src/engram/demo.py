@@ -80,7 +80,7 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
     torch.manual_seed(seed)
     tok = load_tokenizer(engram_cfg.tokenizer_name_or_path)
     ids, tokens = encode(tok, text, bos=bos)
-    bos_token = bos_id(tok)[1] if bos and bos_id(tok) is not None else None
+    prepended = bos_id(tok) if bos else None  # (id, token) of the BOS put first, or None
     if not ids:
         raise ValueError("--text is empty after tokenization; give some text")
     input_ids = torch.tensor([ids], dtype=torch.long)
@@ -113,7 +113,7 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
             logits, gates, hash_ids = out.logits, out.gates, model.model.mapping.hash(input_ids)
     t2 = time.perf_counter()
     return {
-        "mock_blocks": mock_blocks, "blocks": blocks, "tokens": tokens, "bos_token": bos_token,
+        "mock_blocks": mock_blocks, "blocks": blocks, "tokens": tokens, "bos_token": prepended[1] if prepended else None,
         "input_shape": list(input_ids.shape), "output_shape": list(logits.shape),
         "layers": {lid: {"hash_shape": list(hash_ids[lid].shape), "gate_min": float(gates[lid].min()),
                          "gate_max": float(gates[lid].max()), "gate_mean": float(gates[lid].mean())}

@@ -414,14 +414,14 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             self.model.engram_scale = old
 
-    def engram_inputs(self, input_ids: torch.Tensor, cache=None) -> tuple[dict | None, dict | None]:
+    def engram_inputs(self, input_ids: torch.Tensor, history: torch.Tensor | None = None
+                      ) -> tuple[dict | None, dict | None]:
         """(hash_ids, engram_rows) for this forward: hashed here, or prefetched when a Prefetcher is attached.
 
         With a cache, the n-grams of the new tokens reach back into the ids of earlier calls:
-        `EngramCache` keeps the last N-1 of them.
+        `history` holds them (`EngramCache` keeps the last N-1; `_advance_history` reads them).
         """
         mapping = self.model.mapping
-        history = self._advance_history(input_ids, cache)
         if mapping is None or self.model.engram_scale == 0:
             return None, None
         if self.prefetcher is not None:
@@ -465,10 +465,9 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if engram_scale is not None:
             self.model.engram_scale = engram_scale
         try:
+            history = self._advance_history(input_ids, past_key_values)  # also when the inputs came computed ahead
             if hash_ids is None and engram_rows is None:
-                hash_ids, engram_rows = self.engram_inputs(input_ids, past_key_values)
-            else:  # computed ahead by the caller: the cache still keeps the ids for the next call
-                self._advance_history(input_ids, past_key_values)
+                hash_ids, engram_rows = self.engram_inputs(input_ids, history)
             h = self.model(input_ids, past_key_values, gates, hash_ids, engram_rows)
         finally:
             self.model.engram_scale = old

@@ -113,10 +113,6 @@ class ShardedTable(torch.nn.Module, Table):
     def trainable(self) -> bool:  # trained by TableAdam (rows in a local table) rather than through `weight`
         return self.local_table is not None and self.local_table.trainable
 
-    @trainable.setter
-    def trainable(self, value: bool) -> None:
-        pass  # decided by the local table
-
     def local_rows(self) -> torch.Tensor:
         """This rank's rows (hi - lo, dim): the parameter, or the local table's storage."""
         return self.local_table.weight if self.local_table is not None else self.weight.detach()

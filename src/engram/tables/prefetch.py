@@ -40,9 +40,6 @@ class PendingRows:
             return rows.tensor
         return rows
 
-    def result(self) -> torch.Tensor:  # concurrent.futures spelling
-        return self.wait()
-
 
 class Prefetcher:
     def __init__(self, model, device: torch.device | str | None = None):
