@@ -56,6 +56,8 @@ def test_spec_writes_manifest(tmp_path, tiny_config):
         (["demo", "--config", "{cfg}"], "{oops", "not valid JSON"),
         (["hash", "x", "--config", "{cfg}"], {"engram": {"layer_ids": [99]}}, "outside [0, 30)"),
         (["demo", "--config", "/nonexistent/engram_config.json"], None, "config file not found"),
+        (["demo", "--text", "", "--mock-blocks", "--config", "{cfg}"], {"backbone": {"hidden_size": 32, "num_layers": 2},
+          "engram": {"layer_ids": [1], "engram_vocab_size": [1009, 1013]}}, "--text is empty after tokenization"),
         (["spec", "--out", "x.json", "--config", "{cfg}"], {"engram": {"tokenizer_name_or_path": "/no/such/dir"}},
          "tokenizer not found"),
     ],

@@ -113,6 +113,14 @@ def test_beam_search_reorders_the_ngram_history():
         assert torch.equal(m.generate(ids, **kw), m.generate(ids, use_cache=False, **kw))
 
 
+def test_missing_per_layer_inputs_are_named():
+    m = make().eval()
+    ids = torch.randint(0, 1000, (1, 5))
+    for kw in ({"engram_rows": {}}, {"hash_ids": {7: torch.zeros(1, 5, 4, dtype=torch.long)}}):
+        with pytest.raises(ValueError, match="no entry for Engram layer 1"):
+            m(ids, **kw)
+
+
 def test_gates_come_back_in_the_output_field():
     m = make().eval()
     with torch.no_grad():

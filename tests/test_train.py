@@ -396,6 +396,7 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path):
         (("eval", "--checkpoint", "nowhere"), "no model here"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"), "unknown training setting"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "3"), "does not divide"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "0"), "at least 1"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "lr=abc"), "expected a float"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"), "needs table_backend"),
     ]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .api import ApiError, chat, crosscheck, load_settings
-from .config import BackBoneConfig, EngramConfig, TrainConfig, load_config
+from .config import BackBoneConfig, ConfigError, EngramConfig, TrainConfig, load_config
 from .data import load_manifest, load_sources, prepare, split_documents
 from .hashing import get_hash_mapping
 from .presets import PRESETS, TRAIN_PRESETS, train_config
@@ -100,6 +100,8 @@ def cmd_spec(args) -> int:
 
 # ------------------------------------------------------------------------------------------ training
 def cmd_train(args) -> int:
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     overrides = TrainConfig.parse_overrides(args.set or [])
     if args.table_backend:
         overrides["table_backend"] = args.table_backend

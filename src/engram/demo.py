@@ -81,7 +81,7 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
     tok = load_tokenizer(engram_cfg.tokenizer_name_or_path)
     ids, tokens = encode(tok, text, bos=bos)
     prepended = bos_id(tok) if bos else None  # (id, token) of the BOS put first, or None
-    if not ids:
+    if len(ids) == (1 if prepended else 0):  # nothing but the BOS token
         raise ValueError("--text is empty after tokenization; give some text")
     input_ids = torch.tensor([ids], dtype=torch.long)
     if not mock_blocks:

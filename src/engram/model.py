@@ -287,11 +287,15 @@ class EngramModel(nn.Module):
         """Layer `layer`'s Engram rows (B, T, H, d), or None when it has no Engram or Engram is switched off."""
         if layer.engram is None or self.engram_scale == 0:
             return None
-        if engram_rows is not None:
-            return wait_rows(engram_rows[layer.idx])
-        if hash_ids is None:
+        given, name = (engram_rows, "engram_rows") if engram_rows is not None else (hash_ids, "hash_ids")
+        if given is None:
             raise ValueError("EngramModel needs hash_ids or engram_rows for its Engram layers "
                              "(EngramForCausalLM.forward computes them from input_ids)")
+        if layer.idx not in given:
+            raise ValueError(f"{name} has no entry for Engram layer {layer.idx} (it has {sorted(given)}); give one "
+                             "per Engram layer, as NgramHashMapping.hash / Prefetcher.submit return")
+        if engram_rows is not None:
+            return wait_rows(engram_rows[layer.idx])
         return layer.engram.multi_head_embedding(hash_ids[layer.idx])
 
     def forward(self, input_ids, cache=None, gates: dict | None = None, hash_ids: dict | None = None,
