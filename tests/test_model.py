@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import engram  # noqa: E402,F401  (registers the Auto classes)
 from engram import ConfigError, presets  # noqa: E402
 from engram.hyper import HyperConnection  # noqa: E402
+from engram.memory import ShortConv  # noqa: E402
 from engram.model import CACHE_FIELD, EngramForCausalLM, MoE, update_expert_bias  # noqa: E402
 
 
@@ -45,9 +46,18 @@ def test_tiny_overfits_one_batch(kw):
     assert loss.item() < 0.3 * first
 
 
+def trained_conv(m):
+    """Give every Engram short conv non-zero taps (as training does), so decoding must carry the conv's state."""
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, ShortConv):
+                mod.conv.weight.normal_(0, 0.5)
+    return m
+
+
 @pytest.mark.parametrize("kw", [{}, {"hc_mult": 1}, {"ffn": "moe", "n_routed_experts": 4}])
 def test_incremental_decoding_matches_full_forward(kw):
-    m = make(**kw).eval()
+    m = trained_conv(make(**kw)).eval()
     ids = torch.randint(0, 1000, (2, 12))
     with torch.no_grad():
         full = m(ids).logits
@@ -60,7 +70,7 @@ def test_incremental_decoding_matches_full_forward(kw):
 
 
 def test_generate_uses_cache_and_matches_greedy_recompute():
-    m = make().eval()
+    m = trained_conv(make()).eval()
     ids = torch.randint(0, 1000, (1, 6))
     gen = m.generate(ids, max_new_tokens=6, do_sample=False)
     seq = ids
@@ -106,7 +116,7 @@ def test_history_is_kept_while_engram_is_off_and_for_ids_hashed_ahead():
 
 def test_beam_search_reorders_the_ngram_history():
     """Beam search with the cache (history reordered with the beams) equals beam search recomputing everything."""
-    m = make().eval()
+    m = trained_conv(make()).eval()
     ids = torch.randint(0, 1000, (2, 5))
     kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=2)
     with torch.no_grad():

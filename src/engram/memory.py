@@ -177,7 +177,17 @@ class ShortConv(nn.Module):
             nn.init.zeros_(self.conv.weight)
         nn.init.ones_(self.norm_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def lookback(self) -> int:
+        """How many earlier positions an output reads: (K-1) * dilation (what incremental decoding keeps)."""
+        return (self.kernel_size - 1) * self.dilation
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, G, D) -> (B, T, G, D); `history` (B, S, G, D): the inputs of the S positions before x
+        (incremental decoding), read by the taps instead of zeros. Same values as one call over both."""
+        if history is not None and history.shape[1]:
+            S = history.shape[1]
+            return self.forward(torch.cat([history.to(x.dtype), x], dim=1))[:, S:]
         B, T, G, D = x.shape
         xn = (x * _rstd(x, self.norm_eps)).mul_(self.norm_weight).view(B, T, G * D)  # RMSNorm per branch -> (B, T, C)
         w = self.conv.weight.squeeze(1).t()  # (K, C); tap K-1 is the current token
@@ -234,7 +244,12 @@ class Engram(nn.Module):
         if engram_cfg.freeze_table:
             self.multi_head_embedding.embedding.weight.requires_grad_(False)
 
-    def forward(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, rows: torch.Tensor, state: dict | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`state`: this layer's incremental-decoding dict (a KV cache keeps one per layer, see
+        `engram.model.NgramHistory`): the short conv reads the gated values of the positions decoded
+        before (`state["conv"]`, (B, <= lookback, G, D)) and leaves this call's there. None: the call
+        stands alone (training, a full forward)."""
         B, T, G, D = hidden_states.shape
         if G != self.hc_mult or D != self.hidden_size:
             raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
@@ -263,7 +278,13 @@ class Engram(nn.Module):
         if not self.use_short_conv:  # ablation: no short conv
             return v, gate
         # 5. delta = v + ShortConv(v)                                               (B, T, G, D)
-        return self.short_conv(v).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
+        past = None
+        if state is not None:  # decoding: the conv's taps reach back into positions of earlier calls
+            past = state.get("conv")
+            keep = self.short_conv.lookback
+            tail = v if past is None else torch.cat([past, v], dim=1)
+            state["conv"] = tail[:, max(0, tail.shape[1] - keep):].detach()
+        return self.short_conv(v, past).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
 
     @torch.no_grad()
     def load_reference_state_dict(self, sd: dict) -> None:

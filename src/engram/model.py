@@ -247,7 +247,8 @@ class Block(nn.Module):
     def forward(self, x, pos, cache=None, rows=None, engram_scale: float = 1.0, gates: dict | None = None):
         # x: (B, T, n, C); rows: this block's Engram rows (B, T, H, d), None when it has no Engram or it is off
         if rows is not None:
-            delta, g = self.engram(x, rows)  # (B, T, n, C), (B, T, n)
+            state = cache.engram_state(self.idx) if isinstance(cache, NgramHistory) else None
+            delta, g = self.engram(x, rows, state)  # (B, T, n, C), (B, T, n)
             x = x + (delta if engram_scale == 1 else engram_scale * delta)
             if gates is not None:
                 gates[self.idx] = g.detach()
@@ -309,39 +310,69 @@ class EngramModel(nn.Module):
         return self.norm(x.mean(dim=2))  # (B, T, C)
 
 
-class EngramCache(DynamicCache):
-    """The KV cache plus the last N-1 token ids, which Engram needs to hash the next token's n-grams.
+class NgramHistory:
+    """What Engram needs in a KV cache besides keys and values to decode token by token (a mixin for a
+    transformers `Cache`): the last N-1 token ids (the next token's n-grams reach back into them) and,
+    per Engram layer, the short conv's inputs at the last (K-1)*dilation positions (`engram_state`).
 
-    `generate()` creates one; pass one yourself (`past_key_values=EngramCache()`) for manual decoding.
-    Beam search reorders the id history with the keys and values.
+    Beam search and batch edits reorder both with the keys and values. `with_ngram_history(cache)`
+    gives a plain `DynamicCache` (e.g. one `generate()` made) these fields in place.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ngram_history: torch.Tensor | None = None  # (B, <= N-1) int64
+    ngram_history: torch.Tensor | None = None  # (B, <= N-1) int64
 
     def push_ngram_history(self, input_ids: torch.Tensor, keep: int) -> None:
         ctx = input_ids if self.ngram_history is None else torch.cat([self.ngram_history, input_ids], dim=1)
         self.ngram_history = ctx[:, -keep:] if keep > 0 else ctx[:, :0]
 
+    def engram_state(self, layer_id: int) -> dict:
+        """Engram layer `layer_id`'s incremental-decoding state (see `Engram.forward`)."""
+        return self.__dict__.setdefault("_engram_states", {}).setdefault(int(layer_id), {})
+
+    def _map_engram(self, fn) -> None:
+        if self.ngram_history is not None:
+            self.ngram_history = fn(self.ngram_history)
+        for st in self.__dict__.get("_engram_states", {}).values():
+            for k, t in st.items():
+                st[k] = fn(t)
+
     def reset(self):
         super().reset()
         self.ngram_history = None
+        self.__dict__.pop("_engram_states", None)
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
-        if self.ngram_history is not None:
-            self.ngram_history = self.ngram_history.index_select(0, beam_idx.to(self.ngram_history.device))
+        self._map_engram(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        if self.ngram_history is not None:
-            self.ngram_history = self.ngram_history.repeat_interleave(repeats, dim=0)
+        self._map_engram(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
-        if self.ngram_history is not None:
-            self.ngram_history = self.ngram_history[indices]
+        self._map_engram(lambda t: t[indices])
+
+
+class EngramCache(NgramHistory, DynamicCache):
+    """The KV cache plus Engram's decoding state (`NgramHistory`).
+
+    `generate()` creates one; pass one yourself (`past_key_values=EngramCache()`) for manual decoding.
+    """
+
+
+_HISTORY_CLASSES: dict[type, type] = {}
+
+
+def with_ngram_history(cache):
+    """Give a transformers cache Engram's decoding state in place (its class gains `NgramHistory`); returns it."""
+    if isinstance(cache, NgramHistory):
+        return cache
+    cls = type(cache)
+    if cls not in _HISTORY_CLASSES:
+        _HISTORY_CLASSES[cls] = type(f"Engram{cls.__name__}", (NgramHistory, cls), {"__module__": __name__})
+    cache.__class__ = _HISTORY_CLASSES[cls]
+    return cache
 
 
 @dataclass
@@ -439,11 +470,11 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
             return None
         history = None
         if cache.get_seq_length() > 0:
-            if not isinstance(cache, EngramCache):
+            if not isinstance(cache, NgramHistory):
                 raise ValueError(f"decoding with a {type(cache).__name__} loses the token ids Engram hashes; pass "
                                  "past_key_values=engram.model.EngramCache() (generate() creates one)")
             history = cache.ngram_history
-        if isinstance(cache, EngramCache):
+        if isinstance(cache, NgramHistory):
             cache.push_ngram_history(input_ids, self.model.mapping.max_ngram_size - 1)
         return history
 
