@@ -11,14 +11,19 @@ from .tokenizer import CompressedTokenizer, TokenizerError
 __version__ = "0.1.0"
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
+_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")
 
 
 def __getattr__(name):
-    """Lazy access to the Hugging Face classes (importing transformers costs ~2 s)."""
+    """Lazy access to the Hugging Face classes and the adapter API (importing transformers costs ~2 s)."""
     if name in _HF_NAMES:
         from . import model
 
         return getattr(model, name)
+    if name in _ADAPTER_NAMES:
+        from . import adapter
+
+        return getattr(adapter, name)
     raise AttributeError(f"module 'engram' has no attribute {name!r}")
 
 

@@ -211,7 +211,7 @@ class NgramHashMapping:
                 pos = _first_bad(bad)
                 raise HashInputError(
                     f"token id {int(arr[pos])} at position {pos} is outside [0, {self.tokenizer_len}) for this "
-                    f"tokenizer ({self.compressed_tokenizer.tokenizer_file.name}); "
+                    f"tokenizer ({getattr(self.compressed_tokenizer.tokenizer_file, 'name', 'in memory')}); "
                     + ("negative ids are not allowed: pad with the pad id instead" if arr[pos] < 0
                        else "was the text tokenized with a different tokenizer?")
                 )
@@ -331,7 +331,7 @@ class NgramHashMapping:
         ct = self.compressed_tokenizer
         d = {
             "format": SPEC_FORMAT,
-            "tokenizer_file": ct.tokenizer_file.name,
+            "tokenizer_file": ct.tokenizer_file.name if ct.tokenizer_file is not None else "tokenizer.json",
             "tokenizer_sha256": ct.tokenizer_sha256,
             "tokenizer_len": self.tokenizer_len,
             "compressed_vocab_size": self.tokenizer_vocab_size,

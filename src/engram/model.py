@@ -336,10 +336,14 @@ class NgramHistory:
             for k, t in st.items():
                 st[k] = fn(t)
 
-    def reset(self):
-        super().reset()
+    def clear_engram(self) -> None:
+        """Forget the id history and conv states (the keys and values are the caller's)."""
         self.ngram_history = None
         self.__dict__.pop("_engram_states", None)
+
+    def reset(self):
+        super().reset()
+        self.clear_engram()
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)

@@ -61,6 +61,20 @@ def resolve_tokenizer_file(tokenizer_name_or_path: str | os.PathLike | None) -> 
     return p
 
 
+def as_tokenizer_object(tok):
+    """The `tokenizers.Tokenizer` behind `tok` (itself, or a transformers fast tokenizer's backend), or None
+    for a name or path. A transformers slow (Python) tokenizer is refused: compression needs the fast one."""
+    if tok is None or isinstance(tok, (str, os.PathLike)):
+        return None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return backend
+    if hasattr(tok, "to_str") and hasattr(tok, "get_vocab_size"):
+        return tok
+    raise TokenizerError(f"cannot use a {type(tok).__name__} as the tokenizer: pass a tokenizer.json path, its "
+                         "folder, a tokenizers.Tokenizer or a transformers *fast* tokenizer (use_fast=True)")
+
+
 def load_tokenizer(tokenizer_name_or_path=None):
     """Load a `tokenizers.Tokenizer` from a name or path (see `resolve_tokenizer_file`)."""
     from tokenizers import Tokenizer
@@ -157,10 +171,17 @@ class CompressedTokenizer:
     >>> ct(np.array([[1, 2, 3]]))           # same shape, compressed ids
     """
 
-    def __init__(self, tokenizer_name_or_path: str | os.PathLike | None = None, use_cache: bool = True):
-        self.tokenizer_file = resolve_tokenizer_file(tokenizer_name_or_path)
-        self.tokenizer = load_tokenizer(self.tokenizer_file)
-        self.tokenizer_sha256 = sha256_file(self.tokenizer_file)
+    def __init__(self, tokenizer_name_or_path=None, use_cache: bool = True):
+        """`tokenizer_name_or_path`: a `tokenizer.json` path or its folder (see `resolve_tokenizer_file`), or a
+        loaded tokenizer (`tokenizers.Tokenizer`, or a transformers fast tokenizer: its `backend_tokenizer`)."""
+        obj = as_tokenizer_object(tokenizer_name_or_path)
+        if obj is not None:  # identified by the sha256 of its JSON serialization
+            self.tokenizer_file, self.tokenizer = None, obj
+            self.tokenizer_sha256 = sha256_bytes(obj.to_str().encode("utf-8"))
+        else:
+            self.tokenizer_file = resolve_tokenizer_file(tokenizer_name_or_path)
+            self.tokenizer = load_tokenizer(self.tokenizer_file)
+            self.tokenizer_sha256 = sha256_file(self.tokenizer_file)
         n = self.tokenizer.get_vocab_size(with_added_tokens=True)
         cache = cache_dir() / f"lookup-{self.tokenizer_sha256[:32]}.npz"
         table = _load_cached(cache, n) if use_cache else None

@@ -59,6 +59,14 @@ class Prefetcher:
         model.prefetcher = pf
         return pf
 
+    @staticmethod
+    def detach(model) -> None:
+        """Stop prefetching for `model` (its forwards hash and gather inline again)."""
+        pf = getattr(model, "prefetcher", None)
+        if pf is not None:
+            pf.close()
+            model.prefetcher = None
+
     def submit(self, input_ids: torch.Tensor, history: torch.Tensor | None = None) -> dict[int, PendingRows]:
         """Start hashing and gathering for all Engram layers; one pending value per layer, in layer order.
 

@@ -1,0 +1,212 @@
+"""Engram adapters on tiny random Llama, Qwen3 and GPT-2 models (engram.adapter)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import engram  # noqa: E402
+from engram.adapter import AdapterError, adapter_of, freeze_base  # noqa: E402
+from engram.optim import build_optimizers  # noqa: E402
+from engram.tokenizer import train_bpe  # noqa: E402
+
+KINDS = ["llama", "qwen3", "gpt2"]
+OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
+    return train_bpe(text, 400, tmp_path_factory.mktemp("tok") / "tokenizer.json", progress=False)
+
+
+def make(kind, seed=0, hidden=32, vocab=400):
+    torch.manual_seed(seed)
+    # initializer_range 0.3: a random frozen lm_head with HF's 0.02 can barely move the logits whatever the hidden
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                            **common)).eval()
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            max_position_embeddings=128, **common)).eval()
+    return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=2, n_head=4, n_positions=128, **common)).eval()
+
+
+def perturb(model, scale=0.3):
+    """Stand-in for a trained adapter: every Engram weight (value rows, conv taps) moved off its init."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in adapter_of(model).parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attach_is_exact_and_detach_gives_the_base_back(kind, tok):
+    m = make(kind)
+    ids = torch.randint(0, 400, (2, 12))
+    base, keys = logits(m, ids), set(m.state_dict())
+    assert engram.attach(m, [0, 1], tokenizer=tok, **OPTS) is m
+    assert torch.equal(logits(m, ids), base)  # bit for bit: the value rows start at zero
+    perturb(m)
+    assert not torch.equal(logits(m, ids), base)  # the adapter is live
+    engram.detach(m)
+    assert torch.equal(logits(m, ids), base) and set(m.state_dict()) == keys and adapter_of(m) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_falls_with_the_base_frozen_and_unchanged(kind, tok):
+    m = engram.attach(make(kind), [1], tokenizer=tok, **OPTS).train()
+    freeze_base(m)
+    before = {k: v.clone() for k, v in m.state_dict().items() if "engram_adapter" not in k}
+    opts = build_optimizers(m, lr=1e-2, weight_decay=0.0)
+    ids = torch.randint(0, 400, (4, 16))
+    losses = []
+    for _ in range(40):
+        loss = m(input_ids=ids, labels=ids).loss
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts.values():
+            o.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert "tables" in opts  # the rows trained by the lazy row optimizer
+    after = m.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip_is_identical(kind, tok, tmp_path):
+    m = perturb(engram.attach(make(kind), [1], tokenizer=tok, **OPTS))
+    ids = torch.randint(0, 400, (2, 10))
+    want = logits(m, ids)
+    engram.save_adapter(m, tmp_path / "a")
+    names = {f.name for f in (tmp_path / "a").iterdir()}
+    assert names == {"engram_adapter.json", "engram_adapter.safetensors", "engram_hash_spec.json", "tokenizer.json"}
+    m2 = engram.load_adapter(make(kind), tmp_path / "a")
+    assert torch.equal(logits(m2, ids), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_generate_equals_greedy_recompute(kind, tok):
+    m = perturb(engram.attach(make(kind), [0, 1], tokenizer=tok, **OPTS))
+    ids = torch.randint(2, 400, (2, 5))
+    gen = m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
+    seq = ids
+    for _ in range(8):
+        seq = torch.cat([seq, logits(m, seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(gen, seq)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mmap_backend_and_prefetcher_are_identical(kind, tok, tmp_path):
+    from engram.tables import offload_tables
+    from engram.tables.prefetch import Prefetcher
+
+    m = perturb(engram.attach(make(kind), [1], tokenizer=tok, **OPTS))
+    ids = torch.randint(0, 400, (2, 10))
+    want = logits(m, ids)
+    offload_tables(m, "mmap", tmp_path)
+    assert m.engram_adapter.layers["1"].multi_head_embedding.table is not None
+    assert torch.equal(logits(m, ids), want)
+    Prefetcher.attach(m)
+    assert torch.equal(logits(m, ids), want)
+    engram.save_adapter(m, tmp_path / "a")  # the rows stream out of the file
+    engram.detach(m)
+    assert torch.equal(logits(engram.load_adapter(make(kind), tmp_path / "a"), ids), want)
+
+
+def test_lora_and_engram_train_together_and_round_trip(tok, tmp_path):
+    pytest.importorskip("peft")
+    m = engram.attach(make("llama"), [1], tokenizer=tok, **OPTS).train()
+    pm = engram.adapter.add_lora(m, rank=4)
+    names = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in names) and any("engram_adapter" in n for n in names)
+    opts = build_optimizers(pm, lr=1e-2, weight_decay=0.0)
+    ids = torch.randint(0, 400, (4, 16))
+    for _ in range(5):
+        loss = pm(input_ids=ids, labels=ids).loss
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts.values():
+            o.step()
+    pm.eval()
+    want = logits(pm, ids)
+    engram.save_adapter(pm, tmp_path / "a")
+    assert (tmp_path / "a" / "lora" / "adapter_config.json").is_file()
+    loaded = engram.load_adapter(make("llama"), tmp_path / "a").eval()
+    assert torch.equal(logits(loaded, ids), want)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+class OddLM(torch.nn.Module):
+    """A causal LM whose layers sit where no convention looks (`stack`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(400, 32)
+        self.stack = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        for layer in self.stack:
+            h = h + layer(h)
+        return h @ self.emb.weight.t()
+
+
+def _untouched(m, ids, base):
+    assert adapter_of(m) is None and torch.equal(logits(m, ids), base)
+    assert not any(mod._forward_pre_hooks for mod in m.modules())
+
+
+def test_bad_input_is_one_clear_error_and_modifies_nothing(tok, tmp_path):
+    m = make("llama")
+    ids = torch.randint(0, 400, (1, 6))
+    base = logits(m, ids)
+    with pytest.raises(AdapterError, match=r"out of range: model.layers has 2 layers \(0..1\)"):
+        engram.attach(m, [0, 2], tokenizer=tok, **OPTS)
+    _untouched(m, ids, base)
+    with pytest.raises(AdapterError, match="not the model's tokenizer"):
+        engram.attach(make("llama", vocab=2000), [0], tokenizer=tok, **OPTS)
+    odd = OddLM()
+    with pytest.raises(AdapterError, match="no decoder layer list found.*layers_path="):
+        engram.attach(odd, [0], tokenizer=tok, **OPTS)
+    assert adapter_of(odd) is None
+    engram.attach(odd, [1], tokenizer=tok, layers_path="stack", **OPTS)  # pointed at the list: works
+    assert odd(torch.randint(0, 400, (1, 5))).shape == (1, 5, 400)
+    with pytest.raises(AdapterError, match="unknown Engram option"):
+        engram.attach(m, [0], tokenizer=tok, n_heads=3)
+    _untouched(m, ids, base)
+    engram.attach(m, [0], tokenizer=tok, **OPTS)
+    with pytest.raises(AdapterError, match="already has an Engram adapter"):
+        engram.attach(m, [1], tokenizer=tok, **OPTS)
+    with pytest.raises(AdapterError, match="input_ids"):
+        m(inputs_embeds=torch.zeros(1, 3, 32))
+    engram.save_adapter(m, tmp_path / "a")
+    engram.detach(m)
+    for other, why in ((make("llama", seed=5), "embedding weights differ"), (make("llama", hidden=64), "hidden_size"),
+                       (make("qwen3"), "model_type")):
+        o_base = logits(other, ids)
+        with pytest.raises(AdapterError, match=f"saved for another base model: .*{why}"):
+            engram.load_adapter(other, tmp_path / "a")
+        _untouched(other, ids, o_base)
+    (tmp_path / "a" / "engram_adapter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(AdapterError, match="corrupt"):
+        engram.load_adapter(make("llama"), tmp_path / "a")
+    with pytest.raises(AdapterError, match="no Engram adapter here"):
+        engram.load_adapter(make("llama"), tmp_path)
