@@ -408,9 +408,9 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target
         raise AdapterError("LoRA needs peft: pip install 'engram[peft]'") from None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"LoRA rank must be a positive integer, got {rank!r}")
+    extra = {"exclude_modules": r".*engram_adapter.*"} if target_modules is not None else {}  # (e.g. "all-linear")
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
-                     target_modules=target_modules, task_type="CAUSAL_LM",
-                     exclude_modules=r".*engram_adapter.*")
+                     target_modules=target_modules, task_type="CAUSAL_LM", **extra)
     pm = get_peft_model(model, cfg)
     for n, p in pm.named_parameters():  # PEFT freezes everything but LoRA: the Engram adapter trains too
         if "engram_adapter" in n:

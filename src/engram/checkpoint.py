@@ -82,14 +82,15 @@ def durable_tables(model) -> dict:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: dict, keep: int = 2,
-                    ddp=None) -> Path:
+                    ddp=None, only_trainable: bool = False) -> Path:
     """Write checkpoint `step` into a temp folder and rename it into place.
 
     Tables that keep their own rows (`durable_tables`) are flushed before the checkpoint is
     committed and start their undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
     with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
     to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
-    dense weights and optimizer, so the checkpoint loads at any world size.
+    dense weights and optimizer, so the checkpoint loads at any world size. `only_trainable`: the weights
+    file holds only the parameters that train (an adapter run: not the frozen base).
     """
     sharded = ddp is not None and ddp.world > 1
     main = ddp is None or ddp.is_main
@@ -116,7 +117,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         ddp.barrier()
     if main:
         dense = (dense_sd, dense_osd) if sharded else None
-        _commit(tmp, final, step, model, opts, batcher_state, dense, param_shards, durable)
+        _commit(tmp, final, step, model, opts, batcher_state, dense, param_shards, durable, only_trainable)
         for old in sorted(ckdir.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if sharded:
@@ -126,8 +127,12 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     return final
 
 
+def _trainable_state(model) -> dict:
+    return _dedup({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+
+
 def _commit(tmp: Path, final: Path, step: int, model, opts: dict, batcher_state: dict, dense, param_shards: list,
-            durable: dict) -> None:
+            durable: dict, only_trainable: bool = False) -> None:
     """Rank 0: write weights, optimizer and RNG into `tmp`, hash every file into state.json, rename to `final`.
 
     `dense` is (dense weights, dense optimizer state) gathered from a sharded run, or None (one process).
@@ -140,6 +145,9 @@ def _commit(tmp: Path, final: Path, step: int, model, opts: dict, batcher_state:
         if isinstance(opts.get("tables"), TableAdam):  # file-backed shards: step counts (equal on all ranks)
             osds["tables"] = opts["tables"].state_dict()
         tensors, meta = _optim_tensors(osds)
+    elif only_trainable:
+        save_file(_trainable_state(model), str(tmp / "model.safetensors"))
+        tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
     else:
         save_model(model, str(tmp / "model.safetensors"))
         tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
@@ -176,14 +184,21 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, model, opts: dict, ddp=None) -> dict:
+def load_checkpoint(path: Path, model, opts: dict, ddp=None, only_trainable: bool = False) -> dict:
     """Restore model, optimizers and RNG from a verified checkpoint (either layout, any world size)."""
     from safetensors.torch import load_file, load_model
 
     state = read_checkpoint(path)
     try:
         tensors = load_file(str(path / "optim.safetensors"))
-        if "sharded_tables" not in state and not any(isinstance(m.table, ShardedTable) for _, m in find_tables(model)):
+        if only_trainable:  # the trained parameters only: the rest (a frozen base) comes from where it was loaded
+            sd, want = load_file(str(path / "model.safetensors")), set(_trainable_state(model))
+            if set(sd) != want:
+                raise CheckpointError(f"{path / 'model.safetensors'} holds other parameters than this run trains: "
+                                      f"missing {sorted(want - set(sd))[:3]}, unexpected {sorted(set(sd) - want)[:3]}")
+            model.load_state_dict(sd, strict=False)
+            _load_optim(opts, tensors, state["optim"])
+        elif "sharded_tables" not in state and not any(isinstance(m.table, ShardedTable) for _, m in find_tables(model)):
             load_model(model, str(path / "model.safetensors"))
             _load_optim(opts, tensors, state["optim"])
         else:

@@ -127,13 +127,61 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _load_for_inference(args):
+    """(model, tokenizer) from --checkpoint (an engram model) or --base [--adapter] (a transformers model)."""
+    if args.base:
+        if args.checkpoint:
+            raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
+        from .adapt import load_with_adapter
+
+        return load_with_adapter(args.base, args.adapter)
+    if args.adapter:
+        raise ValueError("--adapter needs --base DIR (the pretrained model it was trained on)")
+    if not args.checkpoint:
+        raise ValueError("give --checkpoint RUN_DIR (an engram model) or --base DIR [--adapter DIR]")
+    from .model import load_model
+
+    return load_model(args.checkpoint)
+
+
+def cmd_adapt(args) -> int:
+    from .adapt import adapt
+
+    overrides = TrainConfig.parse_overrides(args.set or [])
+    if args.table_backend:
+        overrides["table_backend"] = args.table_backend
+    options = _engram_options(args.engram or [])
+    summary = adapt(args.base, data=args.data, out=args.out, method=args.method, layers=args.layers,
+                    lora_rank=args.lora_rank, unfreeze=args.unfreeze, engram_options=options,
+                    max_steps=args.max_steps, overrides=overrides, resume=args.resume, device=args.device)
+    if summary.get("interrupted"):
+        return 130
+    print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
+          f"adapter in {summary['final']}")
+    return 0
+
+
+def _engram_options(items: list[str]) -> dict:
+    """--engram KEY=VALUE (EngramConfig fields, JSON values: 3, [1009,1013], true) -> dict."""
+    out = {}
+    fields = set(EngramConfig.__dataclass_fields__) - {"layer_ids", "tokenizer_name_or_path"}
+    for kv in items:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError(f"--engram {kv}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def cmd_eval(args) -> int:
     import math
 
-    from .model import load_model
     from .train import evaluate_text
 
-    model, tok = load_model(args.checkpoint)
+    model, tok = _load_for_inference(args)
     loss, n_tokens, n_windows = evaluate_text(model, tok, args.data, args.split, args.seq_len, args.max_windows,
                                               args.batch_size)
     print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
@@ -144,9 +192,7 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from .model import load_model
-
-    model, tok = load_model(args.checkpoint)
+    model, tok = _load_for_inference(args)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
@@ -154,8 +200,17 @@ def cmd_sample(args) -> int:
     greedy = args.temperature <= 0
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not greedy,
                          temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
-                         pad_token_id=model.config.pad_token_id)
+                         pad_token_id=_pad_id(model))
     print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def _pad_id(model) -> int:
+    cfg = model.config
+    for v in (cfg.pad_token_id, getattr(cfg, "eos_token_id", None), 0):
+        v = v[0] if isinstance(v, list) and v else v
+        if isinstance(v, int):
+            return v
     return 0
 
 
@@ -311,8 +366,27 @@ def _training_commands(sub) -> None:
     t.add_argument("--table-cache-mb", type=float, help="mmap: hot-row cache size in MB (default 0)")
     t.set_defaults(func=cmd_train)
 
+    ad = sub.add_parser("adapt", help="train an Engram memory adapter (and/or LoRA) on a pretrained transformers model")
+    ad.add_argument("--base", required=True, help="save_pretrained folder of the base model, with its tokenizer.json")
+    ad.add_argument("--data", action="append", help="corpus to adapt to (as engram train; default Shakespeare)")
+    ad.add_argument("--out", required=True, help="run directory (adapter in OUT/final)")
+    ad.add_argument("--method", default="engram", choices=["engram", "lora", "lora+engram", "full"])
+    ad.add_argument("--layers", help="decoder layers to put Engram in front of, e.g. 1,3 (default 1)")
+    ad.add_argument("--lora-rank", type=int, help="add LoRA of this rank on the base (needs engram[peft])")
+    ad.add_argument("--unfreeze", action="append", metavar="MODULE", help="also train this base module (e.g. lm_head)")
+    ad.add_argument("--engram", action="append", metavar="KEY=VALUE",
+                    help="Engram option, e.g. engram_vocab_size=[20011,20011] n_head_per_ngram=4")
+    ad.add_argument("--max-steps", type=int)
+    ad.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
+    ad.add_argument("--device", help="cpu | cuda (default: cuda if available)")
+    ad.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
+    ad.add_argument("--table-backend", choices=["param", "mmap"], help="where the Engram tables live while training")
+    ad.set_defaults(func=cmd_adapt)
+
     e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
-    e.add_argument("--checkpoint", required=True, help="run dir or save_pretrained folder")
+    e.add_argument("--checkpoint", help="run dir or save_pretrained folder of an engram model")
+    e.add_argument("--base", help="a pretrained transformers model folder (with --adapter: plus that adapter)")
+    e.add_argument("--adapter", help="Engram adapter folder (or LoRA folder, or an `engram adapt` run dir)")
     e.add_argument("--data", action="append")
     e.add_argument("--split", default="val", choices=["train", "val", "test"])
     e.add_argument("--seq-len", type=int, default=256)
@@ -321,7 +395,9 @@ def _training_commands(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
     sm = sub.add_parser("sample", help="generate text from a checkpoint")
-    sm.add_argument("--checkpoint", required=True)
+    sm.add_argument("--checkpoint", help="run dir or save_pretrained folder of an engram model")
+    sm.add_argument("--base", help="a pretrained transformers model folder (with --adapter: plus that adapter)")
+    sm.add_argument("--adapter", help="Engram adapter folder (or LoRA folder, or an `engram adapt` run dir)")
     sm.add_argument("--prompt", required=True)
     sm.add_argument("--max-new-tokens", type=int, default=60)
     sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")

@@ -175,6 +175,9 @@ class Run:
     n_params: int = 0
     n_table: int = 0
     progress: bool = True
+    only_trainable: bool = False  # checkpoints hold the trainable parameters only (adapters: the base is frozen)
+    write_final: object = None  # model -> final folder; None: save_final (an EngramForCausalLM)
+    counts: dict = None  # adapter runs: parameter counts (engram.adapter.trainable_summary)
 
     @property
     def metrics_path(self) -> Path:
@@ -268,7 +271,7 @@ def restore(run: Run) -> int:
         raise CheckpointError(f"--resume: no checkpoints under {run.run_dir / 'checkpoints'}")
     for i, ck in enumerate(cks):
         try:
-            st = load_checkpoint(ck, run.model, run.opts, run.ddp)
+            st = load_checkpoint(ck, run.model, run.opts, run.ddp, only_trainable=run.only_trainable)
             break
         except CheckpointError as e:
             if i + 1 == len(cks):
@@ -313,8 +316,8 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
     for o in run.opts.values():
         for g in o.param_groups:
             g["lr"] = g["base_lr"] * mult
-    with run.autocast():
-        loss = run.step_model(ids, labels=ids, hash_ids=hashes).loss
+    with run.autocast():  # (no hash ids: the model hashes in its forward, as an attached adapter does)
+        loss = run.step_model(ids, labels=ids, **({"hash_ids": hashes} if hashes else {})).loss
     for o in run.opts.values():
         o.zero_grad(set_to_none=True)
     loss.backward()
@@ -328,7 +331,7 @@ def train_step(run: Run, step: int) -> tuple[float, int]:
 
 def save(run: Run, step: int) -> None:
     save_checkpoint(run.run_dir, step, run.model, run.opts, run.batcher.consumed_state(), run.tcfg.keep_checkpoints,
-                    ddp=run.ddp)
+                    ddp=run.ddp, only_trainable=run.only_trainable)
 
 
 def loop(run: Run, step: int, stop_after: int | None) -> tuple[int, str, float, float | None]:
@@ -396,10 +399,12 @@ def finish(run: Run, step: int, ended: str, last_loss: float, last_val: float | 
         print(f"interrupted at step {step}; checkpoint saved in {run.run_dir / 'checkpoints'}; continue with --resume")
         return {"interrupted": True, "step": step, "run_dir": str(run.run_dir)}
     plot = _plot(run.run_dir)
-    final = save_final(model, run.run_dir, run.manifest)
+    final = run.write_final(model) if run.write_final else save_final(model, run.run_dir, run.manifest)
     summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run.run_dir),
                "final": str(final), "plot": str(plot) if plot else None, "params": run.n_params,
-               "table_params": run.n_table, "world_size": run.ddp.world}
+               "table_params": run.n_table, "world_size": run.ddp.world, "peak_rss_mib": peak_rss_mib()}
+    if run.ddp.device.type == "cuda":
+        summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(run.ddp.device) / 2**20
     if table_stats:
         summary["table_cache"] = table_stats
     atomic_write_bytes(run.run_dir / "summary.json", json.dumps(summary, indent=1).encode())
@@ -424,6 +429,15 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     if step == 0:
         log_start(run)
     return finish(run, *loop(run, step, stop_after))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 class _StopRequest:

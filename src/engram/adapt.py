@@ -1,0 +1,246 @@
+"""`engram adapt`: teach a pretrained transformers causal LM a new corpus with an Engram memory adapter.
+
+    engram adapt --base DIR --data PATH --out RUN [--layers 1,3] [--lora-rank 8] [--method engram]
+
+Methods (what trains; the base model is loaded from DIR, a `save_pretrained` folder with its
+`tokenizer.json`):
+    engram        Engram layers attached in front of `--layers` (`engram.attach`), base frozen: the tables
+                  with the lazy row optimizer (LR x table_lr_mult, no decay), the rest of Engram with AdamW.
+    lora          LoRA on the base (PEFT, `engram[peft]`), no Engram.
+    lora+engram   both.
+    full          full fine-tuning of every base weight, no Engram (the reference point).
+`--unfreeze NAME` also trains base modules (e.g. lm_head); they are saved with the adapter.
+
+The run directory works as `engram train`'s (`train.py`): metrics.jsonl, progress bar, evaluation,
+checkpoints (trainable parameters only: the base is read from DIR again on `--resume`), Ctrl-C then
+`--resume`. RUN/final/ holds the adapter (`engram.save_adapter`: Engram weights, LoRA in `lora/`),
+a PEFT folder for `lora`, or a full `save_pretrained` model for `full`; load it with
+`engram eval --base DIR --adapter RUN/final`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, checkpoints, durable_tables
+from .config import ConfigError, TrainConfig
+from .data import Batcher, eval_windows, load_manifest, load_split, prepare
+from .distributed.parallel import DistContext
+from .utils import atomic_write_bytes
+
+METHODS = ("engram", "lora", "lora+engram", "full")
+# Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
+ADAPT_TRAIN = TrainConfig(tokenizer="base", seq_len=256, batch_size=8, max_steps=500, lr=1e-3, warmup_steps=30,
+                          weight_decay=0.0, eval_max_windows=64, ckpt_every=100)
+
+
+def load_base(base: str | os.PathLike, device=None):
+    """(model, tokenizer.json path) of a `save_pretrained` folder holding a causal LM and its tokenizer.json."""
+    from transformers import AutoModelForCausalLM
+
+    d = Path(base)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"--base {base}: no model here (expected a save_pretrained folder with config.json)")
+    tok = d / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"--base {base}: no tokenizer.json beside the model (Engram hashes with the base "
+                                "model's own tokenizer; save it there with tokenizer.save_pretrained)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--base {base}: could not load the model: {str(e).splitlines()[0]}") from None
+    return model.to(device or "cpu"), tok
+
+
+def load_with_adapter(base, adapter=None, device=None):
+    """(model in eval mode, `tokenizers` tokenizer): the base, with the adapter in `adapter` when given (an
+    Engram adapter folder, a PEFT LoRA folder, or a run dir whose final/ holds either)."""
+    from .adapter import CONFIG_FILE, load_adapter
+    from .tokenizer import load_tokenizer
+
+    model, tok_file = load_base(base, device)
+    if adapter is not None:
+        a = Path(adapter)
+        if (a / "final").is_dir():
+            a = a / "final"
+        if (a / CONFIG_FILE).is_file():
+            model = load_adapter(model, a)
+        elif (a / "adapter_config.json").is_file():
+            try:
+                from peft import PeftModel
+            except ImportError:
+                raise ImportError(f"{a} is a LoRA adapter: pip install 'engram[peft]'") from None
+            model = PeftModel.from_pretrained(model, str(a))
+        else:
+            raise FileNotFoundError(f"--adapter {adapter}: no adapter here (expected engram_adapter.json or a PEFT "
+                                    "adapter_config.json, or a run dir with final/)")
+    return model.eval(), load_tokenizer(tok_file)
+
+
+def _layers(spec, n_layers: int) -> list[int]:
+    """--layers "1,3" -> [1, 3]; None: the second layer (as the paper's first Engram block), or 0 for 1 layer."""
+    if spec is None or spec == "":
+        return [min(1, n_layers - 1)]
+    if isinstance(spec, (list, tuple)):
+        return [int(x) for x in spec]
+    try:
+        return [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--layers {spec}: expected comma-separated layer indices, e.g. 1,3") from None
+
+
+def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
+    from .adapter import save_adapter
+
+    final, tmp = run_dir / "final", run_dir / ".final.tmp"
+    if method in ("engram", "lora+engram"):
+        return save_adapter(model, final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
+    if method == "full":
+        shutil.copy(tok_file, tmp / "tokenizer.json")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def build(base, data, out, method: str = "engram", layers=None, lora_rank: int | None = None,
+          unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
+          overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True):
+    """Settings, data, run dir, model (adapter attached / LoRA / unfrozen) and optimizers of an adapt run."""
+    from . import adapter as ad
+    from .optim import build_optimizers, split_params
+    from .tables import offload_tables, table_file
+    from .train import Run
+
+    if method not in METHODS:
+        raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if "lora" in method and not lora_rank:
+        lora_rank = 8
+    if lora_rank and "lora" not in method:
+        method = "lora+engram" if method == "engram" else method
+        if method == "full":
+            raise ConfigError("--lora-rank with --method full: full fine-tuning trains every weight already")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ConfigError("engram adapt runs in one process (use --device cuda for a GPU)")
+    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown:
+        raise ConfigError(f"unknown training settings {sorted(unknown)}")
+    tcfg = dataclasses.replace(ADAPT_TRAIN, **(overrides or {}))
+    if max_steps is not None:
+        tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
+    tcfg.validate()
+    ddp = DistContext(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    model, tok_file = load_base(base, ddp.device)
+    layer_ids = _layers(layers, len(ad.find_layers(model)[1])) if "engram" in method else []
+    torch.manual_seed(tcfg.seed)
+    if "engram" in method:
+        ad.attach(model, layer_ids, tokenizer=tok_file, **(engram_options or {}))
+    if method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        ad.freeze_base(model)
+        if unfreeze:
+            if "engram" not in method:
+                raise ConfigError("--unfreeze needs an Engram adapter (its modules are saved with it)")
+            ad.unfreeze(model, unfreeze)
+    if lora_rank:
+        model = ad.add_lora(model, rank=lora_rank)
+    data_dir = prepare(data, str(tok_file.resolve()), progress=progress)
+    manifest = load_manifest(data_dir)
+    tcfg = dataclasses.replace(tcfg, tokenizer=str(tok_file.resolve()))
+    run_json = {"kind": "adapt", "base": str(Path(base).resolve()), "method": method, "layers": layer_ids,
+                "lora_rank": lora_rank, "unfreeze": list(unfreeze or []), "engram_options": engram_options or {},
+                "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
+    run_dir = Path(out)
+    _check_run_dir(run_dir, run_json, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
+
+    model.train()
+    run = Run(tcfg, run_dir, manifest, data_dir, None, ddp, progress=progress, only_trainable=method != "full")
+    run.model = run.step_model = model
+    counts = ad.trainable_summary(model)
+    run.n_params, run.n_table = counts["total"], counts["engram_table"]
+    run.counts = counts
+    if tcfg.table_backend == "mmap" and "engram" in method:
+        table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
+        if resume and not all(table_file(table_dir, i).is_file() for i in layer_ids):
+            raise CheckpointError(f"--resume: table files missing under {table_dir}")
+        offload_tables(model, "mmap", table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20), trainable=True,
+                       overwrite=not resume)
+    run.tables = durable_tables(model)
+    if not resume:
+        for table in run.tables.values():
+            table.commit(0)
+    run.opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
+    run.dense_params = [p for _, p in split_params(model)[0]]
+    run.batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
+    run.val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
+    run.write_final = lambda m: _write_final(m, run_dir, method, tok_file)
+    return run
+
+
+def _check_run_dir(run_dir: Path, run_json: dict, resume: bool) -> None:
+    keys = ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options")
+    if resume and (run_dir / "run.json").is_file():
+        prev = json.loads((run_dir / "run.json").read_text())
+        diff = [k for k in keys if prev.get(k) != run_json[k]]
+        if prev.get("kind") != "adapt" or diff:
+            raise ConfigError(f"--resume: {run_dir} was started with other settings ({', '.join(diff) or 'not adapt'}): "
+                              + ", ".join(f"{k}={prev.get(k)}" for k in diff) + "; use the same flags")
+        if prev["train"].get("table_backend") != run_json["train"]["table_backend"]:
+            raise ConfigError(f"--resume: {run_dir} used table_backend={prev['train'].get('table_backend')}")
+    elif not resume and checkpoints(run_dir):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+
+
+def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None, lora_rank: int | None = None,
+          unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
+          overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True,
+          stop_after: int | None = None, extra_eval: dict | None = None) -> dict:
+    """Train an adapter on `data` (default: Shakespeare) for the model in `base`; returns a summary dict.
+
+    `extra_eval` {name: data sources}: after training, also report the validation loss on those corpora
+    (the retrofit experiment measures forgetting on the base's own corpus this way).
+    """
+    from .train import finish, log_start, loop, restore
+
+    run = build(base, data, out, method, layers, lora_rank, unfreeze, engram_options, max_steps, overrides, resume,
+                device, progress)
+    step = restore(run) if resume else 0
+    c = run.counts
+    if run.progress:
+        print(f"adapt ({json.loads((run.run_dir / 'run.json').read_text())['method']}): "
+              f"{c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in Engram tables, "
+              f"{c['engram_dense'] / 1e6:.3f}M Engram dense, {c['base_trainable'] / 1e6:.3f}M base) of "
+              f"{c['total'] / 1e6:.2f}M; train {run.manifest['splits']['train']['tokens']:,} tokens, "
+              f"device {run.ddp.device}")
+    if step == 0:
+        log_start(run)
+    summary = finish(run, *loop(run, step, stop_after))
+    if "final" in summary:
+        summary["trainable"] = c
+        if extra_eval:
+            summary["extra_eval"] = {name: evaluate_on(run.model, srcs, run.tcfg) for name, srcs in extra_eval.items()}
+        atomic_write_bytes(run.run_dir / "summary.json", json.dumps(summary, indent=1).encode())
+    return summary
+
+
+def evaluate_on(model, sources, tcfg: TrainConfig) -> float:
+    """Validation loss of `model` on the val split of `sources`, tokenized with the run's tokenizer."""
+    from .train import evaluate
+
+    d = prepare(sources, tcfg.tokenizer, progress=False)
+    windows = eval_windows(load_split(d, "val"), tcfg.seq_len, tcfg.eval_max_windows)
+    dev = next(model.parameters()).device
+    return evaluate(model, windows, tcfg.batch_size, dev)
