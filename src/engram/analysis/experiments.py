@@ -14,6 +14,9 @@ Experiments:
                and single-branch vs per-stream gating (both with 4 mHC streams).
   sensitivity  suppress Engram at inference in the trained iso/engram models; loss increase on
                tokens completing frequent train n-grams vs all other tokens.
+  retrofit     a small pretrained Llama adapted to Python code (networkx): full fine-tuning vs LoRA
+               vs Engram adapter vs LoRA + Engram; domain loss, forgetting, parameters, step time,
+               memory (`analysis/retrofit.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ..presets import get_preset
 from ..train import train
 from ..utils import atomic_write_bytes
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -71,6 +74,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default") -> dict:
+    if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
+        from .retrofit import run
+
+        return run(out, seeds, max_steps, progress=progress)
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
