@@ -150,6 +150,22 @@ def test_lora_and_engram_train_together_and_round_trip(tok, tmp_path):
     assert torch.equal(logits(loaded, ids), want)
 
 
+def test_unfrozen_base_modules_are_saved_with_the_adapter(tok, tmp_path):
+    m = engram.attach(make("llama"), [1], tokenizer=tok, **OPTS)
+    freeze_base(m)
+    assert engram.adapter.unfreeze(m, ["lm_head", "norm"]) == ["model.norm", "lm_head"]
+    assert m.lm_head.weight.requires_grad and not m.model.embed_tokens.weight.requires_grad
+    with torch.no_grad():
+        m.lm_head.weight.mul_(1.5)  # stands in for training it
+    ids = torch.randint(0, 400, (1, 8))
+    want = logits(m, ids)
+    engram.save_adapter(m, tmp_path / "a")
+    assert (tmp_path / "a" / "base_modules.safetensors").is_file()
+    assert torch.equal(logits(engram.load_adapter(make("llama"), tmp_path / "a"), ids), want)
+    with pytest.raises(AdapterError, match="no base module named"):
+        engram.adapter.unfreeze(m, ["nope"])
+
+
 # ------------------------------------------------------------------------------------------ bad input
 class OddLM(torch.nn.Module):
     """A causal LM whose layers sit where no convention looks (`stack`)."""
@@ -210,3 +226,31 @@ def test_bad_input_is_one_clear_error_and_modifies_nothing(tok, tmp_path):
         engram.load_adapter(make("llama"), tmp_path / "a")
     with pytest.raises(AdapterError, match="no Engram adapter here"):
         engram.load_adapter(make("llama"), tmp_path)
+
+
+def _sharded_worker(rank, world, port, tok, kind):
+    import os
+
+    import torch.distributed as dist
+
+    from engram.distributed.parallel import DistContext
+    from engram.distributed.sharded import ShardedTable
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+    try:
+        m = perturb(engram.attach(make(kind), [0, 1], tokenizer=tok, **OPTS))
+        ids = torch.randint(0, 400, (2, 9), generator=torch.Generator().manual_seed(rank))
+        want = logits(m, ids)
+        step_model = DistContext(torch.device("cpu")).parallelize(m)  # tables row-sharded over the 2 ranks
+        assert all(isinstance(t.table, ShardedTable) for t in adapter_of(m).modules() if hasattr(t, "table"))
+        with torch.no_grad():
+            got = step_model(input_ids=ids).logits
+        assert torch.equal(got, want), (rank, (got - want).abs().max())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_sharded_tables_are_identical(tok, free_port):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_worker, args=(2, free_port(), str(tok), "qwen3"), nprocs=2, join=True)
