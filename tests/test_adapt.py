@@ -36,6 +36,15 @@ def base(tmp_path_factory):
     return root / "base", corpus
 
 
+def cli(capsys, *args):
+    """`engram ARGS` in this process (the subprocess path is covered once below): (exit code, stdout, stderr)."""
+    from engram.cli import main
+
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def _losses(run):
     return [json.loads(l)["train_loss"] for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
@@ -59,21 +68,20 @@ def test_interrupted_adapt_resumes_exactly(base, tmp_path, backend):
         assert all("engram_adapter" in k for k in f.keys())
 
 
-def test_adapter_run_loads_for_eval_and_sample(base, tmp_path):
+def test_adapter_run_loads_for_eval_and_sample(base, tmp_path, capsys):
     model_dir, corpus = base
     s = adapt(model_dir, data=[str(corpus)], out=tmp_path / "r", max_steps=8, overrides=TINY, engram_options=ENGRAM,
               progress=False)
-    r = run_cli("eval", "--base", str(model_dir), "--adapter", str(tmp_path / "r"), "--data", str(corpus),
-                "--seq-len", "32", "--max-windows", "4")
-    assert r.returncode == 0, r.stderr
-    assert f"val loss {s['val_loss']:.4f}" in r.stdout  # the same windows give the same loss as in training
+    code, out, err = cli(capsys, "eval", "--base", model_dir, "--adapter", tmp_path / "r", "--data", corpus,
+                         "--seq-len", "32", "--max-windows", "4")
+    assert code == 0 and f"val loss {s['val_loss']:.4f}" in out, err  # the same windows give the training loss
     r = run_cli("sample", "--base", str(model_dir), "--adapter", str(tmp_path / "r" / "final"), "--prompt", "def f1",
                 "--max-new-tokens", "5", "--temperature", "0")
     assert r.returncode == 0 and r.stdout.startswith("def f1"), r.stderr
 
 
 @pytest.mark.parametrize("method", ["lora", "lora+engram", "full"])
-def test_other_methods_train_and_load(base, tmp_path, method):
+def test_other_methods_train_and_load(base, tmp_path, method, capsys):
     if "lora" in method:
         pytest.importorskip("peft")
     model_dir, corpus = base
@@ -87,18 +95,21 @@ def test_other_methods_train_and_load(base, tmp_path, method):
         args = ["--base", str(tmp_path / "r" / "final")]
     else:
         args = ["--base", str(model_dir), "--adapter", str(tmp_path / "r")]
-    r = run_cli("eval", *args, "--data", str(corpus), "--seq-len", "32", "--max-windows", "4")
-    assert r.returncode == 0 and f"val loss {s['val_loss']:.4f}" in r.stdout, r.stderr
+    code, out, err = cli(capsys, "eval", *args, "--data", corpus, "--seq-len", "32", "--max-windows", "4")
+    assert code == 0 and f"val loss {s['val_loss']:.4f}" in out, err
 
 
-def test_adapt_bad_input_is_one_line(base, tmp_path):
+def test_adapt_bad_input_is_one_line(base, tmp_path, capsys):
     model_dir, corpus = base
+    r = run_cli("adapt", "--base", str(tmp_path), "--out", str(tmp_path / "o"), "--data", str(corpus))
+    assert r.returncode == 2 and "no model here" in r.stderr and "Traceback" not in r.stderr, r.stderr
     for args, msg in (
         (["--base", str(tmp_path), "--out", str(tmp_path / "o")], "no model here"),
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--layers", "7"], "out of range"),
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--engram", "bogus=1"], "--engram bogus=1"),
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--method", "full", "--lora-rank", "4"], "full"),
     ):
-        r = run_cli("adapt", *args, "--data", str(corpus), "--max-steps", "2")
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+        code, _, err = cli(capsys, "adapt", *args, "--data", corpus, "--max-steps", "2")
+        errors = [line for line in err.splitlines() if line.startswith("engram: error:")]
+        assert code == 2 and len(errors) == 1 and msg in errors[0] and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()  # refused before the run directory was made

@@ -316,7 +316,9 @@ class NgramHistory:
     per Engram layer, the short conv's inputs at the last (K-1)*dilation positions (`engram_state`).
 
     Beam search and batch edits reorder both with the keys and values. `with_ngram_history(cache)`
-    gives a plain `DynamicCache` (e.g. one `generate()` made) these fields in place.
+    gives a plain `DynamicCache` (e.g. one `generate()` made) these fields in place. Steps decoded
+    with Engram switched off (`engram_scale=0`) keep their ids but leave no conv inputs: a later
+    step with Engram on reads the conv inputs of the last step that ran it.
     """
 
     ngram_history: torch.Tensor | None = None  # (B, <= N-1) int64
