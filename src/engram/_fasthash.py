@@ -21,24 +21,34 @@ def _build():
     from numba import njit, prange
 
     @njit(parallel=True, cache=True, boundscheck=False)
-    def kernel(x, pad, mult, p, c, inv, out):  # pragma: no cover - compiled
-        # x (B, T) compressed ids; mult (L, N) int64; p, c, inv (L, O, H) float64; out (L, B, T, O*H)
+    def kernel(x, pad, seg, use_seg, big, mult, p, c, inv, out):  # pragma: no cover - compiled
+        # x (B, T) ids; seg (B, T): first position of each token's document (use_seg: tokens before it read
+        # `pad`, as positions before the sequence do); mult (L, N) int64; p, c, inv (L, O, H) float64;
+        # big: some p > 2^21, so hi is reduced mod p first; out (L, B, T, O*H)
         B, T = x.shape
         L, N = mult.shape
         H = p.shape[2]
         for bt in prange(B * T):
             b = bt // T
             t = bt - b * T
+            start = seg[b, t] if use_seg else 0
             for l in range(L):
                 mix = x[b, t] * mult[l, 0]
                 for k in range(1, N):
-                    tok = x[b, t - k] if t - k >= 0 else pad
+                    tok = x[b, t - k] if t - k >= start else pad
                     mix = mix ^ (tok * mult[l, k])  # wrapping int64, as numpy/torch
                     hi = np.float64(mix >> 32)
                     lo = np.float64(mix & 0xFFFFFFFF)
                     for h in range(H):
                         pv = p[l, k - 1, h]
-                        v = hi * c[l, k - 1, h] + lo  # exact integer < 2^53
+                        hr = hi
+                        if big:  # hi mod p first (|hi| < 2^31): then hr * c + lo < 2^52 + 2^32 for p <= 2^26
+                            hr = hi - np.floor(hi * inv[l, k - 1, h]) * pv
+                            if hr < 0:
+                                hr += pv
+                            elif hr >= pv:
+                                hr -= pv
+                        v = hr * c[l, k - 1, h] + lo  # exact integer < 2^53
                         q = np.floor(v * inv[l, k - 1, h])  # may be off by one: fixed below
                         r = v - q * pv
                         if r < 0:
@@ -51,7 +61,7 @@ def _build():
 
 
 _kernels = LazyKernels(_build)
-MAX_PRIME = 1 << 21  # above this, hi * (2^32 mod p) + lo may exceed 2^53: the caller uses the torch path
+MAX_PRIME = 1 << 26  # above 2^21 hi is reduced mod p first; above 2^26 the reduced product may exceed 2^53
 
 
 def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -60,8 +70,18 @@ def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     return p, ((1 << 32) % primes).astype(np.float64), 1.0 / p
 
 
-def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray) -> None:
-    """Fill `out` (L, B, T, O*H) with per-head rows; `consts` from `kernel_constants` (primes <= MAX_PRIME)."""
+_NO_SEG = np.zeros((1, 1), dtype=np.int64)
+
+
+def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray,
+              seg: np.ndarray | None = None) -> None:
+    """Fill `out` (L, B, T, O*H) with per-head rows; `consts` from `kernel_constants` (primes <= MAX_PRIME).
+
+    `seg` (B, T): where each token's document starts (n-grams do not reach across it), or None.
+    """
     p, c, inv = consts
+    big = bool(p.max() > (1 << 21))
+    s = _NO_SEG if seg is None else np.ascontiguousarray(seg, dtype=np.int64)
     with _lock:
-        _kernels.get()(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), mult, p, c, inv, out)
+        _kernels.get()(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), s, seg is not None, big, mult, p, c,
+                       inv, out)

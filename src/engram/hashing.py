@@ -93,6 +93,73 @@ def _first_bad(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
+def splitmix64(value: int) -> int:
+    """SplitMix64's output function on a 64-bit state advanced by one step (what qwen4_exp seeds with)."""
+    m = (1 << 64) - 1
+    value = (value + _GAMMA) & m
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & m
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & m
+    return (value ^ (value >> 31)) & m
+
+
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def splitmix_multipliers(vocab_size: int, ngram_size: int, index: int, seed: int) -> np.ndarray:
+    """qwen4_exp's odd multipliers of PLE layer `index`: `2 * (splitmix64(base + GAMMA*(k+1)) mod half) + 1`."""
+    half = max(1, (np.iinfo(np.int64).max // max(vocab_size, 1)) // 2)
+    base = seed + PRIME_1 * index
+    return np.array([2 * (splitmix64((base + _GAMMA * (k + 1)) & ((1 << 64) - 1)) % half) + 1
+                     for k in range(ngram_size)], dtype=np.int64)
+
+
+def consecutive_primes(start: int, count: int) -> list[int]:
+    """The `count` primes above `start`, in order."""
+    from sympy import nextprime
+
+    out, p = [], start
+    for _ in range(count):
+        p = int(nextprime(p))
+        out.append(p)
+    return out
+
+
+def document_starts(ids: np.ndarray, reset_id: int) -> np.ndarray:
+    """(B, T) int64: the first position of each token's document, a document ending at each `reset_id` (inclusive)."""
+    B, T = ids.shape
+    pos = np.arange(T, dtype=np.int64)
+    eos = np.where(ids == reset_id, pos, -1)
+    last = np.maximum.accumulate(eos, axis=1) if T else eos
+    return np.concatenate([np.full((B, 1), -1, dtype=np.int64), last[:, :-1]], axis=1)[:, :T] + 1
+
+
+class RawIds:
+    """The identity "compression" of families that hash raw token ids (qwen4_exp): ids in [0, vocab_size)."""
+
+    tokenizer_file = None
+    tokenizer_sha256 = None
+
+    def __init__(self, vocab_size: int):
+        self.lookup_table = np.arange(vocab_size, dtype=np.int64)
+        self.num_new_token = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.lookup_table)
+
+    @property
+    def lookup_sha256(self) -> str:
+        from .utils import sha256_bytes
+
+        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+
+    def __len__(self) -> int:
+        return self.num_new_token
+
+    def __call__(self, input_ids):
+        return np.asarray(input_ids, dtype=np.int64).copy()
+
+
 class NgramHashMapping:
     """The reference's `NgramHashMapping`, same constructor and attributes, vectorized `hash`.
 
@@ -149,8 +216,53 @@ class NgramHashMapping:
         if backend not in ("auto", "numba", "torch"):
             raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         self.backend = backend
+        self.family, self.reset_id = "deepseek", None
         self._device_cache: dict[Any, tuple] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def qwen4_exp(cls, vocab_size: int, ngram_size: int, heads_per_ngram: int, ple_layer_ids, ngram_vocab_size_base: int,
+                  seed: int, eos_token_id: int, backend: str = "auto") -> "NgramHashMapping":
+        """The `qwen4_exp` family (Qwen3.8-Flash-Next's n-gram tables; `engram.integrations.qwen4_exp` builds it
+        from a model config): raw token ids (no compression); per PLE layer (index i in `ple_layer_ids`)
+        multipliers `2 * (splitmix64(seed + 10007 * i + GAMMA * (k + 1)) mod half_bound) + 1`; head h of layer
+        i takes the (i * H + h + 1)-th prime above `ngram_vocab_size_base - 1` (consecutive primes shared by all
+        orders and layers); positions before the sequence or across an EOS (each document hashes as if it
+        started fresh) read the EOS id. `hash()` is keyed by the (1-indexed) `ple_layer_ids`.
+        """
+        for name, v in (("vocab_size", vocab_size), ("ngram_size", ngram_size), ("heads_per_ngram", heads_per_ngram),
+                        ("ngram_vocab_size_base", ngram_vocab_size_base)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "ngram_size" else 1):
+                raise ConfigError(f"qwen4_exp hashing: {name} must be a positive integer, got {v!r}")
+        if not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size:
+            raise ConfigError(f"qwen4_exp hashing needs the EOS id in [0, {vocab_size}), got {eos_token_id!r}")
+        if not ple_layer_ids:
+            raise ConfigError("qwen4_exp hashing: ple_layer_ids is empty (the model has no n-gram table)")
+        self = cls.__new__(cls)
+        self.family, self.reset_id = "qwen4_exp", int(eos_token_id)
+        self.max_ngram_size, self.n_head_per_ngram = int(ngram_size), int(heads_per_ngram)
+        self.n_embed_per_ngram, self.vocab_size_per_ngram = None, None
+        self.prime_base = int(ngram_vocab_size_base)
+        self.layer_ids = [int(i) for i in ple_layer_ids]
+        self.seed = int(seed)
+        self.compressed_tokenizer = RawIds(vocab_size)
+        self.compress, self.hash_mode = False, "ngram"
+        self.tokenizer_len = self.tokenizer_vocab_size = int(vocab_size)
+        self.raw_pad_id = self.pad_id = int(eos_token_id)
+        H = (self.max_ngram_size - 1) * self.n_head_per_ngram
+        primes = consecutive_primes(self.prime_base - 1, H * len(self.layer_ids))
+        self.layer_multipliers, self.vocab_size_across_layers = {}, {}
+        for i, lid in enumerate(self.layer_ids):
+            self.layer_multipliers[lid] = splitmix_multipliers(vocab_size, self.max_ngram_size, i, self.seed)
+            heads = primes[i * H:(i + 1) * H]
+            self.vocab_size_across_layers[lid] = [heads[o * self.n_head_per_ngram:(o + 1) * self.n_head_per_ngram]
+                                                  for o in range(self.max_ngram_size - 1)]
+        self.max_prime = max(primes)
+        if backend not in ("auto", "numba", "torch"):
+            raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        self.backend = backend
+        self._device_cache, self._lock = {}, threading.Lock()
+        return self
 
     @classmethod
     def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
@@ -258,7 +370,8 @@ class NgramHashMapping:
         B, T = input_ids.shape
         x = self.compressed_tokenizer.lookup_table[input_ids.numpy()]
         out = np.empty((L, B, T, O * H), dtype=np.int64)
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out)
+        seg = document_starts(input_ids.numpy(), self.reset_id) if self.reset_id is not None else None
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, seg)
         return torch.from_numpy(out)
 
     def _hash_torch(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -267,8 +380,15 @@ class NgramHashMapping:
         B, T = input_ids.shape
         N = self.max_ngram_size
         x = lut[input_ids.long()].reshape(1, B * T)  # (1, BT) compressed
-        padded = torch.nn.functional.pad(x.view(B, T), (N - 1, 0), value=self.pad_id)
-        shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
+        if self.reset_id is None:
+            padded = torch.nn.functional.pad(x.view(B, T), (N - 1, 0), value=self.pad_id)
+            shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
+        else:  # n-grams do not reach across a document boundary (an EOS): those positions read the pad id
+            xs = x.view(B, T)
+            pos = torch.arange(T, device=x.device)
+            since = pos - torch.from_numpy(document_starts(input_ids.cpu().numpy(), self.reset_id)).to(x.device)
+            shifts = [x.reshape(B * T)] + [
+                torch.where(since >= k, xs[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
         mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=x.device)  # (L, O, 1, BT)
         for li in range(L):
             mix = shifts[0] * mult[li, 0]

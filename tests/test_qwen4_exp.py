@@ -1,0 +1,104 @@
+"""qwen4_exp (Qwen3.8-Flash-Next) hashing: bit-exact with the installed transformers' own code."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+mq = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+
+from engram.config import ConfigError  # noqa: E402
+from engram.hashing import NgramHashMapping  # noqa: E402
+from engram.integrations.qwen4_exp import hash_mapping  # noqa: E402
+
+
+def config(**kw):
+    base = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, ple_layer_ids=[1, 3], heads_per_ngram=2,
+                ple_embed_dim=32, layer_types=["linear_attention"] * 4, eos_token_id=7)
+    return Qwen4ExpTextConfig(**{**base, **kw})
+
+
+class _Ids(torch.nn.Module):
+    """Stands in for the n-gram embedding: returns the row ids it is asked for (no table allocated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Buffer(torch.zeros(1))
+
+    def forward(self, ids):
+        return ids.unsqueeze(-1)
+
+
+def transformers_rows(cfg, ple_index, ids, cache=None):
+    """Row ids (B, T, H), offsets included, as transformers' Qwen4ExpTextNGramEmbedding computes them."""
+    with torch.device("meta"):  # the real table would be ~20M rows per head
+        m = mq.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, cfg.ple_layer_ids[ple_index] - 1, ple_index)
+    m.layer_multipliers = mq._build_layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
+    m.ngram_heads_vocab_sizes = torch.tensor(m.head_vocab_sizes)
+    m.ngram_heads_offsets = torch.tensor(m.head_offsets)
+    m.ngram_embedding = _Ids()
+    return m(ids, cache), m
+
+
+def ids_with_eos(cfg, B, T, seed, eos_every=9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    ids[torch.rand(B, T, generator=g) < 1 / eos_every] = cfg.eos_token_id  # documents of random lengths
+    ids[:, 0] = cfg.eos_token_id if seed % 2 else ids[:, 0]
+    return ids
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kw", [{}, {"ngram_size": 4, "heads_per_ngram": 3, "ple_embed_dim": 36, "seed": 99},
+                                {"ngram_vocab_size_base": 5003}])
+def test_hash_matches_transformers(kw, backend):
+    if backend == "numba":
+        pytest.importorskip("numba")
+    cfg = config(**kw)
+    mapping = hash_mapping(cfg, backend=backend)
+    assert mapping.layer_ids == [1, 3] and mapping.family == "qwen4_exp"
+    for seed in range(3):
+        ids = ids_with_eos(cfg, 3, 40, seed)
+        got = mapping.hash(ids)
+        for i, lid in enumerate(cfg.ple_layer_ids):
+            want, ref = transformers_rows(cfg, i, ids)
+            assert mapping.head_sizes(lid) == ref.head_vocab_sizes
+            offsets = torch.tensor(mapping.head_offsets(lid))
+            assert torch.equal(got[lid] + offsets, want)
+
+
+def test_continuation_matches_the_cached_transformers_forward():
+    """Decoding: the last N-1 ids as history give what transformers computes from its cache's id slot."""
+    cfg = config()
+    mapping = hash_mapping(cfg)
+    ids = ids_with_eos(cfg, 2, 20, 1, eos_every=4)
+    full = mapping.hash(ids)
+    for t in (1, 5, 13):
+        got = mapping.hash_continuation(ids[:, t:t + 1], ids[:, max(0, t - 2):t])
+        assert all(torch.equal(got[l], full[l][:, t:t + 1]) for l in mapping.layer_ids)
+
+
+def test_kernel_serves_the_released_prime_range():
+    """The released base (20,000,000: primes ~2^24.3) on the fused kernel equals the torch path and transformers."""
+    pytest.importorskip("numba")
+    cfg = config(vocab_size=248320, eos_token_id=248044, heads_per_ngram=8, ple_embed_dim=32)
+    ids = ids_with_eos(cfg, 2, 64, 0)
+    fast, slow = hash_mapping(cfg, "numba").hash(ids), hash_mapping(cfg, "torch").hash(ids)
+    want, _ = transformers_rows(cfg, 1, ids)
+    lid = cfg.ple_layer_ids[1]
+    assert torch.equal(fast[lid], slow[lid])
+    assert torch.equal(fast[lid] + torch.tensor(hash_mapping(cfg).head_offsets(lid)), want)
+
+
+def test_bad_configs_are_one_line():
+    with pytest.raises(ConfigError, match="no n-gram table"):
+        hash_mapping(config(ple_layer_ids=[]))
+    with pytest.raises(ConfigError, match="EOS id"):
+        NgramHashMapping.qwen4_exp(1000, 3, 2, [1], 5003, 0, eos_token_id=5000)
+    with pytest.raises(ConfigError, match="not a qwen4_exp config"):
+        from transformers import LlamaConfig
+
+        hash_mapping(LlamaConfig())
+    assert np.asarray(hash_mapping(config()).hash(np.zeros((1, 3), dtype=np.int64))[1]).shape == (1, 3, 4)
