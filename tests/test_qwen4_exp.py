@@ -102,3 +102,16 @@ def test_bad_configs_are_one_line():
 
         hash_mapping(LlamaConfig())
     assert np.asarray(hash_mapping(config()).hash(np.zeros((1, 3), dtype=np.int64))[1]).shape == (1, 3, 4)
+
+
+def test_manifest_records_the_family_and_refuses_another(tmp_path):
+    m = hash_mapping(config())
+    m.save_spec(tmp_path / "spec.json")
+    again = NgramHashMapping.from_spec(tmp_path / "spec.json")
+    ids = ids_with_eos(config(), 2, 16, 3)
+    assert again.family == "qwen4_exp" and all(torch.equal(again.hash(ids)[l], m.hash(ids)[l]) for l in m.layer_ids)
+    other = hash_mapping(config(seed=5)).spec()
+    with pytest.raises(ConfigError, match="mismatch on 'layers'"):
+        m.check_spec(other)
+    with pytest.raises(ConfigError, match="family 'deepseek', this model hashes with 'qwen4_exp'"):
+        m.check_spec({**other, "family": "deepseek"})

@@ -368,10 +368,10 @@ class NgramHashMapping:
             self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape)
         mult, consts, (L, O, H) = self._device_cache[("numba",)]
         B, T = input_ids.shape
-        x = self.compressed_tokenizer.lookup_table[input_ids.numpy()]
+        raw = input_ids.numpy()
+        x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
         out = np.empty((L, B, T, O * H), dtype=np.int64)
-        seg = document_starts(input_ids.numpy(), self.reset_id) if self.reset_id is not None else None
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out, seg)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, self.reset_id)
         return torch.from_numpy(out)
 
     def _hash_torch(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -449,8 +449,11 @@ class NgramHashMapping:
         import base64
 
         ct = self.compressed_tokenizer
+        if self.family != "deepseek":
+            return self._family_spec()
         d = {
             "format": SPEC_FORMAT,
+            "family": self.family,
             "tokenizer_file": ct.tokenizer_file.name if ct.tokenizer_file is not None else "tokenizer.json",
             "tokenizer_sha256": ct.tokenizer_sha256,
             "tokenizer_len": self.tokenizer_len,
@@ -485,6 +488,32 @@ class NgramHashMapping:
             d["lookup_table_int32_le_b64"] = base64.b64encode(ct.lookup_table.astype("<i4").tobytes()).decode("ascii")
         return d
 
+    def _family_spec(self) -> dict:
+        """The manifest of a raw-id family (qwen4_exp): its constants and every layer's multipliers and primes."""
+        return {
+            "format": SPEC_FORMAT, "family": self.family, "vocab_size": self.tokenizer_len,
+            "max_ngram_size": self.max_ngram_size, "n_head_per_ngram": self.n_head_per_ngram,
+            "prime_base": self.prime_base, "seed": self.seed, "reset_id": self.reset_id, "layer_ids": self.layer_ids,
+            "lookup_table_sha256": self.compressed_tokenizer.lookup_sha256, "compressed_pad_id": self.pad_id,
+            "layers": {str(l): {"multipliers": [int(m) for m in self.layer_multipliers[l]],
+                                "head_moduli": self.vocab_size_across_layers[l], "head_offsets": self.head_offsets(l),
+                                "table_rows": int(sum(self.head_sizes(l)))} for l in self.layer_ids},
+            "formula": ("raw token ids; positions before the sequence or before the token after the last EOS (reset_id) "
+                        "read reset_id; mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in wrapping int64; head j of order n: "
+                        "row = mix floor-mod head_moduli[n-2][j]; table row = row + head_offsets[(n-2)*n_head_per_ngram + j]"),
+        }
+
+    def check_spec(self, spec: dict) -> None:
+        """Refuse a manifest that hashes differently from this mapping (family, tokenizer table, constants)."""
+        fam = spec.get("family", "deepseek") if isinstance(spec, dict) else None
+        if fam != self.family:
+            raise ConfigError(f"hash manifest of family {fam!r}, this model hashes with {self.family!r}: the table rows "
+                              "would be addressed differently; use the manifest saved with this model")
+        mine = self.spec(include_lookup_table=False)
+        for key in ("lookup_table_sha256", "compressed_pad_id", "layers"):
+            if spec.get(key) != mine[key]:
+                raise ConfigError(f"hash manifest mismatch on {key!r}: it was made for other hashing constants")
+
     def save_spec(self, path, include_lookup_table: bool = True) -> None:
         atomic_write_bytes(Path(path), (json.dumps(self.spec(include_lookup_table), indent=1) + "\n").encode("utf-8"))
 
@@ -503,6 +532,13 @@ class NgramHashMapping:
             spec = spec_or_path
         if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
             raise ConfigError(f"not an Engram hash spec (expected format {SPEC_FORMAT!r})")
+        if spec.get("family", "deepseek") == "qwen4_exp":
+            m = cls.qwen4_exp(spec["vocab_size"], spec["max_ngram_size"], spec["n_head_per_ngram"], spec["layer_ids"],
+                              spec["prime_base"], spec["seed"], spec["reset_id"])
+            m.check_spec(spec)
+            return m
+        if spec.get("family", "deepseek") != "deepseek":
+            raise ConfigError(f"unknown hash family {spec.get('family')!r} in the manifest (known: deepseek, qwen4_exp)")
         ct = CompressedTokenizer(tokenizer_name_or_path)
         if ct.tokenizer_sha256 != spec["tokenizer_sha256"]:
             raise ConfigError(

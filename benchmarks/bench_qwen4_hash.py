@@ -1,0 +1,117 @@
+"""qwen4_exp (Qwen3.8-Flash-Next) n-gram hashing: engram's fused kernel vs transformers' own torch code, one process.
+
+The released hashing constants (vocabulary 248,320, trigrams, 8 heads per order, prime base 20,000,000,
+seed 1234, EOS resets) in two shapes: prefill (B x T random ids with an EOS every ~200 tokens) and
+decode (B sequences x 1 new token, the last N-1 ids as history: what every generated token costs). The transformers side runs
+`Qwen4ExpTextNGramEmbedding.forward` with the table replaced by a module that returns the row ids, so
+both sides compute the same integers (checked) and nothing else. Target: >= 4x.
+
+    python benchmarks/bench_qwen4_hash.py [--batch 8 --seq 4096 --repeats 7 --block 5]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+from engram.integrations.qwen4_exp import hash_mapping
+
+
+class _Ids(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Buffer(torch.zeros(1))
+
+    def forward(self, ids):
+        return ids.unsqueeze(-1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--block", type=int, default=5, help="back-to-back calls per timed block")
+    args = ap.parse_args()
+    cfg = Qwen4ExpTextConfig(vocab_size=248320, hidden_size=64, num_hidden_layers=2, ple_layer_ids=[2],
+                             layer_types=["linear_attention"] * 2, eos_token_id=248044, ple_embed_dim=64)
+    with torch.device("meta"):
+        ref = mq.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 1, 0)
+    ref.layer_multipliers = mq._build_layer_multipliers(cfg.vocab_size, cfg.ngram_size, 0, cfg.seed)
+    ref.ngram_heads_vocab_sizes = torch.tensor(ref.head_vocab_sizes)
+    ref.ngram_heads_offsets = torch.tensor(ref.head_offsets)
+    ref.ngram_embedding = _Ids()
+    mapping = hash_mapping(cfg)
+    offsets = torch.tensor(mapping.head_offsets(2))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+    ids[torch.rand(ids.shape, generator=g) < 1 / 200] = cfg.eos_token_id
+
+    step, hist = ids[:, -1:], ids[:, -3:-1]
+
+    def ours():
+        return mapping.hash(ids)[2] + offsets
+
+    def theirs():
+        with torch.no_grad():
+            return ref(ids, None)
+
+    def ours_decode():
+        return mapping.hash_continuation(step, hist)[2] + offsets
+
+    def theirs_decode():  # transformers reads the N-1 previous ids from its cache's conv-state slot
+        with torch.no_grad():
+            return ref(step, _HistoryCache(hist))
+
+    assert torch.equal(ours(), theirs()) and torch.equal(ours_decode(), theirs_decode()), "outputs differ"
+    dec = _timed({"engram": ours_decode, "transformers": theirs_decode}, args.repeats, 50)
+    med = _timed({"engram": ours, "transformers": theirs}, args.repeats, args.block)
+    n = ids.numel()
+    print(f"qwen4_exp hashing, 1 layer x 16 heads (primes ~2^24.3), threads {torch.get_num_threads()}; median of "
+          f"{args.repeats} interleaved blocks of back-to-back calls; outputs identical")
+    print(f"{'shape':<28} {'engram':>10} {'transformers':>13} {'ratio':>7}")
+    ratio = med["transformers"] / med["engram"]
+    dratio = dec["transformers"] / dec["engram"]
+    print(f"{f'prefill B={args.batch} T={args.seq}':<28} {n / med['engram'] / 1e6:>7.2f} Mt/s "
+          f"{n / med['transformers'] / 1e6:>9.2f} Mt/s {ratio:>6.2f}x")
+    print(f"{f'decode B={args.batch} x 1 token':<28} {dec['engram'] * 1e6:>7.0f} us "
+          f"{dec['transformers'] * 1e6:>10.0f} us {dratio:>6.2f}x")
+    print(f"target >= 4x: prefill {'met' if ratio >= 4 else 'NOT met'}, decode {'met' if dratio >= 4 else 'NOT met'}")
+    print(json.dumps({"bench": "qwen4_hash", "prefill_ratio": round(ratio, 3), "decode_ratio": round(dratio, 3),
+                      "prefill_s": {k: round(v, 5) for k, v in med.items()},
+                      "decode_us": {k: round(v * 1e6, 1) for k, v in dec.items()}, "batch": args.batch,
+                      "seq": args.seq}))
+
+
+def _timed(fns: dict, repeats: int, block: int) -> dict:
+    """Median seconds per call: blocks of back-to-back calls per side, blocks interleaved (noise hits both)."""
+    t = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            t[name].append((time.perf_counter() - t0) / block)
+    return {k: statistics.median(v) for k, v in t.items()}
+
+
+class _HistoryCache:
+    """The slice of transformers' Cache the n-gram module reads: the previous N-1 ids (conv-state slot 2)."""
+
+    def __init__(self, hist):
+        self.hist = hist
+
+    def get_conv_state(self, layer_idx, state_idx):
+        return self.hist
+
+    def update_conv_state(self, *args, **kwargs):
+        return None
+
+
+if __name__ == "__main__":
+    main()
