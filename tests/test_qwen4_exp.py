@@ -115,3 +115,51 @@ def test_manifest_records_the_family_and_refuses_another(tmp_path):
         m.check_spec(other)
     with pytest.raises(ConfigError, match="family 'deepseek', this model hashes with 'qwen4_exp'"):
         m.check_spec({**other, "family": "deepseek"})
+
+
+# ------------------------------------------------------------------------------------------ serving the tables
+def tiny_model(seed=0, **kw):
+    cfg = config(**{**dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           ple_layer_ids=[1, 3], layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           ngram_vocab_size_base=5003, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                           num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2,
+                           linear_key_head_dim=16, linear_value_head_dim=16, hc_lowrank=8, split_ngram_parts=4,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64,
+                           indexer_compress_ratio=4), **kw})
+    torch.manual_seed(seed)
+    return mq.Qwen4ExpForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("backend,prefetch", [("ram", False), ("ram", True), ("mmap", True)])
+def test_served_tables_give_transformers_logits_and_generate(backend, prefetch, tmp_path):
+    from engram.integrations.qwen4_exp import ServedNGramEmbedding, serve_tables
+
+    ids = ids_with_eos(config(), 2, 14, 1, eos_every=5)
+    ref = tiny_model()
+    with torch.no_grad():
+        want = ref(ids).logits
+    want_gen = ref.generate(ids[:, :6], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    m = serve_tables(tiny_model(), backend=backend, dir=tmp_path, prefetch=prefetch)
+    assert isinstance(m.model.layers[0].ple.ple_embedding, ServedNGramEmbedding)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    assert torch.equal(m.generate(ids[:, :6], max_new_tokens=6, do_sample=False, pad_token_id=0), want_gen)
+    m.save_pretrained(tmp_path / "saved")  # plain transformers loads what a served model saves
+    again = mq.Qwen4ExpForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
+
+
+def test_serving_bad_input_is_one_line(tmp_path):
+    from engram.integrations.qwen4_exp import serve_tables
+
+    with pytest.raises(ConfigError, match="needs dir="):
+        serve_tables(tiny_model(), backend="mmap")
+    m = serve_tables(tiny_model(), prefetch=False)
+    with pytest.raises(ConfigError, match="already served"):
+        serve_tables(m)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with pytest.raises(ConfigError, match="not a qwen4_exp config"):
+        serve_tables(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, vocab_size=100)))

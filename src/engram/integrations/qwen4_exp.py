@@ -35,3 +35,140 @@ def hash_mapping(config, backend: str = "auto") -> NgramHashMapping:
         raise ConfigError("this qwen4_exp config has no n-gram table (ple_layer_ids is empty)")
     return NgramHashMapping.qwen4_exp(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_layer_ids,
                                       cfg.ngram_vocab_size_base, cfg.seed, eos_id(cfg), backend=backend)
+
+
+# ------------------------------------------------------------------------------------------ serving the tables
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+class ServedNGramEmbedding(nn.Module):
+    """Drop-in for transformers' `Qwen4ExpTextNGramEmbedding`: engram's kernel hashes, an engram table holds the rows.
+
+    `forward(input_ids (B, T), cache) -> (B, T, H * d)`, the same values. The cache's id slot (conv state 2)
+    is read and written exactly as transformers does, so its own decoding code and ours share a cache.
+    The rows live behind `mhe` (a `MultiHeadEmbedding` with an installed `engram.tables` Table); the
+    <= 127 padding rows of the checkpoint's table (never addressed) are kept aside so that `state_dict()`
+    gives back `ngram_embedding.weight` in its original shape: a saved model loads in plain transformers.
+    """
+
+    def __init__(self, orig, mapping: NgramHashMapping, ple_layer_id: int, table, pad_rows: torch.Tensor):
+        super().__init__()
+        from ..memory import MultiHeadEmbedding
+        from ..tables.base import install
+
+        self.layer_idx, self.context_len, self.eos_token_id = orig.layer_idx, orig.context_len, orig.eos_token_id
+        self.mapping, self.ple_layer_id = mapping, ple_layer_id
+        w = orig.ngram_embedding.weight
+        self.mhe = MultiHeadEmbedding(mapping.head_sizes(ple_layer_id), w.shape[1], dtype=w.dtype, layer_id=ple_layer_id)
+        self.mhe.embedding.weight.requires_grad_(False)
+        install(self.mhe, table)
+        self.mhe.train(False)
+        self.pad_rows = pad_rows  # (padded - used, d): saved back, never looked up
+        self.pending = None  # rows handed over by the prefetcher for this call (PendingRows), else hashed here
+        self._register_state_dict_hook(_state_dict_as_transformers)  # (loading goes through transformers)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
+        cache = kwargs.get("past_key_values", cache)
+        input_ids = input_ids.long()
+        history = cache.get_conv_state(self.layer_idx, state_idx=2) if cache is not None else None
+        if history is not None:
+            history = history.clone()
+        if cache is not None:  # keep the last N-1 ids where transformers keeps them (EOS-padded on a short first call)
+            ids = input_ids
+            if history is None and ids.shape[1] < self.context_len:
+                ids = torch.nn.functional.pad(ids, (self.context_len - ids.shape[1], 0), value=self.eos_token_id)
+            cache.update_conv_state(ids, self.layer_idx, state_idx=2, conv_kernel_size=self.context_len)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            rows = pending.wait()  # (B, T, H, d), gathered on the prefetch thread
+        else:
+            h = self.mapping.hash_continuation(input_ids.cpu(), history.cpu() if history is not None else None)
+            rows = self.mhe(h[self.ple_layer_id])  # (B, T, H, d)
+        return rows.to(input_ids.device).flatten(-2)  # (B, T, H * d)
+
+
+def _state_dict_as_transformers(module, sd, prefix, local_metadata):
+    for k in [k for k in sd if k.startswith(prefix + "mhe.")]:
+        del sd[k]
+    t = module.mhe.table
+    sd[prefix + "ngram_embedding.weight"] = torch.cat([t.weight, module.pad_rows.to(t.weight.dtype)])
+    return sd
+
+
+def _ple_layers(model):
+    """(text model, [(decoder layer index, ple module)]) of a Qwen4Exp model: the layers with an n-gram table."""
+    for path in ("model.language_model", "model", "language_model", ""):
+        owner = model
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, None)
+        if isinstance(getattr(owner, "layers", None), nn.ModuleList):
+            break
+    else:
+        raise ConfigError(f"{type(model).__name__}: no decoder layer list; serve_tables takes a Qwen4Exp model")
+    out = [(i, layer.ple) for i, layer in enumerate(owner.layers) if getattr(layer, "ple", None) is not None]
+    if not out:
+        raise ConfigError(f"{type(model).__name__} has no n-gram table (no decoder layer has a PLE module)")
+    return owner, out
+
+
+def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True):
+    """Serve a loaded Qwen4Exp model's n-gram tables from engram: our kernel hashes, an engram backend holds the rows.
+
+    backend "ram": the table tensor is used where it is (no copy); "mmap": each table is written, a block of
+    rows at a time, to `dir/engram_table_L{ple layer}.safetensors` and memory-mapped (hot-row cache of
+    `cache_mb`), and the model's copy is freed. `prefetch`: every forward hashes and gathers on a thread
+    while the layers before the first PLE run. Prefill logits and cached `generate()` equal transformers'
+    own; `save_pretrained` writes `ngram_embedding.weight` back, so the saved model loads in plain
+    transformers. Returns the model.
+    """
+    from ..tables.backends import InRamTable, MmapTable, table_file, tensor_entry, write_safetensors
+
+    if backend not in ("ram", "mmap"):
+        raise ConfigError(f"backend must be 'ram' or 'mmap', got {backend!r}")
+    if backend == "mmap" and dir is None:
+        raise ConfigError("serve_tables(backend='mmap') needs dir= for the table files")
+    mapping = hash_mapping(model.config)
+    owner, ples = _ple_layers(model)
+    served = {}
+    for i, ple in ples:
+        orig = ple.ple_embedding
+        if isinstance(orig, ServedNGramEmbedding):
+            raise ConfigError(f"layer {i}'s n-gram table is already served by engram")
+        lid = i + 1  # ple_layer_ids are 1-indexed
+        used = int(sum(mapping.head_sizes(lid)))
+        w = orig.ngram_embedding.weight.detach()
+        if list(orig.head_vocab_sizes) != mapping.head_sizes(lid) or w.shape[0] < used:
+            raise ConfigError(f"layer {i}: the model's table ({w.shape[0]} rows, heads {orig.head_vocab_sizes[:3]}...) "
+                              f"does not match the hashing its config derives ({used} rows)")
+        if backend == "ram":
+            table = InRamTable(w[:used])
+        else:
+            f = table_file(dir, lid)
+            write_safetensors(f, [tensor_entry("weight", w[:used])], {"format": "engram-table", "layer": str(lid)})
+            table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
+        served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, w[used:].clone())
+        del orig  # (mmap: the model's copy of the table is released here)
+    if prefetch:
+        _attach_prefetch(owner, served, mapping)
+    return model
+
+
+def _attach_prefetch(owner, served: dict, mapping) -> None:
+    """A pre-hook on the text model: hash and gather every served table's rows on a thread for this call."""
+    from ..tables.prefetch import Prefetcher
+
+    pf = Prefetcher.for_tables({lid: s.mhe for lid, s in served.items()}, mapping)
+    first = min(served.values(), key=lambda s: s.layer_idx)
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        hist = cache.get_conv_state(first.layer_idx, state_idx=2) if cache is not None else None
+        for lid, rows in pf.submit(ids, hist).items():
+            served[lid].pending = rows
+        return None
+
+    owner.register_forward_pre_hook(hook, with_kwargs=True)

@@ -53,6 +53,17 @@ class Prefetcher:
         self.stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
 
     @classmethod
+    def for_tables(cls, layers: dict, mapping, device=None) -> "Prefetcher":
+        """A prefetcher over given tables `{layer_id: MultiHeadEmbedding}` hashed by `mapping` (models whose
+        n-gram lookups are not engram's `Engram` layers, e.g. `engram.integrations.qwen4_exp`)."""
+        pf = cls.__new__(cls)
+        pf.layers, pf.mapping = dict(layers), mapping
+        pf.device = torch.device(device) if device is not None else None
+        pf.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
+        pf.stream = torch.cuda.Stream(pf.device) if pf.device is not None and pf.device.type == "cuda" else None
+        return pf
+
+    @classmethod
     def attach(cls, model, device=None) -> "Prefetcher":
         """Make every forward of `model` (and so `generate()`) prefetch its Engram rows automatically."""
         pf = cls(model, device)
