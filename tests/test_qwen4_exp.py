@@ -163,3 +163,27 @@ def test_serving_bad_input_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="not a qwen4_exp config"):
         serve_tables(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                   num_attention_heads=2, vocab_size=100)))
+
+
+def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engram.integrations.qwen4_exp import serve_tables
+
+    ids = ids_with_eos(config(), 2, 12, 2)
+    ref = tiny_model()
+    ref.save_pretrained(tmp_path / "ckpt")  # the n-gram tables go out as split_ngram_parts=4 row shards
+    with torch.no_grad():
+        want = ref(ids).logits
+        other = tiny_model(seed=3)  # a model whose own table rows are different: the rows must come from the shards
+        other.load_state_dict({k: v for k, v in ref.state_dict().items() if "ngram_embedding" not in k}, strict=False)
+        assert not torch.equal(other(ids).logits, want)
+    m = serve_tables(other, backend="mmap", dir=tmp_path / "t", checkpoint=tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    f = tmp_path / "ckpt" / "model.safetensors"
+    sd = load_file(str(f))
+    del sd["model.layers.0.ple.ple_embedding.ngram_embedding.shard_3.weight"]  # an incomplete download
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="shards hold .* rows in 3 shards; the config needs .* split_ngram_parts=4"):
+        serve_tables(tiny_model(), backend="mmap", dir=tmp_path / "t2", checkpoint=tmp_path / "ckpt")

@@ -112,7 +112,67 @@ def _ple_layers(model):
     return owner, out
 
 
-def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True):
+def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
+    """[(file, key, rows)] of decoder layer `layer_idx`'s n-gram table shards in a safetensors checkpoint, in order."""
+    import json
+    import re
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    d = Path(checkpoint)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [f.name for f in sorted(d.glob("*.safetensors"))]
+    if not files:
+        raise ConfigError(f"{d}: no safetensors checkpoint here")
+    pat = re.compile(rf"(^|\.)layers\.{layer_idx}\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")
+    found = []
+    for f in files:
+        with safe_open(str(d / f), "pt") as st:
+            for k in st.keys():
+                m = pat.search(k)
+                if m:
+                    found.append((int(m.group(2)), d / f, k, st.get_slice(k).get_shape()[0]))
+    return [(f, k, n) for _, f, k, n in sorted(found)]
+
+
+def _rows_from_checkpoint(checkpoint, layer_idx: int, padded: int, used: int, dim: int, parts: int):
+    """`write_safetensors` entry streaming the first `used` rows of the layer's table from its shards."""
+    from safetensors import safe_open
+
+    shards = checkpoint_shards(checkpoint, layer_idx)
+    total = sum(n for _, _, n in shards)
+    if not shards or len(shards) != parts or total != padded:
+        raise ConfigError(f"{checkpoint}: layer {layer_idx}'s n-gram table shards hold {total:,} rows in "
+                          f"{len(shards)} shards; the config needs {padded:,} rows in split_ngram_parts={parts} "
+                          "(incomplete or mismatched download?)")
+    dtype = None
+    with safe_open(str(shards[0][0]), "pt") as st:
+        dtype = st.get_slice(shards[0][1]).get_dtype()
+    tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
+    if tdt is None:
+        raise ConfigError(f"{checkpoint}: n-gram table dtype {dtype} is not supported (bf16, f16, f32)")
+
+    def blocks():
+        left = used
+        for f, k, n in shards:
+            if left <= 0:
+                break
+            with safe_open(str(f), "pt") as st:
+                t = st.get_slice(k)[: min(n, left)]  # one shard in RAM at a time
+            if t.shape[1] != dim:
+                raise ConfigError(f"{f}: {k} has rows of {t.shape[1]}, the config needs {dim}")
+            left -= t.shape[0]
+            yield t
+
+    return ("weight", tdt, (used, dim), blocks())
+
+
+def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
+                 checkpoint=None):
     """Serve a loaded Qwen4Exp model's n-gram tables from engram: our kernel hashes, an engram backend holds the rows.
 
     backend "ram": the table tensor is used where it is (no copy); "mmap": each table is written, a block of
@@ -120,7 +180,9 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     `cache_mb`), and the model's copy is freed. `prefetch`: every forward hashes and gathers on a thread
     while the layers before the first PLE run. Prefill logits and cached `generate()` equal transformers'
     own; `save_pretrained` writes `ngram_embedding.weight` back, so the saved model loads in plain
-    transformers. Returns the model.
+    transformers. `checkpoint` (mmap only): write the table files from that checkpoint's `split_ngram_parts`
+    shards, one shard in RAM at a time, instead of from the model's tensor (whose rows are then not read).
+    Returns the model.
     """
     from ..tables.backends import InRamTable, MmapTable, table_file, tensor_entry, write_safetensors
 
@@ -138,6 +200,8 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
         lid = i + 1  # ple_layer_ids are 1-indexed
         used = int(sum(mapping.head_sizes(lid)))
         w = orig.ngram_embedding.weight.detach()
+        if checkpoint is not None and backend != "mmap":
+            raise ConfigError("serve_tables(checkpoint=...) writes table files: use backend='mmap'")
         if list(orig.head_vocab_sizes) != mapping.head_sizes(lid) or w.shape[0] < used:
             raise ConfigError(f"layer {i}: the model's table ({w.shape[0]} rows, heads {orig.head_vocab_sizes[:3]}...) "
                               f"does not match the hashing its config derives ({used} rows)")
@@ -145,7 +209,9 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             table = InRamTable(w[:used])
         else:
             f = table_file(dir, lid)
-            write_safetensors(f, [tensor_entry("weight", w[:used])], {"format": "engram-table", "layer": str(lid)})
+            entry = (_rows_from_checkpoint(checkpoint, i, w.shape[0], used, w.shape[1], text_config(model.config)
+                                           .split_ngram_parts) if checkpoint is not None else tensor_entry("weight", w[:used]))
+            write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)})
             table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
         served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, w[used:].clone())
         del orig  # (mmap: the model's copy of the table is released here)
