@@ -471,8 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    print(f"engram: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
+    import warnings
+
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _warning_line  # one line, no source location
     try:
         return args.func(args)
     except KeyboardInterrupt:

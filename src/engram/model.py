@@ -32,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import BackBoneConfig, ConfigError, EngramConfig
 from .hashing import get_hash_mapping
 from .hyper import HyperConnection
+from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
 from .tokenizer import load_tokenizer
 
@@ -533,13 +534,17 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ---------------------------------------------------------------- hashing manifest
     def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus the hashing manifest and a checksum manifest of every file (last)."""
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.model.mapping is not None:
             self.model.mapping.save_spec(Path(save_directory) / SPEC_FILE)
+        write_manifest(save_directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         d = Path(pretrained_model_name_or_path)
+        if d.is_dir():  # every file against its checksum first: a corrupt file is one line, not wrong numbers
+            verify_manifest(d)
         config = kwargs.get("config")
         if config is None and (d / "config.json").is_file():
             config = EngramLMConfig.from_pretrained(d)
@@ -568,8 +573,14 @@ def load_model(path) -> tuple[EngramForCausalLM, object]:
                                 "with final/)")
     try:
         model = EngramForCausalLM.from_pretrained(p).eval()
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{p}: could not load the model: {str(e).splitlines()[0]}") from None
+    except IntegrityError:
+        raise
+    except Exception as e:  # a parser error of a file the manifest could not vouch for (an older save)
+        if os.environ.get("ENGRAM_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{p}: could not load the model ({type(e).__name__}: {msg}); re-save or re-download it") \
+            from None
     tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
                          else model.config.engram.get("tokenizer_name_or_path"))
     return model, tok

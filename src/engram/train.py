@@ -5,7 +5,8 @@ One run directory holds everything:
     DIR/metrics.jsonl      one JSON object per step: step, train_loss, lr, tok_s (+ val_loss on eval steps)
     DIR/checkpoints/step_NNNNNN/   model.safetensors, optim.safetensors, state.json (with file hashes)
     DIR/loss.png           loss curves (matplotlib, if installed)
-    DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable)
+    DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable) and
+                           engram_manifest.json (size + sha256 of every file, verified on load)
 
 Checkpoints (`checkpoint.py`) are written to a temp folder and renamed, with every file's sha256
 in `state.json`; `--resume` falls back to the previous one if the newest is corrupt. Ctrl-C
@@ -35,6 +36,7 @@ from .checkpoint import CheckpointError, checkpoints, durable_tables, load_check
 from .config import ConfigError, TrainConfig
 from .data import Batcher, eval_windows, load_manifest, load_sources, load_split, prepare, split_documents
 from .distributed.parallel import DistContext
+from .manifest import write_manifest
 from .memory import defer_table_allocation, is_table_key
 from .model import EngramForCausalLM, update_expert_bias
 from .optim import build_optimizers, split_params, warmup_cosine
@@ -148,6 +150,7 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
             raise CheckpointError(f"save_final: {f} lacks the table entries {sorted(missing)}")
         write_safetensors(f, [tensor_entry(k, backed[k].weight if k in backed else v) for k, v in small.items()], meta)
     shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
+    write_manifest(tmp)  # again: the tables and the tokenizer came after save_pretrained's
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
