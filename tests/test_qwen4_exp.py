@@ -187,3 +187,24 @@ def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tm
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="shards hold .* rows in 3 shards; the config needs .* split_ngram_parts=4"):
         serve_tables(tiny_model(), backend="mmap", dir=tmp_path / "t2", checkpoint=tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("backend", ["ram", "mmap"])
+def test_from_pretrained_serves_tables_straight_from_the_shards(tmp_path, backend):
+    from engram.integrations.qwen4_exp import from_pretrained
+
+    ids = ids_with_eos(config(), 2, 12, 4)
+    ref = tiny_model()
+    ref.save_pretrained(tmp_path / "ckpt")
+    with torch.no_grad():
+        want = ref(ids).logits
+    m = from_pretrained(tmp_path / "ckpt", backend=backend, dir=tmp_path / "t")
+    assert m.model.layers[0].ple.ple_embedding.mhe.table.num_rows == sum(hash_mapping(config(
+        ngram_vocab_size_base=5003)).head_sizes(1))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    assert torch.equal(m.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0),
+                       ref.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0))
+    m.save_pretrained(tmp_path / "again")  # the tables go back into the checkpoint, padding rows included
+    with torch.no_grad():
+        assert torch.equal(mq.Qwen4ExpForCausalLM.from_pretrained(tmp_path / "again").eval()(ids).logits, want)

@@ -59,8 +59,8 @@ class ServedNGramEmbedding(nn.Module):
 
         self.layer_idx, self.context_len, self.eos_token_id = orig.layer_idx, orig.context_len, orig.eos_token_id
         self.mapping, self.ple_layer_id = mapping, ple_layer_id
-        w = orig.ngram_embedding.weight
-        self.mhe = MultiHeadEmbedding(mapping.head_sizes(ple_layer_id), w.shape[1], dtype=w.dtype, layer_id=ple_layer_id)
+        self.mhe = MultiHeadEmbedding(mapping.head_sizes(ple_layer_id), table.dim, dtype=table.dtype,
+                                      layer_id=ple_layer_id)
         self.mhe.embedding.weight.requires_grad_(False)
         install(self.mhe, table)
         self.mhe.train(False)
@@ -139,8 +139,9 @@ def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
     return [(f, k, n) for _, f, k, n in sorted(found)]
 
 
-def _rows_from_checkpoint(checkpoint, layer_idx: int, padded: int, used: int, dim: int, parts: int):
-    """`write_safetensors` entry streaming the first `used` rows of the layer's table from its shards."""
+def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: int):
+    """(dtype, rows(lo, hi)): layer `layer_idx`'s table in a checkpoint, checked to add up to `padded` rows of
+    `dim` in `parts` shards; `rows(lo, hi)` yields the row blocks of [lo, hi), one shard in RAM at a time."""
     from safetensors import safe_open
 
     shards = checkpoint_shards(checkpoint, layer_idx)
@@ -149,26 +150,23 @@ def _rows_from_checkpoint(checkpoint, layer_idx: int, padded: int, used: int, di
         raise ConfigError(f"{checkpoint}: layer {layer_idx}'s n-gram table shards hold {total:,} rows in "
                           f"{len(shards)} shards; the config needs {padded:,} rows in split_ngram_parts={parts} "
                           "(incomplete or mismatched download?)")
-    dtype = None
     with safe_open(str(shards[0][0]), "pt") as st:
-        dtype = st.get_slice(shards[0][1]).get_dtype()
+        sl = st.get_slice(shards[0][1])
+        dtype, width = sl.get_dtype(), sl.get_shape()[1]
     tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
-    if tdt is None:
-        raise ConfigError(f"{checkpoint}: n-gram table dtype {dtype} is not supported (bf16, f16, f32)")
+    if tdt is None or width != dim:
+        raise ConfigError(f"{checkpoint}: n-gram table rows are {dtype} x {width}; the config needs float rows of {dim}")
 
-    def blocks():
-        left = used
+    def rows(lo: int, hi: int):
+        start = 0
         for f, k, n in shards:
-            if left <= 0:
-                break
-            with safe_open(str(f), "pt") as st:
-                t = st.get_slice(k)[: min(n, left)]  # one shard in RAM at a time
-            if t.shape[1] != dim:
-                raise ConfigError(f"{f}: {k} has rows of {t.shape[1]}, the config needs {dim}")
-            left -= t.shape[0]
-            yield t
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                with safe_open(str(f), "pt") as st:
+                    yield st.get_slice(k)[a - start:b - start]
+            start += n
 
-    return ("weight", tdt, (used, dim), blocks())
+    return tdt, rows
 
 
 def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
@@ -180,10 +178,11 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     `cache_mb`), and the model's copy is freed. `prefetch`: every forward hashes and gathers on a thread
     while the layers before the first PLE run. Prefill logits and cached `generate()` equal transformers'
     own; `save_pretrained` writes `ngram_embedding.weight` back, so the saved model loads in plain
-    transformers. `checkpoint` (mmap only): write the table files from that checkpoint's `split_ngram_parts`
-    shards, one shard in RAM at a time, instead of from the model's tensor (whose rows are then not read).
+    transformers. `checkpoint`: take the rows from that checkpoint's `split_ngram_parts` shards, one shard in RAM
+    at a time, instead of from the model's tensor (which may then be empty: see `from_pretrained`).
     Returns the model.
     """
+    import math
     from ..tables.backends import InRamTable, MmapTable, table_file, tensor_entry, write_safetensors
 
     if backend not in ("ram", "mmap"):
@@ -199,21 +198,36 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             raise ConfigError(f"layer {i}'s n-gram table is already served by engram")
         lid = i + 1  # ple_layer_ids are 1-indexed
         used = int(sum(mapping.head_sizes(lid)))
-        w = orig.ngram_embedding.weight.detach()
-        if checkpoint is not None and backend != "mmap":
-            raise ConfigError("serve_tables(checkpoint=...) writes table files: use backend='mmap'")
-        if list(orig.head_vocab_sizes) != mapping.head_sizes(lid) or w.shape[0] < used:
-            raise ConfigError(f"layer {i}: the model's table ({w.shape[0]} rows, heads {orig.head_vocab_sizes[:3]}...) "
-                              f"does not match the hashing its config derives ({used} rows)")
+        cfg = text_config(model.config)
+        padded = math.ceil(used / cfg.make_ngram_vocab_size_divisible_by) * cfg.make_ngram_vocab_size_divisible_by
+        w, dim = orig.ngram_embedding.weight.detach(), orig.ngram_embedding.embedding_dim
+        if list(orig.head_vocab_sizes) != mapping.head_sizes(lid):
+            raise ConfigError(f"layer {i}: the model's heads {orig.head_vocab_sizes[:3]}... differ from the hashing its "
+                              "config derives")
+        if checkpoint is None:
+            if w.shape[0] != padded:
+                raise ConfigError(f"layer {i}: the model's n-gram table has {w.shape[0]:,} rows, its config needs "
+                                  f"{padded:,} (loaded without its table? pass checkpoint=)")
+            dtype, pad_rows = w.dtype, w[used:].clone()
+        else:
+            dtype, rows = _checkpoint_rows(checkpoint, i, padded, dim, cfg.split_ngram_parts)
+            pad_rows = torch.cat(list(rows(used, padded))) if padded > used else torch.empty(0, dim, dtype=dtype)
         if backend == "ram":
-            table = InRamTable(w[:used])
+            if checkpoint is None:
+                weight = w[:used]  # the tensor transformers loaded: no copy
+            else:
+                weight, at = torch.empty(used, dim, dtype=dtype), 0
+                for blk in rows(0, used):
+                    weight[at:at + blk.shape[0]] = blk
+                    at += blk.shape[0]
+            table = InRamTable(weight)
         else:
             f = table_file(dir, lid)
-            entry = (_rows_from_checkpoint(checkpoint, i, w.shape[0], used, w.shape[1], text_config(model.config)
-                                           .split_ngram_parts) if checkpoint is not None else tensor_entry("weight", w[:used]))
+            entry = (tensor_entry("weight", w[:used]) if checkpoint is None
+                     else ("weight", dtype, (used, dim), rows(0, used)))
             write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)})
             table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
-        served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, w[used:].clone())
+        served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, pad_rows)
         del orig  # (mmap: the model's copy of the table is released here)
     if prefetch:
         _attach_prefetch(owner, served, mapping)
@@ -238,3 +252,32 @@ def _attach_prefetch(owner, served: dict, mapping) -> None:
         return None
 
     owner.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, **kwargs):
+    """Load a Qwen4Exp checkpoint with its n-gram tables served by engram, never holding a whole table in RAM
+    (backend "mmap"): the backbone loads through transformers with the table left out (its modules get an
+    empty table and its `split_ngram_parts` shards are skipped), then `serve_tables(..., checkpoint=path)`
+    streams each table into `dir`, one shard at a time. `kwargs` go to transformers' `from_pretrained`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
+
+    if backend == "mmap" and dir is None:
+        raise ConfigError("from_pretrained(backend='mmap') needs dir= for the table files")
+    hash_mapping(AutoConfig.from_pretrained(path))  # a model without n-gram tables is refused before loading
+    original = mq.Qwen4ExpTextNGramEmbedding
+
+    class _Tableless(original):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)  # (on the meta device inside from_pretrained: costs nothing)
+            self.ngram_embedding = nn.Embedding(0, self.ngram_embedding.embedding_dim)
+
+    skip = {r"ngram_embedding\.": "ngram_embedding_served_by_engram."}
+    mq.Qwen4ExpTextNGramEmbedding = _Tableless
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, key_mapping={**skip, **kwargs.pop("key_mapping", {})},
+                                                     **kwargs)
+    finally:
+        mq.Qwen4ExpTextNGramEmbedding = original
+    return serve_tables(model, backend=backend, dir=dir, cache_mb=cache_mb, prefetch=prefetch, checkpoint=path)
