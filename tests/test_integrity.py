@@ -72,3 +72,19 @@ def test_folder_saved_before_manifests_loads_with_one_warning(run, tmp_path, cap
     (d2 / "tokenizer.json").write_bytes((d2 / "tokenizer.json").read_bytes()[:-1])
     with pytest.raises(IntegrityError, match="tokenizer.json is truncated"):
         verify_manifest(d2)
+
+
+def test_engram_verify_reports_intact_and_damaged(run, tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(run[0], d)
+    code, out, err = cli(capsys, "verify", d)
+    assert code == 0 and "BAD" not in out and out.strip().endswith("intact"), out + err
+    assert "ok         model" in out and "ok         checkpoint" in out
+    ck = sorted((d / "checkpoints").glob("step_*"))[-1]
+    (ck / "optim.safetensors").write_bytes(b"x")
+    code, out, err = cli(capsys, "verify", d)
+    assert code == 1 and f"BAD        checkpoint {ck}" in out and "--resume falls back" in out and "1 damaged" in out
+    code, _, err = cli(capsys, "verify", tmp_path / "nothing")
+    assert code == 2 and err.startswith("engram: error:")

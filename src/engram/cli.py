@@ -214,6 +214,17 @@ def _pad_id(model) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from .verify import verify_path
+
+    results = verify_path(args.path)
+    for what, status, detail in results:
+        print(f"{status:<10} {what}" + (f": {detail}" if detail else ""))
+    bad = sum(s == "BAD" for _, s, _ in results)
+    print(f"{len(results) - bad} of {len(results)} intact" + (f"; {bad} damaged" if bad else ""))
+    return 1 if bad else 0
+
+
 def cmd_data_prepare(args) -> int:
     d = prepare(args.data, args.tokenizer)
     m = load_manifest(d)
@@ -404,6 +415,10 @@ def _training_commands(sub) -> None:
     sm.add_argument("--top-k", type=int, default=50)
     sm.add_argument("--seed", type=int, default=0)
     sm.set_defaults(func=cmd_sample)
+
+    vf = sub.add_parser("verify", help="check a run, model, adapter or checkpoint folder against its checksums")
+    vf.add_argument("path")
+    vf.set_defaults(func=cmd_verify)
 
     dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
     prep = dp.add_parser("prepare", help="tokenize a corpus into uint32 token files + manifest")

@@ -64,3 +64,4 @@ def verify_manifest(directory, fix: str = "re-download it or save it again") -> 
         if sha256_file(p) != e["sha256"]:
             raise IntegrityError(f"{p} is corrupt (sha256 differs from the manifest); {fix}")
     return True
+

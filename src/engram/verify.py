@@ -1,0 +1,52 @@
+"""`engram verify PATH`: check a run, model, adapter or checkpoint folder against its checksums.
+
+Kept apart from `manifest.py` (which the model file imports) because it reads every kind of folder
+engram writes: adapters, checkpoints, run directories.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .manifest import MANIFEST, UnverifiedWarning, verify_manifest
+
+
+def verify_path(path) -> list[tuple[str, str, str]]:
+    """Check what lives at `path` (a run dir, a saved model, an adapter, a checkpoint): [(what, status, detail)]
+    with status "ok", "unverified" (saved before manifests) or "BAD" (detail says what and how to repair)."""
+    import warnings as _w
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or folder")
+    out: list[tuple[str, str, str]] = []
+
+    def check(what: str, fn, fix: str) -> None:
+        try:
+            with _w.catch_warnings():
+                _w.simplefilter("error", UnverifiedWarning)
+                fn()
+            out.append((what, "ok", ""))
+        except UnverifiedWarning as e:
+            out.append((what, "unverified", str(e)))
+        except (ValueError, OSError) as e:
+            out.append((what, "BAD", f"{str(e).splitlines()[0]}; {fix}" if fix else str(e).splitlines()[0]))
+
+    if (p / "engram_adapter.json").is_file():
+        from .adapter import read_adapter_config
+
+        check(f"adapter {p}", lambda: read_adapter_config(p), "save the adapter again or re-download it")
+    if (p / MANIFEST).is_file() or (p / "config.json").is_file():
+        check(f"model {p}", lambda: verify_manifest(p), "")
+    if (p / "final").is_dir():
+        out += verify_path(p / "final")
+    if (p / "state.json").is_file() and (p / "optim.safetensors").exists():
+        from .checkpoint import read_checkpoint
+
+        check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
+    ck = p / "checkpoints"
+    for d in sorted(ck.glob("step_*")) if ck.is_dir() else []:
+        out += verify_path(d)
+    if not out:
+        raise ValueError(f"{p}: nothing engram saved here (no model, adapter, checkpoint or run directory)")
+    return out
