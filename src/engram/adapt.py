@@ -32,6 +32,7 @@ from .checkpoint import CheckpointError, checkpoints, durable_tables
 from .config import ConfigError, TrainConfig
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .distributed.parallel import DistContext
+from .manifest import write_manifest
 from .utils import atomic_write_bytes
 
 METHODS = ("engram", "lora", "lora+engram", "full")
@@ -106,6 +107,7 @@ def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
     model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
     if method == "full":
         shutil.copy(tok_file, tmp / "tokenizer.json")
+    write_manifest(tmp)  # checksums of every file, written last (`engram verify`)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -220,9 +220,10 @@ def cmd_verify(args) -> int:
     results = verify_path(args.path)
     for what, status, detail in results:
         print(f"{status:<10} {what}" + (f": {detail}" if detail else ""))
-    bad = sum(s == "BAD" for _, s, _ in results)
-    print(f"{len(results) - bad} of {len(results)} intact" + (f"; {bad} damaged" if bad else ""))
-    return 1 if bad else 0
+    n = {k: sum(s == k for _, s, _ in results) for k in ("ok", "unverified", "BAD")}
+    print(f"{n['ok']} of {len(results)} intact" + (f", {n['unverified']} unverified (no checksums)" if n["unverified"]
+                                                    else "") + (f"; {n['BAD']} damaged" if n["BAD"] else ""))
+    return 1 if n["BAD"] else 0
 
 
 def cmd_data_prepare(args) -> int:

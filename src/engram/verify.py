@@ -39,7 +39,10 @@ def verify_path(path) -> list[tuple[str, str, str]]:
     if (p / MANIFEST).is_file() or (p / "config.json").is_file():
         check(f"model {p}", lambda: verify_manifest(p), "")
     if (p / "final").is_dir():
-        out += verify_path(p / "final")
+        try:
+            out += verify_path(p / "final")
+        except ValueError:  # a folder another tool wrote (e.g. an older PEFT-only run): nothing to check it against
+            out.append((f"final {p / 'final'}", "unverified", "no engram checksums in it"))
     if (p / "state.json").is_file() and (p / "optim.safetensors").exists():
         from .checkpoint import read_checkpoint
 
