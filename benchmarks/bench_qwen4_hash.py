@@ -15,19 +15,9 @@ import statistics
 import time
 
 import torch
-from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
-from engram.integrations.qwen4_exp import hash_mapping
-
-
-class _Ids(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Buffer(torch.zeros(1))
-
-    def forward(self, ids):
-        return ids.unsqueeze(-1)
+from engram.integrations.qwen4_exp import hash_mapping, transformers_hashing
 
 
 def main():
@@ -39,12 +29,7 @@ def main():
     args = ap.parse_args()
     cfg = Qwen4ExpTextConfig(vocab_size=248320, hidden_size=64, num_hidden_layers=2, ple_layer_ids=[2],
                              layer_types=["linear_attention"] * 2, eos_token_id=248044, ple_embed_dim=64)
-    with torch.device("meta"):
-        ref = mq.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, 1, 0)
-    ref.layer_multipliers = mq._build_layer_multipliers(cfg.vocab_size, cfg.ngram_size, 0, cfg.seed)
-    ref.ngram_heads_vocab_sizes = torch.tensor(ref.head_vocab_sizes)
-    ref.ngram_heads_offsets = torch.tensor(ref.head_offsets)
-    ref.ngram_embedding = _Ids()
+    ref = transformers_hashing(cfg, 0)  # transformers' own module, table replaced by a row-id echo
     mapping = hash_mapping(cfg)
     offsets = torch.tensor(mapping.head_offsets(2))
     g = torch.Generator().manual_seed(0)

@@ -46,6 +46,21 @@ def perturb(model, scale=0.3):
     return model
 
 
+def fit(model, ids, steps, lr=1e-2):
+    """`steps` optimizer steps on one batch (engram's optimizer groups): (losses, optimizers)."""
+    opts = build_optimizers(model, lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts.values():
+            o.step()
+        losses.append(loss.item())
+    return losses, opts
+
+
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -69,17 +84,8 @@ def test_loss_falls_with_the_base_frozen_and_unchanged(kind, tok):
     m = engram.attach(make(kind), [1], tokenizer=tok, **OPTS).train()
     freeze_base(m)
     before = {k: v.clone() for k, v in m.state_dict().items() if "engram_adapter" not in k}
-    opts = build_optimizers(m, lr=1e-2, weight_decay=0.0)
     ids = torch.randint(0, 400, (4, 16))
-    losses = []
-    for _ in range(40):
-        loss = m(input_ids=ids, labels=ids).loss
-        for o in opts.values():
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        for o in opts.values():
-            o.step()
-        losses.append(loss.item())
+    losses, opts = fit(m, ids, 40)
     assert losses[-1] < 0.85 * losses[0], losses
     assert "tables" in opts  # the rows trained by the lazy row optimizer
     after = m.state_dict()
@@ -133,15 +139,8 @@ def test_lora_and_engram_train_together_and_round_trip(tok, tmp_path):
     pm = engram.adapter.add_lora(m, rank=4)
     names = [n for n, p in pm.named_parameters() if p.requires_grad]
     assert any("lora_A" in n for n in names) and any("engram_adapter" in n for n in names)
-    opts = build_optimizers(pm, lr=1e-2, weight_decay=0.0)
     ids = torch.randint(0, 400, (4, 16))
-    for _ in range(5):
-        loss = pm(input_ids=ids, labels=ids).loss
-        for o in opts.values():
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        for o in opts.values():
-            o.step()
+    fit(pm, ids, 5)
     pm.eval()
     want = logits(pm, ids)
     engram.save_adapter(pm, tmp_path / "a")

@@ -11,7 +11,7 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextCo
 
 from engram.config import ConfigError  # noqa: E402
 from engram.hashing import NgramHashMapping  # noqa: E402
-from engram.integrations.qwen4_exp import hash_mapping  # noqa: E402
+from engram.integrations.qwen4_exp import hash_mapping, transformers_hashing  # noqa: E402
 
 
 def config(**kw):
@@ -20,25 +20,9 @@ def config(**kw):
     return Qwen4ExpTextConfig(**{**base, **kw})
 
 
-class _Ids(torch.nn.Module):
-    """Stands in for the n-gram embedding: returns the row ids it is asked for (no table allocated)."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Buffer(torch.zeros(1))
-
-    def forward(self, ids):
-        return ids.unsqueeze(-1)
-
-
 def transformers_rows(cfg, ple_index, ids, cache=None):
     """Row ids (B, T, H), offsets included, as transformers' Qwen4ExpTextNGramEmbedding computes them."""
-    with torch.device("meta"):  # the real table would be ~20M rows per head
-        m = mq.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, cfg.ple_layer_ids[ple_index] - 1, ple_index)
-    m.layer_multipliers = mq._build_layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
-    m.ngram_heads_vocab_sizes = torch.tensor(m.head_vocab_sizes)
-    m.ngram_heads_offsets = torch.tensor(m.head_offsets)
-    m.ngram_embedding = _Ids()
+    m = transformers_hashing(cfg, ple_index)
     return m(ids, cache), m
 
 

@@ -127,6 +127,15 @@ def compressed_tokenizer(tokenizer, model: nn.Module | None = None) -> Compresse
         raise AdapterError(str(e)) from None
 
 
+def pad_or_eos_id(config) -> int | None:
+    """A model config's pad token id, else its (first) EOS id, else None."""
+    for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
 def _check_vocab(ct: CompressedTokenizer, model: nn.Module) -> None:
     """The tokenizer must be the model's: every id it makes has an embedding row, and the embedding is not
     much larger than the vocabulary (models pad it, e.g. Qwen3 151,669 -> 151,936)."""
@@ -277,9 +286,8 @@ class EngramAdapter(nn.Module):
             if x is None:
                 raise AdapterError(f"decoder layer {layer_id} ran without Engram inputs: call the whole model "
                                    "(its forward hashes the token ids), not the layer alone")
-            rows = x if isinstance(x, torch.Tensor) and x.dim() == 4 else None
-            if rows is None:
-                rows = x.wait() if hasattr(x, "wait") else layer.multi_head_embedding(x)  # (B, T, H, d)
+            # hash ids (B, T, H) looked up here, or rows (B, T, H, d) pending on the prefetch thread
+            rows = layer.multi_head_embedding(x) if isinstance(x, torch.Tensor) else x.wait()
             h = args[0] if args else kwargs["hidden_states"]  # (B, T, D)
             state = self._cache.engram_state(layer_id) if self._cache is not None else None
             dtype = layer.kv_proj.weight.dtype
@@ -322,13 +330,8 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     ct = compressed_tokenizer(tokenizer, target)
     _check_vocab(ct, target)
     D = _hidden_size(target)
-    mcfg = getattr(target, "config", None)
-    cfg_pad = getattr(mcfg, "pad_token_id", None)
-    if cfg_pad is None:
-        cfg_pad = getattr(mcfg, "eos_token_id", None)
-    if isinstance(cfg_pad, list):
-        cfg_pad = cfg_pad[0] if cfg_pad else None
-    pad = cfg_pad if isinstance(cfg_pad, int) and 0 <= cfg_pad < ct.vocab_size else 0
+    cfg_pad = pad_or_eos_id(getattr(target, "config", None))
+    pad = cfg_pad if cfg_pad is not None and 0 <= cfg_pad < ct.vocab_size else 0
     fields = {f for f in EngramConfig.__dataclass_fields__}
     unknown = sorted(set(engram_options) - fields)
     if unknown:
@@ -363,9 +366,7 @@ def detach(model: nn.Module) -> nn.Module:
     from .tables.prefetch import Prefetcher
 
     Prefetcher.detach(target)
-    for name, mod in list(target.named_modules()):
-        if adapter in mod._modules.values():
-            del mod._modules[next(k for k, v in mod._modules.items() if v is adapter)]
+    del target._modules["engram_adapter"]  # where attach() put it
     return model
 
 
@@ -418,19 +419,6 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target
     return pm
 
 
-def _adapter_tensors(adapter: EngramAdapter) -> list:
-    """`write_safetensors` entries for the adapter's weights; tables in files stream a block at a time."""
-    from .tables import tensor_entry
-    from .tables.base import find_tables
-
-    backed = {f"{n}.embedding.weight": m.table for n, m in find_tables(adapter) if m.table is not None}
-    out = []
-    for k, v in adapter.state_dict().items():
-        t = backed[k].weight if k in backed else v
-        out.append(tensor_entry(k, t.detach().cpu() if t.device.type != "cpu" else t))
-    return out
-
-
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write only what attach added (and modules `unfreeze`d, and LoRA weights of a PEFT wrapper) to `directory`.
 
@@ -438,7 +426,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     fingerprint, sha256 of every file), `engram_hash_spec.json`, `tokenizer.json` (the compression's
     tokenizer), `base_modules.safetensors` and `lora/` when present. Written to a temp folder, then renamed.
     """
-    from .tables import write_safetensors
+    from .tables import table_entries, write_safetensors
 
     target = _unwrap(model)
     adapter = adapter_of(target)
@@ -449,7 +437,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    write_safetensors(tmp / WEIGHTS_FILE, _adapter_tensors(adapter), {"format": FORMAT})
+    write_safetensors(tmp / WEIGHTS_FILE, table_entries(adapter, adapter.state_dict()), {"format": FORMAT})
     if adapter.base_modules:
         sd = target.state_dict()
         keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))

@@ -206,12 +206,10 @@ def cmd_sample(args) -> int:
 
 
 def _pad_id(model) -> int:
-    cfg = model.config
-    for v in (cfg.pad_token_id, getattr(cfg, "eos_token_id", None), 0):
-        v = v[0] if isinstance(v, list) and v else v
-        if isinstance(v, int):
-            return v
-    return 0
+    from .adapter import pad_or_eos_id
+
+    pad = pad_or_eos_id(model.config)
+    return 0 if pad is None else pad
 
 
 def cmd_verify(args) -> int:

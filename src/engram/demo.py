@@ -8,7 +8,6 @@ once for all Engram layers before the first block (addresses depend only on the 
 from __future__ import annotations
 
 import dataclasses
-import resource
 import time
 
 import torch
@@ -18,6 +17,7 @@ from .config import BackBoneConfig, EngramConfig, check_layer_ids
 from .hashing import get_hash_mapping
 from .memory import Engram
 from .tokenizer import bos_id, encode, load_tokenizer
+from .utils import peak_rss_mib
 
 
 class MockBlock(nn.Module):
@@ -121,6 +121,6 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
         "params": sum(p.numel() for p in model.parameters()),
         "table_params": sum(e.multi_head_embedding.embedding.weight.numel() for e in engrams),
         "build_s": t1 - t0, "forward_s": t2 - t1, "total_s": t2 - t0,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),  # KiB on Linux
+        "peak_rss_gib": peak_rss_mib() / 1024,
         "config": {"engram": dataclasses.asdict(engram_cfg), "backbone": dataclasses.asdict(backbone_cfg)},
     }

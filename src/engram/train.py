@@ -40,9 +40,9 @@ from .manifest import write_manifest
 from .memory import defer_table_allocation, is_table_key
 from .model import EngramForCausalLM, update_expert_bias
 from .optim import build_optimizers, split_params, warmup_cosine
-from .tables import TableError, offload_tables, table_file, tensor_entry, write_safetensors
+from .tables import TableError, installed_tables, offload_tables, table_entries, table_file, write_safetensors
 from .tables.base import find_tables
-from .utils import atomic_write_bytes
+from .utils import atomic_write_bytes, peak_rss_mib
 
 
 def _step_of(line: str) -> int | None:
@@ -138,17 +138,13 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
         model.save_pretrained(tmp)
     finally:
         model.config.engram = old
-    backed = {f"{name}.embedding.weight": m.table for name, m in find_tables(model) if m.table is not None}
-    if backed:  # tables in files: stream their rows into model.safetensors, a block at a time
+    if installed_tables(model):  # tables in files: stream their rows into model.safetensors, a block at a time
         from safetensors import safe_open
 
         f = tmp / "model.safetensors"
         with safe_open(str(f), framework="pt") as st:
             meta, small = st.metadata(), {k: st.get_tensor(k) for k in st.keys()}
-        missing = set(backed) - set(small)
-        if missing:
-            raise CheckpointError(f"save_final: {f} lacks the table entries {sorted(missing)}")
-        write_safetensors(f, [tensor_entry(k, backed[k].weight if k in backed else v) for k, v in small.items()], meta)
+        write_safetensors(f, table_entries(model, small, where=f"save_final: {f}"), meta)
     shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
     write_manifest(tmp)  # again: the tables and the tokenizer came after save_pretrained's
     if final.exists():
@@ -432,15 +428,6 @@ def train(preset: str = "cpu-small", data: list[str] | None = None, out: str | o
     if step == 0:
         log_start(run)
     return finish(run, *loop(run, step, stop_after))
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (Linux reports ru_maxrss in KiB, macOS in bytes)."""
-    import resource
-    import sys
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 class _StopRequest:

@@ -10,8 +10,38 @@ SplitMix64 multipliers, consecutive primes, EOS document resets; `NgramHashMappi
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from ..config import ConfigError
 from ..hashing import NgramHashMapping
+
+
+class _RowIds(nn.Module):
+    """Stands in for an n-gram table: returns the row ids it is asked for (`transformers_hashing`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Buffer(torch.zeros(1))
+
+    def forward(self, ids):
+        return ids.unsqueeze(-1)
+
+
+def transformers_hashing(config, ple_index: int):
+    """transformers' own `Qwen4ExpTextNGramEmbedding` for PLE layer `ple_index`, with its table replaced by an
+    echo of the row ids: `module(input_ids, cache)` -> (B, T, H) row ids, offsets included. The reference our
+    hashing is tested and benchmarked against; no table is allocated (it is built on the meta device)."""
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
+
+    cfg = text_config(config)
+    with torch.device("meta"):  # the real table would be ~20M rows per head
+        m = mq.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, cfg.ple_layer_ids[ple_index] - 1, ple_index)
+    m.layer_multipliers = mq._build_layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
+    m.ngram_heads_vocab_sizes = torch.tensor(m.head_vocab_sizes)
+    m.ngram_heads_offsets = torch.tensor(m.head_offsets)
+    m.ngram_embedding = _RowIds()
+    return m
 
 
 def text_config(config):
@@ -38,8 +68,6 @@ def hash_mapping(config, backend: str = "auto") -> NgramHashMapping:
 
 
 # ------------------------------------------------------------------------------------------ serving the tables
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 
 class ServedNGramEmbedding(nn.Module):
@@ -190,6 +218,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     if backend == "mmap" and dir is None:
         raise ConfigError("serve_tables(backend='mmap') needs dir= for the table files")
     mapping = hash_mapping(model.config)
+    cfg = text_config(model.config)
     owner, ples = _ple_layers(model)
     served = {}
     for i, ple in ples:
@@ -198,7 +227,6 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             raise ConfigError(f"layer {i}'s n-gram table is already served by engram")
         lid = i + 1  # ple_layer_ids are 1-indexed
         used = int(sum(mapping.head_sizes(lid)))
-        cfg = text_config(model.config)
         padded = math.ceil(used / cfg.make_ngram_vocab_size_divisible_by) * cfg.make_ngram_vocab_size_divisible_by
         w, dim = orig.ngram_embedding.weight.detach(), orig.ngram_embedding.embedding_dim
         if list(orig.head_vocab_sizes) != mapping.head_sizes(lid):

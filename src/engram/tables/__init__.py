@@ -3,10 +3,10 @@
 `engram.distributed`."""
 
 from .backends import (InRamTable, MmapTable, create_table_file, new_table_file, offload_tables, restore_tables,
-                       table_file, tensor_entry, write_safetensors, write_table_file)
+                       table_entries, table_file, tensor_entry, write_safetensors, write_table_file)
 from .base import Table, TableError, find_tables, install, installed_tables, row_grads, uninstall
 from .prefetch import PendingRows, Prefetcher
 
 __all__ = ["InRamTable", "MmapTable", "PendingRows", "Prefetcher", "Table", "TableError", "create_table_file",
            "find_tables", "install", "installed_tables", "new_table_file", "offload_tables", "restore_tables",
-           "row_grads", "table_file", "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]
+           "row_grads", "table_entries", "table_file", "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]

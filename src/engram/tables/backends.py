@@ -115,6 +115,16 @@ def tensor_entry(name: str, t: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple
     return name, t.dtype, tuple(t.shape), chunks
 
 
+def table_entries(module, tensors: dict, where: str = "") -> list:
+    """`write_safetensors` entries for `tensors` (a state dict of `module`, in its order), with every installed
+    table's rows (`<name>.embedding.weight`, an empty parameter then) streamed from its backend instead."""
+    backed = {f"{name}.embedding.weight": m.table for name, m in find_tables(module) if m.table is not None}
+    missing = sorted(set(backed) - set(tensors))
+    if missing:
+        raise TableError(f"{where or 'the tensors to write'} lack the table entries {missing}")
+    return [tensor_entry(k, backed[k].weight if k in backed else v) for k, v in tensors.items()]
+
+
 def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
     def zeros():
         for s in range(0, num_rows, chunk_rows):

@@ -48,6 +48,10 @@ class Prefetcher:
         if not engrams:
             raise ValueError("Prefetcher: the model has no Engram layers")
         self.mapping = engrams[0].hash_mapping
+        self._start(device)
+
+    def _start(self, device) -> None:
+        """The worker thread and, for a CUDA `device`, the side stream the copies run on."""
         self.device = torch.device(device) if device is not None else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
         self.stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
@@ -58,9 +62,7 @@ class Prefetcher:
         n-gram lookups are not engram's `Engram` layers, e.g. `engram.integrations.qwen4_exp`)."""
         pf = cls.__new__(cls)
         pf.layers, pf.mapping = dict(layers), mapping
-        pf.device = torch.device(device) if device is not None else None
-        pf.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
-        pf.stream = torch.cuda.Stream(pf.device) if pf.device is not None and pf.device.type == "cuda" else None
+        pf._start(device)
         return pf
 
     @classmethod
