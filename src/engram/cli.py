@@ -144,6 +144,39 @@ def _load_for_inference(args):
     return load_model(args.checkpoint)
 
 
+def _with_overlays(model, overlays):
+    """Apply each --overlay DIR in order (later ones win on shared rows); checked against the model."""
+    if overlays:
+        from .edit import apply_overlay
+
+        for d in overlays:
+            apply_overlay(model, d)
+    return model
+
+
+def cmd_edit(args) -> int:
+    from .data import text_windows
+    from .edit import edit_facts, edit_report, print_report, read_facts
+
+    if args.out and Path(args.out).is_file():
+        raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
+    model, tok = _load_for_inference(args)
+    facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
+    _with_overlays(model, args.overlay)
+    windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
+    print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
+          f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
+    overlay = edit_facts(model, tok, facts, steps=args.steps, lr=args.lr, positions=args.positions,
+                         orders=args.orders, target_prob=args.target_prob)
+    overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
+    report = edit_report(model, tok, facts, overlay, windows, args.batch_size)
+    overlay.meta["summary"] = report["summary"]
+    out = overlay.save(args.out, {"report.json": json.dumps(report, indent=1) + "\n"})
+    print_report(report)
+    print(f"wrote overlay {out} ({overlay.num_rows:,} rows) and {out / 'report.json'}; apply it with --overlay {out}")
+    return 0
+
+
 def cmd_adapt(args) -> int:
     from .adapt import adapt
 
@@ -182,6 +215,7 @@ def cmd_eval(args) -> int:
     from .train import evaluate_text
 
     model, tok = _load_for_inference(args)
+    _with_overlays(model, args.overlay)
     loss, n_tokens, n_windows = evaluate_text(model, tok, args.data, args.split, args.seq_len, args.max_windows,
                                               args.batch_size)
     print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
@@ -193,6 +227,7 @@ def cmd_sample(args) -> int:
     import torch
 
     model, tok = _load_for_inference(args)
+    _with_overlays(model, args.overlay)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
@@ -257,6 +292,7 @@ def cmd_gates(args) -> int:
     from .model import load_model
 
     model, tok = load_model(args.checkpoint)
+    _with_overlays(model, args.overlay)
     tokens, gates = G.compute_gates(model, tok, args.text)
     print(G.terminal(tokens, gates))
     for layer in sorted(gates):
@@ -402,6 +438,8 @@ def _training_commands(sub) -> None:
     e.add_argument("--seq-len", type=int, default=256)
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--max-windows", type=int, default=None)
+    e.add_argument("--overlay", action="append", metavar="DIR",
+                    help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
     e.set_defaults(func=cmd_eval)
 
     sm = sub.add_parser("sample", help="generate text from a checkpoint")
@@ -413,7 +451,31 @@ def _training_commands(sub) -> None:
     sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
     sm.add_argument("--top-k", type=int, default=50)
     sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--overlay", action="append", metavar="DIR",
+                    help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
     sm.set_defaults(func=cmd_sample)
+
+    ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)")
+    ed.add_argument("--checkpoint", help="run dir or save_pretrained folder of an engram model")
+    ed.add_argument("--base", help="a pretrained transformers model folder (with --adapter: its Engram adapter)")
+    ed.add_argument("--adapter", help="Engram adapter folder (or an `engram adapt` run dir)")
+    ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '
+                    '(optional "paraphrases": [...], "passages": [...])')
+    ed.add_argument("--out", required=True, help="overlay folder to write (with report.json)")
+    ed.add_argument("--steps", type=int, default=300, help="most optimization steps (stops once every fact is met)")
+    ed.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on the edited rows")
+    ed.add_argument("--positions", default="trigger", choices=["trigger", "all"],
+                    help="trigger: rows read where the target is predicted; all: every prompt position too")
+    ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest)")
+    ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
+    ed.add_argument("--data", action="append", help="text for the collision set and locality (default Shakespeare)")
+    ed.add_argument("--split", default="val", choices=["train", "val", "test"])
+    ed.add_argument("--seq-len", type=int, default=256)
+    ed.add_argument("--max-windows", type=int, default=64)
+    ed.add_argument("--batch-size", type=int, default=16)
+    ed.add_argument("--overlay", action="append", metavar="DIR",
+                    help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
+    ed.set_defaults(func=cmd_edit)
 
     vf = sub.add_parser("verify", help="check a run, model, adapter or checkpoint folder against its checksums")
     vf.add_argument("path")
@@ -451,6 +513,8 @@ def _analysis_commands(sub) -> None:
     ga.add_argument("--text", required=True)
     ga.add_argument("--out")
     ga.add_argument("--summary", action="store_true", help="mean gate on n-gram completions vs function words (val)")
+    ga.add_argument("--overlay", action="append", metavar="DIR",
+                    help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
     ga.set_defaults(func=cmd_gates)
 
     st = sub.add_parser("stats", help="tokenizer compression, table row usage/collisions, n-gram Zipf plot")

@@ -393,3 +393,17 @@ def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = Non
     if n == 0:
         raise DataError(f"validation split has {len(tokens)} tokens, fewer than one sequence of {seq_len}")
     return np.asarray(tokens[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+
+
+def text_windows(tokenizer, data: list[str] | None = None, split: str = "val", seq_len: int = 256,
+                 max_windows: int | None = None) -> np.ndarray:
+    """The evaluation windows (W, seq_len) of a split of `data` (default: Shakespeare) tokenized with `tokenizer`
+    (documents separated by `<|endoftext|>` when the tokenizer has it as id 0, as in training)."""
+    docs = split_documents(load_sources(data))[split]
+    if not docs:
+        raise ValueError(f"the {split} split is empty for this data")
+    eos = 0 if tokenizer.token_to_id("<|endoftext|>") == 0 else None
+    ids = []
+    for d in docs:
+        ids += tokenizer.encode(d.text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
+    return eval_windows(np.asarray(ids, dtype=np.uint32), seq_len, max_windows)

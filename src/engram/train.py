@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from . import presets
 from .checkpoint import CheckpointError, checkpoints, durable_tables, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
-from .data import Batcher, eval_windows, load_manifest, load_sources, load_split, prepare, split_documents
+from .data import Batcher, eval_windows, load_manifest, load_split, prepare, text_windows
 from .distributed.parallel import DistContext
 from .manifest import write_manifest
 from .memory import defer_table_allocation, is_table_key
@@ -84,15 +84,9 @@ def evaluate_text(model, tokenizer, data: list[str] | None = None, split: str = 
 
     Returns (loss in nats/token, tokens scored, windows of `seq_len`).
     """
-    docs = split_documents(load_sources(data))[split]
-    if not docs:
-        raise ValueError(f"the {split} split is empty for this data")
-    eos = 0 if tokenizer.token_to_id("<|endoftext|>") == 0 else None
-    ids = []
-    for d in docs:
-        ids += tokenizer.encode(d.text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
-    windows = eval_windows(np.asarray(ids, dtype=np.uint32), seq_len, max_windows)
+    windows = text_windows(tokenizer, data, split, seq_len, max_windows)
     return evaluate(model, windows, batch_size, torch.device("cpu")), windows.size, len(windows)
+
 
 
 def _plot(run_dir: Path) -> Path | None:

@@ -1,0 +1,271 @@
+"""Fact editing (`engram.edit`, `engram edit`): only overlay rows change, locality is exact, overlays apply on
+every table backend, stack in order, refuse another model, and the CLI fails in one line."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import engram  # noqa: E402
+from engram.analysis.editing import make_facts  # noqa: E402
+from engram.cli import main  # noqa: E402
+from engram.data import text_windows  # noqa: E402
+from engram.edit import (EditError, Fact, Overlay, apply_overlay, collision_set, edit_facts, edit_report,  # noqa: E402
+                         edit_rows, hash_mapping, locality, read_facts)
+from engram.manifest import IntegrityError  # noqa: E402
+from engram.model import load_model  # noqa: E402
+from engram.tables import Prefetcher, offload_tables  # noqa: E402
+from engram.tables.overlay import remove_overlays  # noqa: E402
+from engram.train import train  # noqa: E402
+
+FACTS = [Fact("the cat sat on", " the dog", ["a cat sat on"], ["It rained. the cat sat on"]),
+         Fact("Line 5: the king", " ran"), Fact("the dog ran to the mat", " cat")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("edit")
+    corpus = root / "c.txt"
+    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400)))
+    train("tiny", data=[str(corpus)], out=root / "run", max_steps=10, progress=False)
+    return root, corpus
+
+
+@pytest.fixture(scope="module")
+def edited(run):
+    root, corpus = run
+    model, tok = load_model(root / "run")
+    overlay = edit_facts(model, tok, FACTS, steps=60, lr=0.3, progress=False)
+    return model, tok, overlay
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def target_logp(model, tok, fact):
+    p, t = (tok.encode(x, add_special_tokens=False).ids for x in (fact.prompt, fact.target))
+    lp = torch.log_softmax(logits(model, torch.tensor([p + t])).float(), -1)[0]
+    return float(sum(lp[len(p) - 1 + j, t[j]] for j in range(len(t))))
+
+
+def test_edit_moves_only_overlay_rows_toward_targets(run):
+    root, _ = run
+    model, tok = load_model(root / "run")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = [target_logp(model, tok, f) for f in FACTS]
+    ids = torch.tensor([tok.encode("the king sat on the mat", add_special_tokens=False).ids])
+    base_logits = logits(model, ids)
+    overlay = edit_facts(model, tok, FACTS, steps=60, lr=0.3, progress=False)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # no weight written
+    assert all(v.grad is None and v.requires_grad is False for v in overlay.values.values())
+    assert torch.equal(logits(model, ids), base_logits)  # not applied by edit_facts
+    rows = edit_rows(model, tok, FACTS)
+    assert {k: v.tolist() for k, v in overlay.rows.items()} == {k: v.tolist() for k, v in rows.items()}
+    with engram.edit.applied(model, overlay):
+        after = [target_logp(model, tok, f) for f in FACTS]
+    assert all(a > b + 0.5 for a, b in zip(after, before)), (before, after)
+    assert torch.equal(logits(model, ids), base_logits)  # taken off again: the undo
+
+
+def test_edit_rows_are_the_trigger_ngrams_of_the_highest_order(edited):
+    model, tok, _ = edited
+    mapping, fact = hash_mapping(model), FACTS[1]
+    p, t = (tok.encode(x, add_special_tokens=False).ids for x in (fact.prompt, fact.target))
+    h = mapping.hash(np.array([p + t]))
+    lid = mapping.layer_ids[0]
+    K, N = mapping.n_head_per_ngram, mapping.max_ngram_size
+    offsets = torch.tensor(mapping.head_offsets(lid))
+    cols = list(range((N - 2) * K, (N - 1) * K))
+    want = (torch.as_tensor(h[lid][0, len(p) - 1]) + offsets)[cols]  # the prompt's last position, order N
+    assert set(want.tolist()) == set(edit_rows(model, tok, [fact])[lid].tolist())
+    all_rows = edit_rows(model, tok, [fact], positions="all", orders=[2, 3])[lid]
+    assert len(all_rows) > len(want) and set(want.tolist()) <= set(all_rows.tolist())
+    with pytest.raises(EditError, match="orders"):
+        edit_rows(model, tok, [fact], orders=[5])
+
+
+def test_collision_set_is_exact_and_nothing_outside_it_changes(run, edited):
+    root, corpus = run
+    model, tok, overlay = edited
+    windows = text_windows(tok, [str(corpus)], "train", 32, 12)
+    coll = collision_set(model, overlay, windows, tok)
+    mask = coll["mask"]
+    # brute force: hash every window alone, test each head's row against the edited rows
+    mapping = hash_mapping(model)
+    lid = mapping.layer_ids[0]
+    edited_rows = set(overlay.rows[lid].tolist())
+    offsets = mapping.head_offsets(lid)
+    for w in range(len(windows)):
+        h = mapping.hash(windows[w:w + 1])[lid][0]
+        for t in range(windows.shape[1]):
+            hit = any(int(h[t, j]) + offsets[j] in edited_rows for j in range(h.shape[1]))
+            assert bool(mask[w, t]) == hit
+    assert 0 < coll["positions"] < mask.numel()  # the facts' n-grams occur in this text, but not everywhere
+    loc = locality(model, overlay, windows, mask, batch_size=5)
+    assert loc["changed_outside"] == 0
+    assert loc["outside"]["loss_before"] == loc["outside"]["loss_after"] and loc["outside"]["tokens"] > 0
+    assert loc["all"]["loss_before"] != loc["all"]["loss_after"]  # and inside it, something did change
+
+
+def test_report_counts_efficacy_and_generalization(run, edited):
+    root, corpus = run
+    model, tok, overlay = edited
+    windows = text_windows(tok, [str(corpus)], "train", 32, 4)
+    rep = edit_report(model, tok, FACTS, overlay, windows)
+    s = rep["summary"]
+    assert s["facts"] == 3 and s["paraphrases_count"] == 1 and s["passages_count"] == 1
+    assert s["p_target_after"] > s["p_target_before"]
+    assert s["rows_changed"] == overlay.num_rows
+    json.dumps(rep)  # the report is plain JSON
+
+
+def test_overlay_round_trip_and_refusals(tmp_path, run, edited):
+    root, _ = run
+    model, tok, overlay = edited
+    ids = torch.tensor([tok.encode("the cat sat on the dog ran to the mat", add_special_tokens=False).ids])
+    with engram.edit.applied(model, overlay):
+        want = logits(model, ids)
+    d = overlay.save(tmp_path / "ov")
+    fresh, _ = load_model(root / "run")
+    apply_overlay(fresh, d)
+    assert torch.equal(logits(fresh, ids), want)
+    assert remove_overlays(fresh) == 1
+    # another checkpoint: the same config with other weights
+    other, _ = load_model(root / "run")
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.01)
+    with pytest.raises(EditError, match="another checkpoint"):
+        apply_overlay(other, d)
+    bad = Overlay(overlay.rows, overlay.values, {**overlay.meta, "hash_spec_sha256": "0" * 64})
+    with pytest.raises(EditError, match="another hash manifest"):
+        apply_overlay(fresh, bad)
+    raw = bytearray((d / "overlay.safetensors").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (d / "overlay.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="overlay.safetensors"):
+        Overlay.load(d)
+
+
+@pytest.mark.parametrize("backend", ["ram", "mmap"])
+def test_overlay_reads_the_same_on_every_backend(tmp_path, run, edited, backend):
+    root, _ = run
+    model, tok, overlay = edited
+    ids = torch.tensor([tok.encode("Line 5: the king sat on the mat", add_special_tokens=False).ids])
+    with engram.edit.applied(model, overlay):
+        want = logits(model, ids)
+    other, _ = load_model(root / "run")
+    offload_tables(other, backend, tmp_path / "tables")
+    apply_overlay(other, overlay)  # the digest reads table rows through the backend: same model, same digest
+    assert torch.equal(logits(other, ids), want)
+    Prefetcher.attach(other)
+    try:
+        assert torch.equal(logits(other, ids), want)
+    finally:
+        Prefetcher.detach(other)
+
+
+def test_overlays_stack_in_order_and_generate_uses_them(run, edited):
+    root, _ = run
+    model, tok, overlay = edited
+    lid = next(iter(overlay.rows))
+    r = overlay.rows[lid][:1]
+    first = Overlay({lid: r}, {lid: torch.full((1, overlay.values[lid].shape[1]), 3.0)}, overlay.meta)
+    second = Overlay({lid: r}, {lid: torch.full((1, overlay.values[lid].shape[1]), -2.0)}, overlay.meta)
+    m, _ = load_model(root / "run")
+    apply_overlay(m, first)
+    apply_overlay(m, second)
+    mhe = engram.edit.engram_layers(m)[lid]
+    assert torch.equal(mhe.table.lookup(r)[0], torch.full((mhe.dim,), -2.0))  # the last overlay wins
+    remove_overlays(m)
+    apply_overlay(m, overlay)
+    prompt = torch.tensor([tok.encode("the cat sat on", add_special_tokens=False).ids])
+    out = m.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    full = logits(m, out[:, :-1])  # recompute without a cache: the same greedy tokens
+    assert torch.equal(full[0, prompt.shape[1] - 1:].argmax(-1), out[0, prompt.shape[1]:])
+
+
+def test_edit_on_an_adapter(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engram.tokenizer import load_tokenizer, train_bpe
+
+    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
+    tok_file = train_bpe(text, 400, tmp_path / "tokenizer.json", progress=False)
+    tok = load_tokenizer(tok_file)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)).eval()
+    engram.attach(model, [1], tokenizer=tok_file, engram_vocab_size=[211, 223], n_embed_per_ngram=16,
+                  n_head_per_ngram=2)
+    with torch.no_grad():  # stand-in for a trained adapter: value rows off zero
+        for p in engram.adapter.adapter_of(model).parameters():
+            p.add_(torch.randn(p.shape) * 0.3)
+    facts = [Fact("The quick brown fox", " said")]
+    before = target_logp(model, tok, facts[0])
+    overlay = edit_facts(model, tok, facts, steps=40, lr=0.3, progress=False)
+    windows = np.array([tok.encode(text[0] + " " + text[1], add_special_tokens=False).ids[:24]])
+    coll = collision_set(model, overlay, windows)
+    loc = locality(model, overlay, windows, coll["mask"])
+    assert loc["changed_outside"] == 0
+    apply_overlay(model, overlay)
+    assert target_logp(model, tok, facts[0]) > before + 0.5
+
+
+def test_facts_file_errors_and_generator(tmp_path, run):
+    root, _ = run
+    _, tok = load_model(root / "run")
+    for line, msg in [('{"prompt": "", "target": " x"}', "'prompt' is missing or empty"),
+                      ('{"prompt": "a", "target": "   "}', "'target' is missing or empty"),
+                      ('{"prompt": "a"}', "'target' is missing"), ('{"prompt": "a", "target": "b", "x": 1}', "unknown keys"),
+                      ("not json", "not JSON"), ('{"prompt": "a", "target": "b", "paraphrases": "c"}', "list of")]:
+        f = tmp_path / "f.jsonl"
+        f.write_text(line + "\n")
+        with pytest.raises(EditError, match=msg):
+            read_facts(f, tok)
+    facts = make_facts(50, seed=0)
+    assert facts == make_facts(50, seed=0) and len({f.prompt for f in facts}) == 50
+    assert all(f.paraphrases and f.passages and f.passages[0].endswith(f.prompt) for f in facts)
+
+
+def cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
+    root, corpus = run
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("".join(json.dumps(f.__dict__) + "\n" for f in FACTS[1:2]))
+    out = tmp_path / "ov"
+    code, stdout, err = cli(capsys, "edit", "--checkpoint", root / "run", "--facts", facts, "--out", out,
+                            "--data", corpus, "--split", "train", "--seq-len", 32, "--max-windows", 4,
+                            "--steps", 60, "--lr", 0.3)
+    assert code == 0, err
+    assert "efficacy" in stdout and "0 logits rows changed" in stdout
+    assert (out / "report.json").is_file() and (out / "engram_manifest.json").is_file()
+    code, stdout, err = cli(capsys, "sample", "--checkpoint", root / "run", "--overlay", out, "--prompt",
+                            FACTS[1].prompt, "--temperature", 0, "--max-new-tokens", 1)
+    assert code == 0, err
+    edited_greedy = json.loads((out / "report.json").read_text())["facts"][0]["after"]["prompt"]["greedy"]
+    assert (stdout.strip() == (FACTS[1].prompt + FACTS[1].target)) == edited_greedy
+    code, stdout, err = cli(capsys, "eval", "--checkpoint", root / "run", "--overlay", out, "--data", corpus,
+                            "--seq-len", 32, "--max-windows", 2)
+    assert code == 0 and "perplexity" in stdout, err
+    code, stdout, err = cli(capsys, "gates", "--checkpoint", root / "run", "--overlay", out, "--text", "the king")
+    assert code == 0 and "gate min" in stdout, err
+    # bad input: one line each, exit 2, nothing written
+    (tmp_path / "empty.jsonl").write_text('{"prompt": " ", "target": " x"}\n')
+    for args, msg in [(("--facts", tmp_path / "empty.jsonl"), "missing or empty"),
+                      (("--facts", tmp_path / "nope.jsonl"), "no such file"),
+                      (("--facts", facts, "--overlay", tmp_path / "nowhere"), "no overlay here")]:
+        code, _, err = cli(capsys, "edit", "--checkpoint", root / "run", "--out", tmp_path / "bad", *args)
+        lines = [line for line in err.splitlines() if line.startswith("engram:")]
+        assert code == 2 and len(lines) == 1 and msg in lines[0] and "Traceback" not in err, err
+        assert not (tmp_path / "bad").exists()
