@@ -13,8 +13,8 @@ import engram  # noqa: E402
 from engram.analysis.editing import make_facts  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.data import text_windows  # noqa: E402
-from engram.edit import (EditError, Fact, Overlay, apply_overlay, collision_set, edit_facts, edit_report,  # noqa: E402
-                         edit_rows, hash_mapping, locality, read_facts)
+from engram.edit import (EditError, Fact, Overlay, apply_overlay, collision_set, conflicts, edit_facts,  # noqa: E402
+                         edit_report, edit_rows, hash_mapping, locality, read_facts)
 from engram.manifest import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
@@ -233,6 +233,60 @@ def test_facts_file_errors_and_generator(tmp_path, run):
     assert all(f.paraphrases and f.passages and f.passages[0].endswith(f.prompt) for f in facts)
 
 
+def test_conflicts_and_addressable_facts(edited):
+    model, tok, _ = edited
+    clash = [Fact("Line 7: the cat sat on", " the"), Fact("the cat sat on", " dog")]  # prompts end in one 3-gram
+    ids = [tok.encode(f.prompt, add_special_tokens=False).ids for f in clash]
+    assert ids[0][-3:] == ids[1][-3:] and ids[0] != ids[1]
+    found = conflicts(model, tok, clash)
+    assert [c["facts"] for c in found] == [[0, 1]] and found[0]["tokens"] == [" the", " dog"]
+    assert engram.edit.shared_rows(model, tok, clash) == hash_mapping(model).n_head_per_ngram
+    assert conflicts(model, tok, [Fact("the cat sat on", " the"), Fact("the cat sat on", " the")]) == []  # same target
+
+
+class SyllableTokenizer:
+    """A stand-in tokenizer: words with their leading space are tokens, made-up names split into syllables."""
+
+    def __init__(self):
+        self.vocab = {}
+
+    def _pieces(self, word):
+        from engram.analysis.editing import SYLLABLES
+
+        core, out = word.strip().lower(), []
+        while core:
+            syl = next((x for x in SYLLABLES if core.startswith(x)), None)
+            if syl is None:
+                return [word]
+            out.append(syl)
+            core = core[len(syl):]
+        return out
+
+    def encode(self, text, add_special_tokens=False):
+        import re
+        import types
+
+        toks = [p for w in re.findall(r" ?[^ ]+", text) for p in self._pieces(w)]
+        return types.SimpleNamespace(ids=[self.vocab.setdefault(t, len(self.vocab)) for t in toks])
+
+
+def test_generator_keeps_only_addressable_facts():
+    from engram.analysis.editing import _trigger_ngrams
+
+    tok = SyllableTokenizer()
+    facts = make_facts(50, seed=0, tokenizer=tok)
+    seen = set()
+    for f in facts:
+        p = tok.encode(f.prompt).ids
+        t = tok.encode(f.target).ids
+        seq = p + t
+        mine = {tuple(seq[max(0, i - 2): i + 1]) for i in range(len(p) - 1, len(seq) - 1)}
+        assert not mine & seen  # no two facts read the same 3-gram where a target is predicted
+        seen |= mine
+    assert _trigger_ngrams(tok, "Kaldor rules over", " Rome", len("Kaldor"), 3) is not None  # 2 words after: ok
+    assert _trigger_ngrams(tok, "Kaldor is the lord of", " Rome", len("Kaldor"), 3) is None  # 4 words after
+
+
 def cli(capsys, *args):
     code = main([str(a) for a in args])
     out = capsys.readouterr()
@@ -250,6 +304,8 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
     assert code == 0, err
     assert "efficacy" in stdout and "0 logits rows changed" in stdout
     assert (out / "report.json").is_file() and (out / "engram_manifest.json").is_file()
+    code, stdout, err = cli(capsys, "verify", out)
+    assert code == 0 and stdout.startswith("ok") and "overlay" in stdout, (stdout, err)
     code, stdout, err = cli(capsys, "sample", "--checkpoint", root / "run", "--overlay", out, "--prompt",
                             FACTS[1].prompt, "--temperature", 0, "--max-new-tokens", 1)
     assert code == 0, err

@@ -12,10 +12,11 @@ __version__ = "0.1.0"
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
 _ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")
+_EDIT_NAMES = ("edit_facts", "apply_overlay", "remove_overlays", "Overlay", "Fact", "EditError")
 
 
 def __getattr__(name):
-    """Lazy access to the Hugging Face classes and the adapter API (importing transformers costs ~2 s)."""
+    """Lazy access to the Hugging Face classes, the adapter API and fact editing (importing transformers costs ~2 s)."""
     if name in _HF_NAMES:
         from . import model
 
@@ -24,6 +25,10 @@ def __getattr__(name):
         from . import adapter
 
         return getattr(adapter, name)
+    if name in _EDIT_NAMES:
+        from . import edit
+
+        return getattr(edit, name)
     raise AttributeError(f"module 'engram' has no attribute {name!r}")
 
 

@@ -283,7 +283,7 @@ def cmd_experiment(args) -> int:
         return 0
     for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
-                                   max_steps=args.max_steps, size=args.size)
+                                   max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint)
     return 0
 
 
@@ -477,7 +477,7 @@ def _training_commands(sub) -> None:
                     help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
     ed.set_defaults(func=cmd_edit)
 
-    vf = sub.add_parser("verify", help="check a run, model, adapter or checkpoint folder against its checksums")
+    vf = sub.add_parser("verify", help="check a run, model, adapter, overlay or checkpoint folder against its checksums")
     vf.add_argument("path")
     vf.set_defaults(func=cmd_verify)
 
@@ -496,7 +496,7 @@ def _training_commands(sub) -> None:
 
 
 def _analysis_commands(sub) -> None:
-    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, all)")
+    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, retrofit, edit, all)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=2)
@@ -506,6 +506,7 @@ def _analysis_commands(sub) -> None:
     ex.add_argument("--data", action="append")
     ex.add_argument("--max-steps", type=int)
     ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
+    ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
     ex.set_defaults(func=cmd_experiment)
 
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)")

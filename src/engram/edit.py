@@ -44,7 +44,11 @@ import torch.nn.functional as F
 from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, is_table_key
 from .tables.base import find_tables
-from .tables.overlay import OverlayTable, overlays_of, push_overlay
+from .tables.overlay import OverlayTable, overlays_of, push_overlay, remove_overlays  # noqa: F401 (re-exported)
+
+__all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "check_overlay", "collision_set", "conflicts", "shared_rows",
+           "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "hash_mapping", "locality",
+           "model_digest", "print_report", "read_facts", "remove_overlays", "score", "spec_digest"]
 
 FORMAT = "engram-overlay/1"
 WEIGHTS, META = "overlay.safetensors", "overlay.json"
@@ -333,23 +337,64 @@ def _order_columns(mapping, orders) -> list[int]:
     return [(o - 2) * K + k for o in orders for k in range(K)]
 
 
-def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> dict[int, torch.Tensor]:
-    """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc)."""
+def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> list[dict]:
+    """Per fact: {layer: (P, h) table rows} read at its edited positions (P), in the chosen orders' h heads,
+    and `next`: the token each of those positions must predict (-1 for prompt positions under "all")."""
     if positions not in ("trigger", "all"):
         raise EditError(f"positions must be 'trigger' or 'all', got {positions!r}")
     mapping = hash_mapping(model)
     layers = engram_layers(model)
     cols = _order_columns(mapping, orders)
-    found: dict[int, list[torch.Tensor]] = {lid: [] for lid in layers}
+    out = []
     for p, t in _sequences(tokenizer, facts):
-        ids = np.asarray([p + t], dtype=np.int64)
-        hashed = mapping.hash(ids)
-        where = range(len(p) - 1, len(p) + len(t) - 1) if positions == "trigger" else range(len(p) + len(t) - 1)
+        seq = p + t
+        hashed = mapping.hash(np.asarray([seq], dtype=np.int64))
+        where = list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
+        rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}
         for lid, mhe in layers.items():
-            h = torch.as_tensor(hashed[lid][0])  # (T, H)
-            flat = h + mhe._offsets_on(torch.device("cpu"))  # (T, H) table rows
-            found[lid].append(flat[list(where)][:, cols].reshape(-1))
-    return {lid: torch.unique(torch.cat(v)) for lid, v in found.items()}
+            flat = torch.as_tensor(hashed[lid][0]) + mhe._offsets_on(torch.device("cpu"))  # (T, H) table rows
+            rec[lid] = flat[where][:, cols]  # (P, h)
+        out.append(rec)
+    return out
+
+
+def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> dict[int, torch.Tensor]:
+    """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc)."""
+    recs = _fact_rows(model, tokenizer, facts, positions, orders)
+    return {lid: torch.unique(torch.cat([r[lid].reshape(-1) for r in recs])) for lid in engram_layers(model)}
+
+
+def conflicts(model, tokenizer, facts: list[Fact], orders=None) -> list[dict]:
+    """Pairs of facts that read exactly the same edited rows where they must predict different tokens.
+
+    Such facts end in the same n-gram (e.g. two prompts ending "... rules over"), so one set of rows
+    has to serve two targets and an edit can serve only one. (Facts sharing one head's row by a hash
+    collision while their other heads differ are not conflicts: `shared_rows` counts those.)
+    Each entry: `facts` (0-based indices), `tokens` (the two predicted tokens), `ngram` (its text).
+    """
+    recs = _fact_rows(model, tokenizer, facts, "trigger", orders)
+    layers = sorted(engram_layers(model))
+    seen: dict[tuple, tuple[int, int]] = {}
+    found: dict[tuple, dict] = {}
+    for i, rec in enumerate(recs):
+        for pos, nxt in enumerate(rec["next"]):
+            key = tuple(r for lid in layers for r in rec[lid][pos].tolist())  # every edited row read there
+            j, other = seen.setdefault(key, (i, nxt))
+            if j != i and other != nxt and (j, i) not in found:
+                found[(j, i)] = {"facts": [j, i], "tokens": [tokenizer.decode([other]), tokenizer.decode([nxt])]}
+    return list(found.values())
+
+
+def shared_rows(model, tokenizer, facts: list[Fact], orders=None) -> int:
+    """Edited rows read by two or more facts where they predict different tokens (conflicts or hash collisions)."""
+    recs = _fact_rows(model, tokenizer, facts, "trigger", orders)
+    owner: dict[tuple, set] = {}
+    for rec in recs:
+        for lid in engram_layers(model):
+            for pos, nxt in enumerate(rec["next"]):
+                for r in rec[lid][pos].tolist():
+                    owner.setdefault((lid, r), set()).add(nxt)
+    return sum(len(v) > 1 for v in owner.values())
 
 
 def _target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
@@ -532,11 +577,15 @@ def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: 
                 batch_size: int = 16) -> dict:
     """Efficacy, generalization, collision set and locality of `overlay` on `model` (see the module doc)."""
     per_fact = fact_report(model, tokenizer, facts, overlay)
+    clash = conflicts(model, tokenizer, facts, overlay.meta.get("settings", {}).get("orders"))
     coll = collision_set(model, overlay, windows, tokenizer)
     loc = locality(model, overlay, windows, coll.pop("mask"), batch_size)
 
     summary = {"facts": len(facts), "rows_changed": overlay.num_rows,
-               "rows_per_fact": overlay.num_rows / len(facts)}
+               "rows_per_fact": overlay.num_rows / len(facts),
+               "facts_in_conflict": len({i for c in clash for i in c["facts"]}),
+               "rows_shared_across_targets": shared_rows(model, tokenizer, facts, overlay.meta.get("settings", {})
+                                                         .get("orders"))}
     for when in ("before", "after"):
         xs = [r[when]["prompt"]["greedy"] for r in per_fact]
         summary[f"greedy_{when}"] = sum(xs) / len(xs)
@@ -546,7 +595,7 @@ def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: 
             summary[f"{kind}_greedy_{when}"] = sum(s["greedy"] for s in ys) / len(ys) if ys else None
             summary[f"{kind}_p_target_{when}"] = sum(s["p_target"] for s in ys) / len(ys) if ys else None
             summary[f"{kind}_count"] = len(ys)
-    return {"summary": summary, "facts": per_fact, "collisions": coll, "locality": loc,
+    return {"summary": summary, "facts": per_fact, "conflicts": clash, "collisions": coll, "locality": loc,
             "optimization": overlay.meta.get("optimization", {})}
 
 
@@ -575,6 +624,11 @@ def print_report(report: dict, file=None) -> None:
           file=file)
     print(f"generalization: paraphrases {pct(s['paraphrases_greedy_after'])} of {s['paraphrases_count']}, "
           f"in a passage {pct(s['passages_greedy_after'])} of {s['passages_count']}", file=file)
+    if report["conflicts"]:
+        pairs = "; ".join(f"{pf[a]['prompt']!r} / {pf[b]['prompt']!r}" for a, b in (c["facts"] for c in report["conflicts"][:3]))
+        print(f"conflicts: {s['facts_in_conflict']} facts end in the same n-gram as a fact with another target, so they "
+              f"share rows and cannot all be served ({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); put the "
+              "entity within the prompt's last n-gram", file=file)
     print(f"rows changed: {s['rows_changed']:,} ({s['rows_per_fact']:.1f} per fact); edit took "
           f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps", file=file)
     print(f"collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "

@@ -1,4 +1,4 @@
-"""`engram verify PATH`: check a run, model, adapter or checkpoint folder against its checksums.
+"""`engram verify PATH`: check a run, model, adapter, overlay or checkpoint folder against its checksums.
 
 Kept apart from `manifest.py` (which the model file imports) because it reads every kind of folder
 engram writes: adapters, checkpoints, run directories.
@@ -36,7 +36,11 @@ def verify_path(path) -> list[tuple[str, str, str]]:
         from .adapter import read_adapter_config
 
         check(f"adapter {p}", lambda: read_adapter_config(p), "save the adapter again or re-download it")
-    if (p / MANIFEST).is_file() or (p / "config.json").is_file():
+    if (p / "overlay.json").is_file():
+        from .edit import Overlay
+
+        check(f"overlay {p}", lambda: Overlay.load(p), "")
+    elif (p / MANIFEST).is_file() or (p / "config.json").is_file():
         check(f"model {p}", lambda: verify_manifest(p), "")
     if (p / "final").is_dir():
         try:

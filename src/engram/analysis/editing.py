@@ -44,7 +44,7 @@ RELATIONS = {
     "home": ("The home of {e} is", ["{e} dwells in", "Where does {e} live? In"], PLACES),
     "origin": ("{e} came from", ["{e} was born in", "The birthplace of {e} is"], PLACES),
     "wife": ("The wife of {e} is", ["{e} is married to", "{e} took to wife"], NAMES),
-    "rules": ("{e} rules over", ["{e} is the lord of", "The realm of {e} is"], PLACES),
+    "rules": ("The realm of {e} is", ["{e} rules over", "{e} is the lord of"], PLACES),
     "sword": ("The sword of {e} is called", ["{e} carries a sword named", "{e} fights with the blade"], SWORDS),
     "loves": ("{e} loves", ["The beloved of {e} is", "{e} is in love with"], NAMES),
 }
@@ -54,20 +54,48 @@ PASSAGES = ["The night was cold and the torches burned low in the hall.",
             "Rain fell on the castle walls while the court slept."]
 
 
-def make_facts(n: int = 50, seed: int = 0) -> list[Fact]:
-    """`n` facts about distinct made-up entities (see the module doc); the same list for the same seed."""
+def make_facts(n: int = 50, seed: int = 0, tokenizer=None, order: int = 3) -> list[Fact]:
+    """`n` facts about distinct made-up entities (see the module doc); the same list for the same arguments.
+
+    With `tokenizer`, only facts the memory can address are kept: at every position where a target
+    token is predicted, the last `order` tokens (the n-gram whose rows an edit changes) must include
+    the entity's last token or a target token, and must not be another fact's. Without it, two facts
+    can end in the same n-gram ("The home of Velbryash is", "The wife of Ethbryash is") and share rows.
+    """
     rng = random.Random(seed)
     names: set[str] = set()
-    while len(names) < n:
-        parts = [rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))]
-        names.add("".join(parts).capitalize())
-    facts = []
-    for i, e in enumerate(sorted(names, key=lambda s: rng.random())):
-        rel = list(RELATIONS)[i % len(RELATIONS)]
-        prompt, paraphrases, pool = RELATIONS[rel]
-        passage = " ".join(rng.sample(PASSAGES, 2)) + " " + prompt.format(e=e)
-        facts.append(Fact(prompt.format(e=e), rng.choice(pool), [p.format(e=e) for p in paraphrases], [passage]))
+    facts: list[Fact] = []
+    seen: set[tuple] = set()
+    for attempt in range(200 * n):
+        if len(facts) == n:
+            break
+        e = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        if e in names:
+            continue
+        rel = list(RELATIONS)[len(facts) % len(RELATIONS)]
+        prompt_t, paraphrases, pool = RELATIONS[rel]
+        prompt, target = prompt_t.format(e=e), rng.choice(pool)
+        if tokenizer is not None:
+            grams = _trigger_ngrams(tokenizer, prompt, target, prompt.index(e) + len(e), order)
+            if grams is None or grams & seen:
+                continue
+            seen |= grams
+        names.add(e)
+        passage = " ".join(rng.sample(PASSAGES, 2)) + " " + prompt
+        facts.append(Fact(prompt, target, [p.format(e=e) for p in paraphrases], [passage]))
+    if len(facts) < n:
+        raise ValueError(f"found only {len(facts)} addressable facts in {200 * n} tries")
     return facts
+
+
+def _trigger_ngrams(tokenizer, prompt: str, target: str, entity_end: int, order: int) -> set[tuple] | None:
+    """The n-grams read where `target`'s tokens are predicted, or None when the last one misses the entity."""
+    p = tokenizer.encode(prompt, add_special_tokens=False).ids
+    t = tokenizer.encode(target, add_special_tokens=False).ids
+    if len(p) - len(tokenizer.encode(prompt[:entity_end], add_special_tokens=False).ids) > order - 1:
+        return None  # more than order-1 tokens after the entity: the n-gram ending the prompt does not contain it
+    seq = p + t
+    return {tuple(seq[max(0, i - order + 1): i + 1]) for i in range(len(p) - 1, len(seq) - 1)}
 
 
 def write_facts(facts: list[Fact], path: Path) -> Path:
@@ -171,22 +199,26 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     root = Path(out) / "edit"
     root.mkdir(parents=True, exist_ok=True)
     model_dir = base_model(root, checkpoint, progress)
-    facts_path = root / "facts.jsonl"
-    if not facts_path.is_file():
-        write_facts(make_facts(n_facts, seed), facts_path)
     model, tok = load_model(model_dir)
-    facts = read_facts(facts_path, tok)
     windows = text_windows(tok, None, "val", 256, max_windows)
-    ov_dir = root / "overlay"
-    if not (ov_dir / "report.json").is_file():
-        _say(progress, f"[edit] editing {len(facts)} facts -> {ov_dir}")
-        overlay = edit_facts(model, tok, facts, progress=progress)
-        overlay.meta["base"] = str(model_dir)
-        report = edit_report(model, tok, facts, overlay, windows)
-        overlay.meta["summary"] = report["summary"]
-        overlay.save(ov_dir, {"report.json": json.dumps(report, indent=1) + "\n"})
-    Overlay.load(ov_dir)  # verified
-    report = json.loads((ov_dir / "report.json").read_text())
+    reports = {}
+    for name, filtered in (("overlay", True), ("overlay-unfiltered", False)):
+        facts_path = root / f"facts{'' if filtered else '-unfiltered'}.jsonl"
+        if not facts_path.is_file():
+            write_facts(make_facts(n_facts, seed, tokenizer=tok if filtered else None), facts_path)
+        facts = read_facts(facts_path, tok)
+        ov_dir = root / name
+        if not (ov_dir / "report.json").is_file():
+            _say(progress, f"[edit] editing {len(facts)} facts ({facts_path.name}) -> {ov_dir}")
+            overlay = edit_facts(model, tok, facts, progress=progress)
+            overlay.meta["base"] = str(model_dir)
+            report = edit_report(model, tok, facts, overlay, windows)
+            overlay.meta["summary"] = report["summary"]
+            overlay.save(ov_dir, {"report.json": json.dumps(report, indent=1) + "\n"})
+        Overlay.load(ov_dir)  # verified against its checksums
+        reports[name] = json.loads((ov_dir / "report.json").read_text())
+    facts = read_facts(root / "facts.jsonl", tok)
+    report = reports["overlay"]
     goal = round(report["summary"]["greedy_after"] * len(facts))
     ft = {}
     for method in ("full", "lora"):
@@ -196,7 +228,14 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
             atomic_write_bytes(f, json.dumps(finetune(model_dir, facts, method, goal, windows, progress=progress),
                                              indent=1).encode())
         ft[method] = json.loads(f.read_text())
+    raw = reports["overlay-unfiltered"]
+    in_conflict = {i for c in raw["conflicts"] for i in c["facts"]}
+    failed = [i for i, r in enumerate(raw["facts"]) if not r["after"]["prompt"]["greedy"]]
+    unfiltered = {"greedy_after": raw["summary"]["greedy_after"], "facts_in_conflict": len(in_conflict),
+                  "failed": len(failed), "failed_in_conflict": len(set(failed) & in_conflict),
+                  "val_change": raw["locality"]["all"]["change"], "changed_outside": raw["locality"]["changed_outside"]}
     summary = {"experiment": "edit", "model": str(model_dir), "facts": len(facts), "edit": report["summary"],
+               "unfiltered": unfiltered,
                "collisions": report["collisions"], "locality": report["locality"],
                "optimization": report["optimization"], "finetune": ft}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
@@ -223,6 +262,12 @@ def markdown(s: dict) -> str:
         lines.append(f"| fine-tuning ({m}) | {pct(r['greedy'])} | {r['p_target']:.3f} | {pct(r['paraphrases_greedy'])} "
                      f"| {pct(r['passages_greedy'])} | {r['val_change']:+.5f} | (every token can change) | "
                      f"{r['trainable_params']:,} params | {r['seconds']:.1f} s ({r['steps']} steps) |")
+    u = s["unfiltered"]
+    lines.append("")
+    lines.append(f"Unfiltered facts (the generator without the addressability filter): greedy {pct(u['greedy_after'])}; "
+                 f"{u['facts_in_conflict']} facts share their trigger n-gram with a fact of another target; "
+                 f"{u['failed_in_conflict']} of the {u['failed']} failures are among them; val loss change "
+                 f"{u['val_change']:+.5f}, {u['changed_outside']} logits changed outside the collision set.")
     lines.append("")
     lines.append(f"Collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "
                  f"({c['distinct_ngrams']:,} distinct n-grams); {loc['affected']['tokens']:,} predictions attend to one. "

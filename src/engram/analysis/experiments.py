@@ -17,6 +17,9 @@ Experiments:
   retrofit     a small pretrained Llama adapted to Python code (networkx): full fine-tuning vs LoRA
                vs Engram adapter vs LoRA + Engram; domain loss, forgetting, parameters, step time,
                memory (`analysis/retrofit.py`).
+  edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
+               efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
+               fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ..presets import get_preset
 from ..train import train
 from ..utils import atomic_write_bytes
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -73,11 +76,15 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
-                   size: str = "default") -> dict:
+                   size: str = "default", checkpoint: str | None = None) -> dict:
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
         return run(out, seeds, max_steps, progress=progress)
+    if name == "edit":  # one trained model, edited and fine-tuned: its own driver
+        from .editing import run
+
+        return run(out, checkpoint=checkpoint, progress=progress)
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
