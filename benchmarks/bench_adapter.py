@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from _reference import RefEngram, reference_hash
+from _reference import RefEngram
 
 import engram
 from engram import adapter as ad

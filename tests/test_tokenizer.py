@@ -6,7 +6,6 @@ import pytest
 
 from engram import CompressedTokenizer, TokenizerError
 from engram.tokenizer import resolve_tokenizer_file
-from engram.utils import cache_dir
 
 
 @pytest.fixture(scope="module")

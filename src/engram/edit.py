@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, is_table_key
 from .tables.base import find_tables
-from .tables.overlay import OverlayTable, overlays_of, push_overlay, remove_overlays  # noqa: F401 (re-exported)
+from .tables.overlay import OverlayTable, overlays_of, push_overlay, remove_overlays, restore_table
 
 __all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "check_overlay", "collision_set", "conflicts", "shared_rows",
            "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "hash_mapping", "locality",
@@ -237,8 +237,7 @@ class Overlay:
             raise FileNotFoundError(f"--overlay {directory}: no overlay here (expected {META} and {WEIGHTS}, "
                                     "written by engram edit)")
         fix = "re-run engram edit to write it again"
-        if not verify_manifest(d, fix=fix):
-            pass  # warned once: an overlay written without a manifest still loads
+        verify_manifest(d, fix=fix)  # without a manifest (written by hand): one warning, still loads
         try:
             meta = json.loads((d / META).read_text(encoding="utf-8"))
             if meta.get("format") != FORMAT:
@@ -303,8 +302,6 @@ def applied(model, overlay: Overlay, check: bool = False):
 
 
 def _restore_tables(layers: dict, before: dict) -> None:
-    from .tables.overlay import restore_table
-
     for lid, mhe in layers.items():
         restore_table(mhe, before[lid])
 

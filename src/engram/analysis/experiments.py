@@ -25,7 +25,6 @@ Experiments:
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 

@@ -3,7 +3,6 @@ table size on a corpus, and the rank-frequency (Zipf) curve of the n-grams."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np

@@ -1,12 +1,14 @@
 """Where Engram rows live: the `Table` interface (`base.py`), in-RAM and memory-mapped backends
-(`backends.py`) and the lookup prefetcher (`prefetch.py`). Row shards over ranks are in
-`engram.distributed`."""
+(`backends.py`), the lookup prefetcher (`prefetch.py`) and row overlays (`overlay.py`, used by
+`engram edit`). Row shards over ranks are in `engram.distributed`."""
 
 from .backends import (InRamTable, MmapTable, create_table_file, new_table_file, offload_tables, restore_tables,
                        table_entries, table_file, tensor_entry, write_safetensors, write_table_file)
 from .base import Table, TableError, find_tables, install, installed_tables, row_grads, uninstall
+from .overlay import OverlayTable, push_overlay, remove_overlays
 from .prefetch import PendingRows, Prefetcher
 
-__all__ = ["InRamTable", "MmapTable", "PendingRows", "Prefetcher", "Table", "TableError", "create_table_file",
-           "find_tables", "install", "installed_tables", "new_table_file", "offload_tables", "restore_tables",
-           "row_grads", "table_entries", "table_file", "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]
+__all__ = ["InRamTable", "MmapTable", "OverlayTable", "PendingRows", "Prefetcher", "Table", "TableError",
+           "create_table_file", "find_tables", "install", "installed_tables", "new_table_file", "offload_tables",
+           "push_overlay", "remove_overlays", "restore_tables", "row_grads", "table_entries", "table_file",
+           "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]
