@@ -248,8 +248,11 @@ def _pad_id(model) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify_path
+    from .verify import verify_path, write_missing_block_sums
 
+    if args.write_blocks:
+        for f in write_missing_block_sums(args.path):
+            print(f"wrote block checksums {f}")
     results = verify_path(args.path)
     for what, status, detail in results:
         print(f"{status:<10} {what}" + (f": {detail}" if detail else ""))
@@ -479,6 +482,8 @@ def _training_commands(sub) -> None:
 
     vf = sub.add_parser("verify", help="check a run, model, adapter, overlay or checkpoint folder against its checksums")
     vf.add_argument("path")
+    vf.add_argument("--write-blocks", action="store_true",
+                    help="first add block checksums to table files that have none (trust their current contents)")
     vf.set_defaults(func=cmd_verify)
 
     dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)

@@ -51,9 +51,33 @@ def verify_path(path) -> list[tuple[str, str, str]]:
         from .checkpoint import read_checkpoint
 
         check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
+    for f in sorted(p.glob("*.safetensors")) if p.is_dir() else []:
+        if f.name.startswith("engram_table_") or (f.parent / (f.name + ".blocks")).is_file():
+            check(f"table {f}", lambda f=f: _verify_table(f), "")
+    if (p / "tables").is_dir():
+        out += verify_path(p / "tables")
     ck = p / "checkpoints"
     for d in sorted(ck.glob("step_*")) if ck.is_dir() else []:
         out += verify_path(d)
     if not out:
-        raise ValueError(f"{p}: nothing engram saved here (no model, adapter, checkpoint or run directory)")
+        raise ValueError(f"{p}: nothing engram saved here (no model, adapter, overlay, table, checkpoint or run "
+                         "directory)")
     return out
+
+
+def _verify_table(path: Path) -> None:
+    """Every block of a table file against its block checksums (one warning when it has none)."""
+    from .tables.blocks import BlockVerifier
+
+    v = BlockVerifier.open(path)
+    if v is not None:
+        v.verify_all()
+
+
+def write_missing_block_sums(path) -> list[Path]:
+    """Add block checksums to every table file under `path` that has none (`engram verify --write-blocks`)."""
+    from .tables.blocks import sidecar, write_block_sums
+
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(p.rglob("engram_table_*.safetensors"))
+    return [write_block_sums(f) for f in files if not sidecar(f).is_file()]

@@ -253,7 +253,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             f = table_file(dir, lid)
             entry = (tensor_entry("weight", w[:used]) if checkpoint is None
                      else ("weight", dtype, (used, dim), rows(0, used)))
-            write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)})
+            write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)}, block_sums=True)
             table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
         served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, pad_rows)
         del orig  # (mmap: the model's copy of the table is released here)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .base import Table, TableError, find_tables, install, uninstall
+from .blocks import BlockVerifier, drop_sums
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
@@ -79,7 +80,8 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
     """
     w = weight.detach().cpu()
     entries = [tensor_entry("weight", w, chunk_rows)]
-    return write_safetensors(path, entries + (_zero_moments(*w.shape, chunk_rows) if with_moments else []))
+    return write_safetensors(path, entries + (_zero_moments(*w.shape, chunk_rows) if with_moments else []),
+                             block_sums=True)
 
 
 def new_table_file(path: str | os.PathLike, rows: torch.Tensor, num_rows: int, seed: int | None,
@@ -106,7 +108,8 @@ def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: t
     chunks = (torch.randn(min(chunk_rows, num_rows - s), dim, generator=g).to(dtype)
               for s in range(0, num_rows, chunk_rows))
     entries = [("weight", dtype, (num_rows, dim), chunks)]
-    return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []))
+    return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []),
+                             block_sums=True)
 
 
 def tensor_entry(name: str, t: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple:
@@ -133,14 +136,24 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
 
 
 def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
-                      progress_bytes: int = 1 << 30) -> Path:
+                      progress_bytes: int = 1 << 30, block_sums: bool = False) -> Path:
     """Stream tensors into a safetensors file, atomically (temp file, fsync, rename).
 
     `entries`: `(name, dtype, shape, chunks)` in file order, where `chunks` yields row blocks whose
     concatenation is the tensor, so tensors larger than RAM (memory-mapped, generated) are written
-    a block at a time. Files of `progress_bytes` or more show a progress bar.
+    a block at a time. Files of `progress_bytes` or more show a progress bar. `block_sums=True`
+    (table files) also writes the per-block checksums `<file>.blocks` (`tables/blocks.py`),
+    computed on the way; the header then carries a fresh nonce, so sums of an older version of the
+    file never pass for this one's.
     """
+    import uuid
+
+    from .blocks import BlockCrc, write_sums
+
     path = Path(path)
+    if block_sums:
+        metadata = {**(metadata or {}), "engram_nonce": uuid.uuid4().hex}
+    crc = BlockCrc() if block_sums else None
     meta, offset = {}, 0
     for name, dtype, shape, _ in entries:
         dt = _ST_DTYPES.get(dtype)
@@ -167,6 +180,8 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
             for c in chunks:
                 b = c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if c.numel() else b""
                 f.write(b)
+                if crc is not None:
+                    crc.update(b)
                 written += len(b)
                 bar.update(len(b))
             a, z = meta[name]["data_offsets"]
@@ -175,6 +190,8 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if crc is not None:
+        write_sums(path, crc.finish(), crc.block_bytes)
     return path
 
 
@@ -256,9 +273,17 @@ class MmapTable(Table):
         self.journal_path = path.with_name(path.name + ".journal")
         self._journal = None
         self._touched = None
+        # per-block checksums, checked on first read (read-only files; training files have their journal)
+        self._row_bytes = row_bytes
+        self._weight_offset = meta["weight"]["data_offsets"][0]
+        self.blocks = None if writable else BlockVerifier.open(path)
+        if writable:
+            drop_sums(path)  # the rows change in place from here on: block sums would go stale
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
+        if self.blocks is not None:  # cached rows were checked when first read from the file
+            self.blocks.check_rows(rows, self._weight_offset, self._row_bytes)
         if self.slots == 0:
             self.misses += rows.numel()
             return torch.index_select(self.weight, 0, rows, out=out) if out is not None else \

@@ -1,0 +1,217 @@
+"""Per-block checksums of table files: a 100 GB table opens at once, and each block is checked on first read.
+
+    <table>.safetensors.blocks    b"ENGBLK01" | u32 header length | JSON header | crc32 of each block (u32 LE)
+
+The header names the table file it describes (`file_bytes`, `file_id`: sha256 of the table file's
+safetensors header, which carries a fresh nonce per write) and the block geometry (`data_offset`,
+`block_bytes`, 64 KiB by default). Block b covers file bytes `[data_offset + b * block_bytes, ...)`.
+
+`write_safetensors(..., block_sums=True)` computes the sums while it streams the file (table files
+are written that way), `write_block_sums(path)` adds them to an existing file, and `BlockVerifier`
+checks a block the first time any row in it is read (`MmapTable.gather`): a flipped byte is a
+one-line `TableError` naming the file, the rows and the repair, on first use, never a silently
+wrong row. A file without sums still opens, with one warning. Writable (training) tables are
+covered by their undo journal and checkpoints instead: their sums are dropped at the first write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .._numba import LazyKernels
+from ..manifest import UnverifiedWarning
+from .base import TableError
+
+SUFFIX = ".blocks"
+MAGIC = b"ENGBLK01"
+BLOCK_BYTES = 1 << 16
+FIX = "re-create the table file (engram train/serve writes it again) or re-download it"
+
+
+def _build_kernels():
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def first_unchecked(rows, base, shift, ok):  # index of the first row whose block is unchecked, or -1
+        for i in range(rows.shape[0]):
+            if not ok[(rows[i] + base) >> shift]:
+                return i
+        return -1
+
+    return first_unchecked
+
+
+_KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]); the torch ops do the same without numba
+
+
+class UnverifiedTableWarning(UnverifiedWarning):
+    """A table file without (current) block checksums was opened unverified."""
+
+
+def sidecar(path) -> Path:
+    p = Path(path)
+    return p.with_name(p.name + SUFFIX)
+
+
+def header_id(path) -> tuple[int, str]:
+    """(data offset, sha256 of the safetensors header) of a table file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise TableError(f"{path} is too short to be a table file")
+        (n,) = struct.unpack("<Q", head)
+        return 8 + n, hashlib.sha256(f.read(n)).hexdigest()[:32]
+
+
+class BlockCrc:
+    """crc32 per `block_bytes` of a byte stream fed in pieces of any size (`update`), `finish()` -> uint32 array."""
+
+    def __init__(self, block_bytes: int = BLOCK_BYTES):
+        self.block_bytes, self.sums, self.cur, self.fill = block_bytes, [], 0, 0
+
+    def update(self, data) -> None:
+        mv, pos = memoryview(data).cast("B"), 0
+        while pos < len(mv):
+            take = min(self.block_bytes - self.fill, len(mv) - pos)
+            self.cur = zlib.crc32(mv[pos:pos + take], self.cur)
+            self.fill += take
+            pos += take
+            if self.fill == self.block_bytes:
+                self.sums.append(self.cur)
+                self.cur = self.fill = 0
+
+    def finish(self) -> np.ndarray:
+        if self.fill:
+            self.sums.append(self.cur)
+            self.cur = self.fill = 0
+        return np.asarray(self.sums, dtype="<u4")
+
+
+def write_sums(path, sums: np.ndarray, block_bytes: int = BLOCK_BYTES) -> Path:
+    """Store the block sums of table file `path` beside it (atomically); call after the table file is in place."""
+    from ..utils import atomic_write_bytes
+
+    offset, fid = header_id(path)
+    head = json.dumps({"format": "engram-blocks/1", "file_bytes": Path(path).stat().st_size, "file_id": fid,
+                       "data_offset": offset, "block_bytes": block_bytes, "blocks": int(len(sums))}).encode()
+    out = sidecar(path)
+    atomic_write_bytes(out, MAGIC + struct.pack("<I", len(head)) + head + np.asarray(sums, dtype="<u4").tobytes())
+    return out
+
+
+def write_block_sums(path, block_bytes: int = BLOCK_BYTES) -> Path:
+    """Compute and store the block sums of an existing table file (one pass over it)."""
+    offset, _ = header_id(path)
+    acc = BlockCrc(block_bytes)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while chunk := f.read(1 << 24):
+            acc.update(chunk)
+    return write_sums(path, acc.finish(), block_bytes)
+
+
+def drop_sums(path) -> None:
+    """Remove a table file's block sums (it is about to change in place)."""
+    try:
+        os.remove(sidecar(path))
+    except FileNotFoundError:
+        pass
+
+
+class BlockVerifier:
+    """Checks the blocks of one table file the first time they are read; `check_rows` is the hot path."""
+
+    def __init__(self, path: Path, sums: np.ndarray, data_offset: int, block_bytes: int):
+        self.path, self.sums, self.data_offset, self.block_bytes = path, sums, data_offset, block_bytes
+        size = path.stat().st_size - data_offset
+        self.data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_offset, shape=(size,)) if size else None
+        self.ok = torch.zeros(len(sums), dtype=torch.bool)
+        self.unverified = len(sums)
+
+    @classmethod
+    def open(cls, path) -> "BlockVerifier | None":
+        """The verifier of table file `path`, or None (and one warning) when it has no current sums."""
+        path = Path(path)
+        sc = sidecar(path)
+        if not sc.is_file():
+            warnings.warn(f"{path} has no block checksums ({sc.name}): its rows are not verified; add them with "
+                          f"engram verify --write-blocks {path.parent}", UnverifiedTableWarning, stacklevel=3)
+            return None
+        raw = sc.read_bytes()
+        try:
+            if raw[:8] != MAGIC:
+                raise ValueError("bad magic")
+            (hl,) = struct.unpack_from("<I", raw, 8)
+            head = json.loads(raw[12:12 + hl])
+            sums = np.frombuffer(raw[12 + hl:], dtype="<u4")
+            if len(sums) != head["blocks"]:
+                raise ValueError(f"{len(sums)} sums, the header says {head['blocks']}")
+        except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+            raise TableError(f"{sc} is corrupt ({str(e).splitlines()[0]}); delete it and run engram verify "
+                             f"--write-blocks {path.parent} (after checking the table another way)") from None
+        offset, fid = header_id(path)
+        if (head["file_id"], head["file_bytes"]) != (fid, path.stat().st_size) or head["data_offset"] != offset:
+            if head["file_id"] == fid:
+                raise TableError(f"{path} is truncated or padded ({path.stat().st_size:,} bytes, its checksums "
+                                 f"describe {head['file_bytes']:,}); {FIX}")
+            warnings.warn(f"{sc.name} describes another version of {path.name}: its rows are not verified",
+                          UnverifiedTableWarning, stacklevel=3)
+            return None
+        return cls(path, sums, offset, head["block_bytes"])
+
+    def check_rows(self, rows: torch.Tensor, tensor_offset: int, row_bytes: int) -> None:
+        """Verify the not yet verified blocks holding `rows` (N,) of a tensor at `tensor_offset` in the data."""
+        if self.unverified == 0:
+            return  # every block checked once: nothing left to do on any later read
+        if self.block_bytes % row_bytes == 0 and tensor_offset % row_bytes == 0:  # rows never straddle blocks
+            rpb, base = self.block_bytes // row_bytes, tensor_offset // row_bytes
+            kernel = _KERNELS.get() if rpb & (rpb - 1) == 0 and rows.dtype == torch.int64 else None
+            if kernel is not None and kernel(rows.numpy(), base, rpb.bit_length() - 1, self.ok.numpy()) < 0:
+                return  # one fused pass found every row's block already checked
+            blocks = (rows + base) // rpb
+        else:
+            start = rows * row_bytes + tensor_offset  # (N,) first byte of each row in the data section
+            blocks = torch.cat([start // self.block_bytes, (start + row_bytes - 1) // self.block_bytes])
+        ok = self.ok.index_select(0, blocks)
+        if bool(ok.all()):
+            return
+        for b in torch.unique(blocks[~ok]).tolist():
+            self._check(b, row_bytes, tensor_offset)
+
+    def _check(self, b: int, row_bytes: int = 0, tensor_offset: int = 0) -> None:
+        lo = b * self.block_bytes
+        if zlib.crc32(self.data[lo: lo + self.block_bytes]) != int(self.sums[b]):
+            rows = ""
+            if row_bytes:
+                r0 = max(0, (lo - tensor_offset) // row_bytes)
+                rows = f"rows {r0:,}-{(lo + self.block_bytes - 1 - tensor_offset) // row_bytes:,} "
+            raise TableError(f"{self.path}: {rows}(block {b} of {len(self.sums)}) fail their checksum: the file is "
+                             f"corrupt there; {FIX}")
+        self.ok[b] = True
+        self.unverified -= 1
+
+    def verify_all(self) -> None:
+        """Check every block now (`engram verify`); a TableError names the bad blocks and their rows."""
+        bad = self.check_all()
+        if bad:
+            raise TableError(f"{self.path}: {len(bad)} of {len(self.sums)} blocks fail their checksum (first: block "
+                             f"{bad[0]}, file bytes {self.data_offset + bad[0] * self.block_bytes:,}+); {FIX}")
+
+    def check_all(self) -> list[int]:
+        """Every block not yet verified, checked now; returns the bad blocks (for `engram verify`)."""
+        bad = []
+        for b in (~self.ok).nonzero().squeeze(1).tolist():
+            try:
+                self._check(b)
+            except TableError:
+                bad.append(b)
+        return bad
