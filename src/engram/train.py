@@ -45,12 +45,21 @@ from .tables.base import find_tables
 from .utils import atomic_write_bytes, peak_rss_mib
 
 
-def _step_of(line: str) -> int | None:
-    """The step of a metrics.jsonl line, or None for a blank or torn one (a kill while appending)."""
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, skipping blank, torn (a kill while appending) or damaged lines."""
     try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
 
 
 # ------------------------------------------------------------------------------------ model building
@@ -97,7 +106,7 @@ def _plot(run_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))
     tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
     va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
@@ -284,8 +293,8 @@ def restore(run: Run) -> int:
         if n and run.progress:
             print(f"restored {n:,} rows of {table.path.name} to step {step} from its journal")
     run.batcher.load_state_dict(st["batcher"])
-    if run.metrics_path.is_file():  # drop metrics past the checkpoint: the resumed run rewrites them
-        keep = [l for l in run.metrics_path.read_text().splitlines() if (n := _step_of(l)) is not None and n <= step]
+    if run.metrics_path.is_file():  # drop metrics past the checkpoint (and damaged lines): the run rewrites them
+        keep = [json.dumps(r) for r in read_metrics(run.metrics_path) if r["step"] <= step]
         atomic_write_bytes(run.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
     print(f"resumed {run.run_dir} at step {step}")
     return step
@@ -396,6 +405,8 @@ def finish(run: Run, step: int, ended: str, last_loss: float, last_val: float | 
     if ended == "interrupted":
         print(f"interrupted at step {step}; checkpoint saved in {run.run_dir / 'checkpoints'}; continue with --resume")
         return {"interrupted": True, "step": step, "run_dir": str(run.run_dir)}
+    if last_val is None:  # no step ran in this session (e.g. --resume of a finished run): measure it now
+        last_val = evaluate(model, run.val, run.tcfg.batch_size, run.ddp.device)
     plot = _plot(run.run_dir)
     final = run.write_final(model) if run.write_final else save_final(model, run.run_dir, run.manifest)
     summary = {"step": step, "train_loss": last_loss, "val_loss": last_val, "run_dir": str(run.run_dir),
