@@ -144,13 +144,26 @@ def _load_for_inference(args):
     return load_model(args.checkpoint)
 
 
-def _with_overlays(model, overlays):
-    """Apply each --overlay DIR in order (later ones win on shared rows); checked against the model."""
+def _with_overlays(model, overlays, table_format=None):
+    """--overlay DIR (each checked against the model, then stacked in order: later ones win on shared rows)
+    and --table-format (bfloat16, int8 or fp8 rows, dequantized after the gather; overlays are checked
+    against the model's own rows first, then applied in front of the converted tables)."""
+    loaded = []
     if overlays:
+        from .edit import Overlay, check_overlay
+
+        loaded = [Overlay.load(d) for d in overlays]
+        for o in loaded:
+            check_overlay(model, o)
+    if table_format and table_format != "float32":
+        from .tables.quant import set_table_format
+
+        set_table_format(model, table_format)
+    if loaded:
         from .edit import apply_overlay
 
-        for d in overlays:
-            apply_overlay(model, d)
+        for o in loaded:
+            apply_overlay(model, o, check=False)
     return model
 
 
@@ -215,7 +228,7 @@ def cmd_eval(args) -> int:
     from .train import evaluate_text
 
     model, tok = _load_for_inference(args)
-    _with_overlays(model, args.overlay)
+    _with_overlays(model, args.overlay, args.table_format)
     loss, n_tokens, n_windows = evaluate_text(model, tok, args.data, args.split, args.seq_len, args.max_windows,
                                               args.batch_size)
     print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
@@ -227,7 +240,7 @@ def cmd_sample(args) -> int:
     import torch
 
     model, tok = _load_for_inference(args)
-    _with_overlays(model, args.overlay)
+    _with_overlays(model, args.overlay, args.table_format)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
@@ -443,6 +456,8 @@ def _training_commands(sub) -> None:
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--overlay", action="append", metavar="DIR",
                     help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
+    e.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8"],
+                    help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
     e.set_defaults(func=cmd_eval)
 
     sm = sub.add_parser("sample", help="generate text from a checkpoint")
@@ -456,6 +471,8 @@ def _training_commands(sub) -> None:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--overlay", action="append", metavar="DIR",
                     help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
+    sm.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8"],
+                    help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
     sm.set_defaults(func=cmd_sample)
 
     ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)")

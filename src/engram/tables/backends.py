@@ -42,6 +42,7 @@ from .base import Table, TableError, find_tables, install, uninstall
 from .blocks import BlockVerifier, UnverifiedTableWarning, write_block_sums, write_sums
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int8: "I8", torch.uint8: "U8",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 

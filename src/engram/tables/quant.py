@@ -1,0 +1,178 @@
+"""Quantized table rows: int8 with a per-row scale, or FP8 (e4m3) with a per-row power-of-two scale.
+
+    codes, scales = quantize_rows(W, "fp8")        # (N, d) uint8 codes, (N,) scales
+    table = QuantTable(codes, scales, "fp8")       # a read-only Table: gather -> dequantized (N, d) rows
+    quantize_tables(model, "int8")                 # every Engram table of a model, installed behind its layer
+
+Rows are dequantized after the gather, so only the codes and one scale per row travel from
+memory (or disk). Layouts:
+  * "int8": `q = round(x / s)` in [-127, 127], `s = max|x| / 127` per row (float16; 1 for a zero row).
+    Bytes per row: d + 2.
+  * "fp8":  `x / 2**e` stored as float8 e4m3 (max 448), `e = ceil(log2(max|x| / 448))` per row (int8
+    exponent, as the power-of-two scales vLLM and SGLang use for these tables). Bytes per row: d + 1.
+Against bfloat16 rows (2d bytes) both about halve the table; against float32, a quarter.
+Inference only: a quantized table is not trainable (train in float32/bf16, quantize after).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import Table, TableError, find_tables, install
+
+FORMATS = ("int8", "fp8")
+FP8_MAX = 448.0
+
+
+def quantize_rows(w: torch.Tensor, fmt: str, chunk_rows: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (N, d), scales (N,)) of rows `w` (N, d) in format `fmt`, a chunk of rows at a time."""
+    if fmt not in FORMATS:
+        raise TableError(f"table format must be one of {FORMATS}, got {fmt!r}")
+    n, d = w.shape
+    codes = torch.empty(n, d, dtype=torch.int8 if fmt == "int8" else torch.uint8)
+    scales = torch.empty(n, dtype=torch.float16 if fmt == "int8" else torch.int8)
+    for s in range(0, n, chunk_rows):
+        x = w[s:s + chunk_rows].float()
+        amax = x.abs().amax(dim=1)  # (n,)
+        if fmt == "int8":
+            sc = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).half()
+            codes[s:s + chunk_rows] = torch.round(x / sc.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            scales[s:s + chunk_rows] = sc
+        else:
+            e = torch.ceil(torch.log2(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))).clamp_(-127, 127)
+            codes[s:s + chunk_rows] = torch.ldexp(x, -e[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+            scales[s:s + chunk_rows] = e.to(torch.int8)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype=torch.float32) -> torch.Tensor:
+    """Rows (N, d) from their codes (N, d) and scales (N,)."""
+    if fmt == "int8":
+        return (codes.to(torch.float32) * scales.to(torch.float32)[:, None]).to(dtype)
+    x = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    return torch.ldexp(x, scales.to(torch.float32)[:, None]).to(dtype)
+
+
+class QuantTable(Table):
+    """Read-only rows stored quantized (`quantize_rows`), dequantized after each gather into `dtype`."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32):
+        if fmt not in FORMATS:
+            raise TableError(f"table format must be one of {FORMATS}, got {fmt!r}")
+        if codes.dim() != 2 or scales.shape != codes.shape[:1]:
+            raise TableError(f"codes (N, d) and scales (N,) expected, got {tuple(codes.shape)} and {tuple(scales.shape)}")
+        self.codes, self.scales, self.fmt, self.dtype = codes, scales, fmt, dtype
+        self.num_rows, self.dim = codes.shape
+        self.trainable = False
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.dim * self.codes.element_size() + self.scales.element_size()
+
+    blocks = None  # a file-backed table's block checksums (`open_quant_file`)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = rows.reshape(-1).long()
+        if self.blocks is not None:
+            self.blocks.check_rows(rows, self._offsets[0], self.dim * self.codes.element_size())
+            self.blocks.check_rows(rows, self._offsets[1], self.scales.element_size())
+        vals = dequantize(self.codes.index_select(0, rows), self.scales.index_select(0, rows), self.fmt, self.dtype)
+        return out.copy_(vals) if out is not None else vals
+
+    def stats(self) -> dict:
+        return {"format": self.fmt, "bytes_per_row": self.bytes_per_row}
+
+
+def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[int, QuantTable]:
+    """Replace every Engram table of `model` by its quantized copy (`fmt` int8 | fp8), installed behind its layer.
+
+    The rows must be in the model (its own parameter, or an installed table's `weight`); the float
+    parameter is freed. Returns {layer_id: table}.
+    """
+    tables = {}
+    for _, mhe in find_tables(model):
+        src = mhe.table.weight if mhe.table is not None and hasattr(mhe.table, "weight") else mhe.embedding.weight
+        if src.shape[0] != mhe.num_rows:
+            raise TableError(f"layer {mhe.layer_id}: its rows are not in memory to quantize")
+        codes, scales = quantize_rows(src.detach(), fmt)
+        table = QuantTable(codes, scales, fmt, dtype or mhe.embedding.weight.dtype)
+        install(mhe, table, free_parameter=True)
+        tables[mhe.layer_id] = table
+    return tables
+
+
+def set_table_format(model, fmt: str) -> dict:
+    """Serve `model`'s Engram tables as `fmt`: "float32" (as they are), "bfloat16" (cast, in RAM), "int8" or "fp8"
+    (`quantize_tables`, dequantized to float32 after each gather). Returns {layer_id: bytes per row}."""
+    from .backends import InRamTable
+
+    if fmt == "float32":
+        return {mhe.layer_id: mhe.dim * 4 for _, mhe in find_tables(model)}
+    if fmt == "bfloat16":
+        out = {}
+        for _, mhe in find_tables(model):
+            install(mhe, InRamTable(mhe.embedding.weight.detach().to(torch.bfloat16)), free_parameter=True)
+            out[mhe.layer_id] = mhe.dim * 2
+        return out
+    return {lid: t.bytes_per_row for lid, t in quantize_tables(model, fmt, torch.float32).items()}
+
+
+def quant_error(w: torch.Tensor, fmt: str) -> dict:
+    """Relative error of the rows `w` after a round trip through `fmt` (max and RMS over all entries)."""
+    codes, scales = quantize_rows(w, fmt)
+    back = dequantize(codes, scales, fmt)
+    err = (back - w.float()).abs()
+    rms = float(err.square().mean().sqrt() / w.float().square().mean().sqrt().clamp_min(1e-30))
+    return {"max_abs": float(err.max()), "rel_rms": rms, "bytes_per_row": w.shape[1] * 1 + scales.element_size()}
+
+
+def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str):
+    """A quantized table file: safetensors with `codes` (N, d) and `scales` (N,), format in the metadata,
+    and block checksums (`tables/blocks.py`)."""
+    from .backends import tensor_entry, write_safetensors
+
+    return write_safetensors(path, [tensor_entry("codes", codes), tensor_entry("scales", scales)],
+                             {"format": "engram-quant-table", "quant": fmt}, block_sums=True)
+
+
+def open_quant_file(path, dtype: torch.dtype = torch.float32) -> QuantTable:
+    """A `QuantTable` over a memory-mapped quantized table file (`write_quant_file`); blocks checked on first read."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from .blocks import BlockVerifier
+
+    path = Path(path)
+    if not path.is_file():
+        raise TableError(f"quantized table file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(n)) if n <= min(size - 8, 1 << 24) else None
+            fmt = meta["__metadata__"]["quant"]
+            infos = {k: meta[k] for k in ("codes", "scales")}
+        except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise TableError(f"{path}: not a quantized table file (corrupt header); re-create it") from None
+    np_types = {"I8": np.int8, "U8": np.uint8, "F16": np.float16}
+    arrays = {}
+    for k, info in infos.items():
+        a, b = info["data_offsets"]
+        if 8 + n + b > size:
+            raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - n}")
+        arr = np.memmap(path, dtype=np_types[info["dtype"]], mode="r", offset=8 + n + a, shape=tuple(info["shape"]))
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only ever gathered from
+            arrays[k] = torch.from_numpy(arr)
+    table = QuantTable(arrays["codes"], arrays["scales"], fmt, dtype)
+    table.path, table.blocks = path, BlockVerifier.open(path)
+    table._offsets = (infos["codes"]["data_offsets"][0], infos["scales"]["data_offsets"][0])
+    return table
+
+
+__all__ = ["FORMATS", "QuantTable", "dequantize", "open_quant_file", "quant_error", "quantize_rows",
+           "quantize_tables", "set_table_format", "write_quant_file"]

@@ -1,0 +1,66 @@
+"""Quantized table rows (`engram.tables.quant`): int8 per-row scale, FP8 e4m3 per-row power-of-two scale."""
+
+import pytest
+import torch
+
+from engram.tables import TableError
+from engram.tables.quant import (QuantTable, dequantize, open_quant_file, quantize_rows, set_table_format,
+                                 write_quant_file)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_round_trip_error_is_bounded_per_row(fmt):
+    torch.manual_seed(0)
+    W = torch.randn(500, 32) * torch.logspace(-3, 3, 500)[:, None]  # rows across six orders of magnitude
+    W[7] = 0
+    codes, scales = quantize_rows(W, fmt, chunk_rows=128)
+    back = dequantize(codes, scales, fmt)
+    amax = W.abs().amax(1, keepdim=True)
+    err = (back - W).abs()
+    if fmt == "int8":  # half a step of max|x|/127 (+ the float16 scale's rounding)
+        assert bool((err <= amax / 254 * 1.01 + 1e-30).all())
+    else:  # e4m3: 3 mantissa bits, so within 1/16 of each value, or of the subnormal step near zero
+        assert bool((err <= W.abs() / 16 + amax / 448 * 2 ** -6 + 1e-30).all())
+    assert torch.equal(back[7], torch.zeros(32))
+    assert codes.element_size() == 1 and scales.element_size() == (2 if fmt == "int8" else 1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_table_and_file_gather_the_same_rows(tmp_path, fmt):
+    W = torch.randn(3000, 16)
+    codes, scales = quantize_rows(W, fmt)
+    t = QuantTable(codes, scales, fmt)
+    rows = torch.tensor([0, 5, 2999, 5])
+    assert torch.equal(t.gather(rows), dequantize(codes, scales, fmt)[rows])
+    f = write_quant_file(tmp_path / "q.safetensors", codes, scales, fmt)
+    ft = open_quant_file(f)
+    assert torch.equal(ft.gather(rows), t.gather(rows)) and ft.bytes_per_row == 16 + scales.element_size()
+    b = bytearray(f.read_bytes())
+    b[ft.blocks.data_offset + 100] ^= 0xFF  # inside the codes of row 6
+    f.write_bytes(bytes(b))
+    bad = open_quant_file(f)
+    with pytest.raises(TableError, match="fail their checksum"):
+        bad.gather(torch.tensor([6]))
+    with pytest.raises(TableError, match="format must be"):
+        quantize_rows(W, "int4")
+
+
+def test_served_formats_keep_the_model_close(tmp_path):
+    pytest.importorskip("transformers")
+    from engram.model import EngramForCausalLM
+    from engram.presets import tiny
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 24))
+    ref = EngramForCausalLM(tiny()).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    for fmt, tol in [("bfloat16", 0.05), ("int8", 0.05), ("fp8", 0.3)]:
+        m = EngramForCausalLM(tiny()).eval()
+        m.load_state_dict(ref.state_dict())
+        d = m.model.layers[1].engram.multi_head_embedding.dim
+        per_row = set_table_format(m, fmt)
+        assert set(per_row.values()) == {d * 2 if fmt == "bfloat16" else d + (2 if fmt == "int8" else 1)}
+        with torch.no_grad():
+            got = m(ids).logits
+        assert not torch.equal(got, want) and float((got - want).abs().max()) < tol, fmt
