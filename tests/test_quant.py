@@ -22,6 +22,7 @@ def test_round_trip_error_is_bounded_per_row(fmt):
     else:  # e4m3: 3 mantissa bits, so within 1/16 of each value, or of the subnormal step near zero
         assert bool((err <= W.abs() / 16 + amax / 448 * 2 ** -6 + 1e-30).all())
     assert torch.equal(back[7], torch.zeros(32))
+    assert torch.equal(QuantTable(codes, scales, fmt).gather(torch.arange(500)), back)  # fused kernel == torch ops
     assert codes.element_size() == 1 and scales.element_size() == (2 if fmt == "int8" else 1)
 
 
