@@ -495,17 +495,20 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
 
     backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
     file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
-    copy; "ram" keeps the tensor. `trainable=True` keeps Adam moments in the backend (in the same
+    copy; "disk" does the same and reads rows with many positioned reads in flight (`DiskTable`,
+    for files colder than the page cache; read-only); "ram" keeps the tensor. `trainable=True` keeps Adam moments in the backend (in the same
     file for "mmap", opened writable with its undo journal) and lets `engram.optim.TableAdam`
     train the rows; the model's table parameters become empty. A model built under
     `engram.memory.defer_table_allocation()` has no table rows to write: its files are created
     with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
     Returns {layer_id: table}.
     """
-    if backend not in ("ram", "mmap"):
-        raise TableError(f"backend must be 'ram' or 'mmap', got {backend!r}")
-    if backend == "mmap" and directory is None:
-        raise TableError("offload_tables(backend='mmap') needs a directory for the table files")
+    if backend not in ("ram", "mmap", "disk"):
+        raise TableError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    if backend in ("mmap", "disk") and directory is None:
+        raise TableError(f"offload_tables(backend={backend!r}) needs a directory for the table files")
+    if backend == "disk" and trainable:
+        raise TableError("the disk backend is read-only (inference); train with backend='mmap'")
     tables = {}
     for _, mhe in find_tables(model):
         w = mhe.embedding.weight
@@ -519,9 +522,14 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
             if overwrite or not f.is_file():
                 new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mhe.layer_id,
                                with_moments=trainable)
-            table = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
+            if backend == "disk":  # cold tier: positioned reads, many in flight (tables/disk.py)
+                from .disk import DiskTable
+
+                table = DiskTable(f)
+            else:
+                table = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
         table.trainable = trainable and w.requires_grad
-        install(mhe, table, free_parameter=backend == "mmap" or trainable)
+        install(mhe, table, free_parameter=backend in ("mmap", "disk") or trainable)
         tables[mhe.layer_id] = table
     return tables
 

@@ -1,0 +1,136 @@
+"""The cold disk tier: table rows gathered from a file that is not in the page cache, vs the device's limit.
+
+Table `--rows` x 32 fp32 (default 8M rows = 1 GiB) in a table file. Before every cold round the
+file is evicted from the page cache (`posix_fadvise(DONTNEED)`; residency checked with
+`fincore` when present). Measured, in the same run and on the same file:
+  * device limit: random 4 KiB O_DIRECT reads at queue depth `--qd` (the benchmark's own pread
+    loop, `--qd` threads), reads/s;
+  * `DiskTable` (buffered, and O_DIRECT) gathering the distinct rows of one 4,096-token prefill
+    chunk (4,096 x `--heads` uniform row ids), rows/s; `cold_vs_device` = rows/s / reads/s;
+  * `MmapTable` on the same cold file (page faults, one at a time);
+  * warm: the same gathers with the file in the page cache, vs `index_select` from RAM.
+Prints a table, then one JSON line (`cold_vs_device`, `cold_direct_vs_device`, `cold_mmap_vs_device`,
+`warm_vs_ram`, `warm_mmap_vs_ram`).
+
+    python benchmarks/bench_disk.py [--rows 8000000] [--qd 32] [--heads 8] [--rounds 3]
+"""
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import timeit  # noqa: E402
+
+from engram.tables import MmapTable, write_table_file  # noqa: E402
+from engram.tables.disk import DiskTable  # noqa: E402
+
+
+def evict(path: Path) -> float | None:
+    """Drop `path` from the page cache; returns the resident fraction afterwards (None without fincore)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True).stdout.split()
+    return int(out[0]) / path.stat().st_size if out else None
+
+
+def device_reads_per_s(path: Path, qd: int, n_reads: int, seed: int) -> float:
+    """Random 4 KiB O_DIRECT reads of `path` with `qd` threads in flight: the device's limit at this depth."""
+    size = path.stat().st_size
+    offs = np.random.default_rng(seed).integers(0, size // 4096, n_reads) * 4096
+
+    def work(part):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, 4096)
+        try:
+            for o in part:
+                os.preadv(fd, [buf], int(o))
+        finally:
+            buf.close()
+            os.close(fd)
+
+    with ThreadPoolExecutor(qd) as pool:
+        t = time.perf_counter()
+        list(pool.map(work, np.array_split(offs, qd)))
+        return n_reads / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=8_000_000)
+    ap.add_argument("--qd", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", help="where to write the table file (default: a temp dir)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    chunks = [torch.from_numpy(rng.integers(0, args.rows, 4096 * args.heads)) for _ in range(args.rounds)]
+    res = {k: [] for k in ("device", "disk", "disk direct", "mmap")}
+    resident = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        W = torch.randn(args.rows, 32)
+        f = write_table_file(Path(d) / "engram_table_L1.safetensors", W)
+        disk, direct = DiskTable(f, args.qd), DiskTable(f, args.qd, direct=True)
+        mm = MmapTable(f, cache_bytes=0)
+        mm.gather(torch.arange(args.rows))  # check every block once, so the cold rounds time only the reads
+        for r, ids in enumerate(chunks):
+            uniq = torch.unique(ids).numel()
+            resident.append(evict(f))
+            res["device"].append(device_reads_per_s(f, args.qd, uniq, seed=r))
+            for name, table in (("disk", disk), ("disk direct", direct), ("mmap", mm)):
+                evict(f)
+                t = time.perf_counter()
+                got = table.gather(ids)
+                res[name].append(uniq / (time.perf_counter() - t))
+                assert torch.equal(got, W[ids])
+        # warm: the file in the page cache (just read), vs index_select from RAM
+        it = iter(range(10**9))
+        warm = {"ram": timeit(lambda: torch.index_select(W, 0, chunks[next(it) % len(chunks)]), 5)}
+        for c in chunks:
+            disk.gather(c)
+        warm["disk"] = timeit(lambda: disk.gather(chunks[next(it) % len(chunks)]), 5)
+        warm["mmap"] = timeit(lambda: mm.gather(chunks[next(it) % len(chunks)]), 5)
+        disk.close()
+        direct.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    n_ids = 4096 * args.heads
+    print(f"table {args.rows:,} x 32 fp32 ({args.rows * 128 / 2**30:.2f} GiB), cold rounds {args.rounds}, queue depth "
+          f"{args.qd}, one 4,096-token chunk x {args.heads} heads = {n_ids:,} ids per gather; resident after eviction: "
+          f"{', '.join('n/a' if x is None else f'{x:.1%}' for x in resident)}")
+    print(f"{'cold':<28} {'rows/s':>10} {'vs device':>10}")
+    print(f"{'device (4 KiB O_DIRECT reads)':<28} {med['device']:>10,.0f} {1:>10.2f}")
+    for k in ("disk", "disk direct", "mmap"):
+        print(f"{'DiskTable' if k == 'disk' else 'DiskTable O_DIRECT' if k == 'disk direct' else 'MmapTable (page faults)':<28} "
+              f"{med[k]:>10,.0f} {med[k] / med['device']:>10.2f}")
+    print(f"warm gathers of {n_ids:,} ids: RAM {warm['ram'] * 1e3:.2f} ms, DiskTable {warm['disk'] * 1e3:.2f} ms, "
+          f"MmapTable {warm['mmap'] * 1e3:.2f} ms")
+    out = {"bench": "disk", "rows": args.rows, "qd": args.qd, "device_reads_s": round(med["device"]),
+           "cold_vs_device": round(med["disk"] / med["device"], 3),
+           "cold_direct_vs_device": round(med["disk direct"] / med["device"], 3),
+           "cold_mmap_vs_device": round(med["mmap"] / med["device"], 3),
+           "warm_vs_ram": round(warm["ram"] / warm["disk"], 3), "warm_mmap_vs_ram": round(warm["ram"] / warm["mmap"], 3)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

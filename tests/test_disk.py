@@ -1,0 +1,58 @@
+"""The cold disk tier (`engram.tables.disk.DiskTable`): positioned reads, many in flight."""
+
+import os
+
+import pytest
+import torch
+
+from engram.tables import TableError, write_table_file
+from engram.tables.disk import DiskTable
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype):
+    W = torch.randn(5000, 24).to(dtype)  # 48- or 96-byte rows: some straddle 4 KiB pages
+    t = DiskTable(write_table_file(tmp_path / "t.safetensors", W), queue_depth=8, direct=direct)
+    ids = torch.tensor([[3, 4999, 3], [0, 1706, 4999]])
+    assert torch.equal(t.gather(ids), W[ids.reshape(-1)]) and t.stats()["reads"] == 4  # duplicates read once
+    every = torch.randperm(5000)
+    assert torch.equal(t.gather(every), W[every])
+    with pytest.raises(TableError, match="row ids must lie"):
+        t.gather(torch.tensor([5000]))
+    t.close()
+
+
+def test_no_o_direct_falls_back_with_one_warning(tmp_path, monkeypatch):
+    f = write_table_file(tmp_path / "t.safetensors", torch.randn(100, 8))
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    with pytest.warns(UserWarning, match="O_DIRECT is not available"):
+        t = DiskTable(f, direct=True)
+    assert not t.direct and t.gather(torch.tensor([5])).shape == (1, 8)
+
+
+def test_truncated_file_is_refused(tmp_path):
+    f = write_table_file(tmp_path / "t.safetensors", torch.randn(1000, 8))
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(TableError, match="truncated"):
+        DiskTable(f)
+
+
+def test_model_served_from_the_disk_tier(tmp_path):
+    pytest.importorskip("transformers")
+    from engram.model import EngramForCausalLM
+    from engram.presets import tiny
+    from engram.tables import Prefetcher, offload_tables
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 20))
+    m = EngramForCausalLM(tiny()).eval()
+    with torch.no_grad():
+        want = m(ids).logits
+        offload_tables(m, "disk", tmp_path)
+        assert torch.equal(m(ids).logits, want)
+        Prefetcher.attach(m)  # reads of the next call overlap this one's compute
+        assert torch.equal(m(ids).logits, want)
+        Prefetcher.detach(m)
+    with pytest.raises(TableError, match="read-only"):
+        offload_tables(EngramForCausalLM(tiny()), "disk", tmp_path / "x", trainable=True)
