@@ -7,8 +7,10 @@ file is evicted from the page cache (`posix_fadvise(DONTNEED)`; residency checke
     loop, `--qd` threads), reads/s;
   * `DiskTable` (buffered, and O_DIRECT) gathering the distinct rows of one 4,096-token prefill
     chunk (4,096 x `--heads` uniform row ids), rows/s; `cold_vs_device` = rows/s / reads/s;
-  * `MmapTable` on the same cold file (page faults, one at a time);
-  * warm: the same gathers with the file in the page cache, vs `index_select` from RAM.
+  * `MmapTable` on the same cold file (page faults, one at a time; its block checks off);
+  * warm: the same gathers once every page has been read (`DiskTable` then gathers from its
+    mapping), vs `index_select` from RAM.
+Each cold round uses fresh tables: a page mapped into a process cannot be evicted.
 Prints a table, then one JSON line (`cold_vs_device`, `cold_direct_vs_device`, `cold_mmap_vs_device`,
 `warm_vs_ram`, `warm_mmap_vs_ram`).
 
@@ -16,6 +18,7 @@ Prints a table, then one JSON line (`cold_vs_device`, `cold_direct_vs_device`, `
 """
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -90,28 +93,35 @@ def main():
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         W = torch.randn(args.rows, 32)
         f = write_table_file(Path(d) / "engram_table_L1.safetensors", W)
-        disk, direct = DiskTable(f, args.qd), DiskTable(f, args.qd, direct=True)
-        mm = MmapTable(f, cache_bytes=0)
-        mm.gather(torch.arange(args.rows))  # check every block once, so the cold rounds time only the reads
+        makers = {"disk": lambda: DiskTable(f, args.qd), "disk direct": lambda: DiskTable(f, args.qd, direct=True),
+                  "mmap": lambda: MmapTable(f, cache_bytes=0)}
         for r, ids in enumerate(chunks):
             uniq = torch.unique(ids).numel()
             resident.append(evict(f))
             res["device"].append(device_reads_per_s(f, args.qd, uniq, seed=r))
-            for name, table in (("disk", disk), ("disk direct", direct), ("mmap", mm)):
+            for name, make in makers.items():
+                table = make()  # fresh: no page of the file mapped, so eviction can drop them all
+                if name == "mmap":
+                    table.blocks = None  # page faults only (block checks would read whole 64 KiB blocks)
                 evict(f)
                 t = time.perf_counter()
                 got = table.gather(ids)
                 res[name].append(uniq / (time.perf_counter() - t))
                 assert torch.equal(got, W[ids])
-        # warm: the file in the page cache (just read), vs index_select from RAM
-        it = iter(range(10**9))
-        warm = {"ram": timeit(lambda: torch.index_select(W, 0, chunks[next(it) % len(chunks)]), 5)}
+                if hasattr(table, "pool"):
+                    table.close()
+                del table, got
+                gc.collect()
+        # warm: the file in the page cache (read once through each table), vs index_select from RAM
+        disk, mm = DiskTable(f, args.qd), MmapTable(f, cache_bytes=0)
         for c in chunks:
             disk.gather(c)
-        warm["disk"] = timeit(lambda: disk.gather(chunks[next(it) % len(chunks)]), 5)
-        warm["mmap"] = timeit(lambda: mm.gather(chunks[next(it) % len(chunks)]), 5)
+            mm.gather(c)
+        it = iter(range(10**9))
+        warm = {"ram": timeit(lambda: torch.index_select(W, 0, chunks[next(it) % len(chunks)]), 5),
+                "disk": timeit(lambda: disk.gather(chunks[next(it) % len(chunks)]), 5),
+                "mmap": timeit(lambda: mm.gather(chunks[next(it) % len(chunks)]), 5)}
         disk.close()
-        direct.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     n_ids = 4096 * args.heads
     print(f"table {args.rows:,} x 32 fp32 ({args.rows * 128 / 2**30:.2f} GiB), cold rounds {args.rounds}, queue depth "

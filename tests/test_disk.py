@@ -18,6 +18,8 @@ def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype):
     assert torch.equal(t.gather(ids), W[ids.reshape(-1)]) and t.stats()["reads"] == 4  # duplicates read once
     every = torch.randperm(5000)
     assert torch.equal(t.gather(every), W[every])
+    again = t.gather(every[:100])  # rows on pages read before: from the mapping (buffered), read again (O_DIRECT)
+    assert torch.equal(again, W[every[:100]]) and (t.stats()["warm_rows"] == 0) == direct
     with pytest.raises(TableError, match="row ids must lie"):
         t.gather(torch.tensor([5000]))
     t.close()

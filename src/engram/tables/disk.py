@@ -11,6 +11,10 @@ device sees `queue_depth` reads at once. `direct=True` opens the file with O_DIR
 aligned 4 KiB page holding each row into an aligned buffer, bypassing the page cache); where the
 filesystem refuses it, the table falls back to buffered reads and says so once.
 
+Warm rows: pages this table has already read through the page cache are gathered from a read-only
+mapping of the file instead (RAM speed while the kernel keeps them; an evicted one costs a page
+fault, never a wrong row). With O_DIRECT nothing is cached by the kernel, so every row is read.
+
 Read-ahead: `tables.Prefetcher` already gathers the next step's rows on its own thread, so with a
 `DiskTable` installed the reads of step t+1 overlap the compute of step t.
 """
@@ -52,7 +56,18 @@ class DiskTable(Table):
         if direct:
             self._open_direct()
         self.pool = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="engram-disk")
-        self.reads = 0
+        self.reads = self.warm_rows = 0
+        # warm path: rows on pages this table has read through the page cache are gathered from a mapping of
+        # the file (RAM speed while the kernel keeps them); the others go to the positioned-read pool
+        self._seen = None
+        if not self.direct:
+            arr = np.memmap(path, dtype=_NP[info["dtype"]], mode="r", offset=self.offset,
+                            shape=(self.num_rows, self.dim))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only ever gathered from
+                t = torch.from_numpy(arr)
+            self._mapped = t.view(torch.bfloat16) if info["dtype"] == "BF16" else t
+            self._seen = torch.zeros((self.offset + self.num_rows * self.row_bytes) // PAGE + 2, dtype=torch.bool)
 
     def _open_direct(self) -> None:
         flag = getattr(os, "O_DIRECT", None)
@@ -93,26 +108,54 @@ class DiskTable(Table):
             del buf
             page.close()
 
+    def _pages(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = rows * self.row_bytes + self.offset
+        return start // PAGE, (start + self.row_bytes - 1) // PAGE  # first and last page of each row
+
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = rows.reshape(-1).to(torch.long)
+        if self._seen is not None and flat.numel() and 0 <= int(flat.min()) and int(flat.max()) < self.num_rows:
+            first, last = self._pages(flat)
+            if bool(self._seen.index_select(0, first).all()) and bool(self._seen.index_select(0, last).all()):
+                self.warm_rows += flat.numel()  # all warm: one gather from the mapping, as MmapTable does
+                vals = self._mapped.index_select(0, flat)
+                return out.copy_(vals) if out is not None else vals
         uniq, inv = torch.unique(flat, return_inverse=True)  # each distinct row read once
-        u = uniq.numpy()
-        if len(u) and (u[0] < 0 or u[-1] >= self.num_rows):
+        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows):
             raise TableError(f"{self.path}: row ids must lie in [0, {self.num_rows})")
-        raw = np.empty((len(u), self.row_bytes), dtype=np.uint8)
-        parts = [p for p in np.array_split(np.arange(len(u)), min(self.queue_depth, max(1, len(u)))) if len(p)]
-        read = self._read_direct if self.direct else self._read_buffered
-        for f in [self.pool.submit(read, u, raw, p) for p in parts]:
-            f.result()
-        self.reads += len(u)
-        vals = torch.from_numpy(raw).view(self.dtype).view(len(u), self.dim).index_select(0, inv)
+        vals = torch.empty(uniq.numel(), self.dim, dtype=self.dtype)
+        cold = torch.arange(uniq.numel())
+        if self._seen is not None and uniq.numel():
+            first, last = self._pages(uniq)
+            warm = self._seen.index_select(0, first) & self._seen.index_select(0, last)
+            hot = warm.nonzero().squeeze(1)
+            if hot.numel():
+                vals.index_copy_(0, hot, self._mapped.index_select(0, uniq.index_select(0, hot)))
+                self.warm_rows += hot.numel()
+            cold = (~warm).nonzero().squeeze(1)
+        if cold.numel():
+            u = uniq.index_select(0, cold).numpy()
+            raw = np.empty((len(u), self.row_bytes), dtype=np.uint8)
+            parts = [p for p in np.array_split(np.arange(len(u)), min(self.queue_depth, len(u))) if len(p)]
+            read = self._read_direct if self.direct else self._read_buffered
+            for f in [self.pool.submit(read, u, raw, p) for p in parts]:
+                f.result()
+            self.reads += len(u)
+            vals.index_copy_(0, cold, torch.from_numpy(raw).view(self.dtype).view(len(u), self.dim))
+            if self._seen is not None:
+                first, last = self._pages(torch.from_numpy(u))
+                self._seen[first] = True
+                self._seen[last] = True
+        vals = vals.index_select(0, inv)
         return out.copy_(vals) if out is not None else vals
 
     def stats(self) -> dict:
-        return {"reads": self.reads, "queue_depth": self.queue_depth, "direct": self.direct}
+        return {"reads": self.reads, "warm_rows": self.warm_rows, "queue_depth": self.queue_depth,
+                "direct": self.direct}
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self._mapped = self._seen = None
