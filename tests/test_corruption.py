@@ -73,7 +73,7 @@ def one_line_error(code, out, err):
     return code != 0 and len(errors) == 1 and "Traceback" not in err, errors
 
 
-# kind -> (run to copy, file in it, how it is read: "eval" | "resume" | "overlay", what must happen)
+# kind -> (run to copy, file in it, how it is read: "eval" | "resume" | "overlay" | "adapter", what must happen)
 # what: "error" (one line, non-zero), "recover" (exit 0), or a dict per mode
 KINDS = {
     "final weights": ("run", "final/model.safetensors", "eval", "error"),
@@ -94,6 +94,8 @@ KINDS = {
     "adapter hash manifest": ("adapter", "engram_hash_spec.json", "adapter", "error"),
     "overlay meta": ("overlay", "overlay.json", "overlay", "error"),
 }
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind, mode):
@@ -103,15 +105,11 @@ def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind
     work = tmp_path / src
     shutil.copytree(root / src, work)
     damage(work / rel, mode)
-    if reader == "eval":
-        code, out, err = cli(capsys, "eval", "--checkpoint", work, "--data", corpus, "--seq-len", 16,
-                             "--max-windows", 2)
-    elif reader == "adapter":
-        code, out, err = cli(capsys, "eval", "--base", root / "base", "--adapter", work, "--data", corpus,
-                             "--seq-len", 16, "--max-windows", 2)
-    elif reader == "overlay":
-        code, out, err = cli(capsys, "eval", "--checkpoint", root / "run", "--overlay", work, "--data", corpus,
-                             "--seq-len", 16, "--max-windows", 2)
+    evaluate = ("--data", corpus, "--seq-len", 16, "--max-windows", 2)
+    if reader != "resume":
+        model = {"eval": ("--checkpoint", work), "adapter": ("--base", root / "base", "--adapter", work),
+                 "overlay": ("--checkpoint", root / "run", "--overlay", work)}[reader]
+        code, out, err = cli(capsys, "eval", *model, *evaluate)
     else:
         args = ["train", "--preset", "tiny", "--data", corpus, "--out", work, "--max-steps", 4, "--resume"]
         for k, v in TINY.items():

@@ -39,12 +39,13 @@ import numpy as np
 import torch
 
 from .base import Table, TableError, find_tables, install, uninstall
+from .files import NP_DTYPES as _NP
+from .files import read_header as _read_header
 from .blocks import BlockVerifier, UnverifiedTableWarning, write_block_sums, write_sums
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int8: "I8", torch.uint8: "U8",
               torch.int32: "I32", torch.bool: "BOOL", torch.float64: "F64"}
-_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
 class InRamTable(Table):
@@ -195,26 +196,6 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     if crc is not None:
         write_sums(path, crc.finish(), crc.block_bytes)
     return path
-
-
-def _read_header(path: Path) -> tuple[int, dict, int]:
-    """(header length, tensor table, file size) of a safetensors file, with clear errors."""
-    if not path.is_file():
-        raise TableError(f"table file not found: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TableError(f"{path} is too short to be a table file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 1 << 24):
-            raise TableError(f"{path}: corrupt header length {n}")
-        try:
-            meta = json.loads(f.read(n))
-            meta["weight"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise TableError(f"{path}: corrupt header (expected a safetensors file with a 'weight' tensor)") from None
-    return n, meta, size
 
 
 _JMAGIC = b"ENGJRN01"

@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .backends import _NP, _read_header
+from .files import NP_DTYPES as _NP
+from .files import read_header as _read_header
 from .base import Table, TableError
 
 PAGE = 4096
