@@ -96,3 +96,21 @@ def test_verify_command_on_a_table_folder(tmp_path, capsys):
     sidecar(f).unlink()
     assert main(["verify", "--write-blocks", str(d)]) == 0  # trusts the file as it is now
     assert "wrote block checksums" in capsys.readouterr().out and sidecar(f).is_file()
+
+
+def test_rows_changed_after_the_last_commit_are_summed_again_not_flagged(tmp_path):
+    """A file trained past its last commit and reopened without recover (a new run keeping the rows) is not
+    corrupt: its sums are stale, so the next commit sums every block again."""
+    W = torch.randn(3000, 16)
+    f = write_table_file(tmp_path / "t.safetensors", W, with_moments=True)
+    t = MmapTable(f, writable=True, durable=False)
+    t.commit(0)
+    rows = torch.tensor([5, 2500])
+    w, m, v = t.read_rows(rows)
+    t.write_rows(rows, w + 1, m, v)
+    t.close()  # no commit: the sums still describe step 0
+    t = MmapTable(f, writable=True, durable=False)
+    assert torch.equal(t.gather(rows), W[rows] + 1)  # not flagged while training
+    t.commit(0)
+    t.close()
+    assert torch.equal(MmapTable(f).gather(torch.arange(3000))[rows], W[rows] + 1)  # sums current again

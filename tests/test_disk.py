@@ -58,3 +58,29 @@ def test_model_served_from_the_disk_tier(tmp_path):
         Prefetcher.detach(m)
     with pytest.raises(TableError, match="read-only"):
         offload_tables(EngramForCausalLM(tiny()), "disk", tmp_path / "x", trainable=True)
+
+
+def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from engram.data import Batcher
+    from engram.model import EngramForCausalLM
+    from engram.presets import tiny
+    from engram.tables import offload_tables, readahead_for
+
+    m = EngramForCausalLM(tiny())
+    assert readahead_for(m) is None  # tables in the model's parameters: nothing to page in
+    (table,) = offload_tables(m, "mmap", tmp_path, trainable=True).values()
+    table.commit(0)
+    before = table.weight.clone()
+    touched = []
+    table.touch = lambda rows, orig=table.touch: (touched.append(rows), orig(rows))[1]
+    b = Batcher(np.arange(2000, dtype=np.uint32) % 1000, 16, 2, hash_mapping=m.model.mapping,
+                readahead=readahead_for(m))
+    ids, hashes = b.next()  # hashes this batch inline, then the next one (and its read-ahead) on the thread
+    b._pending[0].join()
+    mhe = m.model.layers[1].engram.multi_head_embedding
+    first = torch.unique((hashes[1] + mhe._offsets_on(torch.device("cpu"))).reshape(-1))
+    assert len(touched) == 2 and torch.equal(touched[0], first)  # this batch's rows, then the next batch's
+    assert torch.equal(table.weight, before)  # reading ahead changes nothing

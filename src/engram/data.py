@@ -349,12 +349,15 @@ def load_split(data_dir: Path, split: str) -> np.ndarray:
 class Batcher:
     """Seeded, resumable batches of `(B, seq_len)` token windows, with hash ids prefetched on a thread.
 
+    `readahead(hash_ids)`, when given, runs on that thread too, right after the next batch is hashed
+    (`tables.readahead_for(model)`: table files page in the next batch's rows during this step).
+
     Windows are the non-overlapping `seq_len` chunks of the split; each epoch visits them in the
     order `default_rng(seed + epoch).permutation`. State = (epoch, cursor) -> exact replay on resume.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0, hash_mapping=None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, readahead=None):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
@@ -364,6 +367,7 @@ class Batcher:
         self.epoch, self.cursor = 0, 0
         self._order = None
         self.prefetch = prefetch
+        self.readahead = readahead  # called with the next batch's hash ids on the worker thread (table read-ahead)
         self._pending: tuple | None = None
 
     def state_dict(self) -> dict:
@@ -389,6 +393,8 @@ class Batcher:
         ids = np.stack([self.tokens[s:s + self.seq_len] for s in starts]).astype(np.int64)
         ids_t = torch.from_numpy(ids)
         hashes = self.mapping.hash(ids_t) if self.mapping is not None else None
+        if hashes is not None and self.readahead is not None:
+            self.readahead(hashes)  # e.g. page the rows of this batch in while the current step computes
         return ids_t, hashes
 
     def next(self):

@@ -40,7 +40,8 @@ from .manifest import write_manifest
 from .memory import defer_table_allocation, is_table_key
 from .model import EngramForCausalLM, update_expert_bias
 from .optim import build_optimizers, split_params, warmup_cosine
-from .tables import TableError, installed_tables, offload_tables, table_entries, table_file, write_safetensors
+from .tables import (TableError, installed_tables, offload_tables, readahead_for, table_entries, table_file,
+                     write_safetensors)
 from .tables.base import find_tables
 from .utils import atomic_write_bytes, peak_rss_mib
 
@@ -243,7 +244,7 @@ def build(preset: str, data, out, max_steps, use_engram: bool, baseline, resume:
     run.opts = build_optimizers(run.model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     run.dense_params = [p for _, p in split_params(run.model)[0]]
     run.batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
-                          hash_mapping=run.model.model.mapping)
+                          hash_mapping=run.model.model.mapping, readahead=readahead_for(run.model))
     run.val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
     return run
 

@@ -6,9 +6,9 @@ from .backends import (InRamTable, MmapTable, create_table_file, new_table_file,
                        table_entries, table_file, tensor_entry, write_safetensors, write_table_file)
 from .base import Table, TableError, find_tables, install, installed_tables, row_grads, uninstall
 from .overlay import OverlayTable, push_overlay, remove_overlays
-from .prefetch import PendingRows, Prefetcher
+from .prefetch import PendingRows, Prefetcher, readahead_for
 
 __all__ = ["InRamTable", "MmapTable", "OverlayTable", "PendingRows", "Prefetcher", "Table", "TableError",
            "create_table_file", "find_tables", "install", "installed_tables", "new_table_file", "offload_tables",
-           "push_overlay", "remove_overlays", "restore_tables", "row_grads", "table_entries", "table_file",
+           "push_overlay", "readahead_for", "remove_overlays", "restore_tables", "row_grads", "table_entries", "table_file",
            "tensor_entry", "uninstall", "write_safetensors", "write_table_file"]

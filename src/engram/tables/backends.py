@@ -264,6 +264,12 @@ class MmapTable(Table):
                 warnings.simplefilter("ignore", UnverifiedTableWarning)
             self.blocks = BlockVerifier.open(path)
         self._dirty = None if self.blocks is None else torch.zeros(len(self.blocks.sums), dtype=torch.bool)
+        if writable and self.blocks is not None:
+            # the rows may have changed since the sums were written (after the last commit): trust none of them
+            # until recover() has rolled the file back and checked every block, and re-sum all at the next commit
+            self._dirty.fill_(True)
+            self.blocks.ok.fill_(True)
+            self.blocks.unverified = 0
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
@@ -304,6 +310,11 @@ class MmapTable(Table):
             self.tags.index_copy_(0, mslot.index_select(0, pick), mrows.index_select(0, pick))
             self.cache.index_copy_(0, mslot.index_select(0, pick), vals.index_select(0, pick))
         return out
+
+    def touch(self, rows: torch.Tensor) -> None:
+        """Read rows (distinct ids) and, when training, their moments, discarding them: pages them in (read-ahead)."""
+        for t in (self.weight, self.exp_avg, self.exp_avg_sq) if self.writable else (self.weight,):
+            t.index_select(0, rows)
 
     # ---- training: rows and moments written in place, old values journaled first
     def tensors(self):
@@ -455,6 +466,8 @@ class MmapTable(Table):
         except TableError as e:
             raise TableError(f"{e} (after rolling back to step {step}: the file or its undo journal was damaged; "
                              "the run cannot resume from this table file)") from None
+        if self._dirty is not None:
+            self._dirty.zero_()  # checked: the sums describe the file again
         self.commit(step)
         return restored
 

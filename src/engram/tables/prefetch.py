@@ -116,3 +116,24 @@ class _OnStream:
 
     def __init__(self, tensor: torch.Tensor, event):
         self.tensor, self.event = tensor, event
+
+
+def readahead_for(model):
+    """A `Batcher` read-ahead for `model`'s file-backed tables, or None when it has none.
+
+    Given a batch's hash ids `{layer: (B, T, H)}`, it reads the rows (and their Adam moments) that
+    batch will touch, on the data pipeline's thread, so that a table file colder than the page cache
+    pages them in while the current step computes. The values read are discarded; the step reads
+    them again from the page cache.
+    """
+    targets = {mhe.layer_id: mhe for _, mhe in find_tables(model) if hasattr(mhe.table, "touch")}
+    if not targets:
+        return None
+
+    def readahead(hash_ids: dict) -> None:
+        for lid, mhe in targets.items():
+            if lid in hash_ids:
+                rows = (torch.as_tensor(hash_ids[lid]) + mhe._offsets_on(torch.device("cpu"))).reshape(-1)
+                mhe.table.touch(torch.unique(rows))
+
+    return readahead
