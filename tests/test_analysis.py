@@ -60,23 +60,27 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     assert all(v["tokens"] > 0 for v in t.values())
 
 
-def test_gates_and_stats_cli(corpus, tmp_path):
-    r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "3", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
+    """`engram gates` once as a user runs it (a fresh interpreter); the other calls in-process (same main())."""
+    from engram.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "3"]) == 0
+    capsys.readouterr()
     r = run_cli("gates", "--checkpoint", "run", "--text", "the king and the queen", "--out", "g.png", "--summary",
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "g.png").stat().st_size > 1000 and "mean gate on frequent n-gram completions" in r.stdout
-    r = run_cli("gates", "--checkpoint", "run", "--text", "the king", "--out", "g.html", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert main(["gates", "--checkpoint", "run", "--text", "the king", "--out", "g.html"]) == 0
     page = (tmp_path / "g.html").read_text()
     assert page.count('class="tok"') >= 2 and "data-gates" in page and "mouseenter" in page
-    r = run_cli("gates", "--checkpoint", "run", "--text", "x", "--out", "g.gif", cwd=tmp_path)
-    assert r.returncode == 2 and ".png or .html" in r.stderr
-    r = run_cli("stats", "--data", str(corpus), "--tokenizer", "bpe:300", "--sizes", "101", "1009", "--out", "z.png",
-                cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "reduction" in r.stdout and "collide" in r.stdout and (tmp_path / "z.png").is_file()
+    capsys.readouterr()
+    assert main(["gates", "--checkpoint", "run", "--text", "x", "--out", "g.gif"]) == 2
+    assert ".png or .html" in capsys.readouterr().err
+    assert main(["stats", "--data", str(corpus), "--tokenizer", "bpe:300", "--sizes", "101", "1009",
+                 "--out", "z.png"]) == 0
+    out = capsys.readouterr().out
+    assert "reduction" in out and "collide" in out and (tmp_path / "z.png").is_file()
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed")

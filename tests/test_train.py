@@ -381,7 +381,10 @@ def test_no_engram_and_iso_param_baselines(corpus, tmp_path):
 
 
 
-def test_cli_train_eval_sample_and_errors(corpus, tmp_path):
+def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys):
+    """Train, eval and sample as a user runs them (fresh interpreters); the error cases in-process (same main())."""
+    from engram.cli import main
+
     r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "6", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
@@ -400,8 +403,10 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path):
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "lr=abc"), "expected a float"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"), "needs table_backend"),
     ]:
-        r = run_cli(*args, cwd=tmp_path)
-        assert r.returncode == 2 and "Traceback" not in r.stderr and msg in r.stderr, (args, r.stderr)
+        monkeypatch.chdir(tmp_path)
+        code = main(list(args))
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and msg in err, (args, err)
     (tmp_path / "empty.txt").write_text("")
-    r = run_cli("train", "--preset", "tiny", "--data", "empty.txt", "--out", "e", cwd=tmp_path)
-    assert r.returncode == 2 and "no text found" in r.stderr
+    assert main(["train", "--preset", "tiny", "--data", "empty.txt", "--out", "e"]) == 2
+    assert "no text found" in capsys.readouterr().err
