@@ -136,6 +136,12 @@ def pad_or_eos_id(config) -> int | None:
     return None
 
 
+def generation_pad_id(model) -> int:
+    """The pad id to give `generate()` and to pad batches with: `pad_or_eos_id` of the model's config, else 0."""
+    pad = pad_or_eos_id(getattr(model, "config", None))
+    return 0 if pad is None else pad
+
+
 def _check_vocab(ct: CompressedTokenizer, model: nn.Module) -> None:
     """The tokenizer must be the model's: every id it makes has an embedding row, and the embedding is not
     much larger than the vocabulary (models pad it, e.g. Qwen3 151,669 -> 151,936)."""

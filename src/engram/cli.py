@@ -150,11 +150,12 @@ def _with_overlays(model, overlays, table_format=None):
     against the model's own rows first, then applied in front of the converted tables)."""
     loaded = []
     if overlays:
-        from .edit import Overlay, check_overlay
+        from .edit import Overlay, check_overlay, model_digest
 
         loaded = [Overlay.load(d) for d in overlays]
+        digest = model_digest(model)  # (hashes the dense weights: once for all overlays)
         for o in loaded:
-            check_overlay(model, o)
+            check_overlay(model, o, digest=digest)
     if table_format and table_format != "float32":
         from .tables.quant import set_table_format
 
@@ -239,6 +240,8 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
+    from .adapter import generation_pad_id
+
     model, tok = _load_for_inference(args)
     _with_overlays(model, args.overlay, args.table_format)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
@@ -248,16 +251,9 @@ def cmd_sample(args) -> int:
     greedy = args.temperature <= 0
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not greedy,
                          temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
-                         pad_token_id=_pad_id(model))
+                         pad_token_id=generation_pad_id(model))
     print(tok.decode(out[0].tolist()))
     return 0
-
-
-def _pad_id(model) -> int:
-    from .adapter import pad_or_eos_id
-
-    pad = pad_or_eos_id(model.config)
-    return 0 if pad is None else pad
 
 
 def cmd_verify(args) -> int:

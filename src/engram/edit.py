@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .adapter import generation_pad_id
 from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, is_table_key
 from .tables.base import find_tables
@@ -257,13 +258,16 @@ class Overlay:
         return cls(rows, values, meta)
 
 
-def check_overlay(model, overlay: Overlay, where: str = "overlay") -> None:
-    """Refuse an overlay made for another hash manifest or another model (one line naming the fix)."""
+def check_overlay(model, overlay: Overlay, where: str = "overlay", digest: str | None = None) -> None:
+    """Refuse an overlay made for another hash manifest or another model (one line naming the fix).
+
+    `digest`: `model_digest(model)` when the caller checks several overlays against one model.
+    """
     where = overlay.meta.get("path", where)
     if overlay.meta.get("hash_spec_sha256") != spec_digest(hash_mapping(model)):
         raise EditError(f"{where} was made for another hash manifest (tokenizer or hash constants differ): its "
                         "row ids would address other n-grams; apply it to the model it was made for")
-    if overlay.meta.get("base_digest") != model_digest(model):
+    if overlay.meta.get("base_digest") != (digest or model_digest(model)):
         raise EditError(f"{where} was made for another checkpoint (the model's weights differ from the ones it was "
                         f"optimized on: {overlay.meta.get('base', '?')}); re-run engram edit on this model")
     layers = engram_layers(model)
@@ -405,13 +409,6 @@ def _target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
     return out
 
 
-def _pad_id(model) -> int:
-    from .adapter import pad_or_eos_id
-
-    pad = pad_or_eos_id(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
-    return 0 if pad is None else int(pad)
-
-
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
                orders=None, target_prob: float = 0.9, progress: bool = True) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
@@ -429,7 +426,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     mapping = hash_mapping(model)
     seqs = _sequences(tokenizer, facts)
     rows = edit_rows(model, tokenizer, facts, positions, orders)
-    ids = _batch([p + t for p, t in seqs], _pad_id(model))
+    ids = _batch([p + t for p, t in seqs], generation_pad_id(model))
     t0 = time.perf_counter()
     values, log = {}, []
     with frozen(model):
@@ -478,7 +475,8 @@ def score(model, tokenizer, prompt: str, target: str) -> dict:
     p, t = _encode(tokenizer, prompt), _encode(tokenizer, target)
     ids = torch.tensor([p + t])
     lp = _target_logprobs(model, ids, [(p, t)])[0]  # (len(t),)
-    out = model.generate(torch.tensor([p]), max_new_tokens=len(t), do_sample=False, pad_token_id=_pad_id(model))
+    out = model.generate(torch.tensor([p]), max_new_tokens=len(t), do_sample=False,
+                         pad_token_id=generation_pad_id(model))
     produced = out[0, len(p):].tolist()
     return {"p_first": float(lp[0].exp()), "p_target": float(lp.sum().exp()), "greedy": produced == t,
             "generated": tokenizer.decode(produced)}

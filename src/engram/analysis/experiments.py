@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..data import eval_windows, load_split
 from ..model import EngramForCausalLM
 from ..presets import get_preset
-from ..train import train
+from ..train import read_metrics, train
 from ..utils import atomic_write_bytes
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit")
@@ -69,10 +69,6 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-
-
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None) -> dict:
@@ -99,7 +95,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
                       overrides={"seed": seed}, progress=progress, **kw)
             summ = json.loads((run_dir / "summary.json").read_text())
             results.setdefault(vname, []).append({"seed": seed, "run_dir": str(run_dir), **summ,
-                                                  "metrics": _metrics(run_dir)})
+                                                  "metrics": read_metrics(run_dir / "metrics.jsonl")})
     if name == "sensitivity":
         table = sensitivity(results["engram"], data)
     else:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .base import Table, TableError, find_tables, install, uninstall
-from .files import NP_DTYPES as _NP
+from .files import map_tensor
 from .files import read_header as _read_header
 from .blocks import BlockVerifier, UnverifiedTableWarning, write_block_sums, write_sums
 
@@ -225,19 +225,9 @@ class MmapTable(Table):
                 raise TableError(f"{path} has no optimizer moments ('{name}'); training needs a table written with "
                                  f"write_table_file(..., with_moments=True)")
             info = meta[name]
-            if info["dtype"] not in _NP:
-                raise TableError(f"{path}: unsupported dtype {info['dtype']}")
             if info["shape"] != [self.num_rows, self.dim]:
                 raise TableError(f"{path}: '{name}' has shape {info['shape']}, 'weight' {[self.num_rows, self.dim]}")
-            a, b = info["data_offsets"]
-            if 8 + n + b > size:
-                raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - n}")
-            arr = np.memmap(path, dtype=_NP[info["dtype"]], mode="r+" if writable else "r", offset=8 + n + a,
-                            shape=(self.num_rows, self.dim))
-            with warnings.catch_warnings():  # read-only mappings are only ever gathered from
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.from_numpy(arr)
-            maps[name] = (arr, t.view(torch.bfloat16) if info["dtype"] == "BF16" else t)
+            maps[name] = map_tensor(path, n, size, name, info, writable=writable)
         self._arrays = [a for a, _ in maps.values()]
         self.weight = maps["weight"][1]
         if writable:
@@ -257,7 +247,6 @@ class MmapTable(Table):
         self._touched = None
         # per-block checksums, checked on first read (read-only files; training files have their journal)
         self._row_bytes = row_bytes
-        self._weight_offset = meta["weight"]["data_offsets"][0]
         self._offsets = [meta[k]["data_offsets"][0] for k in names]  # weight (and moments) in the data section
         with warnings.catch_warnings():
             if writable:  # a training file without sums gets them at its first commit
@@ -274,7 +263,7 @@ class MmapTable(Table):
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
         if self.blocks is not None:  # cached rows were checked when first read from the file
-            self.blocks.check_rows(rows, self._weight_offset, self._row_bytes)
+            self.blocks.check_rows(rows, self._offsets[0], self._row_bytes)
         if self.slots == 0:
             self.misses += rows.numel()
             return torch.index_select(self.weight, 0, rows, out=out) if out is not None else \
@@ -334,8 +323,7 @@ class MmapTable(Table):
     def end_write(self, rows):
         if self._dirty is not None:  # blocks we changed: trusted, and re-summed at the next commit
             for off in self._offsets:
-                b = (rows * self._row_bytes + off) // self.blocks.block_bytes
-                b = torch.cat([b, (rows * self._row_bytes + off + self._row_bytes - 1) // self.blocks.block_bytes])
+                b = self.blocks.blocks_of(rows, off, self._row_bytes)
                 self._dirty[b] = True
                 self.blocks.ok[b] = True
         if self.slots:  # keep cached copies coherent
@@ -490,9 +478,9 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
     backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
     file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
     copy; "disk" does the same and reads rows with many positioned reads in flight (`DiskTable`,
-    for files colder than the page cache; read-only); "ram" keeps the tensor. `trainable=True` keeps Adam moments in the backend (in the same
-    file for "mmap", opened writable with its undo journal) and lets `engram.optim.TableAdam`
-    train the rows; the model's table parameters become empty. A model built under
+    for files colder than the page cache; read-only); "ram" keeps the tensor. `trainable=True` keeps
+    Adam moments in the backend (in the same file for "mmap", opened writable with its undo journal)
+    and lets `engram.optim.TableAdam` train the rows; the model's table parameters become empty. A model built under
     `engram.memory.defer_table_allocation()` has no table rows to write: its files are created
     with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
     Returns {layer_id: table}.

@@ -179,13 +179,17 @@ class BlockVerifier:
                 return  # one fused pass found every row's block already checked
             blocks = (rows + base) // rpb
         else:
-            start = rows * row_bytes + tensor_offset  # (N,) first byte of each row in the data section
-            blocks = torch.cat([start // self.block_bytes, (start + row_bytes - 1) // self.block_bytes])
+            blocks = self.blocks_of(rows, tensor_offset, row_bytes)
         ok = self.ok.index_select(0, blocks)
         if bool(ok.all()):
             return
         for b in torch.unique(blocks[~ok]).tolist():
             self._check(b, row_bytes, tensor_offset)
+
+    def blocks_of(self, rows: torch.Tensor, tensor_offset: int, row_bytes: int) -> torch.Tensor:
+        """The blocks holding `rows` (N,) of a tensor at `tensor_offset` in the data: (2N,), first and last of each."""
+        start = rows * row_bytes + tensor_offset  # (N,) first byte of each row in the data section
+        return torch.cat([start // self.block_bytes, (start + row_bytes - 1) // self.block_bytes])
 
     def _check(self, b: int, row_bytes: int = 0, tensor_offset: int = 0) -> None:
         lo = b * self.block_bytes

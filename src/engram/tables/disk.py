@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .files import NP_DTYPES as _NP
+from .files import map_tensor
 from .files import read_header as _read_header
 from .base import Table, TableError
 
@@ -42,15 +42,12 @@ class DiskTable(Table):
     def __init__(self, path, queue_depth: int = 32, direct: bool = False):
         n, meta, size = _read_header(path)
         info = meta["weight"]
-        if info["dtype"] not in _NP:
-            raise TableError(f"{path}: unsupported dtype {info['dtype']}")
+        # the file mapped read-only (checks dtype and size; no page is read until a warm row is gathered from it)
+        _, self._mapped = map_tensor(path, n, size, "weight", info)
         self.num_rows, self.dim = info["shape"]
-        self.dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[info["dtype"]]
-        self.row_bytes = self.dim * np.dtype(_NP[info["dtype"]]).itemsize
+        self.dtype = self._mapped.dtype
+        self.row_bytes = self.dim * self._mapped.element_size()
         self.offset = 8 + n + info["data_offsets"][0]
-        if 8 + n + info["data_offsets"][1] > size:
-            raise TableError(f"{path} is truncated: header promises {info['data_offsets'][1]} data bytes, "
-                             f"file has {size - 8 - n}")
         self.path, self.queue_depth = path, max(1, int(queue_depth))
         self.direct = False
         self.fd = os.open(path, os.O_RDONLY)
@@ -58,17 +55,11 @@ class DiskTable(Table):
             self._open_direct()
         self.pool = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="engram-disk")
         self.reads = self.warm_rows = 0
-        # warm path: rows on pages this table has read through the page cache are gathered from a mapping of
-        # the file (RAM speed while the kernel keeps them); the others go to the positioned-read pool
-        self._seen = None
-        if not self.direct:
-            arr = np.memmap(path, dtype=_NP[info["dtype"]], mode="r", offset=self.offset,
-                            shape=(self.num_rows, self.dim))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only ever gathered from
-                t = torch.from_numpy(arr)
-            self._mapped = t.view(torch.bfloat16) if info["dtype"] == "BF16" else t
-            self._seen = torch.zeros((self.offset + self.num_rows * self.row_bytes) // PAGE + 2, dtype=torch.bool)
+        # warm path: rows on pages this table has read through the page cache are gathered from the mapping
+        # (RAM speed while the kernel keeps them); the others go to the positioned-read pool. O_DIRECT reads
+        # leave nothing in the page cache, so then every row is read.
+        self._seen = None if self.direct else \
+            torch.zeros((self.offset + self.num_rows * self.row_bytes) // PAGE + 2, dtype=torch.bool)
 
     def _open_direct(self) -> None:
         flag = getattr(os, "O_DIRECT", None)

@@ -162,36 +162,18 @@ def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str):
 
 def open_quant_file(path, dtype: torch.dtype = torch.float32) -> QuantTable:
     """A `QuantTable` over a memory-mapped quantized table file (`write_quant_file`); blocks checked on first read."""
-    import json
-    import struct
     from pathlib import Path
 
     from .blocks import BlockVerifier
+    from .files import QUANT_NP_DTYPES, map_tensor, read_header
 
     path = Path(path)
-    if not path.is_file():
-        raise TableError(f"quantized table file not found: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        try:
-            (n,) = struct.unpack("<Q", f.read(8))
-            meta = json.loads(f.read(n)) if n <= min(size - 8, 1 << 24) else None
-            fmt = meta["__metadata__"]["quant"]
-            infos = {k: meta[k] for k in ("codes", "scales")}
-        except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise TableError(f"{path}: not a quantized table file (corrupt header); re-create it") from None
-    np_types = {"I8": np.int8, "U8": np.uint8, "F16": np.float16}
-    arrays = {}
-    for k, info in infos.items():
-        a, b = info["data_offsets"]
-        if 8 + n + b > size:
-            raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - n}")
-        arr = np.memmap(path, dtype=np_types[info["dtype"]], mode="r", offset=8 + n + a, shape=tuple(info["shape"]))
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only ever gathered from
-            arrays[k] = torch.from_numpy(arr)
+    n, meta, size = read_header(path, required=("codes", "scales"))
+    fmt = meta.get("__metadata__", {}).get("quant")
+    if fmt not in FORMATS:
+        raise TableError(f"{path}: not a quantized table file (no quant format in its header); re-create it")
+    infos = {k: meta[k] for k in ("codes", "scales")}
+    arrays = {k: map_tensor(path, n, size, k, info, dtypes=QUANT_NP_DTYPES)[1] for k, info in infos.items()}
     table = QuantTable(arrays["codes"], arrays["scales"], fmt, dtype)
     table.path, table.blocks = path, BlockVerifier.open(path)
     table._offsets = (infos["codes"]["data_offsets"][0], infos["scales"]["data_offsets"][0])
