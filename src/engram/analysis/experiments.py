@@ -17,6 +17,10 @@ Experiments:
   retrofit     a small pretrained Llama adapted to Python code (networkx): full fine-tuning vs LoRA
                vs Engram adapter vs LoRA + Engram; domain loss, forgetting, parameters, step time,
                memory (`analysis/retrofit.py`).
+  allocation   the paper's U-curve: total and activated parameters fixed, the share of the inactive
+               sparse budget kept by routed MoE experts swept from 100% down, the rest as Engram rows;
+               plus dense iso-activated and iso-total baselines (`analysis/allocation.py`;
+               `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).
   edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
                efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
                fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
@@ -40,7 +44,7 @@ from ..presets import get_preset
 from ..train import read_metrics, train
 from ..utils import atomic_write_bytes
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit", "allocation")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -71,11 +75,15 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
 
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
-                   size: str = "default", checkpoint: str | None = None) -> dict:
+                   size: str = "default", checkpoint: str | None = None, scale: str = "cpu") -> dict:
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
         return run(out, seeds, max_steps, progress=progress)
+    if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
+        from .allocation import run
+
+        return run(out, seeds, max_steps, progress=progress, scale=scale, data=data)
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 
