@@ -177,23 +177,23 @@ def table_sizes(rows: int, n_orders: int, heads: int, layer_ids: list[int]) -> l
 
     k0, k1 = heads * L, heads * L * (n_orders - 1)
     per_head = rows / (n_orders * heads * L)
-    best = (float("inf"), None)
+    best = (float("inf"), 0, None)  # (|error|, predicted rows, sizes)
     lo, hi = max(2, int(per_head * 0.8)), int(per_head * 1.2) + 2
     for v0 in sorted(range(lo, hi), key=lambda v: abs(v - per_head)):  # orders as equal as the primes allow
         s0, end = window(v0, k0)
         if n_orders == 1:
-            cand = [(abs(rows - s0), [v0])]
+            cand = [(abs(rows - s0), s0, [v0])]
         else:
-            rest = rows - s0
-            tgt = max(int(primes[end - 1]) + 1, int(rest / k1) - 50)  # above the first order's primes
-            cand = [(abs(rest - window(v1, k1)[0]), [v0] + [v1] * (n_orders - 1)) for v1 in range(tgt, tgt + 100)]
+            tgt = max(int(primes[end - 1]) + 1, int((rows - s0) / k1) - 50)  # above the first order's primes
+            cand = [(abs(rows - s0 - s1), s0 + s1, [v0] + [v1] * (n_orders - 1))
+                    for v1 in range(tgt, tgt + 100) for s1 in [window(v1, k1)[0]]]
         best = min(best, min(cand))
         if best[0] <= 1:
             break
-    sizes = best[1]
+    _, predicted, sizes = best
     got = sum(sum(sum(h) for h in orders) for orders in head_moduli(layer_ids, sizes, n_orders + 1, heads).values())
-    if abs(got - rows) > n_orders * heads:
-        raise ConfigError(f"could not size the tables to {rows} rows (closest {got})")
+    if got != predicted:  # the reference's prime choice is authoritative
+        raise ConfigError(f"table sizing disagrees with the hashing's primes ({got} != {predicted} rows)")
     return sizes
 
 
