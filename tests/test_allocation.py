@@ -129,3 +129,14 @@ def test_kjv_corpus_parses_the_wheel(tmp_path, monkeypatch):
         z.writestr("pybible/Bible.py", "Bible = [" + ",\n".join(verses[:10]) + "]\n")
     with pytest.raises(DataError, match="expected 66 books"):
         kjv_books()
+
+
+def test_ctrl_c_in_a_run_stops_the_sweep(tmp_path, monkeypatch, capsys):
+    """An interrupted run (it checkpointed) stops the experiment with a resume hint, never a missing-file error."""
+    import engram.train
+
+    monkeypatch.setattr(engram.train, "train", lambda *a, **k: {"interrupted": True, "step": 3})
+    v = A.Variant("moe-E6", "moe", 1.0, False, {}, {})
+    with pytest.raises(KeyboardInterrupt):
+        A._train(tmp_path / "run", A.SCALES["tiny"], v, 0, 2, None, progress=False)
+    assert "run the same command again" in capsys.readouterr().out

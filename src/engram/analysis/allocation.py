@@ -63,7 +63,7 @@ SCALES = {
                  dict(ffn="moe", n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_intermediate_size=128),
                  dict(batch_size=16, eval_every=250, eval_max_windows=1024, ckpt_every=250),
-                 max_steps=1000, routed=(16, 14, 13, 11, 9, 6)),
+                 max_steps=1000, routed=(16, 14, 13, 11, 9, 6, 3)),
     "gpu": Scale("exp",
                  dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8,
                       max_position_embeddings=1024, ffn="moe", n_routed_experts=16, num_experts_per_tok=2,
@@ -266,9 +266,12 @@ def _train(run_dir: Path, sc: Scale, v: Variant, seed: int, max_steps: int, data
     if not (run_dir / "summary.json").is_file():
         if progress:
             print(f"[allocation] {v.name} seed {seed} -> {run_dir}", flush=True)
-        train(sc.preset, data=data, out=run_dir, max_steps=max_steps, use_engram=v.use_engram,
-              resume=bool(checkpoints(run_dir)), overrides={**sc.train, "seed": seed}, progress=progress,
-              model_overrides=v.model_overrides)
+        out = train(sc.preset, data=data, out=run_dir, max_steps=max_steps, use_engram=v.use_engram,
+                    resume=bool(checkpoints(run_dir)), overrides={**sc.train, "seed": seed}, progress=progress,
+                    model_overrides=v.model_overrides)
+        if out.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes the sweep
+            print("engram: experiment stopped; run the same command again to resume it", flush=True)
+            raise KeyboardInterrupt
     summ = json.loads((run_dir / "summary.json").read_text())
     return {"seed": seed, "run_dir": str(run_dir), "val_loss": summ["val_loss"],
             "metrics": read_metrics(run_dir / "metrics.jsonl")}
@@ -295,13 +298,9 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     steps = max_steps or sc.max_steps
     tcfg = train_config(sc.preset, sc.train, steps)
     data = list(data or sc.data) or None
-    acc_file = root / "accounting.json"
-    if acc_file.is_file():
-        vs = [Variant(**d) for d in json.loads(acc_file.read_text())["variants"]]
-    else:
-        vs = plan(sc, flops_seq_len=tcfg.seq_len)
-        atomic_write_bytes(acc_file, json.dumps({"scale": scale, "variants": [dataclasses.asdict(v) for v in vs]},
-                                                indent=1).encode())
+    vs = plan(sc, flops_seq_len=tcfg.seq_len)  # (seconds; finished runs of unchanged variants are reused)
+    atomic_write_bytes(root / "accounting.json", json.dumps({"scale": scale, "variants": [dataclasses.asdict(v) for v in vs]},
+                                                            indent=1).encode())
     tokens = steps * tcfg.batch_size * tcfg.seq_len
     for v in vs:
         e = _config(sc.preset, v.model_overrides, True).engram_config

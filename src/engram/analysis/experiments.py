@@ -99,8 +99,11 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
             if not (run_dir / "summary.json").is_file():
                 if progress:
                     print(f"[{name}] {vname} seed {seed} -> {run_dir}", flush=True)
-                train(preset, data=data, out=run_dir, max_steps=max_steps, resume=bool(checkpoints(run_dir)),
-                      overrides={"seed": seed}, progress=progress, **kw)
+                done = train(preset, data=data, out=run_dir, max_steps=max_steps, resume=bool(checkpoints(run_dir)),
+                             overrides={"seed": seed}, progress=progress, **kw)
+                if done.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes
+                    print("engram: experiment stopped; run the same command again to resume it", flush=True)
+                    raise KeyboardInterrupt
             summ = json.loads((run_dir / "summary.json").read_text())
             results.setdefault(vname, []).append({"seed": seed, "run_dir": str(run_dir), **summ,
                                                   "metrics": read_metrics(run_dir / "metrics.jsonl")})
