@@ -23,7 +23,7 @@ claim. `run` trains every variant for every seed (resumable: one run directory e
 runs skipped), adds a third seed where neighbouring points are within two spreads, and writes
 `accounting.json`, `summary.json`, `summary.md` and `plot.png`.
 
-Scales: `cpu` (hidden 128, 4 layers; about 2 hours on 2 cores) and `gpu` (hidden 512, 12
+Scales: `cpu` (hidden 128, 4 layers; about 95 minutes on 2 cores) and `gpu` (hidden 512, 12
 layers, >= 100M tokens per variant; `experiments/allocation_gpu.sh`).
 """
 
