@@ -14,7 +14,7 @@ for `--rounds` rounds on fresh token sequences:
 Prints tokens/s per variant, then one JSON line (`cold_vs_warm`: the prefetched cold decode's
 tokens/s over the warm one; target >= 0.9 where the device allows it).
 
-    python benchmarks/bench_decode_cold.py [--rows-per-head 1048576] [--new-tokens 48] [--rounds 3]
+    python benchmarks/bench_decode_cold.py [--rows-per-head 1048576] [--new-tokens 64] [--rounds 5]
 """
 
 import argparse
@@ -69,8 +69,8 @@ def decode(model, prompt, seq, prefetch: bool) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows-per-head", type=int, default=1 << 20)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
     r = args.rows_per_head

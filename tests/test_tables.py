@@ -74,7 +74,9 @@ def test_offloaded_model_and_prefetch_give_identical_logits(tmp_path, backend):
         assert tables[1].stats()["hits"] + tables[1].stats()["misses"] == 2 * 2 * 16 * 4
 
 
-def test_attached_prefetcher_in_generate_matches_plain_generate():
+@pytest.mark.parametrize("inline_below", [16, 0])  # decode steps gathered inline (default) or on the worker
+def test_attached_prefetcher_in_generate_matches_plain_generate(inline_below, monkeypatch):
+    monkeypatch.setattr(Prefetcher, "inline_below", inline_below)
     torch.manual_seed(0)
     m = EngramForCausalLM(presets.tiny()).eval()
     ids = torch.randint(0, 1000, (2, 6))

@@ -42,6 +42,12 @@ class PendingRows:
 
 
 class Prefetcher:
+    """See the module doc. On CPU, calls with fewer than `inline_below` tokens (decoding steps) hash and
+    gather on the calling thread: with a token or two there is almost no compute to overlap, and the
+    thread hand-offs cost more than they hide (`benchmarks/bench_decode_cold.py`)."""
+
+    inline_below = 16
+
     def __init__(self, model, device: torch.device | str | None = None):
         self.layers = {mhe.layer_id: mhe for _, mhe in find_tables(model)}
         engrams = [m for m in model.modules() if isinstance(m, Engram)]
@@ -89,6 +95,9 @@ class Prefetcher:
         ids = input_ids.detach().cpu()
         hist = history.detach().cpu() if history is not None else None
         grad = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's into the worker
+        if self.stream is None and ids.numel() < self.inline_below:
+            h = self.mapping.hash_continuation(ids, hist)
+            return {lid: PendingRows(_done(mhe(h[lid]))) for lid, mhe in sorted(self.layers.items())}
         hashed: Future = self.pool.submit(self.mapping.hash_continuation, ids, hist)
         pending = {}
         for lid, mhe in sorted(self.layers.items()):
@@ -109,6 +118,12 @@ class Prefetcher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 class _OnStream:
