@@ -140,3 +140,16 @@ def test_ctrl_c_in_a_run_stops_the_sweep(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         A._train(tmp_path / "run", A.SCALES["tiny"], v, 0, 2, None, progress=False)
     assert "run the same command again" in capsys.readouterr().out
+
+
+def test_gpu_scale_plan_holds():
+    """The prepared GPU sweep's configs build and keep the accounting (meta device: no memory)."""
+    vs = A.plan("gpu")
+    moe = vs[0].accounting
+    assert [v.name for v in vs][0] == "moe-E16" and len(vs) == 5
+    for v in vs[1:]:
+        assert abs(v.accounting["total"] - moe["total"]) <= A.row_group(v, "gpu")
+        assert abs(v.accounting["activated"] - moe["activated"]) <= 3 * 512 * 12 / 2
+    sc = A.SCALES["gpu"]
+    assert sc.max_steps * sc.train["batch_size"] * sc.train["seq_len"] >= 100_000_000  # >= 100M tokens per variant
+    assert sc.model["hidden_size"] >= 512 and sc.model["num_hidden_layers"] >= 12
