@@ -528,7 +528,7 @@ def _analysis_commands(sub) -> None:
     ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
     ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
     ex.add_argument("--scale", default="cpu", choices=["cpu", "gpu", "tiny"],
-                    help="allocation: cpu (hidden 128, ~2 h on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
+                    help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
     ex.set_defaults(func=cmd_experiment)
 
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)")
