@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +255,10 @@ def row_group(v: Variant, scale: str | Scale = "cpu") -> int:
 
 
 # ------------------------------------------------------------------------------------------ running
+def _agg(xs: list[float]) -> dict:  # (as experiments._agg; importing it would close an import cycle)
+    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
+
+
 def _train(run_dir: Path, sc: Scale, v: Variant, seed: int, max_steps: int, data, progress: bool) -> dict:
     from ..checkpoint import checkpoints
     from ..train import read_metrics, train
@@ -286,7 +291,6 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
         scale: str = "cpu", data: list[str] | None = None, third_seed: bool = True) -> dict:
     """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png."""
     from ..presets import train_config
-    from .experiments import _agg
 
     sc = SCALES[scale]
     root = Path(out) / "allocation" if scale == "cpu" else Path(out) / f"allocation-{scale}"
