@@ -44,12 +44,12 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
     iso_run = tmp_path / "iso" / "engram-seed0"
     before = {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()}
-    from engram.analysis import experiments
+    import engram.train
 
     def no_training(*a, **k):
         raise AssertionError("sensitivity trained a model although the iso experiment's run is finished")
 
-    monkeypatch.setattr(experiments, "train", no_training)
+    monkeypatch.setattr(engram.train, "train", no_training)  # (the experiment drivers import it at call time)
     s = run_experiment("sensitivity", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3,
                        progress=False)
     assert {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()} == before  # read, not rewritten

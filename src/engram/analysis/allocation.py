@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch
 
 from ..config import ConfigError
 from ..utils import atomic_write_bytes
+from .runs import seed_stats, trained_run
 
 ROUTED_WEIGHTS = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")
 TABLE_WEIGHT = "multi_head_embedding.embedding.weight"
@@ -93,12 +93,13 @@ class Variant:
 
 # ------------------------------------------------------------------------------------- accounting
 def _config(preset: str, overrides: dict, use_engram: bool):
-    from ..presets import get_preset
+    """The model config a run of this variant trains (`presets.model_for`, the trainer's own merge of
+    overrides), with the preset's vocabulary and tokenizer: those are the same in every variant."""
+    from ..presets import get_preset, model_for
 
-    over = dict(overrides)
-    proto = get_preset(preset, trainable=False).model()
-    engram = {**proto.engram, **over.pop("engram", {})}
-    return get_preset(preset, trainable=False).model(**over, engram=engram, use_engram=use_engram)
+    proto = get_preset(preset).model()
+    return model_for(preset, proto.vocab_size, proto.pad_token_id, proto.engram["tokenizer_name_or_path"],
+                     use_engram=use_engram, overrides=overrides)
 
 
 def count_params(cfg) -> dict:
@@ -123,9 +124,7 @@ def count_params(cfg) -> dict:
             c["embedding"] += n
         elif ".engram." in name:
             c["engram_dense"] += n
-    e = cfg.engram_config
-    n_layers = sum(1 for i in e.layer_ids if i < cfg.num_hidden_layers) if cfg.use_engram else 0
-    c["rows_read"] = n_layers * e.num_heads * e.head_dim  # table parameters a token reads
+    c["rows_read"] = _rows_read(cfg) if cfg.use_engram else 0  # table parameters a token reads
     kept = cfg.num_experts_per_tok / cfg.n_routed_experts if cfg.ffn == "moe" else 1.0
     c["activated"] = c["total"] - c["table"] - c["routed"] + round(c["routed"] * kept) + c["rows_read"]
     c["inactive"] = c["total"] - c["activated"]
@@ -147,15 +146,6 @@ def flops_per_token(cfg, seq_len: int) -> float:
     return fc.get_total_flops() / seq_len
 
 
-def _primes_above(limit: int) -> np.ndarray:
-    sieve = np.ones(limit + 1, dtype=bool)
-    sieve[:2] = False
-    for i in range(2, int(limit ** 0.5) + 1):
-        if sieve[i]:
-            sieve[i * i::i] = False
-    return np.flatnonzero(sieve)
-
-
 def table_sizes(rows: int, n_orders: int, heads: int, layer_ids: list[int]) -> list[int]:
     """`engram_vocab_size` (one target per order) whose heads' primes add up, over all Engram
     layers, to as close to `rows` as the primes allow. The hashing gives each head the next unused
@@ -163,12 +153,14 @@ def table_sizes(rows: int, n_orders: int, heads: int, layer_ids: list[int]) -> l
     others', order 1 takes `heads * layers` consecutive primes above its target and the other
     orders the `heads * layers * (n_orders - 1)` primes above theirs. Searches both targets and
     checks the result with the reference's own prime choice (`hashing.head_moduli`)."""
+    from sympy import primerange
+
     from ..hashing import head_moduli
 
     L = len(layer_ids)
     if rows < 4 * n_orders * heads * L:
         raise ConfigError(f"an Engram table of {rows} rows is too small for {n_orders * heads * L} heads")
-    primes = _primes_above(2 * rows // max(1, n_orders * heads * L) * 2 + 1000)
+    primes = np.fromiter(primerange(2, 2 * rows // (n_orders * heads * L) * 2 + 1001), dtype=np.int64)
     csum = np.concatenate([[0], np.cumsum(primes, dtype=np.int64)])
 
     def window(v: int, k: int) -> tuple[int, int]:  # sum of the k primes >= v, and the index after them
@@ -235,14 +227,14 @@ def plan(scale: str | Scale = "cpu", flops_seq_len: int | None = None) -> list[V
             over = {**dense, "intermediate_size": width}
             out.append(Variant(name, "dense", None, False, over,
                                count_params(_config(sc.preset, over, use_engram=False))))
-    seq = flops_seq_len
-    for v in out:
-        if seq:
-            v.accounting["flops_per_token"] = flops_per_token(_config(sc.preset, v.model_overrides, v.use_engram), seq)
+    for v in out if flops_seq_len else ():
+        v.accounting["flops_per_token"] = flops_per_token(_config(sc.preset, v.model_overrides, v.use_engram),
+                                                          flops_seq_len)
     return out
 
 
 def _rows_read(cfg) -> int:
+    """Table parameters one token reads: one row per head of every Engram layer."""
     e = cfg.engram_config
     return len([i for i in e.layer_ids if i < cfg.num_hidden_layers]) * e.num_heads * e.head_dim
 
@@ -255,26 +247,10 @@ def row_group(v: Variant, scale: str | Scale = "cpu") -> int:
 
 
 # ------------------------------------------------------------------------------------------ running
-def _agg(xs: list[float]) -> dict:  # (as experiments._agg; importing it would close an import cycle)
-    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
-
-
 def _train(run_dir: Path, sc: Scale, v: Variant, seed: int, max_steps: int, data, progress: bool) -> dict:
-    from ..checkpoint import checkpoints
-    from ..train import read_metrics, train
-
-    if not (run_dir / "summary.json").is_file():
-        if progress:
-            print(f"[allocation] {v.name} seed {seed} -> {run_dir}", flush=True)
-        out = train(sc.preset, data=data, out=run_dir, max_steps=max_steps, use_engram=v.use_engram,
-                    resume=bool(checkpoints(run_dir)), overrides={**sc.train, "seed": seed}, progress=progress,
-                    model_overrides=v.model_overrides)
-        if out.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes the sweep
-            print("engram: experiment stopped; run the same command again to resume it", flush=True)
-            raise KeyboardInterrupt
-    summ = json.loads((run_dir / "summary.json").read_text())
-    return {"seed": seed, "run_dir": str(run_dir), "val_loss": summ["val_loss"],
-            "metrics": read_metrics(run_dir / "metrics.jsonl")}
+    return trained_run(run_dir, f"[allocation] {v.name}", seed, sc.preset, data=data, max_steps=max_steps,
+                       progress=progress, overrides=sc.train, use_engram=v.use_engram,
+                       model_overrides=v.model_overrides)
 
 
 def close_neighbours(table: dict, order: list[str]) -> set[str]:
@@ -302,18 +278,17 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     atomic_write_bytes(root / "accounting.json", json.dumps({"scale": scale, "variants": [dataclasses.asdict(v) for v in vs]},
                                                             indent=1).encode())
     tokens = steps * tcfg.batch_size * tcfg.seq_len
-    for v in vs:
-        e = _config(sc.preset, v.model_overrides, True).engram_config
-        v.accounting["tokens"] = tokens
-        v.accounting["tokens_per_row"] = (tokens * e.num_heads * len(e.layer_ids) / (v.accounting["table"] / e.head_dim)
-                                          if v.accounting["table"] else None)
+    for v in vs:  # a token reads rows_read / head_dim rows of the table's table / head_dim
+        a = v.accounting
+        a["tokens"] = tokens
+        a["tokens_per_row"] = tokens * a["rows_read"] / a["table"] if a["table"] else None
     if progress:
         print(accounting_markdown(vs))
     results: dict[str, list[dict]] = {v.name: [] for v in vs}
     for seed in range(seeds):
         for v in vs:
             results[v.name].append(_train(root / f"{v.name}-seed{seed}", sc, v, seed, steps, data, progress))
-    table = {n: _agg([r["val_loss"] for r in rs]) for n, rs in results.items()}
+    table = {n: seed_stats([r["val_loss"] for r in rs]) for n, rs in results.items()}
     sweep = [v.name for v in sorted((v for v in vs if v.rho is not None), key=lambda v: v.rho)]
     while third_seed and seeds == 2:  # until no point with 2 seeds is within two spreads of a neighbour
         more = [v for v in vs if v.name in close_neighbours(table, sweep) and len(results[v.name]) == 2]
@@ -321,7 +296,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
             break
         for v in more:
             results[v.name].append(_train(root / f"{v.name}-seed2", sc, v, 2, steps, data, progress))
-        table = {n: _agg([r["val_loss"] for r in rs]) for n, rs in results.items()}
+        table = {n: seed_stats([r["val_loss"] for r in rs]) for n, rs in results.items()}
     best = min(sweep[:-1], key=lambda n: table[n]["mean"]) if len(sweep) > 1 else sweep[0]
     summary = {"experiment": "allocation", "scale": scale, "steps": steps, "tokens": tokens,
                "seeds": {n: len(rs) for n, rs in results.items()},

@@ -29,20 +29,18 @@ Experiments:
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
 
 import torch
 
-from ..checkpoint import checkpoints
 from ..config import ConfigError
 from ..data import eval_windows, load_split
 from ..model import EngramForCausalLM
 from ..presets import get_preset
-from ..train import read_metrics, train
 from ..utils import atomic_write_bytes
+from .runs import seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit", "allocation")
 
@@ -96,21 +94,12 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         for vname, kw in vs.items():
             # sensitivity reuses the iso experiment's Engram runs when they exist
             run_dir = (Path(out) / "iso" / f"engram-seed{seed}") if name == "sensitivity" else root / f"{vname}-seed{seed}"
-            if not (run_dir / "summary.json").is_file():
-                if progress:
-                    print(f"[{name}] {vname} seed {seed} -> {run_dir}", flush=True)
-                done = train(preset, data=data, out=run_dir, max_steps=max_steps, resume=bool(checkpoints(run_dir)),
-                             overrides={"seed": seed}, progress=progress, **kw)
-                if done.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes
-                    print("engram: experiment stopped; run the same command again to resume it", flush=True)
-                    raise KeyboardInterrupt
-            summ = json.loads((run_dir / "summary.json").read_text())
-            results.setdefault(vname, []).append({"seed": seed, "run_dir": str(run_dir), **summ,
-                                                  "metrics": read_metrics(run_dir / "metrics.jsonl")})
+            results.setdefault(vname, []).append(trained_run(run_dir, f"[{name}] {vname}", seed, preset, data=data,
+                                                             max_steps=max_steps, progress=progress, **kw))
     if name == "sensitivity":
         table = sensitivity(results["engram"], data)
     else:
-        table = {v: _agg([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
+        table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
     summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
@@ -119,11 +108,6 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     _plot(name, results, table, root / "plot.png")
     print(md)
     return summary
-
-
-def _agg(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0,
-            "values": xs}
 
 
 def _markdown(name: str, table: dict) -> str:
@@ -230,5 +214,5 @@ def sensitivity(runs: list[dict], data=None) -> dict:
             per[cat]["on"].append(float(losses["on"][m].mean()))
             per[cat]["off"].append(float(losses["off"][m].mean()))
             per[cat]["n"] = int(m.sum())
-    return {cat: {"tokens": v["n"], "on": _agg(v["on"]), "off": _agg(v["off"]),
-                  "increase": _agg([b - a for a, b in zip(v["on"], v["off"])])} for cat, v in per.items()}
+    return {cat: {"tokens": v["n"], "on": seed_stats(v["on"]), "off": seed_stats(v["off"]),
+                  "increase": seed_stats([b - a for a, b in zip(v["on"], v["off"])])} for cat, v in per.items()}

@@ -28,6 +28,7 @@ import torch
 
 from ..checkpoint import checkpoints
 from ..utils import atomic_write_bytes
+from .runs import seed_stats
 
 DOMAIN = "pypi:networkx==3.4.2"
 BASE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -143,9 +144,9 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
                 "seed": seed, "domain_val": s["val_loss"], "shakespeare_val": s["extra_eval"]["shakespeare"],
                 "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
                 "trainable": s["trainable"]})
-    table = {m: {"domain_val": _agg([r["domain_val"] for r in rs]),
-                 "forgetting": _agg([r["shakespeare_val"] - before["shakespeare"] for r in rs]),
-                 "step_ms": _agg([r["step_ms"] for r in rs]), "peak_rss_mib": _agg([r["peak_rss_mib"] for r in rs]),
+    table = {m: {"domain_val": seed_stats([r["domain_val"] for r in rs]),
+                 "forgetting": seed_stats([r["shakespeare_val"] - before["shakespeare"] for r in rs]),
+                 "step_ms": seed_stats([r["step_ms"] for r in rs]), "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
                  "trainable": rs[0]["trainable"]} for m, rs in results.items()}
     summary = {"experiment": "retrofit", "domain": DOMAIN, "base": BASE, "tokenizer": TOKENIZER,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
@@ -157,10 +158,6 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     _plot(summary, root / "plot.png")
     print(md)
     return summary
-
-
-def _agg(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
 
 
 def markdown(s: dict) -> str:

@@ -1,0 +1,34 @@
+"""What the experiment drivers share: one training run per (variant, seed), skipped when it has
+finished, resumed when it was interrupted, and stopping the whole sweep on Ctrl-C (after the run
+checkpointed); and the mean and spread of a value over seeds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def seed_stats(xs: list[float]) -> dict:
+    """Mean, spread (half the range; 0 for one value) and the values themselves."""
+    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
+
+
+def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_steps: int | None, progress: bool,
+                overrides: dict | None = None, **train_kw) -> dict:
+    """Train `preset` into `run_dir` with `seed` (unless it finished; resuming a checkpointed one) and
+    return `{"seed", "run_dir", **summary.json, "metrics"}`. `label` prefixes the progress line."""
+    from ..checkpoint import checkpoints
+    from ..train import read_metrics, train
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "summary.json").is_file():
+        if progress:
+            print(f"{label} seed {seed} -> {run_dir}", flush=True)
+        done = train(preset, data=data, out=run_dir, max_steps=max_steps, resume=bool(checkpoints(run_dir)),
+                     overrides={**(overrides or {}), "seed": seed}, progress=progress, **train_kw)
+        if done.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes the sweep
+            print("engram: experiment stopped; run the same command again to resume it", flush=True)
+            raise KeyboardInterrupt
+    summ = json.loads((run_dir / "summary.json").read_text())
+    return {"seed": seed, "run_dir": str(run_dir), **summ, "metrics": read_metrics(run_dir / "metrics.jsonl")}
