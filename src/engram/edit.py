@@ -353,7 +353,7 @@ def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", 
         where = list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
         rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}
         for lid, mhe in layers.items():
-            flat = torch.as_tensor(hashed[lid][0]) + mhe._offsets_on(torch.device("cpu"))  # (T, H) table rows
+            flat = mhe.table_rows(hashed[lid][0])  # (T, H) table rows
             rec[lid] = flat[where][:, cols]  # (P, h)
         out.append(rec)
     return out
@@ -505,7 +505,7 @@ def table_rows_read(model, windows: np.ndarray, chunk: int = 64) -> dict[int, to
     for i in range(0, len(windows), chunk):
         hashed = mapping.hash(np.asarray(windows[i:i + chunk], dtype=np.int64))
         for lid, mhe in layers.items():
-            out[lid].append(torch.as_tensor(hashed[lid]) + mhe._offsets_on(torch.device("cpu")))
+            out[lid].append(mhe.table_rows(hashed[lid]))
     return {lid: torch.cat(v) for lid, v in out.items()}
 
 

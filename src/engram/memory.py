@@ -129,8 +129,13 @@ class MultiHeadEmbedding(nn.Module):
     def take_grads(self):
         return None  # the gradient lands on embedding.weight (sparse COO): LazyRowAdam reads it there
 
+    def table_rows(self, hash_ids) -> torch.Tensor:
+        """Per-head row ids (..., H) (a tensor or array) -> this table's global row ids (..., H): plus head offsets."""
+        hash_ids = torch.as_tensor(hash_ids)
+        return hash_ids + self._offsets_on(hash_ids.device)
+
     def forward(self, hash_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        flat = (hash_ids + self._offsets_on(hash_ids.device)).reshape(-1)  # (N,) global row ids
+        flat = self.table_rows(hash_ids).reshape(-1)  # (N,) global row ids
         rows = (self if self.table is None else self.table).lookup(flat, out=out)  # (N, D)
         return rows.view(*hash_ids.shape, self.embedding_dim)  # (..., H, D)
 

@@ -148,7 +148,6 @@ def readahead_for(model):
     def readahead(hash_ids: dict) -> None:
         for lid, mhe in targets.items():
             if lid in hash_ids:
-                rows = (torch.as_tensor(hash_ids[lid]) + mhe._offsets_on(torch.device("cpu"))).reshape(-1)
-                mhe.table.touch(torch.unique(rows))
+                mhe.table.touch(torch.unique(mhe.table_rows(hash_ids[lid])))
 
     return readahead
