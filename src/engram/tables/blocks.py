@@ -30,6 +30,7 @@ import torch
 from .._numba import LazyKernels
 from ..manifest import UnverifiedWarning
 from .base import TableError
+from .files import row_span
 
 SUFFIX = ".blocks"
 MAGIC = b"ENGBLK01"
@@ -188,8 +189,7 @@ class BlockVerifier:
 
     def blocks_of(self, rows: torch.Tensor, tensor_offset: int, row_bytes: int) -> torch.Tensor:
         """The blocks holding `rows` (N,) of a tensor at `tensor_offset` in the data: (2N,), first and last of each."""
-        start = rows * row_bytes + tensor_offset  # (N,) first byte of each row in the data section
-        return torch.cat([start // self.block_bytes, (start + row_bytes - 1) // self.block_bytes])
+        return torch.cat(row_span(rows, row_bytes, tensor_offset, self.block_bytes))
 
     def _check(self, b: int, row_bytes: int = 0, tensor_offset: int = 0) -> None:
         lo = b * self.block_bytes

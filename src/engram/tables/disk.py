@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .files import map_tensor
+from .files import map_tensor, row_span
 from .files import read_header as _read_header
 from .base import Table, TableError
 
@@ -101,8 +101,7 @@ class DiskTable(Table):
             page.close()
 
     def _pages(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start = rows * self.row_bytes + self.offset
-        return start // PAGE, (start + self.row_bytes - 1) // PAGE  # first and last page of each row
+        return row_span(rows, self.row_bytes, self.offset, PAGE)  # first and last page of each row
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = rows.reshape(-1).to(torch.long)

@@ -43,6 +43,13 @@ def read_header(path: Path, required: tuple[str, ...] = ("weight",)) -> tuple[in
     return n, meta, size
 
 
+def row_span(rows, row_bytes: int, offset: int, unit: int):
+    """(first, last) `unit`-sized piece (page, checksum block) of the file holding each of `rows` (N,) of a
+    tensor whose row 0 starts at byte `offset`: a row may straddle two."""
+    start = rows * row_bytes + offset  # (N,) first byte of each row
+    return start // unit, (start + row_bytes - 1) // unit
+
+
 def map_tensor(path: Path, header_len: int, size: int, name: str, info: dict, writable: bool = False,
                dtypes: dict = NP_DTYPES):
     """(numpy memmap, torch view) of tensor `name` of a safetensors file (`info`: its header entry), checked

@@ -148,7 +148,7 @@ def quant_error(w: torch.Tensor, fmt: str) -> dict:
     back = dequantize(codes, scales, fmt)
     err = (back - w.float()).abs()
     rms = float(err.square().mean().sqrt() / w.float().square().mean().sqrt().clamp_min(1e-30))
-    return {"max_abs": float(err.max()), "rel_rms": rms, "bytes_per_row": w.shape[1] * 1 + scales.element_size()}
+    return {"max_abs": float(err.max()), "rel_rms": rms, "bytes_per_row": QuantTable(codes, scales, fmt).bytes_per_row}
 
 
 def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str):
