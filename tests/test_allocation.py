@@ -153,3 +153,8 @@ def test_gpu_scale_plan_holds():
     sc = A.SCALES["gpu"]
     assert sc.max_steps * sc.train["batch_size"] * sc.train["seq_len"] >= 100_000_000  # >= 100M tokens per variant
     assert sc.model["hidden_size"] >= 512 and sc.model["num_hidden_layers"] >= 12
+
+
+def test_unknown_scale_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown allocation scale 'huge'; choose one of cpu, gpu, tiny"):
+        A.plan("huge")

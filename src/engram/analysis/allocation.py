@@ -79,6 +79,14 @@ SCALES = {
 }
 
 
+def _scale(scale: str | Scale) -> Scale:
+    if isinstance(scale, Scale):
+        return scale
+    if scale not in SCALES:
+        raise ConfigError(f"unknown allocation scale {scale!r}; choose one of {', '.join(SCALES)}")
+    return SCALES[scale]
+
+
 @dataclass
 class Variant:
     """One point of the sweep: how to build it (`use_engram`, `model_overrides`) and its accounting."""
@@ -192,7 +200,7 @@ def table_sizes(rows: int, n_orders: int, heads: int, layer_ids: list[int]) -> l
 def plan(scale: str | Scale = "cpu", flops_seq_len: int | None = None) -> list[Variant]:
     """The variants of a scale with their accounting. Total parameters are equal across the MoE
     variants within one row group, activated parameters within half a shared-FFN unit."""
-    sc = SCALES[scale] if isinstance(scale, str) else scale
+    sc = _scale(scale)
     base = dict(sc.model)
     moe_cfg = _config(sc.preset, base, use_engram=False)
     ref = count_params(moe_cfg)
@@ -241,7 +249,7 @@ def _rows_read(cfg) -> int:
 
 def row_group(v: Variant, scale: str | Scale = "cpu") -> int:
     """Parameters of one row in every head of every Engram layer (the table's size granularity)."""
-    sc = SCALES[scale] if isinstance(scale, str) else scale
+    sc = _scale(scale)
     cfg = _config(sc.preset, v.model_overrides, True)
     return _rows_read(cfg)
 
@@ -268,7 +276,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png."""
     from ..presets import train_config
 
-    sc = SCALES[scale]
+    sc = _scale(scale)
     root = Path(out) / "allocation" if scale == "cpu" else Path(out) / f"allocation-{scale}"
     root.mkdir(parents=True, exist_ok=True)
     steps = max_steps or sc.max_steps
