@@ -94,7 +94,9 @@ def test_golden_hash_default(golden_dir, default_mapping, backend, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "N, K, sizes, layers",
-    [(2, 1, [7], [0]), (3, 2, [50, 61], [0, 3]), (4, 3, [101, 97, 500], [2, 1]), (3, 4, [3_000_000, 2_100_000], [5])],
+    [(2, 1, [7], [0]), (3, 2, [50, 61], [0, 3]), (4, 3, [101, 97, 500], [2, 1]), (3, 4, [3_000_000, 2_100_000], [5]),
+     # the fused kernel's exact range ends at 2^36 (the torch path's at 2^26, then int64 remainder)
+     (3, 2, [30_000_000, 1 << 30], [1]), (2, 3, [(1 << 36) - 1000], [4])],
 )
 def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, layers):
     ct = default_mapping.compressed_tokenizer
@@ -104,10 +106,11 @@ def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, laye
     ids[0, :2] = 2  # pad ids inside the text
     ids[1, -1] = ct.vocab_size - 1
     want = slow_hash(ids.tolist(), ct.lookup_table.tolist(), layers, sizes, N, K, 2, 7)
-    got = m.hash(ids)
+    got, rows = m.hash(ids), m.hash(ids, offsets=True)
     for lid in layers:
         assert got[lid].shape == (2, 9, (N - 1) * K)
         assert got[lid].tolist() == want[lid]
+        assert np.array_equal(rows[lid], got[lid] + np.array(m.head_offsets(lid)))  # the tables' global rows
 
 
 def test_backends_agree_on_large_batch(default_mapping):
@@ -167,3 +170,13 @@ def test_spec_round_trip_and_tokenizer_mismatch(tmp_path, default_mapping):
         NgramHashMapping.from_spec(p)
     with pytest.raises(ConfigError, match="not found"):
         NgramHashMapping.from_spec(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("mode", ["shuffled", "constant"])
+def test_offsets_follow_the_ablation_modes(default_mapping, mode):
+    ct = default_mapping.compressed_tokenizer
+    m = NgramHashMapping([50, 61], 3, 16, 2, [0, 3], None, 2, 7, compressed_tokenizer=ct, hash_mode=mode)
+    ids = np.random.default_rng(2).integers(0, ct.vocab_size, size=(2, 9))
+    got, rows = m.hash(ids), m.hash(ids, offsets=True)
+    for lid in m.layer_ids:
+        assert np.array_equal(rows[lid], got[lid] + np.array(m.head_offsets(lid)))

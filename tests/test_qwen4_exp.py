@@ -45,12 +45,13 @@ def test_hash_matches_transformers(kw, backend):
     assert mapping.layer_ids == [1, 3] and mapping.family == "qwen4_exp"
     for seed in range(3):
         ids = ids_with_eos(cfg, 3, 40, seed)
-        got = mapping.hash(ids)
+        got, rows = mapping.hash(ids), mapping.hash(ids, offsets=True)
         for i, lid in enumerate(cfg.ple_layer_ids):
             want, ref = transformers_rows(cfg, i, ids)
             assert mapping.head_sizes(lid) == ref.head_vocab_sizes
             offsets = torch.tensor(mapping.head_offsets(lid))
             assert torch.equal(got[lid] + offsets, want)
+            assert torch.equal(rows[lid], want)  # offsets added in the kernel (numba) or after it (torch)
 
 
 def test_continuation_matches_the_cached_transformers_forward():
@@ -74,6 +75,10 @@ def test_kernel_serves_the_released_prime_range():
     lid = cfg.ple_layer_ids[1]
     assert torch.equal(fast[lid], slow[lid])
     assert torch.equal(fast[lid] + torch.tensor(hash_mapping(cfg).head_offsets(lid)), want)
+    assert torch.equal(hash_mapping(cfg, "numba").hash(ids, offsets=True)[lid], want)
+    # decode-sized calls take the serial kernel: same rows
+    step = hash_mapping(cfg, "numba").hash_continuation(ids[:, 9:10], ids[:, 7:9], offsets=True)[lid]
+    assert torch.equal(step, want[:, 9:10])
 
 
 def test_bad_configs_are_one_line():

@@ -1,8 +1,9 @@
 """Fused CPU hashing kernel (numba). Optional: `pip install 'engram[fast]'`.
 
 One parallel pass over tokens computes every layer's n-gram mixes and every head's row with
-the exact float64 split-modulo of `hashing.py`; numba is imported on first use only, so
-`import engram` stays light. Compiled kernels are cached on disk by numba (`cache=True`).
+an exact float64 split-modulo (`mix = hi * 2^48 + mid * 2^32 + lo`, one floor-division per
+head; see `hashing.py`); numba is imported on first use only, so `import engram` stays light.
+Compiled kernels are cached on disk by numba (`cache=True`).
 """
 
 from __future__ import annotations
@@ -20,77 +21,99 @@ def available() -> bool:
 def _build():
     from numba import njit, prange
 
+    # Every value below is an integer held exactly in float64, so fused multiply-adds give the same results;
+    # no reassociation or reciprocal approximations (`reassoc`, `arcp`) are allowed.
+    fm = {"contract", "nnan", "ninf", "nsz"}
+
     def make(flavor):  # flavor (0 parallel, 1 serial) is a closure cell: numba's disk cache keeps the two apart
-        def kernel(x, pad, reset, big, mult, p, c, inv, out):  # pragma: no cover - compiled
+        def kernel(x, pad, reset, mult, p, c32, c48, inv, off, out):  # pragma: no cover - compiled
             # x (B, T) ids; reset: the id that ends a document (n-grams do not reach back across it: those
             # positions read `pad`, as positions before the sequence do), -1 for none; mult (L, N) int64;
-            # p, c, inv (L, O, H) float64; big: some p > 2^21, so hi is reduced mod p first; out (L, B, T, O*H)
+            # p, c32 = 2^32 mod p, c48 = 2^48 mod p, inv = 1/p, off (L, O, H) float64 (off: added to each
+            # head's row); out (L, B, T, O*H). Work goes in chunks of one sequence's tokens; inside a chunk
+            # every loop runs over tokens, so the arithmetic is SIMD, then a tile is transposed into `out`.
             B, T = x.shape
             L, N = mult.shape
-            H = p.shape[2]
-            for bt in prange(B * T):
-                b = bt // T
-                t = bt - b * T
-                start = 0  # t's document starts here (looking back at most N-1 positions)
-                if reset >= 0:
-                    start = t
-                    while start > 0 and t - start < N - 1 and x[b, start - 1] != reset:
-                        start -= 1
+            O, H = p.shape[1], p.shape[2]
+            chunk = 128  # tokens: the tile (O*H x chunk float64) stays in L1
+            per_row = (T + chunk - 1) // chunk
+            for job in prange(B * per_row):
+                b = job // per_row
+                t0 = (job - b * per_row) * chunk
+                n = min(T, t0 + chunk) - t0
+                start = np.empty(n, dtype=np.int64)  # each token's document start (looking back <= N-1)
+                mix = np.empty(n, dtype=np.int64)
+                hi, mid, lo = np.empty(n), np.empty(n), np.empty(n)
+                tile = np.empty((O * H, n))
+                for i in range(n):
+                    t = t0 + i
+                    s = 0
+                    if reset >= 0:
+                        s = t
+                        while s > 0 and t - s < N - 1 and x[b, s - 1] != reset:
+                            s -= 1
+                    start[i] = s
                 for l in range(L):
-                    mix = x[b, t] * mult[l, 0]
+                    for i in range(n):
+                        mix[i] = x[b, t0 + i] * mult[l, 0]
                     for k in range(1, N):
-                        tok = x[b, t - k] if t - k >= start else pad
-                        mix = mix ^ (tok * mult[l, k])  # wrapping int64, as numpy/torch
-                        hi = np.float64(mix >> 32)
-                        lo = np.float64(mix & 0xFFFFFFFF)
+                        m = mult[l, k]
+                        for i in range(n):
+                            t = t0 + i
+                            tok = x[b, t - k] if t - k >= start[i] else pad
+                            v = mix[i] ^ (tok * m)  # wrapping int64, as numpy/torch
+                            mix[i] = v
+                            # v = hi * 2^48 + mid * 2^32 + lo: hi signed 16-bit, mid 16-bit, lo 32-bit
+                            hi[i] = np.float64(v >> 48)
+                            mid[i] = np.float64((v >> 32) & 0xFFFF)
+                            lo[i] = np.float64(v & 0xFFFFFFFF)
                         for h in range(H):
-                            pv = p[l, k - 1, h]
-                            hr = hi
-                            if big:  # hi mod p first (|hi| < 2^31): then hr * c + lo < 2^52 + 2^32 for p <= 2^26
-                                hr = hi - np.floor(hi * inv[l, k - 1, h]) * pv
-                                if hr < 0:
-                                    hr += pv
-                                elif hr >= pv:
-                                    hr -= pv
-                            v = hr * c[l, k - 1, h] + lo  # exact integer < 2^53
-                            q = np.floor(v * inv[l, k - 1, h])  # may be off by one: fixed below
-                            r = v - q * pv
-                            if r < 0:
-                                r += pv
-                            elif r >= pv:
-                                r -= pv
-                            out[l, b, t, (k - 1) * H + h] = np.int64(r)
+                            pv, a48, a32 = p[l, k - 1, h], c48[l, k - 1, h], c32[l, k - 1, h]
+                            iv, ov = inv[l, k - 1, h], off[l, k - 1, h]
+                            row = tile[(k - 1) * H + h]
+                            for i in range(n):
+                                # congruent to v mod p, an exact integer: |.| < 2^15 p + 2^16 p + 2^32 < 2^53
+                                w = hi[i] * a48 + (mid[i] * a32 + lo[i])
+                                r = w - np.floor(w * iv) * pv  # the floor may be off by one: corrected next
+                                r = r + pv * (r < 0) - pv * (r >= pv)
+                                row[i] = r + ov
+                    for i in range(n):
+                        for j in range(O * H):
+                            out[l, b, t0 + i, j] = tile[j, i]
             if flavor < 0:  # never: makes `flavor` part of the compiled function (cache key)
                 return
         return kernel
 
     # one compiled function each: many threads for batches, one for a few tokens (decoding), where waking
     # the thread pool costs more than the work
-    return (njit(parallel=True, cache=True, boundscheck=False)(make(0)),
-            njit(cache=True, boundscheck=False)(make(1)))
+    return (njit(parallel=True, cache=True, boundscheck=False, fastmath=fm)(make(0)),
+            njit(cache=True, boundscheck=False, fastmath=fm)(make(1)))
 
 
 _kernels = LazyKernels(_build)
 SERIAL_BELOW = 512  # tokens: smaller calls run on the calling thread
-MAX_PRIME = 1 << 26  # above 2^21 hi is reduced mod p first; above 2^26 the reduced product may exceed 2^53
+MAX_PRIME = 1 << 36  # above, hi * (2^48 mod p) + mid * (2^32 mod p) + lo may exceed 2^53 (no longer exact)
 
 
-def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(p, 2^32 mod p, 1/p) as float64 arrays (L, O, H), computed once per mapping."""
+def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(p, 2^32 mod p, 2^48 mod p, 1/p) as float64 arrays (L, O, H), computed once per mapping."""
     p = primes.astype(np.float64)
-    return p, ((1 << 32) % primes).astype(np.float64), 1.0 / p
+    return p, ((1 << 32) % primes).astype(np.float64), ((1 << 48) % primes).astype(np.float64), 1.0 / p
 
 
 def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray,
-              reset: int | None = None) -> None:
-    """Fill `out` (L, B, T, O*H) with per-head rows; `consts` from `kernel_constants` (primes <= MAX_PRIME).
+              reset: int | None = None, offsets: np.ndarray | None = None) -> None:
+    """Fill `out` (L, B, T, O*H) (int64 or int32) with per-head rows; `consts` from `kernel_constants`
+    (primes <= MAX_PRIME).
 
     `reset`: the id that ends a document (the n-grams of the next token do not reach back across it), or None.
+    `offsets` (L, O, H) float64: added to each head's row (its place in the layer's concatenated table), or None.
     """
-    p, c, inv = consts
-    big = bool(p.max() > (1 << 21))
+    p, c32, c48, inv = consts
     parallel, serial = _kernels.get()
     fn = serial if x.size < SERIAL_BELOW else parallel
+    if offsets is None:
+        offsets = np.zeros_like(p)
     with _lock:
-        fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), np.int64(-1 if reset is None else reset), big, mult,
-           p, c, inv, out)
+        fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), np.int64(-1 if reset is None else reset), mult,
+           p, c32, c48, inv, offsets, out)

@@ -12,12 +12,14 @@ distinct primes across all heads, orders and layers. This is bit-identical to th
 
 Speed: the reference spends most of its time in one int64 modulo per head. We split each
 mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, so that
-`mix mod p = (hi * (2^32 mod p) + lo) mod p`; for p <= 2^21 the bracket is an integer below
-2^53, exact in float64, and a float64 floor-division finishes the job. On CPU a fused numba
-kernel (`engram[fast]`, `_fasthash.py`) does this for all heads of all layers in one
-parallel pass; without numba, and on GPU, the same arithmetic runs as a few vectorized torch
-kernels. Larger primes (the numba kernel stops at 2^21) take the torch path, which reduces `hi`
-first (exact up to p <= 2^26) or falls back to int64 `torch.remainder`.
+`mix mod p = ((hi mod p) * (2^32 mod p) + lo) mod p`; for p <= 2^26 the bracket is an integer
+below 2^53, exact in float64, and float64 floor-divisions (corrected by one p where rounding
+lands on the wrong side) finish the job: that is the torch path (GPU, or CPU without numba).
+On CPU a fused numba kernel (`engram[fast]`, `_fasthash.py`) does all heads of all layers in
+one parallel pass with a three-way split, `mix = hi * 2^48 + mid * 2^32 + lo`, that needs a
+single floor-division per head, SIMD across tokens, optionally adding the head offsets
+(`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
+`torch.remainder`.
 """
 
 from __future__ import annotations
@@ -316,7 +318,10 @@ class NgramHashMapping:
                 "add a batch dimension with x[None] / x.unsqueeze(0)"
             )
         if input_ids.numel() if isinstance(input_ids, torch.Tensor) else input_ids.size:
-            lo, hi = (int(input_ids.min()), int(input_ids.max()))
+            if isinstance(input_ids, torch.Tensor):
+                lo, hi = (int(v) for v in torch.aminmax(input_ids))  # one pass
+            else:
+                lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.tokenizer_len:
                 arr = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
                 bad = (arr < 0) | (arr >= self.tokenizer_len)
@@ -328,15 +333,29 @@ class NgramHashMapping:
                        else "was the text tokenized with a different tokenizer?")
                 )
 
-    def hash_tensor(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` (ablation modes applied)."""
+    def hash_tensor(self, input_ids: torch.Tensor, offsets: bool = False) -> torch.Tensor:
+        """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` (ablation modes applied).
+
+        `offsets=True`: rows of each layer's concatenated table (each head's offset added), else per-head rows.
+        """
         if self.hash_mode == "constant":
             L, H = len(self.layer_ids), (self.max_ngram_size - 1) * self.n_head_per_ngram
-            return torch.zeros(L, *input_ids.shape, H, dtype=torch.int64, device=input_ids.device)
-        out = self._hash_ngram(input_ids)
-        if self.hash_mode == "shuffled":
-            out = self._shuffle(out)
+            out = torch.zeros(L, *input_ids.shape, H, dtype=torch.int64, device=input_ids.device)
+        elif self.hash_mode == "shuffled":
+            out = self._shuffle(self._hash_ngram(input_ids)[0])
+        else:
+            out, added = self._hash_ngram(input_ids, offsets)
+            offsets = offsets and not added
+        if offsets:
+            out = out + self._offset_tensor(out.device).view(len(self.layer_ids), 1, 1, -1)
         return out
+
+    def _offset_tensor(self, device) -> torch.Tensor:
+        """(L, H) int64: every layer's head offsets."""
+        key = ("offsets", str(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = torch.tensor([self.head_offsets(l) for l in self.layer_ids], device=device)
+        return self._device_cache[key]
 
     def _shuffle(self, rows: torch.Tensor) -> torch.Tensor:
         """Ablation: re-key every lookup by a fixed random key of its position (no n-gram identity)."""
@@ -346,32 +365,35 @@ class NgramHashMapping:
         primes = torch.tensor([self.head_sizes(l) for l in self.layer_ids], device=rows.device).view(L, 1, 1, H)
         return torch.remainder(rows + key, primes)
 
-    def _hash_ngram(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hash a validated int tensor `[B, T]` -> int64 `[L, B, T, (N-1)*K]` for all layers at once.
+    def _hash_ngram(self, input_ids: torch.Tensor, offsets: bool = False) -> tuple[torch.Tensor, bool]:
+        """Hash a validated int tensor `[B, T]` -> (int64 `[L, B, T, (N-1)*K]`, whether offsets were added),
+        all layers at once.
 
         CPU tensors use the fused numba kernel when numba is installed (`pip install engram[fast]`);
-        otherwise (and on GPU) a vectorized torch path computes the same integers.
+        it adds the head offsets itself when asked (`offsets`). Otherwise (and on GPU) a vectorized
+        torch path computes the same per-head integers.
         """
         if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
             if not _fasthash.available():
                 if self.backend == "numba":
                     raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
-            elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need the torch path's exact ranges
-                return self._hash_numba(input_ids)
+            elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
+                return self._hash_numba(input_ids, offsets), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
-            return self._hash_torch(input_ids)
+            return self._hash_torch(input_ids), False
 
-    def _hash_numba(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool = False) -> torch.Tensor:
         if ("numba",) not in self._device_cache:
             P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)
-            self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape)
-        mult, consts, (L, O, H) = self._device_cache[("numba",)]
+            off = np.array([self.head_offsets(l) for l in self.layer_ids], dtype=np.float64).reshape(P.shape)
+            self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
+        mult, consts, (L, O, H), off = self._device_cache[("numba",)]
         B, T = input_ids.shape
         raw = input_ids.numpy()
         x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
         out = np.empty((L, B, T, O * H), dtype=np.int64)
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out, self.reset_id)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, self.reset_id, off if offsets else None)
         return torch.from_numpy(out)
 
     def _hash_torch(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -418,30 +440,34 @@ class NgramHashMapping:
         out.copy_(r.view(L, O * H, B * T).transpose(1, 2))
         return out.view(L, B, T, O * H)
 
-    def hash(self, input_ids) -> dict:
+    def hash(self, input_ids, offsets: bool = False) -> dict:
         """Row indices of every head: `{layer_id: [B, T, (N-1)*K] int64}`.
 
         Accepts a numpy array (returns numpy, like the reference) or a torch tensor on any
-        device (returns torch on the same device). Indices are per head (no offsets added).
+        device (returns torch on the same device). Indices are per head (no offsets added), or with
+        `offsets=True` rows of the layer's concatenated table (`head_offsets` added: what a table
+        gathers, and what transformers' `Qwen4ExpTextNGramEmbedding` computes), in the same pass.
         """
         self.validate(input_ids)
         as_numpy = not isinstance(input_ids, torch.Tensor)
         t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
-        out = self.hash_tensor(t)
+        out = self.hash_tensor(t, offsets)
         if as_numpy:
             out = out.numpy()
         return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
 
-    def hash_continuation(self, input_ids: torch.Tensor, history: torch.Tensor | None = None) -> dict:
+    def hash_continuation(self, input_ids: torch.Tensor, history: torch.Tensor | None = None,
+                          offsets: bool = False) -> dict:
         """Hash ids of new tokens whose n-grams reach back into earlier ones: `{layer_id: (B, T, H)}`.
 
         `history` (B, <= N-1) holds the ids before `input_ids` (B, T) (decoding with a KV cache:
-        `model.EngramCache` keeps them); the result covers the T new positions only.
+        `model.EngramCache` keeps them); the result covers the T new positions only. `offsets` as in `hash`.
         """
         if history is None or history.shape[1] == 0:
-            return self.hash(input_ids)
+            return self.hash(input_ids, offsets)
         T = input_ids.shape[1]
-        return {k: v[:, -T:] for k, v in self.hash(torch.cat([history.to(input_ids.device), input_ids], dim=1)).items()}
+        full = self.hash(torch.cat([history.to(input_ids.device), input_ids], dim=1), offsets)
+        return {k: v[:, -T:] for k, v in full.items()}
 
     # ------------------------------------------------------------------ spec
     def spec(self, include_lookup_table: bool = True) -> dict:

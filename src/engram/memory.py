@@ -134,10 +134,14 @@ class MultiHeadEmbedding(nn.Module):
         hash_ids = torch.as_tensor(hash_ids)
         return hash_ids + self._offsets_on(hash_ids.device)
 
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This table's global row ids (..., H) (`table_rows`, or `hash(..., offsets=True)`) -> (..., H, D)."""
+        got = (self if self.table is None else self.table).lookup(rows.reshape(-1), out=out)  # (N, D)
+        return got.view(*rows.shape, self.embedding_dim)  # (..., H, D)
+
     def forward(self, hash_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        flat = self.table_rows(hash_ids).reshape(-1)  # (N,) global row ids
-        rows = (self if self.table is None else self.table).lookup(flat, out=out)  # (N, D)
-        return rows.view(*hash_ids.shape, self.embedding_dim)  # (..., H, D)
+        """Per-head row ids (..., H) -> rows (..., H, D)."""
+        return self.gather(self.table_rows(hash_ids), out=out)
 
     def row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After backward: `(rows [R], grads [R, D])` for the R distinct rows touched, or None.

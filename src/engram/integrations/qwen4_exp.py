@@ -111,8 +111,9 @@ class ServedNGramEmbedding(nn.Module):
         if pending is not None:
             rows = pending.wait()  # (B, T, H, d), gathered on the prefetch thread
         else:
-            h = self.mapping.hash_continuation(input_ids.cpu(), history.cpu() if history is not None else None)
-            rows = self.mhe(h[self.ple_layer_id])  # (B, T, H, d)
+            h = self.mapping.hash_continuation(input_ids.cpu(), history.cpu() if history is not None else None,
+                                               offsets=True)  # the table's rows (head offsets added by the kernel)
+            rows = self.mhe.gather(h[self.ple_layer_id])  # (B, T, H, d)
         return rows.to(input_ids.device).flatten(-2)  # (B, T, H * d)
 
 

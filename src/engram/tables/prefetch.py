@@ -58,6 +58,9 @@ class Prefetcher:
 
     def _start(self, device) -> None:
         """The worker thread and, for a CUDA `device`, the side stream the copies run on."""
+        # the hashing kernel adds head offsets in its own pass when they are the tables' offsets (always, for
+        # tables built from this mapping); else each table adds its own
+        self.offsets = all(m.offsets.tolist() == self.mapping.head_offsets(lid) for lid, m in self.layers.items())
         self.device = torch.device(device) if device is not None else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
         self.stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
@@ -95,19 +98,22 @@ class Prefetcher:
         ids = input_ids.detach().cpu()
         hist = history.detach().cpu() if history is not None else None
         grad = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's into the worker
+        def gather(mhe, h, out=None):  # (B, T, H) ids -> (B, T, H, d)
+            return mhe.gather(h, out=out) if self.offsets else mhe(h, out=out)
+
         if self.stream is None and ids.numel() < self.inline_below:
-            h = self.mapping.hash_continuation(ids, hist)
-            return {lid: PendingRows(_done(mhe(h[lid]))) for lid, mhe in sorted(self.layers.items())}
-        hashed: Future = self.pool.submit(self.mapping.hash_continuation, ids, hist)
+            h = self.mapping.hash_continuation(ids, hist, offsets=self.offsets)
+            return {lid: PendingRows(_done(gather(mhe, h[lid]))) for lid, mhe in sorted(self.layers.items())}
+        hashed: Future = self.pool.submit(self.mapping.hash_continuation, ids, hist, self.offsets)
         pending = {}
         for lid, mhe in sorted(self.layers.items()):
             def work(lid=lid, mhe=mhe):
                 h = hashed.result()[lid]  # (B, T, H)
                 with torch.set_grad_enabled(grad):
                     if self.stream is None or mhe.table is None:
-                        return mhe(h)  # (B, T, H, d)
+                        return gather(mhe, h)  # (B, T, H, d)
                     out = torch.empty(h.numel(), mhe.dim, dtype=mhe.table.dtype, pin_memory=True)
-                    rows = mhe(h, out=out)  # (B, T, H, d), page-locked
+                    rows = gather(mhe, h, out=out)  # (B, T, H, d), page-locked
                     with torch.cuda.stream(self.stream):
                         on_dev = rows.to(self.device, non_blocking=True)
                         done = torch.cuda.Event()
