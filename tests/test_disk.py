@@ -1,19 +1,38 @@
 """The cold disk tier (`engram.tables.disk.DiskTable`): positioned reads, many in flight."""
 
 import os
+import warnings
 
 import pytest
 import torch
 
 from engram.tables import TableError, write_table_file
+from engram.tables.blocks import PAGE, sidecar, write_block_sums
+from engram.tables import disk
 from engram.tables.disk import DiskTable
+from engram.tables.files import read_header
 
 
+@pytest.fixture(params=["compiled", "python"])
+def reader(request, monkeypatch):
+    """Cold rows read by the GIL-free compiled loop (engram[fast]) or the Python loop that stands in without numba."""
+    if request.param == "compiled":
+        if disk._READER.get() is None:
+            pytest.skip("numba not installed")
+    else:
+        monkeypatch.setattr(disk, "_READER", disk.LazyKernels(lambda: None))
+    return request.param
+
+
+@pytest.mark.parametrize("page_blocks", [True, False])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype):
+def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype, page_blocks, reader):
     W = torch.randn(5000, 24).to(dtype)  # 48- or 96-byte rows: some straddle 4 KiB pages
-    t = DiskTable(write_table_file(tmp_path / "t.safetensors", W), queue_depth=8, direct=direct)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (64 KiB sums: "first reads fetch whole blocks")
+        t = DiskTable(write_table_file(tmp_path / "t.safetensors", W, page_blocks=page_blocks), queue_depth=8,
+                      direct=direct)
     ids = torch.tensor([[3, 4999, 3], [0, 1706, 4999]])
     assert torch.equal(t.gather(ids), W[ids.reshape(-1)]) and t.stats()["reads"] == 4  # duplicates read once
     every = torch.randperm(5000)
@@ -25,8 +44,68 @@ def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype):
     t.close()
 
 
+def test_disk_tier_files_are_page_aligned_and_still_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    W = torch.randn(1000, 20)
+    f = write_table_file(tmp_path / "t.safetensors", W, page_blocks=True)
+    n, _, _ = read_header(f)
+    assert (8 + n) % PAGE == 0 and torch.equal(load_file(str(f))["weight"], W)  # padded header: plain safetensors
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # page sums: no "whole 64 KiB blocks" warning
+        t = DiskTable(f)
+    assert t.blocks.block_bytes == PAGE and torch.equal(t.gather(torch.arange(1000)), W)
+
+
+def _flip(f, at: int) -> None:
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("page_blocks", [True, False])
+def test_a_flipped_byte_is_caught_on_the_cold_read(tmp_path, direct, page_blocks, reader):
+    W = torch.randn(20000, 16)  # 64-byte rows
+    f = write_table_file(tmp_path / "t.safetensors", W, page_blocks=page_blocks)
+    n, meta, _ = read_header(f)
+    row = 12345
+    _flip(f, 8 + n + row * 64 + 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = DiskTable(f, direct=direct)
+    ok = torch.tensor([0, 1, 19999])  # far from the damage: read and checked
+    assert torch.equal(t.gather(ok), W[ok])
+    with pytest.raises(TableError, match=r"rows [\d,]+-[\d,]+ \(block \d+ of \d+\) fail their checksum") as e:
+        t.gather(torch.tensor([row - 3, 7]))  # a neighbour of the damaged row, in the same block
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+
+
+def test_a_warm_page_never_serves_an_unchecked_block(tmp_path, reader):
+    """Sums whose 4 KiB blocks are not page-aligned: every page touches two blocks. Reading a row checks its own
+    block; the page is warm (gathered from the mapping) only when the other block is checked too."""
+    W = torch.randn(20000, 16)  # 64-byte rows
+    f = write_table_file(tmp_path / "t.safetensors", W)
+    write_block_sums(f, block_bytes=PAGE)  # unaligned 4 KiB blocks (the header is not padded)
+    n, _, _ = read_header(f)
+    data = 8 + n
+    assert data % PAGE
+    t = DiskTable(f)
+    page = 10  # a page straddling blocks b and b + 1
+    b_lo = (page * PAGE - data) // PAGE
+    row_in_lo = (page * PAGE - data) // 64 + 1  # on the page, in block b_lo
+    row_in_hi = ((b_lo + 1) * PAGE) // 64 + 1  # on the page, in block b_lo + 1
+    assert (data + row_in_hi * 64) // PAGE == page and (row_in_hi * 64) // PAGE == b_lo + 1
+    _flip(f, data + row_in_hi * 64 + 3)
+    assert torch.equal(t.gather(torch.tensor([row_in_lo])), W[[row_in_lo]])
+    with pytest.raises(TableError, match="fail their checksum"):
+        t.gather(torch.tensor([row_in_hi]))
+
+
 def test_no_o_direct_falls_back_with_one_warning(tmp_path, monkeypatch):
-    f = write_table_file(tmp_path / "t.safetensors", torch.randn(100, 8))
+    f = write_table_file(tmp_path / "t.safetensors", torch.randn(100, 8), page_blocks=True)
     monkeypatch.delattr(os, "O_DIRECT", raising=False)
     with pytest.warns(UserWarning, match="O_DIRECT is not available"):
         t = DiskTable(f, direct=True)

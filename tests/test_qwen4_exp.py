@@ -119,7 +119,7 @@ def tiny_model(seed=0, **kw):
     return mq.Qwen4ExpForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("backend,prefetch", [("ram", False), ("ram", True), ("mmap", True)])
+@pytest.mark.parametrize("backend,prefetch", [("ram", False), ("ram", True), ("mmap", True), ("disk", True)])
 def test_served_tables_give_transformers_logits_and_generate(backend, prefetch, tmp_path):
     from engram.integrations.qwen4_exp import ServedNGramEmbedding, serve_tables
 
@@ -178,7 +178,7 @@ def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tm
         serve_tables(tiny_model(), backend="mmap", dir=tmp_path / "t2", checkpoint=tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("backend", ["ram", "mmap"])
+@pytest.mark.parametrize("backend", ["ram", "mmap", "disk"])
 def test_from_pretrained_serves_tables_straight_from_the_shards(tmp_path, backend):
     from engram.integrations.qwen4_exp import from_pretrained
 

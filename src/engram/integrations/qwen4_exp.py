@@ -204,7 +204,9 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
 
     backend "ram": the table tensor is used where it is (no copy); "mmap": each table is written, a block of
     rows at a time, to `dir/engram_table_L{ple layer}.safetensors` and memory-mapped (hot-row cache of
-    `cache_mb`), and the model's copy is freed. `prefetch`: every forward hashes and gathers on a thread
+    `cache_mb`), and the model's copy is freed; "disk": written the same way (page-aligned, 4 KiB block
+    sums) and read by the cold tier, `DiskTable` (many positioned reads in flight, each block checked on
+    its first read; for tables colder than the page cache). `prefetch`: every forward hashes and gathers on a thread
     while the layers before the first PLE run. Prefill logits and cached `generate()` equal transformers'
     own; `save_pretrained` writes `ngram_embedding.weight` back, so the saved model loads in plain
     transformers. `checkpoint`: take the rows from that checkpoint's `split_ngram_parts` shards, one shard in RAM
@@ -214,10 +216,10 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     import math
     from ..tables.backends import InRamTable, MmapTable, table_file, tensor_entry, write_safetensors
 
-    if backend not in ("ram", "mmap"):
-        raise ConfigError(f"backend must be 'ram' or 'mmap', got {backend!r}")
-    if backend == "mmap" and dir is None:
-        raise ConfigError("serve_tables(backend='mmap') needs dir= for the table files")
+    if backend not in ("ram", "mmap", "disk"):
+        raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    if backend in ("mmap", "disk") and dir is None:
+        raise ConfigError(f"serve_tables(backend={backend!r}) needs dir= for the table files")
     mapping = hash_mapping(model.config)
     cfg = text_config(model.config)
     owner, ples = _ple_layers(model)
@@ -254,8 +256,14 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             f = table_file(dir, lid)
             entry = (tensor_entry("weight", w[:used]) if checkpoint is None
                      else ("weight", dtype, (used, dim), rows(0, used)))
-            write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)}, block_sums=True)
-            table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
+            write_safetensors(f, [entry], {"format": "engram-table", "layer": str(lid)}, block_sums=True,
+                              page_blocks=backend == "disk")
+            if backend == "disk":
+                from ..tables.disk import DiskTable
+
+                table = DiskTable(f)
+            else:
+                table = MmapTable(f, cache_bytes=int(cache_mb * 2**20))
         served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, pad_rows)
         del orig  # (mmap: the model's copy of the table is released here)
     if prefetch:
@@ -292,8 +300,8 @@ def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
 
-    if backend == "mmap" and dir is None:
-        raise ConfigError("from_pretrained(backend='mmap') needs dir= for the table files")
+    if backend in ("mmap", "disk") and dir is None:
+        raise ConfigError(f"from_pretrained(backend={backend!r}) needs dir= for the table files")
     hash_mapping(AutoConfig.from_pretrained(path))  # a model without n-gram tables is refused before loading
     original = mq.Qwen4ExpTextNGramEmbedding
 

@@ -75,34 +75,36 @@ def table_file(directory: str | os.PathLike, layer_id: int, rank: int | None = N
 
 
 def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: int = 1 << 20,
-                     with_moments: bool = False) -> Path:
+                     with_moments: bool = False, page_blocks: bool = False) -> Path:
     """Write `weight` as a safetensors file with one tensor `weight`, streamed in chunks, atomically.
 
     `with_moments=True` adds zero float32 tensors `exp_avg` and `exp_avg_sq` of the same shape
-    (the Adam moments a trainable `MmapTable` keeps beside the rows).
+    (the Adam moments a trainable `MmapTable` keeps beside the rows). `page_blocks`: see `write_safetensors`.
     """
     w = weight.detach().cpu()
     entries = [tensor_entry("weight", w, chunk_rows)]
     return write_safetensors(path, entries + (_zero_moments(*w.shape, chunk_rows) if with_moments else []),
-                             block_sums=True)
+                             block_sums=True, page_blocks=page_blocks)
 
 
 def new_table_file(path: str | os.PathLike, rows: torch.Tensor, num_rows: int, seed: int | None,
-                   with_moments: bool) -> Path:
+                   with_moments: bool, page_blocks: bool = False) -> Path:
     """A table file of `num_rows` rows: `rows` written out when it holds them, else N(0, 1) drawn from `seed`.
 
     `rows` gives dim and dtype; it is empty for a model built under `defer_table_allocation()`.
     """
     if rows.shape[0] == num_rows:
-        return write_table_file(path, rows, with_moments=with_moments)
+        return write_table_file(path, rows, with_moments=with_moments, page_blocks=page_blocks)
     if seed is None:
         raise TableError(f"{path} does not exist and the model has no table rows to write "
                          "(built with defer_table_allocation()): pass init_seed to create it")
-    return create_table_file(path, num_rows, rows.shape[1], rows.dtype, seed=seed, with_moments=with_moments)
+    return create_table_file(path, num_rows, rows.shape[1], rows.dtype, seed=seed, with_moments=with_moments,
+                             page_blocks=page_blocks)
 
 
 def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
-                      seed: int = 0, with_moments: bool = False, chunk_rows: int = 1 << 18) -> Path:
+                      seed: int = 0, with_moments: bool = False, chunk_rows: int = 1 << 18,
+                      page_blocks: bool = False) -> Path:
     """A new table file with N(0, 1) rows (nn.Embedding's init) drawn chunk by chunk from `seed`.
 
     Memory stays at one chunk, so the table can be larger than RAM. Same seed, same file.
@@ -112,7 +114,7 @@ def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: t
               for s in range(0, num_rows, chunk_rows))
     entries = [("weight", dtype, (num_rows, dim), chunks)]
     return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []),
-                             block_sums=True)
+                             block_sums=True, page_blocks=page_blocks)
 
 
 def tensor_entry(name: str, t: torch.Tensor, chunk_rows: int = 1 << 18) -> tuple:
@@ -139,7 +141,7 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
 
 
 def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
-                      progress_bytes: int = 1 << 30, block_sums: bool = False) -> Path:
+                      progress_bytes: int = 1 << 30, block_sums: bool = False, page_blocks: bool = False) -> Path:
     """Stream tensors into a safetensors file, atomically (temp file, fsync, rename).
 
     `entries`: `(name, dtype, shape, chunks)` in file order, where `chunks` yields row blocks whose
@@ -147,16 +149,17 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     a block at a time. Files of `progress_bytes` or more show a progress bar. `block_sums=True`
     (table files) also writes the per-block checksums `<file>.blocks` (`tables/blocks.py`),
     computed on the way; the header then carries a fresh nonce, so sums of an older version of the
-    file never pass for this one's.
+    file never pass for this one's. `page_blocks=True` (files of the disk tier) pads the header so
+    the data starts on a 4 KiB page and sums every page: checking a row read cold costs one page.
     """
     import uuid
 
-    from .blocks import BlockCrc, write_sums
+    from .blocks import BLOCK_BYTES, PAGE, BlockCrc, write_sums
 
     path = Path(path)
     if block_sums:
         metadata = {**(metadata or {}), "engram_nonce": uuid.uuid4().hex}
-    crc = BlockCrc() if block_sums else None
+    crc = BlockCrc(PAGE if page_blocks else BLOCK_BYTES) if block_sums else None
     meta, offset = {}, 0
     for name, dtype, shape, _ in entries:
         dt = _ST_DTYPES.get(dtype)
@@ -168,7 +171,8 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     if metadata:
         meta["__metadata__"] = metadata
     header = json.dumps(meta).encode()
-    header += b" " * ((8 - len(header) % 8) % 8)
+    align = PAGE if page_blocks else 8  # the data starts at 8 + len(header): pad with spaces (safetensors allows it)
+    header += b" " * ((align - (8 + len(header)) % align) % align)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     from tqdm.auto import tqdm
@@ -503,7 +507,7 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
             f = table_file(directory, mhe.layer_id)
             if overwrite or not f.is_file():
                 new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mhe.layer_id,
-                               with_moments=trainable)
+                               with_moments=trainable, page_blocks=backend == "disk")
             if backend == "disk":  # cold tier: positioned reads, many in flight (tables/disk.py)
                 from .disk import DiskTable
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -35,6 +36,7 @@ from .files import row_span
 SUFFIX = ".blocks"
 MAGIC = b"ENGBLK01"
 BLOCK_BYTES = 1 << 16
+PAGE = 4096  # block size of the disk tier's files (`write_safetensors(page_blocks=True)`): one page per cold row
 FIX = "re-create the table file (engram train/serve writes it again) or re-download it"
 
 
@@ -133,10 +135,12 @@ class BlockVerifier:
 
     def __init__(self, path: Path, sums: np.ndarray, data_offset: int, block_bytes: int):
         self.path, self.sums, self.data_offset, self.block_bytes = path, sums, data_offset, block_bytes
-        size = path.stat().st_size - data_offset
+        self.size = size = path.stat().st_size - data_offset
         self.data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_offset, shape=(size,)) if size else None
         self.ok = torch.zeros(len(sums), dtype=torch.bool)
+        self.ok_np = self.ok.numpy()  # the same flags, for fast scalar reads and writes
         self.unverified = len(sums)
+        self._lock = threading.Lock()  # the disk tier's reader threads mark blocks checked concurrently
 
     @classmethod
     def open(cls, path) -> "BlockVerifier | None":
@@ -193,15 +197,46 @@ class BlockVerifier:
 
     def _check(self, b: int, row_bytes: int = 0, tensor_offset: int = 0) -> None:
         lo = b * self.block_bytes
-        if zlib.crc32(self.data[lo: lo + self.block_bytes]) != int(self.sums[b]):
-            rows = ""
-            if row_bytes:
-                r0 = max(0, (lo - tensor_offset) // row_bytes)
-                rows = f"rows {r0:,}-{(lo + self.block_bytes - 1 - tensor_offset) // row_bytes:,} "
-            raise TableError(f"{self.path}: {rows}(block {b} of {len(self.sums)}) fail their checksum: the file is "
-                             f"corrupt there; {FIX}")
-        self.ok[b] = True
-        self.unverified -= 1
+        self._verify(b, self.data[lo: lo + self.block_bytes], row_bytes, tensor_offset)
+
+    def _verify(self, b: int, data, row_bytes: int = 0, tensor_offset: int = 0) -> None:
+        """Compare block `b`'s bytes `data` with its sum: mark it checked, or raise naming its rows."""
+        if zlib.crc32(data) != int(self.sums[b]):
+            self.fail(b, row_bytes, tensor_offset)
+        with self._lock:
+            if not self.ok_np[b]:
+                self.ok_np[b] = True
+                self.unverified -= 1
+
+    def fail(self, b: int, row_bytes: int = 0, tensor_offset: int = 0):
+        """Raise the one-line error for block `b` failing its checksum, naming its rows when `row_bytes` is given."""
+        lo, rows = b * self.block_bytes, ""
+        if row_bytes:
+            r0 = max(0, (lo - tensor_offset) // row_bytes)
+            rows = f"rows {r0:,}-{(lo + self.block_bytes - 1 - tensor_offset) // row_bytes:,} "
+        raise TableError(f"{self.path}: {rows}(block {b} of {len(self.sums)}) fail their checksum: the file is "
+                         f"corrupt there; {FIX}")
+
+    # ---- for readers that fetch bytes themselves (the disk tier's positioned reads)
+    def recount(self) -> None:
+        """Recount the blocks not yet checked, after a reader marked some in `ok_np` directly."""
+        with self._lock:
+            self.unverified = int(len(self.ok_np) - np.count_nonzero(self.ok_np))
+
+    def blocks_at(self, start: int, nbytes: int) -> tuple[int, int]:
+        """First and last block holding file bytes [start, start + nbytes) (`start` past the header)."""
+        return (start - self.data_offset) // self.block_bytes, (start + nbytes - 1 - self.data_offset) // self.block_bytes
+
+    def block_bytes_of(self, b0: int, b1: int) -> tuple[int, int]:
+        """File byte range [lo, hi) of blocks b0..b1 (the last block of the file may be short)."""
+        lo = self.data_offset + b0 * self.block_bytes
+        return lo, min(self.data_offset + (b1 + 1) * self.block_bytes, self.data_offset + self.size)
+
+    def check_read(self, b0: int, b1: int, data, row_bytes: int = 0, tensor_offset: int = 0) -> None:
+        """Verify blocks b0..b1 from their bytes `data` (as read from the file, `block_bytes_of(b0, b1)`)."""
+        bb = self.block_bytes
+        for b in range(b0, b1 + 1):
+            self._verify(b, data[(b - b0) * bb:(b - b0 + 1) * bb], row_bytes, tensor_offset)
 
     def verify_all(self) -> None:
         """Check every block now (`engram verify`); a TableError names the bad blocks and their rows."""

@@ -15,6 +15,14 @@ Warm rows: pages this table has already read through the page cache are gathered
 mapping of the file instead (RAM speed while the kernel keeps them; an evicted one costs a page
 fault, never a wrong row). With O_DIRECT nothing is cached by the kernel, so every row is read.
 
+Checked reads: a file with block sums (`tables/blocks.py`) has each block checked the first time
+a row in it is read: the reader fetches the whole block instead of the row and compares its crc32,
+so a torn or flipped block is a one-line `TableError`, never a wrong row. The disk tier's files
+(`offload_tables(..., "disk")`, `write_safetensors(page_blocks=True)`) have page-aligned 4 KiB
+blocks, so a checked cold read costs the same device read as an unchecked one (the page) plus a
+~1 us crc32; with 64 KiB blocks (files written for the mmap tier) a first read fetches 16 pages.
+A page becomes warm only once every block it touches is checked.
+
 Read-ahead: `tables.Prefetcher` already gathers the next step's rows on its own thread, so with a
 `DiskTable` installed the reads of step t+1 overlap the compute of step t.
 """
@@ -29,11 +37,79 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .._numba import LazyKernels
+from .blocks import PAGE, BlockVerifier
 from .files import map_tensor, row_span
 from .files import read_header as _read_header
 from .base import Table, TableError
 
-PAGE = 4096
+
+def _build_kernels():
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def first_cold(rows, num_rows, row_bytes, offset, seen):  # index of the first row out of range or cold, or -1
+        for i in range(rows.shape[0]):
+            r = rows[i]
+            if r < 0 or r >= num_rows:
+                return i
+            start = r * row_bytes + offset
+            if not seen[start // 4096] or not seen[(start + row_bytes - 1) // 4096]:
+                return i
+        return -1
+
+    return first_cold
+
+
+def _build_reader():
+    """The cold-read loop compiled without the GIL: libc `pread` and zlib `crc32` called through ctypes, so
+    `queue_depth` reader threads really run at once (the Python loop holds the GIL between reads)."""
+    import ctypes
+    import ctypes.util
+
+    import numba
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pread = libc.pread
+    pread.restype, pread.argtypes = ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+    crc32 = ctypes.CDLL(ctypes.util.find_library("z")).crc32  # the zlib Python's zlib.crc32 wraps
+    crc32.restype, crc32.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint]
+
+    @numba.njit(nogil=True)  # (not cached: numba cannot cache calls through ctypes pointers; compiles in ~0.3 s)
+    def read_rows(fd, rows, part, row_bytes, offset, out, buf, direct, ok, sums, bb, d0, d_end):
+        # rows[part] -> out[part] (uint8 rows); buf: page-aligned scratch; ok/sums/bb/d0/d_end: the block sums
+        # (ok empty: none). Returns (0, 0) or (1, row index) for a short read, (2, block) for a bad checksum.
+        for j in range(part.shape[0]):
+            i = part[j]
+            start = offset + rows[i] * row_bytes
+            lo, hi, b0, b1 = start, start + row_bytes, -1, -1
+            if ok.shape[0]:
+                b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
+                if ok[b0] and ok[b1]:
+                    b0 = -1
+                else:  # read the whole block(s) and check them first
+                    lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
+            base, end = lo, hi
+            if direct:
+                base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
+            if pread(fd, buf.ctypes.data, end - base, base) < hi - base:
+                return 1, i
+            if b0 >= 0:
+                for b in range(b0, b1 + 1):
+                    a = d0 + b * bb - base
+                    n = min(bb, d_end - d0 - b * bb)
+                    if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
+                        return 2, b
+                    ok[b] = True
+            for k in range(row_bytes):
+                out[i, k] = buf[start - base + k]
+        return 0, 0
+
+    return read_rows
+
+
+_KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]): one pass instead of five torch ops
+_READER = LazyKernels(_build_reader)  # optional (engram[fast]); without it the Python loop below reads
 
 
 class DiskTable(Table):
@@ -55,11 +131,22 @@ class DiskTable(Table):
             self._open_direct()
         self.pool = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="engram-disk")
         self.reads = self.warm_rows = 0
+        self.blocks = BlockVerifier.open(path)  # None (after one warning) for a file without current sums
+        if self.blocks is not None and self.blocks.block_bytes > PAGE:
+            warnings.warn(f"{path}: its block sums cover {self.blocks.block_bytes // 1024} KiB, so the first read of "
+                          f"each block fetches all of it to check it; offload_tables(..., 'disk', overwrite=True) "
+                          "writes the file with 4 KiB sums", stacklevel=2)
         # warm path: rows on pages this table has read through the page cache are gathered from the mapping
         # (RAM speed while the kernel keeps them); the others go to the positioned-read pool. O_DIRECT reads
         # leave nothing in the page cache, so then every row is read.
         self._seen = None if self.direct else \
             torch.zeros((self.offset + self.num_rows * self.row_bytes) // PAGE + 2, dtype=torch.bool)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """All rows, mapped read-only (N, dim): for saving or copying the table out; pages are read as touched
+        and not checked here (`engram verify` checks a whole file)."""
+        return self._mapped
 
     def _open_direct(self) -> None:
         flag = getattr(os, "O_DIRECT", None)
@@ -77,40 +164,91 @@ class DiskTable(Table):
         os.close(self.fd)
         self.fd, self.direct = fd, True
 
-    def _read_buffered(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
-        fd, rb, off = self.fd, self.row_bytes, self.offset
-        for i in part:
-            view = memoryview(out[i])
-            if os.preadv(fd, [view], off + int(rows[i]) * rb) != rb:
-                raise TableError(f"{self.path}: short read at row {int(rows[i])} (file truncated?)")
+    def _read_rows(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
+        """Read rows `rows[part]` into `out[part]` (one positioned read each; a reader thread's share).
 
-    def _read_direct(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
-        fd, rb, off = self.fd, self.row_bytes, self.offset
-        page = mmap.mmap(-1, 2 * PAGE)  # page-aligned: a row may straddle two pages
-        buf = np.frombuffer(page, dtype=np.uint8)
+        A row in a block not yet checked is read with its whole block(s), which are checked first."""
+        fd, rb, off, blocks, direct = self.fd, self.row_bytes, self.offset, self.blocks, self.direct
+        if blocks is not None:  # (locals: this loop runs once per row, holding the GIL between reads)
+            ok, bb, d0 = blocks.ok_np, blocks.block_bytes, blocks.data_offset  # ok: sees other threads' checks
+            d_end = d0 + blocks.size
+        buf = mmap.mmap(-1, 2 * PAGE)  # page-aligned (O_DIRECT needs it); grown for blocks larger than a page
+        mv = memoryview(buf)
         try:
             for i in part:
                 start = off + int(rows[i]) * rb
-                base = start - start % PAGE
-                span = PAGE if start + rb <= base + PAGE else 2 * PAGE
-                if os.preadv(fd, [memoryview(page)[:span]], base) < start - base + rb:
+                lo, hi, b0 = start, start + rb, -1
+                if blocks is not None and blocks.unverified:
+                    b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
+                    if ok[b0] and ok[b1]:
+                        b0 = -1
+                    else:  # read the whole block(s) and check them first
+                        lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
+                base = lo - lo % PAGE if direct else lo
+                end = -(-hi // PAGE) * PAGE if direct else hi
+                if end - base > len(buf):
+                    mv.release()
+                    buf.close()
+                    buf = mmap.mmap(-1, -(-(end - base) // PAGE) * PAGE)
+                    mv = memoryview(buf)
+                if os.preadv(fd, [mv[:end - base]], base) < hi - base:
                     raise TableError(f"{self.path}: short read at row {int(rows[i])} (file truncated?)")
-                out[i] = buf[start - base: start - base + rb]
+                if b0 >= 0:
+                    blocks.check_read(b0, b1, mv[lo - base:hi - base], rb, off - d0)
+                out[i] = mv[start - base:start - base + rb]
         finally:
-            del buf
-            page.close()
+            try:
+                mv.release()
+                buf.close()
+            except BufferError:  # an error's traceback still holds a view of the buffer: freed with it
+                pass
+
+    def _read_rows_fast(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
+        """`_read_rows` compiled without the GIL (`_build_reader`)."""
+        b = self.blocks if self.blocks is not None and self.blocks.unverified else None
+        span = self.row_bytes + 2 * PAGE + (2 * b.block_bytes if b is not None else 0)
+        raw = np.empty(span + PAGE, dtype=np.uint8)
+        buf = raw[(-raw.ctypes.data) % PAGE:][:span]  # page-aligned (O_DIRECT needs it)
+        ok, sums = (b.ok_np, b.sums) if b is not None else (np.zeros(0, dtype=bool), np.zeros(0, dtype="<u4"))
+        kind, at = _READER.get()(self.fd, rows, part.astype(np.int64), self.row_bytes, self.offset, out, buf,
+                                 self.direct, ok, sums, b.block_bytes if b else 1, b.data_offset if b else 0,
+                                 b.data_offset + b.size if b else 0)
+        if kind == 1:
+            raise TableError(f"{self.path}: short read at row {int(rows[at])} (file truncated?)")
+        if kind == 2:
+            b.fail(at, self.row_bytes, self.offset - b.data_offset)
+
+    def _mark_seen(self, rows: torch.Tensor) -> None:
+        """Mark the pages of rows just read warm: those whose every block is checked (or with no sums)."""
+        pages = torch.cat(self._pages(rows))
+        b = self.blocks
+        if b is not None and b.unverified:
+            if b.block_bytes < PAGE:
+                return  # a page spans many blocks: pages are warm once the whole file is checked
+            first = (pages * PAGE - b.data_offset).clamp_min(0) // b.block_bytes
+            last = (((pages + 1) * PAGE - 1 - b.data_offset) // b.block_bytes).clamp(0, len(b.sums) - 1)
+            pages = pages[b.ok.index_select(0, first) & b.ok.index_select(0, last)]
+        self._seen[pages] = True
 
     def _pages(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return row_span(rows, self.row_bytes, self.offset, PAGE)  # first and last page of each row
 
+    def _all_warm(self, flat: torch.Tensor) -> bool:
+        """Every row id in range and on pages already read (and checked)."""
+        kernel = _KERNELS.get()
+        if kernel is not None:
+            return kernel(flat.numpy(), self.num_rows, self.row_bytes, self.offset, self._seen.numpy()) < 0
+        if not (0 <= int(flat.min()) and int(flat.max()) < self.num_rows):
+            return False
+        first, last = self._pages(flat)
+        return bool(self._seen.index_select(0, first).all()) and bool(self._seen.index_select(0, last).all())
+
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = rows.reshape(-1).to(torch.long)
-        if self._seen is not None and flat.numel() and 0 <= int(flat.min()) and int(flat.max()) < self.num_rows:
-            first, last = self._pages(flat)
-            if bool(self._seen.index_select(0, first).all()) and bool(self._seen.index_select(0, last).all()):
-                self.warm_rows += flat.numel()  # all warm: one gather from the mapping, as MmapTable does
-                vals = self._mapped.index_select(0, flat)
-                return out.copy_(vals) if out is not None else vals
+        if self._seen is not None and flat.numel() and self._all_warm(flat):
+            self.warm_rows += flat.numel()  # all warm: one gather from the mapping, as MmapTable does
+            vals = self._mapped.index_select(0, flat)
+            return out.copy_(vals) if out is not None else vals
         uniq, inv = torch.unique(flat, return_inverse=True)  # each distinct row read once
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows):
             raise TableError(f"{self.path}: row ids must lie in [0, {self.num_rows})")
@@ -128,15 +266,15 @@ class DiskTable(Table):
             u = uniq.index_select(0, cold).numpy()
             raw = np.empty((len(u), self.row_bytes), dtype=np.uint8)
             parts = [p for p in np.array_split(np.arange(len(u)), min(self.queue_depth, len(u))) if len(p)]
-            read = self._read_direct if self.direct else self._read_buffered
+            read = self._read_rows_fast if _READER.get() is not None else self._read_rows
             for f in [self.pool.submit(read, u, raw, p) for p in parts]:
                 f.result()
             self.reads += len(u)
             vals.index_copy_(0, cold, torch.from_numpy(raw).view(self.dtype).view(len(u), self.dim))
+            if self.blocks is not None and self.blocks.unverified:
+                self.blocks.recount()  # (the compiled reader marks blocks checked without counting)
             if self._seen is not None:
-                first, last = self._pages(torch.from_numpy(u))
-                self._seen[first] = True
-                self._seen[last] = True
+                self._mark_seen(torch.from_numpy(u))
         vals = vals.index_select(0, inv)
         return out.copy_(vals) if out is not None else vals
 
@@ -149,4 +287,4 @@ class DiskTable(Table):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        self._mapped = self._seen = None
+        self._mapped = self._seen = self.blocks = None
