@@ -46,6 +46,38 @@ def test_table_and_file_gather_the_same_rows(tmp_path, fmt):
         quantize_rows(W, "int4")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_disk_tier_serves_quantized_files(tmp_path, fmt, direct):
+    """Codes read cold by DiskTable, scales in RAM: the same rows as the mapped file; damage to either is caught."""
+    W = torch.randn(20000, 40)
+    codes, scales = quantize_rows(W, fmt)
+    f = write_quant_file(tmp_path / "q.safetensors", codes, scales, fmt, page_blocks=True)
+    rows = torch.tensor([0, 5, 19999, 5, 7777])
+    want = open_quant_file(f).gather(rows)
+    t = open_quant_file(f, backend="disk", direct=direct)
+    assert torch.equal(t.gather(rows), want) and t.bytes_per_row == 40 + scales.element_size()
+    every = torch.randperm(20000)
+    assert torch.equal(t.gather(every), QuantTable(codes, scales, fmt).gather(every))
+    assert t.stats()["reads"] > 0
+    t.close()
+    n = 8 + len(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+    b = bytearray(f.read_bytes())
+    b[n + 1234 * 40 + 3] ^= 0xFF  # the codes of row 1234
+    f.write_bytes(bytes(b))
+    bad = open_quant_file(f, backend="disk", direct=direct)
+    assert torch.equal(bad.gather(torch.tensor([19000])), QuantTable(codes, scales, fmt).gather(torch.tensor([19000])))
+    with pytest.raises(TableError, match="fail their checksum"):
+        bad.gather(torch.tensor([1234]))
+    b[n + 1234 * 40 + 3] ^= 0xFF
+    b[n + 20000 * 40 + 10] ^= 0xFF  # a scale
+    f.write_bytes(bytes(b))
+    with pytest.raises(TableError, match="fail their checksum"):
+        open_quant_file(f, backend="disk")
+    with pytest.raises(TableError, match="backend must be"):
+        open_quant_file(f, backend="ram")
+
+
 def test_served_formats_keep_the_model_close(tmp_path):
     pytest.importorskip("transformers")
     from engram.model import EngramForCausalLM

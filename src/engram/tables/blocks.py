@@ -191,6 +191,12 @@ class BlockVerifier:
         for b in torch.unique(blocks[~ok]).tolist():
             self._check(b, row_bytes, tensor_offset)
 
+    def check_bytes(self, start: int, nbytes: int) -> None:
+        """Verify every block holding data bytes [start, start + nbytes) (offsets in the data section)."""
+        for b in range(start // self.block_bytes, (start + nbytes - 1) // self.block_bytes + 1):
+            if not self.ok_np[b]:
+                self._check(b)
+
     def blocks_of(self, rows: torch.Tensor, tensor_offset: int, row_bytes: int) -> torch.Tensor:
         """The blocks holding `rows` (N,) of a tensor at `tensor_offset` in the data: (2N,), first and last of each."""
         return torch.cat(row_span(rows, row_bytes, tensor_offset, self.block_bytes))

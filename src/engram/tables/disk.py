@@ -39,7 +39,7 @@ import torch
 
 from .._numba import LazyKernels
 from .blocks import PAGE, BlockVerifier
-from .files import map_tensor, row_span
+from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor, row_span
 from .files import read_header as _read_header
 from .base import Table, TableError
 
@@ -116,18 +116,21 @@ _READER = LazyKernels(_build_reader)  # optional (engram[fast]); without it the 
 class DiskTable(Table):
     """Read-only rows of a table file, gathered by `queue_depth` concurrent positioned reads (see module doc).
 
-    Gathers of fewer than `inline_below` cold rows (decoding steps) read them one after another on the
-    calling thread: on a low-latency device (this VM: ~50 us per 4 KiB read) handing 8 reads to the
-    pool costs more than doing them (0.78 ms vs ~0.45 ms). Set it to 0 on a high-latency device.
+    `tensor`: the file's tensor holding the rows ("weight"; "codes" for a quantized file, whose
+    dequantization `tables.quant.open_quant_file(..., backend="disk")` adds). Gathers of fewer than
+    `inline_below` cold rows (decoding steps) split them between the calling thread and one pool
+    thread: on a low-latency device (this VM: ~50 us per 4 KiB read) handing 8 reads to 8 pool threads
+    costs more than the reads (8 cold rows: 0.78 ms through the pool, ~0.62 ms this way). Set it to 0
+    on a high-latency device.
     """
 
     inline_below = 16
 
-    def __init__(self, path, queue_depth: int = 32, direct: bool = False):
-        n, meta, size = _read_header(path)
-        info = meta["weight"]
+    def __init__(self, path, queue_depth: int = 32, direct: bool = False, tensor: str = "weight"):
+        n, meta, size = _read_header(path, required=(tensor,))
+        info = meta[tensor]
         # the file mapped read-only (checks dtype and size; no page is read until a warm row is gathered from it)
-        _, self._mapped = map_tensor(path, n, size, "weight", info)
+        _, self._mapped = map_tensor(path, n, size, tensor, info, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
         self.num_rows, self.dim = info["shape"]
         self.dtype = self._mapped.dtype
         self.row_bytes = self.dim * self._mapped.element_size()

@@ -75,27 +75,34 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype=torch.
 class QuantTable(Table):
     """Read-only rows stored quantized (`quantize_rows`), dequantized after each gather into `dtype`."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, codes, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32):
+        """`codes`: (N, d) tensor, or a `Table` of them (the disk tier: `open_quant_file(backend="disk")`)."""
         if fmt not in FORMATS:
             raise TableError(f"table format must be one of {FORMATS}, got {fmt!r}")
-        if codes.dim() != 2 or scales.shape != codes.shape[:1]:
-            raise TableError(f"codes (N, d) and scales (N,) expected, got {tuple(codes.shape)} and {tuple(scales.shape)}")
+        shape = (codes.num_rows, codes.dim) if isinstance(codes, Table) else tuple(codes.shape)
+        if len(shape) != 2 or tuple(scales.shape) != shape[:1]:
+            raise TableError(f"codes (N, d) and scales (N,) expected, got {shape} and {tuple(scales.shape)}")
         self.codes, self.scales, self.fmt, self.dtype = codes, scales, fmt, dtype
-        self.num_rows, self.dim = codes.shape
+        self.num_rows, self.dim = shape
         self.trainable = False
 
     @property
     def bytes_per_row(self) -> int:
-        return self.dim * self.codes.element_size() + self.scales.element_size()
+        code = torch.empty((), dtype=self.codes.dtype).element_size()
+        return self.dim * code + self.scales.element_size()
 
     blocks = None  # a file-backed table's block checksums (`open_quant_file`)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
-        if self.blocks is not None:
-            self.blocks.check_rows(rows, self._offsets[0], self.dim * self.codes.element_size())
-            self.blocks.check_rows(rows, self._offsets[1], self.scales.element_size())
-        codes, scales = self.codes.index_select(0, rows), self.scales.index_select(0, rows)  # (N, d), (N,)
+        if isinstance(self.codes, Table):  # the disk tier reads (and checks) the codes; scales are in RAM
+            codes = self.codes.gather(rows)
+        else:
+            if self.blocks is not None:
+                self.blocks.check_rows(rows, self._offsets[0], self.dim * self.codes.element_size())
+                self.blocks.check_rows(rows, self._offsets[1], self.scales.element_size())
+            codes = self.codes.index_select(0, rows)  # (N, d)
+        scales = self.scales.index_select(0, rows)  # (N,)
         kernel = _KERNELS.get() if self.fmt == "fp8" and self.dtype == torch.float32 else None
         if kernel is not None and rows.numel():
             vals = torch.empty(rows.numel(), self.dim, dtype=torch.float32)
@@ -105,7 +112,12 @@ class QuantTable(Table):
         return out.copy_(vals) if out is not None else vals
 
     def stats(self) -> dict:
-        return {"format": self.fmt, "bytes_per_row": self.bytes_per_row}
+        extra = self.codes.stats() if isinstance(self.codes, Table) else {}
+        return {**extra, "format": self.fmt, "bytes_per_row": self.bytes_per_row}
+
+    def close(self) -> None:
+        if isinstance(self.codes, Table):
+            self.codes.close()
 
 
 def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[int, QuantTable]:
@@ -151,22 +163,29 @@ def quant_error(w: torch.Tensor, fmt: str) -> dict:
     return {"max_abs": float(err.max()), "rel_rms": rms, "bytes_per_row": QuantTable(codes, scales, fmt).bytes_per_row}
 
 
-def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str):
+def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str, page_blocks: bool = False):
     """A quantized table file: safetensors with `codes` (N, d) and `scales` (N,), format in the metadata,
-    and block checksums (`tables/blocks.py`)."""
+    and block checksums (`tables/blocks.py`; `page_blocks=True` for the disk tier, as `write_safetensors`)."""
     from .backends import tensor_entry, write_safetensors
 
     return write_safetensors(path, [tensor_entry("codes", codes), tensor_entry("scales", scales)],
-                             {"format": "engram-quant-table", "quant": fmt}, block_sums=True)
+                             {"format": "engram-quant-table", "quant": fmt}, block_sums=True, page_blocks=page_blocks)
 
 
-def open_quant_file(path, dtype: torch.dtype = torch.float32) -> QuantTable:
-    """A `QuantTable` over a memory-mapped quantized table file (`write_quant_file`); blocks checked on first read."""
+def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mmap", **disk_kwargs) -> QuantTable:
+    """A `QuantTable` over a quantized table file (`write_quant_file`).
+
+    backend "mmap": codes and scales memory-mapped, blocks checked on first read. "disk": the codes read
+    by the cold tier (`DiskTable`, positioned reads, `disk_kwargs` such as `queue_depth`, `direct`), the
+    scales (one byte or two per row) loaded into RAM at open and checked there, so a cold row costs one read.
+    """
     from pathlib import Path
 
     from .blocks import BlockVerifier
     from .files import QUANT_NP_DTYPES, map_tensor, read_header
 
+    if backend not in ("mmap", "disk"):
+        raise TableError(f"backend must be 'mmap' or 'disk', got {backend!r}")
     path = Path(path)
     n, meta, size = read_header(path, required=("codes", "scales"))
     fmt = meta.get("__metadata__", {}).get("quant")
@@ -174,8 +193,18 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32) -> QuantTable:
         raise TableError(f"{path}: not a quantized table file (no quant format in its header); re-create it")
     infos = {k: meta[k] for k in ("codes", "scales")}
     arrays = {k: map_tensor(path, n, size, k, info, dtypes=QUANT_NP_DTYPES)[1] for k, info in infos.items()}
+    blocks = BlockVerifier.open(path)
+    if backend == "disk":
+        from .disk import DiskTable
+
+        a, b = infos["scales"]["data_offsets"]
+        if blocks is not None and b > a:
+            blocks.check_bytes(a, b - a)  # every block of the scales, once, now
+        table = QuantTable(DiskTable(path, tensor="codes", **disk_kwargs), arrays["scales"].clone(), fmt, dtype)
+        table.path = path
+        return table
     table = QuantTable(arrays["codes"], arrays["scales"], fmt, dtype)
-    table.path, table.blocks = path, BlockVerifier.open(path)
+    table.path, table.blocks = path, blocks
     table._offsets = (infos["codes"]["data_offsets"][0], infos["scales"]["data_offsets"][0])
     return table
 
