@@ -15,6 +15,7 @@ Prints tokens/s per variant, then one JSON line (`cold_vs_warm`: the prefetched 
 tokens/s over the warm one; target >= 0.9 where the device allows it).
 
     python benchmarks/bench_decode_cold.py [--rows-per-head 1048576] [--new-tokens 64] [--rounds 5]
+                                           [--prefetch-thread]
 """
 
 import argparse
@@ -71,7 +72,11 @@ def main():
     ap.add_argument("--rows-per-head", type=int, default=1 << 20)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefetch-thread", action="store_true",
+                    help="prefetch decode steps on the prefetcher's worker too (Prefetcher.inline_below = 0)")
     args = ap.parse_args()
+    if args.prefetch_thread:
+        Prefetcher.inline_below = 0
     torch.manual_seed(0)
     r = args.rows_per_head
     cfg = presets.cpu_small(vocab_size=8192, engram=dict(engram_vocab_size=[r, r], n_embed_per_ngram=128,

@@ -11,6 +11,8 @@ file is evicted from the page cache (`posix_fadvise(DONTNEED)`; residency checke
     checked on its first read, as in use (fresh tables: every read is a first read, the worst
     case); `cold_unchecked_vs_device` is the same gather with the checks off;
   * `MmapTable` on the same cold file (page faults, one at a time; its block checks off);
+  * cold gathers of 8 rows (a decoding step's), 200 of them: split between the calling thread and one
+    pool thread (`DiskTable.inline_below`, the default) vs handed to the pool;
   * warm: the same gathers once every page has been read (`DiskTable` then gathers from its
     mapping), vs `index_select` from RAM.
 Each cold round uses fresh tables: a page mapped into a process cannot be evicted.
@@ -76,6 +78,24 @@ def device_reads_per_s(path: Path, qd: int, n_reads: int, seed: int) -> float:
         return n_reads / (time.perf_counter() - t)
 
 
+def fio_reads_per_s(path: Path, qd: int, seconds: int = 4) -> dict:
+    """The device's random 4 KiB O_DIRECT read limit at queue depth `qd` by fio, when it is installed:
+    {engine: IOPS} for `qd` synchronous jobs (psync) and one job with `qd` in flight (io_uring)."""
+    if shutil.which("fio") is None:
+        return {}
+    out = {}
+    for engine, depth in (("psync", ["--numjobs", str(qd), "--iodepth", "1"]),
+                          ("io_uring", ["--numjobs", "1", "--iodepth", str(qd)])):
+        r = subprocess.run(["fio", "--name=limit", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
+                            f"--ioengine={engine}", *depth, f"--runtime={seconds}", "--time_based", "--readonly",
+                            "--group_reporting", "--output-format=json"], capture_output=True, text=True)
+        try:
+            out[engine] = float(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
+        except (ValueError, KeyError, IndexError):
+            continue  # (an engine this kernel lacks)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8_000_000)
@@ -128,24 +148,49 @@ def main():
                 times[k].append(time.perf_counter() - t)
         warm = {k: statistics.median(v) for k, v in times.items()}
         disk.close()
+        # decode-sized gathers (8 cold rows): split between the caller and one pool thread (the default) vs all
+        # through the pool (inline_below=0)
+        small = {}
+        for name, inline in (("caller + 1 thread", DiskTable.inline_below), ("pool", 0)):
+            table = DiskTable(f, args.qd)
+            table.inline_below = inline
+            evict(f)
+            ts = []
+            for _ in range(200):
+                ids = torch.from_numpy(rng.integers(0, args.rows, 8))
+                t = time.perf_counter()
+                table.gather(ids)
+                ts.append(time.perf_counter() - t)
+            small[name] = statistics.median(ts)
+            table.close()
+            del table
+            gc.collect()
+        evict(f)
+        fio = fio_reads_per_s(f, args.qd)
     med = {k: statistics.median(v) for k, v in res.items()}
+    limit = max(fio.values()) if fio else med["device"]
     n_ids = 4096 * args.heads
     print(f"table {args.rows:,} x 32 fp32 ({args.rows * 128 / 2**30:.2f} GiB), cold rounds {args.rounds}, queue depth "
           f"{args.qd}, one 4,096-token chunk x {args.heads} heads = {n_ids:,} ids per gather; resident after eviction: "
           f"{', '.join('n/a' if x is None else f'{x:.1%}' for x in resident)}")
     print(f"{'cold':<28} {'rows/s':>10} {'vs device':>10}")
-    print(f"{'device (4 KiB O_DIRECT reads)':<28} {med['device']:>10,.0f} {1:>10.2f}")
+    for engine, iops in fio.items():
+        print(f"{f'device, fio {engine}':<28} {iops:>10,.0f} {iops / limit:>10.2f}")
+    print(f"{'device, own pread loop':<28} {med['device']:>10,.0f} {med['device'] / limit:>10.2f}")
     labels = {"disk": "DiskTable (checked)", "disk direct": "DiskTable O_DIRECT (checked)",
               "disk unchecked": "DiskTable, checks off", "mmap": "MmapTable (page faults)"}
     for k, label in labels.items():
-        print(f"{label:<28} {med[k]:>10,.0f} {med[k] / med['device']:>10.2f}")
+        print(f"{label:<28} {med[k]:>10,.0f} {med[k] / limit:>10.2f}")
+    print("cold gathers of 8 rows (a decode step): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in small.items()))
     print(f"warm gathers of {n_ids:,} ids: RAM {warm['ram'] * 1e3:.2f} ms, DiskTable {warm['disk'] * 1e3:.2f} ms, "
           f"MmapTable {warm['mmap'] * 1e3:.2f} ms")
-    out = {"bench": "disk", "rows": args.rows, "qd": args.qd, "device_reads_s": round(med["device"]),
-           "cold_vs_device": round(med["disk"] / med["device"], 3),
-           "cold_direct_vs_device": round(med["disk direct"] / med["device"], 3),
-           "cold_mmap_vs_device": round(med["mmap"] / med["device"], 3),
-           "cold_unchecked_vs_device": round(med["disk unchecked"] / med["device"], 3),
+    out = {"bench": "disk", "rows": args.rows, "qd": args.qd, "device_reads_s": round(limit),
+           "device_limit_by": "fio" if fio else "own pread loop", "own_loop_reads_s": round(med["device"]),
+           "cold_vs_device": round(med["disk"] / limit, 3),
+           "cold_direct_vs_device": round(med["disk direct"] / limit, 3),
+           "cold_mmap_vs_device": round(med["mmap"] / limit, 3),
+           "cold_unchecked_vs_device": round(med["disk unchecked"] / limit, 3),
+           "small_cold_gather_ms": {k: round(v * 1e3, 3) for k, v in small.items()},
            "warm_vs_ram": round(warm["ram"] / warm["disk"], 3), "warm_mmap_vs_ram": round(warm["ram"] / warm["mmap"], 3)}
     print(json.dumps(out))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engram.tables import TableError, write_table_file
-from engram.tables.blocks import PAGE, sidecar, write_block_sums
+from engram.tables.blocks import PAGE, write_block_sums
 from engram.tables import disk
 from engram.tables.disk import DiskTable
 from engram.tables.files import read_header
