@@ -5,7 +5,9 @@ Same model, data and seed, one process; three ways to keep the table:
   * in RAM, `engram.optim.LazyRowAdam` (`engram train` default, `table_backend=param`);
   * memory-mapped file with weight + moments and the undo journal (`table_backend=mmap`),
     journal entries fsync'd (`durable`, the default) and not (`durable=False`), committed every
-    `--commit-every` steps as a checkpoint would (commit time reported apart from step time).
+    `--commit-every` steps as a checkpoint would (commit time reported apart from step time);
+  * the fsync'd file with the next batch's rows read and journaled ahead on a second thread while
+    the step computes (`tables.readahead_for`, what `engram train`'s data pipeline does).
 The four runs take turns step by step (medians over the steps after the first).
 The file is freshly written, so the page cache is warm (a table larger than RAM would page in from
 disk; this machine cannot show that). Checks that all variants give the same losses. Prints a
@@ -19,13 +21,14 @@ import json
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from engram import presets
 from engram.model import EngramForCausalLM
 from engram.optim import build_optimizers
-from engram.tables import offload_tables
+from engram.tables import offload_tables, readahead_for
 
 
 def main():
@@ -54,22 +57,36 @@ def main():
         if kind.startswith("mmap"):
             tables = offload_tables(model, "mmap", tmp, cache_bytes=0, trainable=True, overwrite=True)
             for tb in tables.values():
-                tb.durable = kind == "mmap"
+                tb.durable = kind in ("mmap", "mmap_ahead")
                 tb.commit(0)
         opts = build_optimizers(model, 1e-3)
         if kind == "sparseadam":
             tparams = opts["tables"].param_groups[0]["params"]
             opts["tables"] = torch.optim.SparseAdam(tparams, lr=5e-3, betas=(0.9, 0.95))
-        return dict(model=model.train(), opts=opts, tables=tables, times=[], losses=[], commits=[])
+        ahead = readahead_for(model) if kind == "mmap_ahead" else None
+        return dict(model=model.train(), opts=opts, tables=tables, times=[], losses=[], commits=[], ahead=ahead)
+
+    pipeline = ThreadPoolExecutor(1)  # the data pipeline's thread
 
     def step(r, i, ids):
         t = time.perf_counter()
-        loss = r["model"](ids, labels=ids).loss
+        pending, hashed = None, r.pop("next_hash", None)
+        if r["ahead"] is not None and i + 1 < len(batches):  # the next batch, hashed and read/journaled meanwhile
+            nxt = batches[i + 1]
+
+            def pipeline_step():  # what engram train's Batcher does for the next batch
+                h = r["model"].model.mapping.hash(nxt)
+                r["ahead"](h)
+                return h
+            pending = pipeline.submit(pipeline_step)
+        loss = r["model"](ids, labels=ids, hash_ids=hashed).loss
         for o in r["opts"].values():
             o.zero_grad(set_to_none=True)
         loss.backward()
         for o in r["opts"].values():
             o.step()
+        if pending is not None:
+            r["next_hash"] = pending.result()  # handed over with the next batch, as the Batcher does
         r["times"].append(time.perf_counter() - t)
         r["losses"].append(loss.item())
         if r["tables"] and (i + 1) % args.commit_every == 0:  # a checkpoint: flush the file, new journal
@@ -79,9 +96,10 @@ def main():
             r["commits"].append(time.perf_counter() - t)
 
     # the variants take turns step by step, so that drift in this noisy machine's speed hits all alike
-    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2, \
+            tempfile.TemporaryDirectory() as d3:
         runs = {"sparseadam": setup("sparseadam"), "lazy": setup("lazy"), "mmap": setup("mmap", d1),
-                "mmap_nosync": setup("mmap_nosync", d2)}
+                "mmap_nosync": setup("mmap_nosync", d2), "mmap_ahead": setup("mmap_ahead", d3)}
         for i, ids in enumerate(batches):
             for r in runs.values():
                 step(r, i, ids)
@@ -98,7 +116,9 @@ def main():
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; Engram table {table_gb:.2f} GB "
           f"(+{2 * table_gb:.2f} GB moments); batch {args.batch} x {args.seq}; threads {torch.get_num_threads()}")
     names = {"sparseadam": "in RAM, torch SparseAdam", "lazy": "in RAM, LazyRowAdam",
-             "mmap": "mmap + journal (fsync)", "mmap_nosync": "mmap + journal (no fsync)"}
+             "mmap": "mmap + journal (fsync)", "mmap_nosync": "mmap + journal (no fsync)",
+             "mmap_ahead": "mmap + journal ahead (fsync)"}
+    pipeline.shutdown()
     print(f"{'table':<28} {'s/step':>8} {'tok/s':>8} {'journal MB':>11} {'commit s':>9}")
     for k, (t, _, jb, c) in res.items():
         print(f"{names[k]:<28} {t:>8.3f} {ntok / t:>8.0f} {jb / 1e6:>11.1f} {c:>9.3f}")
@@ -107,6 +127,7 @@ def main():
                       "tok_s_ram": round(ntok / res["lazy"][0]), "tok_s_mmap": round(ntok / res["mmap"][0]),
                       "mmap_vs_ram": round(res["lazy"][0] / res["mmap"][0], 3),
                       "mmap_nosync_vs_ram": round(res["lazy"][0] / res["mmap_nosync"][0], 3),
+                      "mmap_ahead_vs_ram": round(res["lazy"][0] / res["mmap_ahead"][0], 3),
                       "lazy_vs_sparseadam": round(res["sparseadam"][0] / res["lazy"][0], 3),
                       "commit_s": round(res["mmap"][3], 3), "same_losses": same}))
 

@@ -192,6 +192,40 @@ def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
         MmapTable(plain, writable=True)
 
 
+def test_journal_ahead_takes_the_entries_off_the_step_and_still_rolls_back(tmp_path):
+    """The data pipeline journals the next batch's rows while a step writes the current batch's; the step then
+    writes no entry of its own, and a rollback restores the checkpoint exactly, rows journaled but never written
+    included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    W = torch.randn(2000, 8)
+    f = write_table_file(tmp_path / "t.safetensors", W, with_moments=True)
+    tb = MmapTable(f, cache_bytes=0, writable=True)
+    tb.journal_ahead(torch.tensor([1, 2]))  # no journal before the first commit: nothing to do
+    tb.commit(0)
+    at0 = (tb.weight.clone(), tb.exp_avg.clone(), tb.exp_avg_sq.clone())
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.unique(torch.randint(0, 2000, (300,), generator=g)) for _ in range(12)]
+    tb.journal_ahead(batches[0])
+    size = tb.journal_path.stat().st_size
+    tb.write_rows(batches[0], torch.zeros(len(batches[0]), 8), torch.ones(len(batches[0]), 8),
+                  torch.ones(len(batches[0]), 8))
+    assert tb.journal_path.stat().st_size == size  # the step found its rows journaled: no entry, no fsync
+    with ThreadPoolExecutor(1) as pipeline:
+        for i in range(1, len(batches) - 1):  # step i writes batch i while the pipeline journals batch i + 1
+            ahead = pipeline.submit(tb.journal_ahead, batches[i + 1])
+            r = batches[i]
+            tb.write_rows(r, torch.full((len(r), 8), float(i)), torch.full((len(r), 8), 0.5), torch.ones(len(r), 8))
+            ahead.result()
+    tb.close()
+    tb = MmapTable(f, cache_bytes=0, writable=True)
+    tb.recover(0)
+    for a, b in zip((tb.weight, tb.exp_avg, tb.exp_avg_sq), at0):
+        assert torch.equal(a, b)
+    tb.close()
+
+
 def test_tables_created_as_files_never_live_in_ram(tmp_path):
     """defer_table_allocation + offload_tables(init_seed=): the model never holds its table; the file is N(0,1)."""
     from engram.memory import MultiHeadEmbedding, defer_table_allocation

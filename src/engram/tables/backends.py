@@ -31,6 +31,7 @@ import json
 import math
 import os
 import struct
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -249,6 +250,8 @@ class MmapTable(Table):
         self.journal_path = path.with_name(path.name + ".journal")
         self._journal = None
         self._touched = None
+        self._jlock = threading.Lock()  # the journal is appended by the step and by `journal_ahead` (pipeline thread)
+        self._written = self._synced = 0  # journal bytes appended / known durable
         # per-block checksums, checked on first read (read-only files; training files have their journal)
         self._row_bytes = row_bytes
         self._offsets = [meta[k]["data_offsets"][0] for k in names]  # weight (and moments) in the data section
@@ -316,13 +319,44 @@ class MmapTable(Table):
 
     def begin_write(self, rows):
         self._need_writable()
-        if self._journal is None:
-            raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
-                             "(it starts the undo journal)")
-        fresh = rows[~self._touched.index_select(0, rows)]  # rows not yet journaled since the checkpoint
-        if fresh.numel():
+        with self._jlock:
+            if self._journal is None:
+                raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
+                                 "(it starts the undo journal)")
+            fresh = rows[~self._touched.index_select(0, rows)]  # rows not yet journaled since the checkpoint
+            if fresh.numel():
+                self._journal_append(fresh)
+                self._touched.index_fill_(0, fresh, True)
+            need = self._written
+        self._sync(need)  # every entry so far durable, those `journal_ahead` wrote for these rows included
+
+    def journal_ahead(self, rows: torch.Tensor) -> None:
+        """Journal now the rows a coming step will write (its batch's distinct rows, known once the data
+        pipeline has hashed it), on the caller's thread, so that the step's `begin_write` finds them journaled
+        and, usually, durable: the entry and its fsync overlap the current step instead of delaying the next.
+
+        Safe to run while a step writes other rows: a row's value changes only after `begin_write` has seen it
+        journaled (under the journal lock), so a row journaled here still holds its checkpoint value."""
+        if not self.writable:
+            return
+        with self._jlock:
+            if self._journal is None:
+                return
+            fresh = rows[~self._touched.index_select(0, rows)]
+            if not fresh.numel():
+                return
             self._journal_append(fresh)
             self._touched.index_fill_(0, fresh, True)
+            need = self._written
+        self._sync(need)
+
+    def _sync(self, upto: int) -> None:
+        """Make journal bytes [0, upto) durable (`durable` tables; fdatasync outside the lock)."""
+        if not self.durable or self._synced >= upto:
+            return
+        os.fdatasync(self._journal.fileno())
+        with self._jlock:
+            self._synced = max(self._synced, upto)
 
     def end_write(self, rows):
         if self._dirty is not None:  # blocks we changed: trusted, and re-summed at the next commit
@@ -346,8 +380,7 @@ class MmapTable(Table):
             self.exp_avg_sq.index_select(0, rows)))
         self._journal.write(_JENTRY.pack(rows.numel(), zlib.crc32(payload)) + payload)
         self._journal.flush()
-        if self.durable:
-            os.fdatasync(self._journal.fileno())
+        self._written = self._journal.tell()
 
     def _journal_entries(self):
         """Valid undo entries (rows, w, m, v) of the journal; stops at a torn or corrupt tail."""
@@ -392,18 +425,20 @@ class MmapTable(Table):
         the old one, `recover` can still roll back to the previous checkpoint.
         """
         self._need_writable()
-        self.flush()
-        self._commit_sums()
-        if self._journal is not None:
-            self._journal.close()
-        tmp = self.journal_path.with_name(f".{self.journal_path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_JHEAD.pack(_JMAGIC, step, self.num_rows, self.dim))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.journal_path)
-        self._journal = open(self.journal_path, "ab")
-        self._touched = torch.zeros(self.num_rows, dtype=torch.bool)
+        with self._jlock:  # (no `journal_ahead` in between: it would write to the journal being replaced)
+            self.flush()
+            self._commit_sums()
+            if self._journal is not None:
+                self._journal.close()
+            tmp = self.journal_path.with_name(f".{self.journal_path.name}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(_JHEAD.pack(_JMAGIC, step, self.num_rows, self.dim))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.journal_path)
+            self._journal = open(self.journal_path, "ab")
+            self._written = self._synced = self._journal.tell()
+            self._touched = torch.zeros(self.num_rows, dtype=torch.bool)
 
     def _commit_sums(self) -> None:
         """Block sums describing the file as it is now (the checkpoint's state): dirty blocks re-summed."""
@@ -464,9 +499,10 @@ class MmapTable(Table):
         return restored
 
     def close(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        with self._jlock:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
 
     def stats(self) -> dict:
         total = self.hits + self.misses

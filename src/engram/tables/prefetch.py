@@ -145,7 +145,8 @@ def readahead_for(model):
     Given a batch's hash ids `{layer: (B, T, H)}`, it reads the rows (and their Adam moments) that
     batch will touch, on the data pipeline's thread, so that a table file colder than the page cache
     pages them in while the current step computes. The values read are discarded; the step reads
-    them again from the page cache.
+    them again from the page cache. A training table also journals those rows there
+    (`MmapTable.journal_ahead`), so their undo entry and its fsync leave the step's critical path.
     """
     targets = {mhe.layer_id: mhe for _, mhe in find_tables(model) if hasattr(mhe.table, "touch")}
     if not targets:
@@ -154,6 +155,9 @@ def readahead_for(model):
     def readahead(hash_ids: dict) -> None:
         for lid, mhe in targets.items():
             if lid in hash_ids:
-                mhe.table.touch(torch.unique(mhe.table_rows(hash_ids[lid])))
+                rows = torch.unique(mhe.table_rows(hash_ids[lid]))
+                mhe.table.touch(rows)
+                if getattr(mhe.table, "journal_ahead", None) is not None and mhe.table.trainable:
+                    mhe.table.journal_ahead(rows)
 
     return readahead
