@@ -11,7 +11,8 @@ Same model, data and seed, one process; three ways to keep the table:
 The four runs take turns step by step (medians over the steps after the first).
 The file is freshly written, so the page cache is warm (a table larger than RAM would page in from
 disk; this machine cannot show that). Checks that all variants give the same losses. Prints a
-table, then one JSON line (`mmap_vs_ram`: step-time ratio in RAM / mmap).
+table, then one JSON line (`mmap_vs_ram`: step-time ratio in RAM / mmap; `same_losses`: the file-backed runs
+give the in-RAM LazyRowAdam's losses exactly, SparseAdam within 1e-4).
 
     python benchmarks/bench_table_train.py [--rows-per-head 131072] [--steps 12]
 """
@@ -111,7 +112,10 @@ def main():
             res[k] = (statistics.median(r["times"][1:]), r["losses"], jbytes,
                       statistics.mean(r["commits"]) if r["commits"] else 0.0)
     ref_losses = res["lazy"][1]
-    same = all(max(abs(a - b) for a, b in zip(v[1], ref_losses)) < 1e-5 for v in res.values())
+    # the file-backed runs must give the in-RAM LazyRowAdam's losses exactly; torch's SparseAdam (other arithmetic)
+    # drifts by ~1e-5 over a few dozen steps
+    same = all(v[1] == ref_losses for k, v in res.items() if k != "sparseadam") and \
+        max(abs(a - b) for a, b in zip(res["sparseadam"][1], ref_losses)) < 1e-4
     ntok = args.batch * args.seq
     print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; Engram table {table_gb:.2f} GB "
           f"(+{2 * table_gb:.2f} GB moments); batch {args.batch} x {args.seq}; threads {torch.get_num_threads()}")
@@ -122,7 +126,7 @@ def main():
     print(f"{'table':<28} {'s/step':>8} {'tok/s':>8} {'journal MB':>11} {'commit s':>9}")
     for k, (t, _, jb, c) in res.items():
         print(f"{names[k]:<28} {t:>8.3f} {ntok / t:>8.0f} {jb / 1e6:>11.1f} {c:>9.3f}")
-    print(f"same losses (1e-5): {same}")
+    print(f"same losses (file-backed: exactly; SparseAdam: within 1e-4): {same}")
     print(json.dumps({"bench": "table_train", "table_gb": round(table_gb, 3),
                       "tok_s_ram": round(ntok / res["lazy"][0]), "tok_s_mmap": round(ntok / res["mmap"][0]),
                       "mmap_vs_ram": round(res["lazy"][0] / res["mmap"][0], 3),

@@ -153,6 +153,7 @@ def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
     (table,) = offload_tables(m, "mmap", tmp_path, trainable=True).values()
     table.commit(0)
     before = table.weight.clone()
+    empty_journal = table.journal_path.stat().st_size
     touched = []
     table.touch = lambda rows, orig=table.touch: (touched.append(rows), orig(rows))[1]
     b = Batcher(np.arange(2000, dtype=np.uint32) % 1000, 16, 2, hash_mapping=m.model.mapping,
@@ -163,3 +164,6 @@ def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
     first = torch.unique((hashes[1] + mhe._offsets_on(torch.device("cpu"))).reshape(-1))
     assert len(touched) == 2 and torch.equal(touched[0], first)  # this batch's rows, then the next batch's
     assert torch.equal(table.weight, before)  # reading ahead changes nothing
+    assert table.journal_path.stat().st_size > empty_journal  # ... but journals those rows for the coming steps
+    from engram.config import TrainConfig
+    assert TrainConfig.parse_overrides(["table_readahead=false"]) == {"table_readahead": False}

@@ -244,7 +244,8 @@ def build(preset: str, data, out, max_steps, use_engram: bool, baseline, resume:
     run.opts = build_optimizers(run.model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
     run.dense_params = [p for _, p in split_params(run.model)[0]]
     run.batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed,
-                          hash_mapping=run.model.model.mapping, readahead=readahead_for(run.model))
+                          hash_mapping=run.model.model.mapping,
+                          readahead=readahead_for(run.model) if tcfg.table_readahead else None)
     run.val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
     return run
 
