@@ -224,22 +224,9 @@ class BlockVerifier:
                          f"corrupt there; {FIX}")
 
     # ---- for readers that fetch bytes themselves (the disk tier's positioned reads)
-    def recount(self) -> None:
-        """Recount the blocks not yet checked, after a reader marked some in `ok_np` directly."""
-        with self._lock:
-            self.unverified = int(len(self.ok_np) - np.count_nonzero(self.ok_np))
-
-    def blocks_at(self, start: int, nbytes: int) -> tuple[int, int]:
-        """First and last block holding file bytes [start, start + nbytes) (`start` past the header)."""
-        return (start - self.data_offset) // self.block_bytes, (start + nbytes - 1 - self.data_offset) // self.block_bytes
-
-    def block_bytes_of(self, b0: int, b1: int) -> tuple[int, int]:
-        """File byte range [lo, hi) of blocks b0..b1 (the last block of the file may be short)."""
-        lo = self.data_offset + b0 * self.block_bytes
-        return lo, min(self.data_offset + (b1 + 1) * self.block_bytes, self.data_offset + self.size)
-
     def check_read(self, b0: int, b1: int, data, row_bytes: int = 0, tensor_offset: int = 0) -> None:
-        """Verify blocks b0..b1 from their bytes `data` (as read from the file, `block_bytes_of(b0, b1)`)."""
+        """Verify blocks b0..b1 from their bytes `data`, as read from the file (from `data_offset + b0 * block_bytes`;
+        the file's last block may be short)."""
         bb = self.block_bytes
         for b in range(b0, b1 + 1):
             self._verify(b, data[(b - b0) * bb:(b - b0 + 1) * bb], row_bytes, tensor_offset)

@@ -218,6 +218,9 @@ class DiskTable(Table):
 
     def _read_rows_fast(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
         """`_read_rows` compiled without the GIL (`_build_reader`)."""
+        # The compiled loop marks blocks checked in `ok` without counting them, so `unverified` stays an upper
+        # bound (never reaches 0 early; a recount per gather would cost a pass over 25M flags for a 100 GB
+        # table): the loop consults `ok` for every row instead, two loads.
         b = self.blocks if self.blocks is not None and self.blocks.unverified else None
         span = self.row_bytes + 2 * PAGE + (2 * b.block_bytes if b is not None else 0)
         raw = np.empty(span + PAGE, dtype=np.uint8)
@@ -292,8 +295,6 @@ class DiskTable(Table):
                     f.result()
             self.reads += len(u)
             vals.index_copy_(0, cold, torch.from_numpy(raw).view(self.dtype).view(len(u), self.dim))
-            if self.blocks is not None and self.blocks.unverified:
-                self.blocks.recount()  # (the compiled reader marks blocks checked without counting)
             if self._seen is not None:
                 self._mark_seen(torch.from_numpy(u))
         vals = vals.index_select(0, inv)
