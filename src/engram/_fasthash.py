@@ -41,17 +41,21 @@ def _build():
                 b = job // per_row
                 t0 = (job - b * per_row) * chunk
                 n = min(T, t0 + chunk) - t0
-                start = np.empty(n, dtype=np.int64)  # each token's document start (looking back <= N-1)
-                mix = np.empty(n, dtype=np.int64)
-                hi, mid, lo = np.empty(n), np.empty(n), np.empty(n)
-                tile = np.empty((O * H, n))
+                ints = np.empty((2, n), dtype=np.int64)  # (two allocations per job, not six: they add up)
+                start, mix = ints[0], ints[1]
+                floats = np.empty((3 + O * H, n))
+                hi, mid, lo, tile = floats[0], floats[1], floats[2], floats[3:]
+                # each token's document start, looking back at most N-1 (only t - k >= start for k < N matters):
+                # found for the chunk's first token, then carried forward
+                s = 0
+                if reset >= 0:
+                    s = t0
+                    while s > 0 and t0 - s < N - 1 and x[b, s - 1] != reset:
+                        s -= 1
                 for i in range(n):
                     t = t0 + i
-                    s = 0
-                    if reset >= 0:
+                    if reset >= 0 and i > 0 and x[b, t - 1] == reset:
                         s = t
-                        while s > 0 and t - s < N - 1 and x[b, s - 1] != reset:
-                            s -= 1
                     start[i] = s
                 for l in range(L):
                     for i in range(n):
