@@ -11,8 +11,8 @@ file is evicted from the page cache (`posix_fadvise(DONTNEED)`; residency checke
     checked on its first read, as in use (fresh tables: every read is a first read, the worst
     case); `cold_unchecked_vs_device` is the same gather with the checks off;
   * `MmapTable` on the same cold file (page faults, one at a time; its block checks off);
-  * cold gathers of 8 rows (a decoding step's), 200 of them: split between the calling thread and one
-    pool thread (`DiskTable.inline_below`, the default) vs handed to the pool;
+  * cold gathers of 8 rows (a decoding step's), 200 of them: read on the calling thread
+    (`DiskTable.inline_below`, the default) vs handed to the pool;
   * warm: the same gathers once every page has been read (`DiskTable` then gathers from its
     mapping), vs `index_select` from RAM.
 Each cold round uses fresh tables: a page mapped into a process cannot be evicted.
@@ -148,13 +148,15 @@ def main():
                 times[k].append(time.perf_counter() - t)
         warm = {k: statistics.median(v) for k, v in times.items()}
         disk.close()
-        # decode-sized gathers (8 cold rows): split between the caller and one pool thread (the default) vs all
-        # through the pool (inline_below=0)
+        del fns, fn, disk, mm  # (pages they mapped could not be evicted for the next test)
+        gc.collect()
+        # decode-sized gathers (8 cold rows): on the calling thread (the default, one compiled call with numba) vs
+        # handed to the pool (inline_below=0)
         small = {}
-        for name, inline in (("caller + 1 thread", DiskTable.inline_below), ("pool", 0)):
+        for name, inline in (("calling thread", DiskTable.inline_below), ("pool", 0)):
             table = DiskTable(f, args.qd)
             table.inline_below = inline
-            evict(f)
+            resident.append(evict(f))
             ts = []
             for _ in range(200):
                 ids = torch.from_numpy(rng.integers(0, args.rows, 8))

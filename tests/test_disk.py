@@ -33,7 +33,7 @@ def test_gathers_equal_the_rows_and_read_each_once(tmp_path, direct, dtype, page
         warnings.simplefilter("ignore")  # (64 KiB sums: "first reads fetch whole blocks")
         t = DiskTable(write_table_file(tmp_path / "t.safetensors", W, page_blocks=page_blocks), queue_depth=8,
                       direct=direct)
-    ids = torch.tensor([[3, 4999, 3], [0, 1706, 4999]])
+    ids = torch.tensor([[3, 4999, 3], [2000, 1706, 4999]])  # four distinct rows on four pages
     assert torch.equal(t.gather(ids), W[ids.reshape(-1)]) and t.stats()["reads"] == 4  # duplicates read once
     every = torch.randperm(5000)
     assert torch.equal(t.gather(every), W[every])

@@ -105,10 +105,65 @@ def _build_reader():
                 out[i, k] = buf[start - base + k]
         return 0, 0
 
-    return read_rows
+    @numba.njit(nogil=True)
+    def gather_small(fd, rows, row_bytes, offset, num_rows, seen, mapped, out, buf, direct, ok, sums, bb, d0, d_end,
+                     aligned):
+        # A decoding step's few rows in one call: a repeated row copied from its first copy, warm rows from the
+        # mapping, cold ones read (and their blocks checked) as in read_rows, their pages then marked warm
+        # (`aligned` block sums, or none: a row's pages then lie in checked blocks). Returns (kind, index, rows
+        # read, rows warm): kind 0 done, 1 short read, 2 bad checksum (index: the block), 3 row id out of range.
+        reads = warm = 0
+        for i in range(rows.shape[0]):
+            r = rows[i]
+            if r < 0 or r >= num_rows:
+                return 3, i, reads, warm
+            dup = -1
+            for j in range(i):
+                if rows[j] == r:
+                    dup = j
+                    break
+            if dup >= 0:  # each distinct row read once
+                for k in range(row_bytes):
+                    out[i, k] = out[dup, k]
+                continue
+            start = offset + r * row_bytes
+            p0, p1 = start // 4096, (start + row_bytes - 1) // 4096
+            if seen.shape[0] and seen[p0] and seen[p1]:
+                for k in range(row_bytes):
+                    out[i, k] = mapped[r, k]
+                warm += 1
+                continue
+            lo, hi, b0, b1 = start, start + row_bytes, -1, -1
+            if ok.shape[0]:
+                b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
+                if ok[b0] and ok[b1]:
+                    b0 = -1
+                else:
+                    lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
+            base, end = lo, hi
+            if direct:
+                base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
+            if pread(fd, buf.ctypes.data, end - base, base) < hi - base:
+                return 1, i, reads, warm
+            reads += 1
+            if b0 >= 0:
+                for b in range(b0, b1 + 1):
+                    a = d0 + b * bb - base
+                    n = min(bb, d_end - d0 - b * bb)
+                    if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
+                        return 2, b, reads, warm
+                    ok[b] = True
+            for k in range(row_bytes):
+                out[i, k] = buf[start - base + k]
+            if seen.shape[0] and (aligned or not ok.shape[0]):
+                seen[p0] = True
+                seen[p1] = True
+        return 0, 0, reads, warm
+
+    return read_rows, gather_small
 
 
-SMALL_SPLIT = 2  # shares of a small gather: the calling thread and one pool thread (best of 1, 2, 4, 8 here)
+SMALL_SPLIT = 2  # shares of a few cold rows outside `_gather_small`: the calling thread and one pool thread
 _KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]): one pass instead of five torch ops
 _READER = LazyKernels(_build_reader)  # optional (engram[fast]); without it the Python loop below reads
 
@@ -118,10 +173,11 @@ class DiskTable(Table):
 
     `tensor`: the file's tensor holding the rows ("weight"; "codes" for a quantized file, whose
     dequantization `tables.quant.open_quant_file(..., backend="disk")` adds). Gathers of fewer than
-    `inline_below` cold rows (decoding steps) split them between the calling thread and one pool
-    thread: on a low-latency device (this VM: ~50 us per 4 KiB read) handing 8 reads to 8 pool threads
-    costs more than the reads (8 cold rows: 0.78 ms through the pool, ~0.62 ms this way). Set it to 0
-    on a high-latency device.
+    `inline_below` rows (decoding steps) are read on the calling thread, with numba in one compiled
+    call (no dedup by sorting, no pool hand-off; without numba, shared with one pool thread): on a
+    low-latency device (this VM: ~50 us per 4 KiB read) handing 8 reads to the pool costs more than
+    the reads (`benchmarks/bench_disk.py`: 8 cold rows 0.63 ms here, 1.11 ms through the pool). Set
+    it to 0 on a high-latency device.
     """
 
     inline_below = 16
@@ -130,7 +186,8 @@ class DiskTable(Table):
         n, meta, size = _read_header(path, required=(tensor,))
         info = meta[tensor]
         # the file mapped read-only (checks dtype and size; no page is read until a warm row is gathered from it)
-        _, self._mapped = map_tensor(path, n, size, tensor, info, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
+        arr, self._mapped = map_tensor(path, n, size, tensor, info, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
+        self._mapped_bytes = arr.view(np.uint8).reshape(arr.shape[0], -1)  # (N, row bytes), for the compiled path
         self.num_rows, self.dim = info["shape"]
         self.dtype = self._mapped.dtype
         self.row_bytes = self.dim * self._mapped.element_size()
@@ -216,23 +273,52 @@ class DiskTable(Table):
             except BufferError:  # an error's traceback still holds a view of the buffer: freed with it
                 pass
 
-    def _read_rows_fast(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
-        """`_read_rows` compiled without the GIL (`_build_reader`)."""
-        # The compiled loop marks blocks checked in `ok` without counting them, so `unverified` stays an upper
-        # bound (never reaches 0 early; a recount per gather would cost a pass over 25M flags for a 100 GB
-        # table): the loop consults `ok` for every row instead, two loads.
-        b = self.blocks if self.blocks is not None and self.blocks.unverified else None
+    def _scratch(self, b) -> np.ndarray:
+        """A page-aligned buffer (O_DIRECT needs it) for one read: a row, or its block(s) with their pages."""
         span = self.row_bytes + 2 * PAGE + (2 * b.block_bytes if b is not None else 0)
         raw = np.empty(span + PAGE, dtype=np.uint8)
-        buf = raw[(-raw.ctypes.data) % PAGE:][:span]  # page-aligned (O_DIRECT needs it)
-        ok, sums = (b.ok_np, b.sums) if b is not None else (np.zeros(0, dtype=bool), np.zeros(0, dtype="<u4"))
-        kind, at = _READER.get()(self.fd, rows, part.astype(np.int64), self.row_bytes, self.offset, out, buf,
-                                 self.direct, ok, sums, b.block_bytes if b else 1, b.data_offset if b else 0,
-                                 b.data_offset + b.size if b else 0)
+        return raw[(-raw.ctypes.data) % PAGE:][:span]
+
+    def _sums(self):
+        """(verifier or None, ok flags, sums, block bytes, data start, data end) for the compiled loops. They mark
+        blocks checked in `ok` without counting them, so `unverified` stays an upper bound (never 0 early; a
+        recount per gather would cost a pass over 25M flags for a 100 GB table): they consult `ok` per row."""
+        b = self.blocks if self.blocks is not None and self.blocks.unverified else None
+        if b is None:
+            return None, np.zeros(0, dtype=bool), np.zeros(0, dtype="<u4"), 1, 0, 0
+        return b, b.ok_np, b.sums, b.block_bytes, b.data_offset, b.data_offset + b.size
+
+    def _read_rows_fast(self, rows: np.ndarray, out: np.ndarray, part: np.ndarray) -> None:
+        """`_read_rows` compiled without the GIL (`_build_reader`)."""
+        b, ok, sums, bb, d0, d_end = self._sums()
+        kind, at = _READER.get()[0](self.fd, rows, part.astype(np.int64), self.row_bytes, self.offset, out,
+                                    self._scratch(b), self.direct, ok, sums, bb, d0, d_end)
+        self._raise(kind, at, rows, b)
+
+    def _raise(self, kind: int, at: int, rows, b) -> None:
         if kind == 1:
             raise TableError(f"{self.path}: short read at row {int(rows[at])} (file truncated?)")
         if kind == 2:
             b.fail(at, self.row_bytes, self.offset - b.data_offset)
+        if kind == 3:
+            raise TableError(f"{self.path}: row ids must lie in [0, {self.num_rows})")
+
+    def _gather_small(self, flat: torch.Tensor) -> torch.Tensor:
+        """A decoding step's few rows, in one compiled call on this thread (no unique, no pool hand-off)."""
+        b, ok, sums, bb, d0, d_end = self._sums()
+        aligned = b is None or (bb % PAGE == 0 and d0 % PAGE == 0)
+        seen = self._seen.numpy() if self._seen is not None else np.zeros(0, dtype=bool)
+        raw = np.empty((flat.numel(), self.row_bytes), dtype=np.uint8)
+        ids = flat.numpy()
+        kind, at, reads, warm = _READER.get()[1](self.fd, ids, self.row_bytes, self.offset, self.num_rows, seen,
+                                           self._mapped_bytes, raw, self._scratch(b), self.direct, ok, sums, bb,
+                                           d0, d_end, aligned)
+        self.reads += reads
+        self._raise(kind, at, ids, b)
+        if self._seen is not None and not aligned:
+            self._mark_seen(flat)  # (pages whose every block is now checked)
+        self.warm_rows += warm
+        return torch.from_numpy(raw).view(self.dtype).view(flat.numel(), self.dim)
 
     def _mark_seen(self, rows: torch.Tensor) -> None:
         """Mark the pages of rows just read warm: those whose every block is checked (or with no sums)."""
@@ -266,6 +352,9 @@ class DiskTable(Table):
             self.warm_rows += flat.numel()  # all warm: one gather from the mapping, as MmapTable does
             vals = self._mapped.index_select(0, flat)
             return out.copy_(vals) if out is not None else vals
+        if 0 < flat.numel() < self.inline_below and _READER.get() is not None:
+            vals = self._gather_small(flat)
+            return out.copy_(vals) if out is not None else vals
         uniq, inv = torch.unique(flat, return_inverse=True)  # each distinct row read once
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows):
             raise TableError(f"{self.path}: row ids must lie in [0, {self.num_rows})")
@@ -283,7 +372,7 @@ class DiskTable(Table):
             u = uniq.index_select(0, cold).numpy()
             raw = np.empty((len(u), self.row_bytes), dtype=np.uint8)
             read = self._read_rows_fast if _READER.get() is not None else self._read_rows
-            if len(u) < self.inline_below:  # a few rows (decoding): the calling thread reads one share
+            if len(u) < self.inline_below:  # a few cold rows: the calling thread reads a share, one pool thread the rest
                 parts = np.array_split(np.arange(len(u)), min(len(u), SMALL_SPLIT))
                 others = [self.pool.submit(read, u, raw, p) for p in parts[1:]]
                 read(u, raw, parts[0])
