@@ -75,43 +75,54 @@ def _build_reader():
     crc32 = ctypes.CDLL(ctypes.util.find_library("z")).crc32  # the zlib Python's zlib.crc32 wraps
     crc32.restype, crc32.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint]
 
-    @numba.njit(nogil=True)  # (not cached: numba cannot cache calls through ctypes pointers; compiles in ~0.3 s)
+    @numba.njit(nogil=True)
+    def read_one(fd, start, row_bytes, out, buf, direct, ok, sums, bb, d0, d_end):
+        # One row at file byte `start` -> out (uint8 row); buf: page-aligned scratch; ok/sums/bb/d0/d_end: the
+        # block sums (ok empty: none). A row in a block not yet checked is read with its whole block(s), which
+        # are checked first. Returns (0, 0), (1, 0) for a short read, or (2, block) for a bad checksum.
+        lo, hi, b0, b1 = start, start + row_bytes, -1, -1
+        if ok.shape[0]:
+            b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
+            if ok[b0] and ok[b1]:
+                b0 = -1
+            else:
+                lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
+        base, end = lo, hi
+        if direct:
+            base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
+        if pread(fd, buf.ctypes.data, end - base, base) < hi - base:
+            return 1, 0
+        if b0 >= 0:
+            for b in range(b0, b1 + 1):
+                a = d0 + b * bb - base
+                n = min(bb, d_end - d0 - b * bb)
+                if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
+                    return 2, b
+                ok[b] = True
+        for k in range(row_bytes):
+            out[k] = buf[start - base + k]
+        return 0, 0
+
+    # (not cached: numba cannot cache calls through ctypes pointers; the two compile in well under a second)
+    @numba.njit(nogil=True)
     def read_rows(fd, rows, part, row_bytes, offset, out, buf, direct, ok, sums, bb, d0, d_end):
-        # rows[part] -> out[part] (uint8 rows); buf: page-aligned scratch; ok/sums/bb/d0/d_end: the block sums
-        # (ok empty: none). Returns (0, 0) or (1, row index) for a short read, (2, block) for a bad checksum.
+        # rows[part] -> out[part] (a reader thread's share). Returns (0, 0), (1, row index) for a short read,
+        # (2, block) for a bad checksum.
         for j in range(part.shape[0]):
             i = part[j]
-            start = offset + rows[i] * row_bytes
-            lo, hi, b0, b1 = start, start + row_bytes, -1, -1
-            if ok.shape[0]:
-                b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
-                if ok[b0] and ok[b1]:
-                    b0 = -1
-                else:  # read the whole block(s) and check them first
-                    lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
-            base, end = lo, hi
-            if direct:
-                base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
-            if pread(fd, buf.ctypes.data, end - base, base) < hi - base:
-                return 1, i
-            if b0 >= 0:
-                for b in range(b0, b1 + 1):
-                    a = d0 + b * bb - base
-                    n = min(bb, d_end - d0 - b * bb)
-                    if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
-                        return 2, b
-                    ok[b] = True
-            for k in range(row_bytes):
-                out[i, k] = buf[start - base + k]
+            kind, at = read_one(fd, offset + rows[i] * row_bytes, row_bytes, out[i], buf, direct, ok, sums, bb, d0,
+                                d_end)
+            if kind:
+                return kind, (i if kind == 1 else at)
         return 0, 0
 
     @numba.njit(nogil=True)
     def gather_small(fd, rows, row_bytes, offset, num_rows, seen, mapped, out, buf, direct, ok, sums, bb, d0, d_end,
                      aligned):
         # A decoding step's few rows in one call: a repeated row copied from its first copy, warm rows from the
-        # mapping, cold ones read (and their blocks checked) as in read_rows, their pages then marked warm
-        # (`aligned` block sums, or none: a row's pages then lie in checked blocks). Returns (kind, index, rows
-        # read, rows warm): kind 0 done, 1 short read, 2 bad checksum (index: the block), 3 row id out of range.
+        # mapping, cold ones read (`read_one`), their pages then marked warm (`aligned` block sums, or none: a
+        # row's pages then lie in checked blocks). Returns (kind, index, rows read, rows warm): kind 0 done,
+        # 1 short read, 2 bad checksum (index: the block), 3 row id out of range.
         reads = warm = 0
         for i in range(rows.shape[0]):
             r = rows[i]
@@ -133,28 +144,10 @@ def _build_reader():
                     out[i, k] = mapped[r, k]
                 warm += 1
                 continue
-            lo, hi, b0, b1 = start, start + row_bytes, -1, -1
-            if ok.shape[0]:
-                b0, b1 = (start - d0) // bb, (hi - 1 - d0) // bb
-                if ok[b0] and ok[b1]:
-                    b0 = -1
-                else:
-                    lo, hi = d0 + b0 * bb, min(d0 + (b1 + 1) * bb, d_end)
-            base, end = lo, hi
-            if direct:
-                base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
-            if pread(fd, buf.ctypes.data, end - base, base) < hi - base:
-                return 1, i, reads, warm
+            kind, at = read_one(fd, start, row_bytes, out[i], buf, direct, ok, sums, bb, d0, d_end)
+            if kind:
+                return kind, (i if kind == 1 else at), reads, warm
             reads += 1
-            if b0 >= 0:
-                for b in range(b0, b1 + 1):
-                    a = d0 + b * bb - base
-                    n = min(bb, d_end - d0 - b * bb)
-                    if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
-                        return 2, b, reads, warm
-                    ok[b] = True
-            for k in range(row_bytes):
-                out[i, k] = buf[start - base + k]
             if seen.shape[0] and (aligned or not ok.shape[0]):
                 seen[p0] = True
                 seen[p1] = True
@@ -206,6 +199,10 @@ class DiskTable(Table):
             warnings.warn(f"{path}: its block sums cover {self.blocks.block_bytes // 1024} KiB, so the first read of "
                           f"each block fetches all of it to check it; offload_tables(..., 'disk', overwrite=True) "
                           "writes the file with 4 KiB sums", stacklevel=2)
+        # page-aligned sums of whole pages (the disk tier's files): the pages of a row lie in the blocks its read
+        # checked, so they are warm at once; otherwise a page is warm when every block it touches is checked
+        self._pages_in_blocks = self.blocks is None or (self.blocks.block_bytes % PAGE == 0
+                                                        and self.blocks.data_offset % PAGE == 0)
         # warm path: rows on pages this table has read through the page cache are gathered from the mapping
         # (RAM speed while the kernel keeps them); the others go to the positioned-read pool. O_DIRECT reads
         # leave nothing in the page cache, so then every row is read.
@@ -296,6 +293,8 @@ class DiskTable(Table):
         self._raise(kind, at, rows, b)
 
     def _raise(self, kind: int, at: int, rows, b) -> None:
+        """The one-line error for a reader's status `kind` (1 short read at rows[at], 2 block `at` corrupt,
+        3 row ids out of range); nothing for 0."""
         if kind == 1:
             raise TableError(f"{self.path}: short read at row {int(rows[at])} (file truncated?)")
         if kind == 2:
@@ -306,7 +305,7 @@ class DiskTable(Table):
     def _gather_small(self, flat: torch.Tensor) -> torch.Tensor:
         """A decoding step's few rows, in one compiled call on this thread (no unique, no pool hand-off)."""
         b, ok, sums, bb, d0, d_end = self._sums()
-        aligned = b is None or (bb % PAGE == 0 and d0 % PAGE == 0)
+        aligned = b is None or self._pages_in_blocks
         seen = self._seen.numpy() if self._seen is not None else np.zeros(0, dtype=bool)
         raw = np.empty((flat.numel(), self.row_bytes), dtype=np.uint8)
         ids = flat.numpy()
@@ -324,8 +323,7 @@ class DiskTable(Table):
         """Mark the pages of rows just read warm: those whose every block is checked (or with no sums)."""
         pages = torch.cat(self._pages(rows))
         b = self.blocks
-        aligned = b is not None and b.block_bytes % PAGE == 0 and b.data_offset % PAGE == 0
-        if b is not None and b.unverified and not aligned:  # (aligned: a row's pages lie in its checked blocks)
+        if b is not None and b.unverified and not self._pages_in_blocks:
             if b.block_bytes < PAGE:
                 return  # a page spans many blocks: pages are warm once the whole file is checked
             first = (pages * PAGE - b.data_offset).clamp_min(0) // b.block_bytes
@@ -357,7 +355,7 @@ class DiskTable(Table):
             return out.copy_(vals) if out is not None else vals
         uniq, inv = torch.unique(flat, return_inverse=True)  # each distinct row read once
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows):
-            raise TableError(f"{self.path}: row ids must lie in [0, {self.num_rows})")
+            self._raise(3, 0, None, None)
         vals = torch.empty(uniq.numel(), self.dim, dtype=self.dtype)
         cold = torch.arange(uniq.numel())
         if self._seen is not None and uniq.numel():
