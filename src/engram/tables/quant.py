@@ -192,19 +192,24 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mm
     if fmt not in FORMATS:
         raise TableError(f"{path}: not a quantized table file (no quant format in its header); re-create it")
     infos = {k: meta[k] for k in ("codes", "scales")}
-    arrays = {k: map_tensor(path, n, size, k, info, dtypes=QUANT_NP_DTYPES)[1] for k, info in infos.items()}
-    blocks = BlockVerifier.open(path)
+    scales = map_tensor(path, n, size, "scales", infos["scales"], dtypes=QUANT_NP_DTYPES)[1]
     if backend == "disk":
         from .disk import DiskTable
 
+        codes = DiskTable(path, tensor="codes", **disk_kwargs)  # (opens the block sums: they serve both tensors)
         a, b = infos["scales"]["data_offsets"]
-        if blocks is not None and b > a:
-            blocks.check_bytes(a, b - a)  # every block of the scales, once, now
-        table = QuantTable(DiskTable(path, tensor="codes", **disk_kwargs), arrays["scales"].clone(), fmt, dtype)
+        if codes.blocks is not None and b > a:
+            try:
+                codes.blocks.check_bytes(a, b - a)  # every block of the scales, once, now
+            except TableError:
+                codes.close()
+                raise
+        table = QuantTable(codes, scales.clone(), fmt, dtype)
         table.path = path
         return table
-    table = QuantTable(arrays["codes"], arrays["scales"], fmt, dtype)
-    table.path, table.blocks = path, blocks
+    codes = map_tensor(path, n, size, "codes", infos["codes"], dtypes=QUANT_NP_DTYPES)[1]
+    table = QuantTable(codes, scales, fmt, dtype)
+    table.path, table.blocks = path, BlockVerifier.open(path)
     table._offsets = (infos["codes"]["data_offsets"][0], infos["scales"]["data_offsets"][0])
     return table
 
