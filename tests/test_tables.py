@@ -212,6 +212,11 @@ def test_journal_ahead_takes_the_entries_off_the_step_and_still_rolls_back(tmp_p
     tb.write_rows(batches[0], torch.zeros(len(batches[0]), 8), torch.ones(len(batches[0]), 8),
                   torch.ones(len(batches[0]), 8))
     assert tb.journal_path.stat().st_size == size  # the step found its rows journaled: no entry, no fsync
+    assert tb._synced == tb._written  # ... and durable
+    stale = tb._journal
+    tb.commit(0)  # a checkpoint replaces the journal while a pipeline thread's fsync of the old one is pending:
+    tb._sync(stale, 1 << 40)  # that fsync has nothing left to do (not an error on the closed file)
+    at0 = (tb.weight.clone(), tb.exp_avg.clone(), tb.exp_avg_sq.clone())
     with ThreadPoolExecutor(1) as pipeline:
         for i in range(1, len(batches) - 1):  # step i writes batch i while the pipeline journals batch i + 1
             ahead = pipeline.submit(tb.journal_ahead, batches[i + 1])

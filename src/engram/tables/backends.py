@@ -251,6 +251,7 @@ class MmapTable(Table):
         self._journal = None
         self._touched = None
         self._jlock = threading.Lock()  # the journal is appended by the step and by `journal_ahead` (pipeline thread)
+        self._sync_lock = threading.Lock()  # held by an fdatasync in flight; commit/close wait for it
         self._written = self._synced = 0  # journal bytes appended / known durable
         # per-block checksums, checked on first read (read-only files; training files have their journal)
         self._row_bytes = row_bytes
@@ -319,16 +320,9 @@ class MmapTable(Table):
 
     def begin_write(self, rows):
         self._need_writable()
-        with self._jlock:
-            if self._journal is None:
-                raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
-                                 "(it starts the undo journal)")
-            fresh = rows[~self._touched.index_select(0, rows)]  # rows not yet journaled since the checkpoint
-            if fresh.numel():
-                self._journal_append(fresh)
-                self._touched.index_fill_(0, fresh, True)
-            need = self._written
-        self._sync(need)  # every entry so far durable, those `journal_ahead` wrote for these rows included
+        if not self._journal_rows(rows):
+            raise TableError(f"{self.path}: call commit(step) or recover(step) before the first write "
+                             "(it starts the undo journal)")
 
     def journal_ahead(self, rows: torch.Tensor) -> None:
         """Journal now the rows a coming step will write (its batch's distinct rows, known once the data
@@ -337,26 +331,34 @@ class MmapTable(Table):
 
         Safe to run while a step writes other rows: a row's value changes only after `begin_write` has seen it
         journaled (under the journal lock), so a row journaled here still holds its checkpoint value."""
-        if not self.writable:
-            return
-        with self._jlock:
-            if self._journal is None:
-                return
-            fresh = rows[~self._touched.index_select(0, rows)]
-            if not fresh.numel():
-                return
-            self._journal_append(fresh)
-            self._touched.index_fill_(0, fresh, True)
-            need = self._written
-        self._sync(need)
+        if self.writable:
+            self._journal_rows(rows)
 
-    def _sync(self, upto: int) -> None:
-        """Make journal bytes [0, upto) durable (`durable` tables; fdatasync outside the lock)."""
-        if not self.durable or self._synced >= upto:
-            return
-        os.fdatasync(self._journal.fileno())
+    def _journal_rows(self, rows: torch.Tensor) -> bool:
+        """Journal the rows not yet journaled since the checkpoint and make the journal durable up to them,
+        those another thread journaled included; False when no journal is open (before the first commit)."""
         with self._jlock:
-            self._synced = max(self._synced, upto)
+            journal = self._journal
+            if journal is None:
+                return False
+            fresh = rows[~self._touched.index_select(0, rows)]
+            if fresh.numel():
+                self._journal_append(fresh)
+                self._touched.index_fill_(0, fresh, True)
+            need = self._written
+        self._sync(journal, need)
+        return True
+
+    def _sync(self, journal, upto: int) -> None:
+        """fdatasync `journal` up to byte `upto` (`durable` tables), outside the append lock. A journal that a
+        commit has replaced meanwhile needs none (the table it undoes is flushed); the sync lock keeps that
+        commit from closing the file under an fdatasync."""
+        if not self.durable:
+            return
+        with self._sync_lock:
+            if journal is self._journal and self._synced < upto:
+                os.fdatasync(journal.fileno())
+                self._synced = max(self._synced, upto)
 
     def end_write(self, rows):
         if self._dirty is not None:  # blocks we changed: trusted, and re-summed at the next commit
@@ -425,7 +427,7 @@ class MmapTable(Table):
         the old one, `recover` can still roll back to the previous checkpoint.
         """
         self._need_writable()
-        with self._jlock:  # (no `journal_ahead` in between: it would write to the journal being replaced)
+        with self._sync_lock, self._jlock:  # (no `journal_ahead` append or fsync on the journal being replaced)
             self.flush()
             self._commit_sums()
             if self._journal is not None:
@@ -499,7 +501,7 @@ class MmapTable(Table):
         return restored
 
     def close(self) -> None:
-        with self._jlock:
+        with self._sync_lock, self._jlock:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
