@@ -78,6 +78,31 @@ def device_reads_per_s(path: Path, qd: int, n_reads: int, seed: int) -> float:
         return n_reads / (time.perf_counter() - t)
 
 
+def compile_readers(d: Path, rows: torch.Tensor, directs=(False,)) -> None:
+    """Run `DiskTable`'s compiled readers (numba) once on a small file in `d`, outside the timed gathers."""
+    small = write_table_file(Path(d) / "warmup.safetensors", rows[:10000], page_blocks=True)
+    for direct in directs:
+        table = DiskTable(small, direct=direct)
+        table.gather(torch.arange(0, 10000, 7))  # a pool-sized gather
+        table.gather(torch.arange(5))  # a decode-step-sized one
+        table.close()
+
+
+def cold_gather(table, path: Path, ids: torch.Tensor, want: torch.Tensor) -> tuple[float, float | None]:
+    """Evict `path`, time `table.gather(ids)` (rows of the file), check the rows against `want`, close the table.
+    Returns (distinct rows per second, resident fraction after the eviction). `table` must be fresh: pages an
+    earlier table mapped could not be evicted."""
+    resident = evict(path)
+    t = time.perf_counter()
+    got = table.gather(ids)
+    rate = torch.unique(ids).numel() / (time.perf_counter() - t)
+    assert torch.equal(got.float(), want), f"{path.name}: rows differ"
+    table.close()
+    del table, got
+    gc.collect()
+    return rate, resident
+
+
 def fio_reads_per_s(path: Path, qd: int, seconds: int = 4) -> dict:
     """The device's random 4 KiB O_DIRECT read limit at queue depth `qd` by fio, when it is installed:
     {engine: IOPS} for `qd` synchronous jobs (psync) and one job with `qd` in flight (io_uring)."""
@@ -114,26 +139,15 @@ def main():
         f = write_table_file(Path(d) / "engram_table_L1.safetensors", W, page_blocks=True)
         makers = {"disk": lambda: DiskTable(f, args.qd), "disk direct": lambda: DiskTable(f, args.qd, direct=True),
                   "disk unchecked": lambda: DiskTable(f, args.qd), "mmap": lambda: MmapTable(f, cache_bytes=0)}
-        small = write_table_file(Path(d) / "warmup.safetensors", W[:10000], page_blocks=True)
-        for direct in (False, True):  # compile the readers (numba) outside the timed gathers
-            DiskTable(small, args.qd, direct=direct).gather(torch.arange(0, 10000, 7))
+        compile_readers(d, W, directs=(False, True))
         for r, ids in enumerate(chunks):
-            uniq = torch.unique(ids).numel()
             resident.append(evict(f))
-            res["device"].append(device_reads_per_s(f, args.qd, uniq, seed=r))
+            res["device"].append(device_reads_per_s(f, args.qd, torch.unique(ids).numel(), seed=r))
             for name, make in makers.items():
                 table = make()  # fresh: no page of the file mapped, so eviction can drop them all
                 if name in ("mmap", "disk unchecked"):
                     table.blocks = None  # no block checks: page faults / positioned reads only
-                evict(f)
-                t = time.perf_counter()
-                got = table.gather(ids)
-                res[name].append(uniq / (time.perf_counter() - t))
-                assert torch.equal(got, W[ids])
-                if hasattr(table, "pool"):
-                    table.close()
-                del table, got
-                gc.collect()
+                res[name].append(cold_gather(table, f, ids, W[ids])[0])
         # warm: the file in the page cache (read once through each table), vs index_select from RAM
         disk, mm = DiskTable(f, args.qd), MmapTable(f, cache_bytes=0)
         for c in chunks:

@@ -14,19 +14,17 @@ in-RAM dequantization.
 """
 
 import argparse
-import gc
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_disk import evict  # noqa: E402
+from bench_disk import cold_gather, compile_readers  # noqa: E402
 
 from engram.tables import write_table_file  # noqa: E402
 from engram.tables.disk import DiskTable  # noqa: E402
@@ -54,23 +52,16 @@ def main():
             files[fmt] = write_quant_file(Path(d) / f"{fmt}.safetensors", codes, scales, fmt, page_blocks=True)
             ram = QuantTable(codes, scales, fmt)
             want[fmt], per_row[fmt] = ram.gather, ram.bytes_per_row
-        small = write_table_file(Path(d) / "warmup.safetensors", W[:10000], page_blocks=True)
-        DiskTable(small).gather(torch.arange(0, 10000, 7))  # compile the reader outside the timed gathers
+        compile_readers(d, W)
         res, resident = {k: [] for k in files}, []
         for ids in chunks:
-            uniq = torch.unique(ids).numel()
             for fmt, f in files.items():
                 table = DiskTable(f) if fmt == "bfloat16" else open_quant_file(f, backend="disk")
-                resident.append(evict(f))
-                t = time.perf_counter()
-                got = table.gather(ids).float()
-                res[fmt].append(uniq / (time.perf_counter() - t))
-                assert torch.equal(got, want[fmt](ids)), f"{fmt}: rows differ"
-                table.close()
-                del table, got
-                gc.collect()
+                rate, left = cold_gather(table, f, ids, want[fmt](ids))
+                res[fmt].append(rate)
+                resident.append(left)
     med = {k: statistics.median(v) for k, v in res.items()}
-    sizes = {k: f_size for k, f_size in ((k, per_row[k] * args.rows / 2**30) for k in files)}
+    sizes = {k: per_row[k] * args.rows / 2**30 for k in files}
     print(f"table {args.rows:,} x {args.dim}, cold rounds {args.rounds}, {4096 * args.heads:,} ids per gather; "
           f"resident after eviction: {'n/a' if resident[0] is None else f'{max(resident):.1%} at most'}")
     print(f"{'rows':<10} {'bytes/row':>9} {'file GiB':>9} {'cold rows/s':>12} {'vs bf16':>8}")

@@ -1,6 +1,6 @@
 """Training throughput with the Engram table (and its Adam moments) in a memory-mapped file vs in RAM.
 
-Same model, data and seed, one process; three ways to keep the table:
+Same model, data and seed, one process; the table kept five ways:
   * in RAM, `torch.optim.SparseAdam` (plain PyTorch, the reference-style setup);
   * in RAM, `engram.optim.LazyRowAdam` (`engram train` default, `table_backend=param`);
   * memory-mapped file with weight + moments and the undo journal (`table_backend=mmap`),
@@ -8,7 +8,7 @@ Same model, data and seed, one process; three ways to keep the table:
     `--commit-every` steps as a checkpoint would (commit time reported apart from step time);
   * the fsync'd file with the next batch's rows read and journaled ahead on a second thread while
     the step computes (`tables.readahead_for`, what `engram train`'s data pipeline does).
-The four runs take turns step by step (medians over the steps after the first).
+The five runs take turns step by step (medians over the steps after the first).
 The file is freshly written, so the page cache is warm (a table larger than RAM would page in from
 disk; this machine cannot show that). Checks that all variants give the same losses. Prints a
 table, then one JSON line (`mmap_vs_ram`: step-time ratio in RAM / mmap; `same_losses`: the file-backed runs
