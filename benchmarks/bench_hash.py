@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     m = get_hash_mapping(EngramConfig())
-    ids = np.random.default_rng(0).integers(0, m.tokenizer_len, size=(args.batch, args.seq))
+    ids = np.random.default_rng(0).integers(0, m.raw_vocab_size, size=(args.batch, args.seq))
     ntok = ids.size
     ref = reference_hash(m, ids)
     rows = []

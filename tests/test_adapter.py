@@ -99,7 +99,8 @@ def test_save_load_round_trip_is_identical(kind, tok, tmp_path):
     want = logits(m, ids)
     engram.save_adapter(m, tmp_path / "a")
     names = {f.name for f in (tmp_path / "a").iterdir()}
-    assert names == {"engram_adapter.json", "engram_adapter.safetensors", "engram_hash_spec.json", "tokenizer.json"}
+    assert names == {"engram_adapter.json", "engram_adapter.safetensors", "engram_hash_spec.json", "tokenizer.json",
+                     "engram_manifest.json"}
     m2 = engram.load_adapter(make(kind), tmp_path / "a")
     assert torch.equal(logits(m2, ids), want)
 

@@ -73,7 +73,7 @@ def test_golden_hash_default(golden_dir, default_mapping, backend, monkeypatch):
     g = json.loads((golden_dir / "hash_default.json").read_text())
     m = default_mapping
     monkeypatch.setattr(m, "backend", backend)  # the mapping is get_hash_mapping's shared one: restored after the test
-    assert m.tokenizer_len == g["tokenizer_len"] and m.tokenizer_vocab_size == g["compressed_vocab_size"]
+    assert m.raw_vocab_size == g["tokenizer_len"] and m.tokenizer_vocab_size == g["compressed_vocab_size"]
     for lid in m.layer_ids:
         assert m.vocab_size_across_layers[lid] == g["head_moduli"][str(lid)]
         assert [int(v) for v in m.layer_multipliers[lid]] == g["layer_multipliers"][str(lid)]
@@ -116,7 +116,7 @@ def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, laye
 def test_backends_agree_on_large_batch(default_mapping):
     if "numba" not in BACKENDS:
         pytest.skip("numba not installed")
-    ids = np.random.default_rng(0).integers(0, default_mapping.tokenizer_len, size=(4, 1000))
+    ids = np.random.default_rng(0).integers(0, default_mapping.raw_vocab_size, size=(4, 1000))
     m = default_mapping
     try:
         m.backend = "numba"
@@ -161,7 +161,7 @@ def test_spec_round_trip_and_tokenizer_mismatch(tmp_path, default_mapping):
     table = np.frombuffer(base64.b64decode(spec["lookup_table_int32_le_b64"]), dtype="<i4")
     assert np.array_equal(table, default_mapping.compressed_tokenizer.lookup_table)
     m2 = NgramHashMapping.from_spec(p)
-    ids = np.random.default_rng(3).integers(0, m2.tokenizer_len, size=(2, 20))
+    ids = np.random.default_rng(3).integers(0, m2.raw_vocab_size, size=(2, 20))
     a, b = m2.hash(ids), default_mapping.hash(ids)
     assert all(np.array_equal(a[l], b[l]) for l in a)
     spec["tokenizer_sha256"] = "0" * 64

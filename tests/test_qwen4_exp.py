@@ -42,7 +42,7 @@ def test_hash_matches_transformers(kw, backend):
         pytest.importorskip("numba")
     cfg = config(**kw)
     mapping = hash_mapping(cfg, backend=backend)
-    assert mapping.layer_ids == [1, 3] and mapping.family == "qwen4_exp"
+    assert mapping.layer_ids == [1, 3] and mapping.family.name == "qwen4_exp"
     for seed in range(3):
         ids = ids_with_eos(cfg, 3, 40, seed)
         got, rows = mapping.hash(ids), mapping.hash(ids, offsets=True)
@@ -98,7 +98,7 @@ def test_manifest_records_the_family_and_refuses_another(tmp_path):
     m.save_spec(tmp_path / "spec.json")
     again = NgramHashMapping.from_spec(tmp_path / "spec.json")
     ids = ids_with_eos(config(), 2, 16, 3)
-    assert again.family == "qwen4_exp" and all(torch.equal(again.hash(ids)[l], m.hash(ids)[l]) for l in m.layer_ids)
+    assert again.family.name == "qwen4_exp" and all(torch.equal(again.hash(ids)[l], m.hash(ids)[l]) for l in m.layer_ids)
     other = hash_mapping(config(seed=5)).spec()
     with pytest.raises(ConfigError, match="mismatch on 'layers'"):
         m.check_spec(other)

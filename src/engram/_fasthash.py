@@ -1,4 +1,4 @@
-"""Fused CPU hashing kernel (numba). Optional: `pip install 'engram[fast]'`.
+"""Fused CPU hashing kernel (numba). Optional: `pip install 'engram-torch[fast]'`.
 
 One parallel pass over tokens computes every layer's n-gram mixes and every head's row with
 an exact float64 split-modulo (`mix = hi * 2^48 + mid * 2^32 + lo`, one floor-division per

@@ -1,4 +1,4 @@
-"""Plumbing shared by the optional numba kernels (`pip install 'engram[fast]'`).
+"""Plumbing shared by the optional numba kernels (`pip install 'engram-torch[fast]'`).
 
 Kernels are compiled on first use (cached on disk by numba), so `import engram` stays light; a
 missing or broken numba means "not available" and the callers take their torch path. One lock

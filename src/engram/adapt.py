@@ -6,7 +6,7 @@ Methods (what trains; the base model is loaded from DIR, a `save_pretrained` fol
 `tokenizer.json`):
     engram        Engram layers attached in front of `--layers` (`engram.attach`), base frozen: the tables
                   with the lazy row optimizer (LR x table_lr_mult, no decay), the rest of Engram with AdamW.
-    lora          LoRA on the base (PEFT, `engram[peft]`), no Engram.
+    lora          LoRA on the base (PEFT, `engram-torch[peft]`), no Engram.
     lora+engram   both.
     full          full fine-tuning of every base weight, no Engram (the reference point).
 `--unfreeze NAME` also trains base modules (e.g. lm_head); they are saved with the adapter.
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, checkpoints, durable_tables
+from .checkpoint import CheckpointError, durable_tables
 from .config import ConfigError, TrainConfig
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .distributed.parallel import DistContext
 from .manifest import write_manifest
-from .utils import atomic_write_bytes
+from .persist import atomic_write_bytes, replace_dir, temp_dir_for
 
 METHODS = ("engram", "lora", "lora+engram", "full")
 # Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
@@ -76,7 +76,7 @@ def load_with_adapter(base, adapter=None, device=None):
             try:
                 from peft import PeftModel
             except ImportError:
-                raise ImportError(f"{a} is a LoRA adapter: pip install 'engram[peft]'") from None
+                raise ImportError(f"{a} is a LoRA adapter: pip install 'engram-torch[peft]'") from None
             model = PeftModel.from_pretrained(model, str(a))
         else:
             raise FileNotFoundError(f"--adapter {adapter}: no adapter here (expected engram_adapter.json or a PEFT "
@@ -99,19 +99,15 @@ def _layers(spec, n_layers: int) -> list[int]:
 def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
     from .adapter import save_adapter
 
-    final, tmp = run_dir / "final", run_dir / ".final.tmp"
+    final = run_dir / "final"
     if method in ("engram", "lora+engram"):
         return save_adapter(model, final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = temp_dir_for(final)
     model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
     if method == "full":
         shutil.copy(tok_file, tmp / "tokenizer.json")
     write_manifest(tmp)  # checksums of every file, written last (`engram verify`)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
+    return replace_dir(tmp, final)
 
 
 def build(base, data, out, method: str = "engram", layers=None, lora_rank: int | None = None,
@@ -121,7 +117,7 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     from . import adapter as ad
     from .optim import build_optimizers, split_params
     from .tables import offload_tables, table_file
-    from .train import Run
+    from .train import Run, setup_run
 
     if method not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -145,7 +141,7 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     layer_ids = _layers(layers, len(ad.find_layers(model)[1])) if "engram" in method else []
     torch.manual_seed(tcfg.seed)
     if "engram" in method:
-        ad.attach(model, layer_ids, tokenizer=tok_file, **(engram_options or {}))
+        ad.attach(model, layer_ids, tokenizer=tok_file, verbose=False, **(engram_options or {}))
     if method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -163,10 +159,7 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     run_json = {"kind": "adapt", "base": str(Path(base).resolve()), "method": method, "layers": layer_ids,
                 "lora_rank": lora_rank, "unfreeze": list(unfreeze or []), "engram_options": engram_options or {},
                 "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
-    run_dir = Path(out)
-    _check_run_dir(run_dir, run_json, resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
+    run_dir = setup_run(out, run_json, resume, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options"))
 
     model.train()
     run = Run(tcfg, run_dir, manifest, data_dir, None, ddp, progress=progress, only_trainable=method != "full")
@@ -190,20 +183,6 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     run.val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
     run.write_final = lambda m: _write_final(m, run_dir, method, tok_file)
     return run
-
-
-def _check_run_dir(run_dir: Path, run_json: dict, resume: bool) -> None:
-    keys = ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options")
-    if resume and (run_dir / "run.json").is_file():
-        prev = json.loads((run_dir / "run.json").read_text())
-        diff = [k for k in keys if prev.get(k) != run_json[k]]
-        if prev.get("kind") != "adapt" or diff:
-            raise ConfigError(f"--resume: {run_dir} was started with other settings ({', '.join(diff) or 'not adapt'}): "
-                              + ", ".join(f"{k}={prev.get(k)}" for k in diff) + "; use the same flags")
-        if prev["train"].get("table_backend") != run_json["train"]["table_backend"]:
-            raise ConfigError(f"--resume: {run_dir} used table_backend={prev['train'].get('table_backend')}")
-    elif not resume and checkpoints(run_dir):
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
 
 
 def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None, lora_rank: int | None = None,

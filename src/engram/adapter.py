@@ -26,7 +26,6 @@ layer's short-conv inputs; `engram.model.NgramHistory`), so cached decoding equa
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import shutil
 from pathlib import Path
@@ -38,7 +37,9 @@ from .config import BackBoneConfig, ConfigError, EngramConfig
 from .hashing import NgramHashMapping
 from .memory import Engram
 from .tokenizer import CompressedTokenizer, TokenizerError
-from .utils import atomic_write_bytes, sha256_bytes, sha256_file
+from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
+from .persist import atomic_write_bytes, read_json, recover_dir, replace_dir, temp_dir_for, write_json
+from .utils import sha256_bytes, sha256_file
 
 FORMAT = "engram-adapter/1"
 CONFIG_FILE = "engram_adapter.json"
@@ -190,7 +191,7 @@ class EngramAdapter(nn.Module):
                  layers_path: str, fingerprint: dict):
         super().__init__()
         self.config, self.mapping, self.layers_path, self.fingerprint = cfg, mapping, layers_path, fingerprint
-        bb = BackBoneConfig(hidden_size=hidden_size, hc_mult=1, vocab_size=mapping.tokenizer_len, num_layers=num_layers)
+        bb = BackBoneConfig(hidden_size=hidden_size, hc_mult=1, vocab_size=mapping.raw_vocab_size, num_layers=num_layers)
         self.layers = nn.ModuleDict({str(i): Engram(i, cfg, bb, mapping) for i in cfg.layer_ids})
         D = hidden_size
         with torch.no_grad():
@@ -314,13 +315,17 @@ def adapter_of(model: nn.Module) -> EngramAdapter | None:
 
 
 # ------------------------------------------------------------------------------------------ public API
-def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None = None, **engram_options) -> nn.Module:
+def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None = None, train_base: bool = False,
+           verbose: bool = True, **engram_options) -> nn.Module:
     """Put Engram layers in front of decoder layers `layer_ids` (0-based) of a transformers causal LM, in place.
 
     tokenizer: the base model's (a `tokenizer.json`, its folder, a tokenizer object; default: the folder
     the model was loaded from). `engram_options`: `EngramConfig` fields (defaults `default_options`).
-    The logits are unchanged until the adapter is trained (module doc). Returns `model`.
-    Every check runs before anything is modified.
+    The base is frozen, as PEFT's `get_peft_model` does: afterwards only the adapter (and LoRA weights
+    already there) requires grad, so "train the trainable parameters" trains the adapter;
+    `train_base=True` leaves the base's flags as they were. `verbose` prints one line saying what trains.
+    `detach` restores the base's flags. The logits are unchanged until the adapter is trained (module doc).
+    Returns `model`. Every check runs before anything is modified.
     """
     target = _unwrap(model)
     if adapter_of(target) is not None:
@@ -352,8 +357,19 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     emb = target.get_input_embeddings().weight
     adapter = EngramAdapter(cfg, D, len(layers), mapping, path, base_fingerprint(target, ct)).to(emb.device)
     adapter.train(target.training)
+    base_flags = {n: p.requires_grad for n, p in target.named_parameters()}
     target.add_module("engram_adapter", adapter)
     adapter._install(target)
+    adapter.base_requires_grad = base_flags  # detach() puts these back
+    if not train_base:
+        freeze_base(target)
+    if verbose:
+        c = trainable_summary(target)
+        import sys
+
+        print(f"engram.attach: {'base frozen' if not train_base else 'base left as it was'}; trainable "
+              f"{c['trainable'] / 1e6:.3f}M of {c['total'] / 1e6:.2f}M parameters ({c['engram_table'] / 1e6:.3f}M in "
+              f"Engram tables, {c['base_trainable'] / 1e6:.3f}M base)", file=sys.stderr)
     return model
 
 
@@ -373,6 +389,10 @@ def detach(model: nn.Module) -> nn.Module:
 
     Prefetcher.detach(target)
     del target._modules["engram_adapter"]  # where attach() put it
+    flags = getattr(adapter, "base_requires_grad", {})
+    for n, p in target.named_parameters():  # the base's requires_grad as before attach
+        if n in flags:
+            p.requires_grad_(flags[n])
     return model
 
 
@@ -406,13 +426,13 @@ def freeze_base(model: nn.Module) -> None:
 
 def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target_modules=None,
              dropout: float = 0.0) -> nn.Module:
-    """Wrap `model` with LoRA on its base (PEFT, `pip install 'engram[peft]'`) and keep the Engram adapter
+    """Wrap `model` with LoRA on its base (PEFT, `pip install 'engram-torch[peft]'`) and keep the Engram adapter
     trainable. `target_modules` None: PEFT's default for the architecture (e.g. q_proj, v_proj; GPT-2 c_attn).
     Returns the PEFT model; `save_adapter` stores its LoRA weights beside the Engram ones."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise AdapterError("LoRA needs peft: pip install 'engram[peft]'") from None
+        raise AdapterError("LoRA needs peft: pip install 'engram-torch[peft]'") from None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"LoRA rank must be a positive integer, got {rank!r}")
     extra = {"exclude_modules": r".*engram_adapter.*"} if target_modules is not None else {}  # (e.g. "all-linear")
@@ -429,8 +449,9 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write only what attach added (and modules `unfreeze`d, and LoRA weights of a PEFT wrapper) to `directory`.
 
     Files: `engram_adapter.safetensors`, `engram_adapter.json` (Engram config, layers path, base
-    fingerprint, sha256 of every file), `engram_hash_spec.json`, `tokenizer.json` (the compression's
-    tokenizer), `base_modules.safetensors` and `lora/` when present. Written to a temp folder, then renamed.
+    fingerprint), `engram_hash_spec.json`, `tokenizer.json` (the compression's tokenizer),
+    `base_modules.safetensors` and `lora/` when present, and `engram_manifest.json` (every file's sha256,
+    last). Written to a temp folder that `persist.replace_dir` moves into place.
     """
     from .tables import table_entries, write_safetensors
 
@@ -439,10 +460,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     if adapter is None:
         raise AdapterError("the model has no Engram adapter to save (engram.attach it first)")
     out = Path(directory)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = temp_dir_for(out)
     write_safetensors(tmp / WEIGHTS_FILE, table_entries(adapter, adapter.state_dict()), {"format": FORMAT})
     if adapter.base_modules:
         sd = target.state_dict()
@@ -458,28 +476,29 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     adapter.mapping.save_spec(tmp / SPEC_FILE, include_lookup_table=False)
     if model is not target and hasattr(model, "peft_config"):
         model.save_pretrained(str(tmp / LORA_DIR))
-    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     meta = {"format": FORMAT, "engram": adapter.config.to_dict(), "layers_path": adapter.layers_path,
             "hidden_size": adapter.layers[str(adapter.config.layer_ids[0])].hidden_size,
-            "base": adapter.fingerprint, "base_modules": adapter.base_modules,
-            "files": {f: sha256_file(tmp / f) for f in files}}
-    atomic_write_bytes(tmp / CONFIG_FILE, (json.dumps(meta, indent=1) + "\n").encode())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+            "base": adapter.fingerprint, "base_modules": adapter.base_modules}
+    write_json(tmp / CONFIG_FILE, meta)
+    write_manifest(tmp)  # last
+    return replace_dir(tmp, out)
 
 
 def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> dict:
-    """The adapter's `engram_adapter.json`, after checking every listed file's sha256 (`verify`)."""
+    """The adapter's `engram_adapter.json`, after checking every file against the folder's manifest (`verify`)."""
     d = Path(directory)
+    recover_dir(d)
     f = d / CONFIG_FILE
     if not f.is_file():
         raise AdapterError(f"{d}: no Engram adapter here (expected {CONFIG_FILE}; save one with engram.save_adapter)")
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{f} is corrupt: {e}") from None
+    meta = read_json(f, "adapter config", "save the adapter again", AdapterError)
+    if verify and "files" not in meta:  # adapters before 0.2 listed their digests in engram_adapter.json
+        if not (d / MANIFEST).is_file():
+            raise AdapterError(f"{d / MANIFEST} is missing (adapter incomplete); save the adapter again")
+        try:
+            verify_manifest(d, "save the adapter again")
+        except IntegrityError as e:
+            raise AdapterError(f"adapter corrupt: {e}") from None
     if meta.get("format") != FORMAT:
         raise AdapterError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
     for name, digest in meta.get("files", {}).items() if verify else ():
@@ -509,15 +528,11 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
     if why:
         raise AdapterError(f"{d} was saved for another base model: {why}")
     ecfg = {k: v for k, v in meta["engram"].items() if k not in ("layer_ids", "tokenizer_name_or_path")}
-    attach(target, meta["engram"]["layer_ids"], tokenizer=ct, layers_path=meta["layers_path"], **ecfg)
+    attach(target, meta["engram"]["layer_ids"], tokenizer=ct, layers_path=meta["layers_path"], verbose=False, **ecfg)
     adapter = adapter_of(target)
     try:
-        spec = json.loads((d / SPEC_FILE).read_text(encoding="utf-8"))
-        mine = adapter.mapping.spec(include_lookup_table=False)
-        for key in ("lookup_table_sha256", "compressed_pad_id", "layers"):
-            if spec.get(key) != mine[key]:
-                raise AdapterError(f"{d}: hashing mismatch on {key!r}: this installation derives other hash "
-                                   "constants than the adapter was trained with")
+        spec = read_json(d / SPEC_FILE, "hash manifest", "save the adapter again", AdapterError)
+        adapter.mapping.check_spec(spec, str(d), AdapterError)
         sd = load_file(str(d / WEIGHTS_FILE), device=str(target.get_input_embeddings().weight.device))
         missing, unexpected = adapter.load_state_dict(sd, strict=False)
         if missing or unexpected:
@@ -538,7 +553,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
         try:
             from peft import PeftModel
         except ImportError:
-            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram[peft]' (or pass lora=False)") from None
+            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' (or pass lora=False)") from None
         model = PeftModel.from_pretrained(target, str(d / LORA_DIR))
     return model
 

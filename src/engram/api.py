@@ -1,4 +1,4 @@
-"""OpenAI-compatible chat channel for `engram ask` and `engram crosscheck` (`pip install 'engram[api]'`).
+"""OpenAI-compatible chat channel for `engram ask` and `engram crosscheck` (`pip install 'engram-torch[api]'`).
 
 Works with any provider that speaks the chat-completions protocol (DeepSeek, OpenAI, gateways,
 vLLM, Ollama). Settings: key from `ENGRAM_API_KEY` (fallbacks `OPENAI_API_KEY`,
@@ -43,7 +43,7 @@ def _dotenv() -> dict:
     try:
         from dotenv import dotenv_values
     except ImportError:
-        raise ApiError("a .env file is present but python-dotenv is missing: pip install 'engram[api]'") from None
+        raise ApiError("a .env file is present but python-dotenv is missing: pip install 'engram-torch[api]'") from None
     return {k: v for k, v in dotenv_values(p).items() if v is not None}
 
 
@@ -78,7 +78,7 @@ def _client(s: Settings, timeout: float, retries: int):
     try:
         import openai
     except ImportError:
-        raise ApiError("the API commands need the openai package: pip install 'engram[api]'") from None
+        raise ApiError("the API commands need the openai package: pip install 'engram-torch[api]'") from None
     return openai, openai.OpenAI(api_key=s.api_key, base_url=s.base_url, timeout=timeout, max_retries=retries)
 
 

@@ -3,11 +3,12 @@
     RUN/checkpoints/step_NNNNNN/
         model.safetensors   model weights (a sharded run: dense weights only, full tensors)
         optim.safetensors   optimizer moments and the torch RNG state
-        state.json          step, data position, optimizer groups, sha256 of every file
+        state.json          step, data position, optimizer groups
+        engram_manifest.json  size and sha256 of every file (written last; older checkpoints list them in state.json)
         tables/<module>/shard_<rank>.safetensors   a sharded run's table rows + moments, with row ranges
 
-A checkpoint is written to a temp folder and renamed into place; a truncated or corrupt one is
-detected by its hashes. Nothing is unpickled: tensors are safetensors, metadata is JSON. Tables
+A checkpoint is written to a temp folder and moved into place with `persist.replace_dir`; a
+truncated or corrupt one is detected by its manifest. Nothing is unpickled: tensors are safetensors, metadata is JSON. Tables
 kept in memory-mapped files are not copied: the files are flushed before the checkpoint commits
 and their undo journals restart at its step (`engram.tables.MmapTable.commit`).
 """
@@ -26,7 +27,9 @@ from .distributed.sharded import ShardedTable, load_sharded, save_sharded
 from .memory import is_table_key
 from .optim import TableAdam
 from .tables.base import find_tables, installed_tables
-from .utils import atomic_write_bytes, sha256_file
+from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
+from .persist import atomic_write_bytes, read_json, recover_dir, replace_dir
+from .utils import sha256_file
 
 
 class CheckpointError(ValueError):
@@ -153,29 +156,32 @@ def _commit(tmp: Path, final: Path, step: int, model, opts: dict, batcher_state:
         tensors, meta = _optim_tensors({k: o.state_dict() for k, o in opts.items()})
     tensors["rng.torch"] = torch.get_rng_state()
     save_file(tensors, str(tmp / "optim.safetensors"))
-    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-    state = {"step": step, "batcher": batcher_state, "optim": meta, "files": {f: sha256_file(tmp / f) for f in files}}
+    state = {"step": step, "batcher": batcher_state, "optim": meta}
     if dense is not None:
         state["sharded_tables"] = {name: f"tables/{name}" for name, _ in param_shards}
     table_files = {str(k): str(t.path) for k, t in durable.items() if getattr(t, "path", None) is not None}
     if table_files:
         state["table_store"] = table_files
     atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    write_manifest(tmp)  # last: a checkpoint without a complete manifest is not one
+    replace_dir(tmp, final)
 
 
 def read_checkpoint(path: Path) -> dict:
     """Verify a checkpoint folder and return its state (raises CheckpointError naming the problem)."""
     path = Path(path)
+    recover_dir(path)
     sf = path / "state.json"
     if not sf.is_file():
         raise CheckpointError(f"{sf} is missing (checkpoint incomplete)")
-    try:
-        state = json.loads(sf.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{sf} is corrupt: {e}") from None
+    state = read_json(sf, "checkpoint state", "resume from an earlier checkpoint", CheckpointError)
+    if "files" not in state:  # the manifest lists every file (state.json held the digests before 0.2)
+        if not (path / MANIFEST).is_file():
+            raise CheckpointError(f"{path / MANIFEST} is missing (checkpoint incomplete)")
+        try:
+            verify_manifest(path, "resume from an earlier checkpoint")
+        except IntegrityError as e:
+            raise CheckpointError(f"checkpoint truncated or corrupt: {e}") from None
     for f, digest in state.get("files", {}).items():
         if not (path / f).is_file():
             raise CheckpointError(f"{path / f} is missing")
@@ -264,4 +270,8 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    return sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True)
+    """The run's checkpoint folders, newest first (an interrupted replacement is resolved first)."""
+    ckdir = Path(run_dir) / "checkpoints"
+    for aside in ckdir.glob(".step_*.replaced"):
+        recover_dir(ckdir / aside.name[1:-len(".replaced")])
+    return sorted(ckdir.glob("step_*"), reverse=True)

@@ -44,7 +44,7 @@ def cmd_demo(args) -> int:
           f"{bcfg.vocab_size}, Engram at layers {ecfg.layer_ids} (tables stored as {ecfg.table_dtype})", flush=True)
     r = run_demo(args.text, ecfg, bcfg, mock_blocks=args.mock_blocks, seed=args.seed, bos=not args.no_bos)
     if r["mock_blocks"] and not args.mock_blocks:
-        print("  (transformers not installed: real blocks need pip install 'engram[hf]'; using --mock-blocks)")
+        print("  (transformers not installed: real blocks need pip install 'engram-torch[hf]'; using --mock-blocks)")
     print(f"  parameters: {r['params'] / 1e6:.1f}M, of which Engram tables {r['table_params'] / 1e6:.1f}M; {r['blocks']}")
     print(f"Input text : {args.text!r}")
     print(f"Tokens     : {r['tokens']}")
@@ -431,7 +431,7 @@ def _training_commands(sub) -> None:
     ad.add_argument("--out", required=True, help="run directory (adapter in OUT/final)")
     ad.add_argument("--method", default="engram", choices=["engram", "lora", "lora+engram", "full"])
     ad.add_argument("--layers", help="decoder layers to put Engram in front of, e.g. 1,3 (default 1)")
-    ad.add_argument("--lora-rank", type=int, help="add LoRA of this rank on the base (needs engram[peft])")
+    ad.add_argument("--lora-rank", type=int, help="add LoRA of this rank on the base (needs engram-torch[peft])")
     ad.add_argument("--unfreeze", action="append", metavar="MODULE", help="also train this base module (e.g. lm_head)")
     ad.add_argument("--engram", action="append", metavar="KEY=VALUE",
                     help="Engram option, e.g. engram_vocab_size=[20011,20011] n_head_per_ngram=4")

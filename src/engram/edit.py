@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import generation_pad_id
+from .hashing import identity_digest, legacy_identity_digest
 from .manifest import IntegrityError, verify_manifest, write_manifest
+from .persist import recover_dir, replace_dir, temp_dir_for
 from .memory import Engram, is_table_key
 from .tables.base import find_tables
 from .tables.overlay import OverlayTable, overlays_of, push_overlay, remove_overlays, restore_table
@@ -141,11 +142,8 @@ def hash_mapping(model):
 
 
 def spec_digest(mapping) -> str:
-    """sha256 of what decides which row an n-gram reads: family, tokenizer, lookup table, multipliers, primes."""
-    spec = mapping.spec(include_lookup_table=False)
-    keep = {k: spec.get(k) for k in ("family", "tokenizer_sha256", "lookup_table_sha256", "compressed_pad_id",
-                                     "layers")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+    """sha256 of what decides which row an n-gram reads (`NgramHashMapping.spec_digest`)."""
+    return mapping.spec_digest()
 
 
 def _rows_of(mhe) -> torch.Tensor:
@@ -206,14 +204,11 @@ class Overlay:
 
     def save(self, directory, extra_files: dict[str, str] | None = None) -> Path:
         """Write DIR/overlay.safetensors, overlay.json (+ `extra_files` {name: text}, e.g. the report) and a
-        checksum manifest, atomically: into a temp folder renamed over DIR at the end."""
+        checksum manifest, atomically: into a temp folder that `persist.replace_dir` moves into place."""
         from safetensors.torch import save_file
 
         d = Path(directory)
-        tmp = d.with_name(f".{d.name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp = temp_dir_for(d)
         tensors = {}
         for lid in sorted(self.rows):
             tensors[f"layer{lid}.rows"] = self.rows[lid].to(torch.long).contiguous()
@@ -223,10 +218,7 @@ class Overlay:
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
         write_manifest(tmp)
-        if d.exists():
-            shutil.rmtree(d)
-        os.replace(tmp, d)
-        return d
+        return replace_dir(tmp, d)
 
     @classmethod
     def load(cls, directory) -> "Overlay":
@@ -234,6 +226,7 @@ class Overlay:
         from safetensors.torch import load_file
 
         d = Path(directory)
+        recover_dir(d)
         if not (d / META).is_file() or not (d / WEIGHTS).is_file():
             raise FileNotFoundError(f"--overlay {directory}: no overlay here (expected {META} and {WEIGHTS}, "
                                     "written by engram edit)")
@@ -264,7 +257,9 @@ def check_overlay(model, overlay: Overlay, where: str = "overlay", digest: str |
     `digest`: `model_digest(model)` when the caller checks several overlays against one model.
     """
     where = overlay.meta.get("path", where)
-    if overlay.meta.get("hash_spec_sha256") != spec_digest(hash_mapping(model)):
+    mapping = hash_mapping(model)
+    spec = mapping.spec(include_lookup_table=False)  # overlays written before 0.2 recorded the legacy digest
+    if overlay.meta.get("hash_spec_sha256") not in (identity_digest(spec), legacy_identity_digest(spec)):
         raise EditError(f"{where} was made for another hash manifest (tokenizer or hash constants differ): its "
                         "row ids would address other n-grams; apply it to the model it was made for")
     if overlay.meta.get("base_digest") != (digest or model_digest(model)):

@@ -5,17 +5,27 @@ For every Engram layer, n-gram order n = 2..N and head k, position t gets
     mix_n(t) = (x_t * m_0) XOR (x_{t-1} * m_1) XOR ... XOR (x_{t-n+1} * m_{n-1})   (wrapping int64)
     row      = mix_n(t) mod p_{n,k}                                              (floor modulo)
 
-over compressed ids x (positions before the start read the compressed pad id). Multipliers
-m are per layer from `numpy.random.default_rng(seed + 10007 * layer_id)`; the moduli p are
-distinct primes across all heads, orders and layers. This is bit-identical to the reference
-`NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
+over (compressed) ids x; positions before the start read the pad id. Two ideas live here:
+
+- A `HashFamily` holds one family's constants and how they derive: the compression (token id ->
+  x), the pad, the multipliers m and the primes p, and whether an id (EOS) starts a new document.
+  `DeepSeekFamily` is the reference demo's (multipliers from `numpy.random.default_rng(seed +
+  10007 * layer_id)`, distinct primes across heads, orders and layers); other families live beside
+  their integration (`integrations/qwen4_exp.py`) and are found by name (`family_class`).
+  `spec()` is a family's self-describing manifest and `spec_identity()` the part of it that decides
+  which row an n-gram reads: the one thing models, adapters, overlays and checkpoints compare.
+- `NgramHashMapping` is the one hashing engine for any family: it validates ids and dispatches to
+  the fused kernel or the torch path. Its constructor keeps the reference's signature (and builds
+  a `DeepSeekFamily`); `NgramHashMapping.for_family(family)` takes any other.
+
+Bit-identical to the reference `NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
 
 Speed: the reference spends most of its time in one int64 modulo per head. We split each
 mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, so that
 `mix mod p = ((hi mod p) * (2^32 mod p) + lo) mod p`; for p <= 2^26 the bracket is an integer
 below 2^53, exact in float64, and float64 floor-divisions (corrected by one p where rounding
 lands on the wrong side) finish the job: that is the torch path (GPU, or CPU without numba).
-On CPU a fused numba kernel (`engram[fast]`, `_fasthash.py`) does all heads of all layers in
+On CPU a fused numba kernel (`engram-torch[fast]`, `_fasthash.py`) does all heads of all layers in
 one parallel pass with a three-way split, `mix = hi * 2^48 + mid * 2^32 + lo`, that needs a
 single floor-division per head, SIMD across tokens, optionally adding the head offsets
 (`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
@@ -24,22 +34,27 @@ single floor-division per head, SIMD across tokens, optionally adding the head o
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from . import _fasthash
 from .config import ConfigError, EngramConfig
-from .tokenizer import CompressedTokenizer
-from .utils import atomic_write_bytes
+from .persist import atomic_write_bytes, read_json
+from .tokenizer import CompressedTokenizer, RawIds
 
 PRIME_1 = 10007
 SPEC_FORMAT = "engram-hash-spec/1"
+IDENTITY_KEYS = ("family", "lookup_table_sha256", "compressed_pad_id", "layers")
 
 
 class HashInputError(ValueError):
@@ -91,41 +106,6 @@ def head_moduli(layer_ids, engram_vocab_size, max_ngram_size: int, n_head_per_ng
     return out
 
 
-def _first_bad(mask: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argwhere(mask)[0])
-
-
-def splitmix64(value: int) -> int:
-    """SplitMix64's output function on a 64-bit state advanced by one step (what qwen4_exp seeds with)."""
-    m = (1 << 64) - 1
-    value = (value + _GAMMA) & m
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & m
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & m
-    return (value ^ (value >> 31)) & m
-
-
-_GAMMA = 0x9E3779B97F4A7C15
-
-
-def splitmix_multipliers(vocab_size: int, ngram_size: int, index: int, seed: int) -> np.ndarray:
-    """qwen4_exp's odd multipliers of PLE layer `index`: `2 * (splitmix64(base + GAMMA*(k+1)) mod half) + 1`."""
-    half = max(1, (np.iinfo(np.int64).max // max(vocab_size, 1)) // 2)
-    base = seed + PRIME_1 * index
-    return np.array([2 * (splitmix64((base + _GAMMA * (k + 1)) & ((1 << 64) - 1)) % half) + 1
-                     for k in range(ngram_size)], dtype=np.int64)
-
-
-def consecutive_primes(start: int, count: int) -> list[int]:
-    """The `count` primes above `start`, in order."""
-    from sympy import nextprime
-
-    out, p = [], start
-    for _ in range(count):
-        p = int(nextprime(p))
-        out.append(p)
-    return out
-
-
 def document_starts(ids: np.ndarray, reset_id: int) -> np.ndarray:
     """(B, T) int64: the first position of each token's document, a document ending at each `reset_id` (inclusive)."""
     B, T = ids.shape
@@ -135,39 +115,227 @@ def document_starts(ids: np.ndarray, reset_id: int) -> np.ndarray:
     return np.concatenate([np.full((B, 1), -1, dtype=np.int64), last[:, :-1]], axis=1)[:, :T] + 1
 
 
-class RawIds:
-    """The identity "compression" of families that hash raw token ids (qwen4_exp): ids in [0, vocab_size)."""
+# ------------------------------------------------------------------------------------------ families
 
-    tokenizer_file = None
-    tokenizer_sha256 = None
 
-    def __init__(self, vocab_size: int):
-        self.lookup_table = np.arange(vocab_size, dtype=np.int64)
-        self.num_new_token = vocab_size
+class HashFamily:
+    """One hash family: its constants and how they derive (subclasses set them in `__init__`).
+
+    Attributes every family sets:
+      `layer_ids`, `max_ngram_size` (N), `n_head_per_ngram` (heads per order),
+      `compressed_tokenizer` (token id -> x: a `CompressedTokenizer` or `RawIds`),
+      `raw_pad_id` (token id of the pad) and `pad_id` (its x), `reset_id` (a token id that starts a new
+      document, or None), `multipliers[layer]` (int64 `[N]`), `moduli[layer]` (`[[p] * heads] * (N-1)`),
+      `seed`, `hash_mode` ("ngram", or an ablation: "shuffled", "constant").
+    Subclasses give `name`, `formula`, `config_spec()` (their constants, for the manifest) and
+    `from_spec(spec, tokenizer)`.
+    """
+
+    name: ClassVar[str] = ""
+    formula: ClassVar[str] = ""
+    reset_id: int | None = None
+    hash_mode: str = "ngram"
+
+    # ---- derived layout
+    @property
+    def raw_vocab_size(self) -> int:
+        """Token ids accepted: [0, raw_vocab_size)."""
+        return self.compressed_tokenizer.vocab_size
 
     @property
-    def vocab_size(self) -> int:
-        return len(self.lookup_table)
+    def compressed_vocab_size(self) -> int:
+        """Distinct x values after compression (the multipliers' bound derives from it)."""
+        return self.compressed_tokenizer.num_new_token
+
+    def head_sizes(self, layer_id: int) -> list[int]:
+        """Flat list of the layer's per-head table sizes, in hash-column order."""
+        return [p for order in self.moduli[int(layer_id)] for p in order]
+
+    def head_offsets(self, layer_id: int) -> list[int]:
+        """Row offset of each head inside the layer's concatenated table."""
+        sizes = self.head_sizes(layer_id)
+        return [int(v) for v in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
 
     @property
-    def lookup_sha256(self) -> str:
-        from .utils import sha256_bytes
+    def max_prime(self) -> int:
+        return max(p for l in self.layer_ids for p in self.head_sizes(l))
 
-        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+    # ---- manifest
+    def config_spec(self) -> dict:
+        """The family's own constants, in manifest order (everything but format/family/layers/formula)."""
+        raise NotImplementedError
 
-    def __len__(self) -> int:
-        return self.num_new_token
+    def layers_spec(self) -> dict:
+        return {str(l): {"multipliers": [int(m) for m in self.multipliers[l]], "head_moduli": self.moduli[l],
+                         "head_offsets": self.head_offsets(l), "table_rows": int(sum(self.head_sizes(l)))}
+                for l in self.layer_ids}
 
-    def __call__(self, input_ids):
-        return np.asarray(input_ids, dtype=np.int64).copy()
+    def spec(self, include_lookup_table: bool = False) -> dict:
+        """A self-describing manifest: everything another runtime needs to hash identically."""
+        d = {"format": SPEC_FORMAT, "family": self.name, **self.config_spec(), "layers": self.layers_spec(),
+             "formula": self.formula}
+        if include_lookup_table and isinstance(self.compressed_tokenizer, CompressedTokenizer):
+            lut = self.compressed_tokenizer.lookup_table.astype("<i4").tobytes()
+            d["lookup_table_int32_le_b64"] = base64.b64encode(lut).decode("ascii")
+        return d
+
+    @classmethod
+    def from_spec(cls, spec: dict, tokenizer=None) -> "HashFamily":
+        raise NotImplementedError
+
+
+class DeepSeekFamily(HashFamily):
+    """The reference demo's family: compressed ids, per-layer `default_rng` multipliers, distinct primes."""
+
+    name = "deepseek"
+    formula = (
+        "x = lookup_table[token_id]; positions t<0 read compressed_pad_id; for layer L, order n in 2..max_ngram_size, "
+        "mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in wrapping int64; head j of order n: row = mix floor-mod "
+        "head_moduli[n-2][j]; table row = row + head_offsets[(n-2)*n_head_per_ngram + j]"
+    )
+
+    def __init__(self, engram_vocab_size, max_ngram_size, n_embed_per_ngram, n_head_per_ngram, layer_ids,
+                 tokenizer_name_or_path=None, pad_id=2, seed=0, *,
+                 compressed_tokenizer: CompressedTokenizer | None = None, compress: bool = True,
+                 hash_mode: str = "ngram"):
+        # Reuse EngramConfig's validation so both entry points reject the same inputs.
+        EngramConfig(
+            engram_vocab_size=list(engram_vocab_size), max_ngram_size=max_ngram_size,
+            n_embed_per_ngram=n_embed_per_ngram, n_head_per_ngram=n_head_per_ngram,
+            layer_ids=list(layer_ids), pad_id=pad_id, seed=seed,
+        )
+        if hash_mode not in ("ngram", "shuffled", "constant"):
+            raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {hash_mode!r}")
+        self.vocab_size_per_ngram = list(engram_vocab_size)
+        self.max_ngram_size = int(max_ngram_size)
+        self.n_embed_per_ngram = int(n_embed_per_ngram)
+        self.n_head_per_ngram = int(n_head_per_ngram)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.seed = int(seed)
+        self.compressed_tokenizer = compressed_tokenizer or CompressedTokenizer(tokenizer_name_or_path)
+        if not compress:  # ablation: hash raw token ids (identity "compression")
+            self.compressed_tokenizer = CompressedTokenizer.identity(self.compressed_tokenizer)
+        self.compress, self.hash_mode = bool(compress), hash_mode
+        if not 0 <= pad_id < self.raw_vocab_size:
+            raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.raw_vocab_size})")
+        self.raw_pad_id = int(pad_id)
+        self.pad_id = int(self.compressed_tokenizer.lookup_table[pad_id])
+        self.multipliers = layer_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size, self.seed)
+        self.moduli = head_moduli(self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram)
+
+    @classmethod
+    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "DeepSeekFamily":
+        return cls(cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram, cfg.n_head_per_ngram,
+                   cfg.layer_ids, cfg.tokenizer_name_or_path, cfg.pad_id, cfg.seed,
+                   compressed_tokenizer=compressed_tokenizer, compress=cfg.compress_tokenizer, hash_mode=cfg.hash_mode)
+
+    def config_spec(self) -> dict:
+        ct = self.compressed_tokenizer
+        return {
+            "tokenizer_file": ct.tokenizer_file.name if ct.tokenizer_file is not None else "tokenizer.json",
+            "tokenizer_sha256": ct.tokenizer_sha256,
+            "tokenizer_len": self.raw_vocab_size,
+            "compressed_vocab_size": self.compressed_vocab_size,
+            "lookup_table_sha256": ct.lookup_sha256,
+            "pad_id": self.raw_pad_id,
+            "compressed_pad_id": self.pad_id,
+            "max_ngram_size": self.max_ngram_size,
+            "n_embed_per_ngram": self.n_embed_per_ngram,
+            "n_head_per_ngram": self.n_head_per_ngram,
+            "engram_vocab_size": self.vocab_size_per_ngram,
+            "seed": self.seed,
+            "compress_tokenizer": self.compress,
+            "hash_mode": self.hash_mode,
+            "layer_ids": self.layer_ids,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict, tokenizer=None) -> "DeepSeekFamily":
+        ct = CompressedTokenizer(tokenizer)
+        if ct.tokenizer_sha256 != spec["tokenizer_sha256"]:
+            raise ConfigError(
+                f"tokenizer mismatch: the spec was made with tokenizer sha256 {spec['tokenizer_sha256'][:16]}..., "
+                f"but {ct.tokenizer_file} has {ct.tokenizer_sha256[:16]}...; pass the tokenizer the spec was made with"
+            )
+        if ct.lookup_sha256 != spec["lookup_table_sha256"]:
+            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
+        return cls(spec["engram_vocab_size"], spec["max_ngram_size"], spec["n_embed_per_ngram"],
+                   spec["n_head_per_ngram"], spec["layer_ids"], None, spec["pad_id"], spec["seed"],
+                   compressed_tokenizer=ct, compress=spec.get("compress_tokenizer", True),
+                   hash_mode=spec.get("hash_mode", "ngram"))
+
+
+# Families by manifest name: "module:Class", imported when first asked for (integrations stay optional).
+FAMILIES: dict[str, str] = {
+    "deepseek": "engram.hashing:DeepSeekFamily",
+    "qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily",
+}
+
+
+def register_family(name: str, target: str) -> None:
+    """Make a family known by its manifest name; `target` is "package.module:ClassName"."""
+    FAMILIES[name] = target
+
+
+def family_class(name: str) -> type[HashFamily]:
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown hash family {name!r} (known: {', '.join(sorted(FAMILIES))})")
+    module, cls = FAMILIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+# ------------------------------------------------------------------------------------------ identity
+
+
+def spec_identity(spec: dict) -> dict:
+    """What decides which row an n-gram reads, from a manifest: family, lookup table, pad, every layer's
+    multipliers, primes and offsets. Models, adapters, overlays and checkpoints compare exactly this."""
+    if not isinstance(spec, dict):
+        raise ConfigError("hash manifest is not a JSON object")
+    return {"family": spec.get("family", "deepseek"), **{k: spec.get(k) for k in IDENTITY_KEYS[1:]}}
+
+
+def identity_digest(spec: dict) -> str:
+    """sha256 of `spec_identity(spec)`: what an overlay records as `hash_spec_sha256`."""
+    return hashlib.sha256(json.dumps(spec_identity(spec), sort_keys=True).encode()).hexdigest()
+
+
+def legacy_identity_digest(spec: dict) -> str:
+    """The digest overlays written before 0.2 recorded (it also covered the tokenizer file's sha256)."""
+    keep = {k: spec.get(k) for k in ("family", "tokenizer_sha256", "lookup_table_sha256", "compressed_pad_id", "layers")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+def check_identity(mine: dict, saved: dict, what: str, error: type[Exception] = ConfigError) -> None:
+    """Raise `error` naming the first key where manifest `saved` (of `what`) hashes differently from `mine`."""
+    a, b = spec_identity(saved), spec_identity(mine)
+    if a["family"] != b["family"]:
+        raise error(f"{what}: hash manifest of family {a['family']!r}, this model hashes with {b['family']!r}: the "
+                    "table rows would be addressed differently; use the manifest saved with this model")
+    for key in IDENTITY_KEYS[1:]:
+        if a[key] != b[key]:
+            raise error(f"{what}: hashing mismatch on {key!r}: it was made for other hashing constants (tokenizer, "
+                        "lookup table, multipliers or primes) than this installation derives; its Engram rows would "
+                        "be garbage. Use the tokenizer and hash manifest (engram_hash_spec.json) saved with it")
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+def _from_family(attr: str, doc: str = ""):
+    return property(lambda self: getattr(self.family, attr), doc=doc or f"The family's `{attr}`.")
+
+
+def _first_bad(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
 class NgramHashMapping:
-    """The reference's `NgramHashMapping`, same constructor and attributes, vectorized `hash`.
+    """The hashing engine: validates ids, dispatches to the fused kernel or the torch path, for any family.
 
-    Attributes: `layer_multipliers[layer_id]` (int64 `[max_ngram_size]`),
-    `vocab_size_across_layers[layer_id]` (primes, `[[p] * heads] * orders`),
-    `compressed_tokenizer`, `pad_id` (compressed), `tokenizer_vocab_size` (compressed).
+    `NgramHashMapping(engram_vocab_size, ..., seed)` keeps the reference's constructor and attributes
+    (`layer_multipliers`, `vocab_size_across_layers`, `compressed_tokenizer`, `pad_id`,
+    `tokenizer_vocab_size`) and hashes the `DeepSeekFamily`; `NgramHashMapping.for_family(f)` any other.
     """
 
     def __init__(
@@ -186,103 +354,70 @@ class NgramHashMapping:
         compress: bool = True,
         hash_mode: str = "ngram",
     ):
-        # Reuse EngramConfig's validation so both entry points reject the same inputs.
-        EngramConfig(
-            engram_vocab_size=list(engram_vocab_size), max_ngram_size=max_ngram_size,
-            n_embed_per_ngram=n_embed_per_ngram, n_head_per_ngram=n_head_per_ngram,
-            layer_ids=list(layer_ids), pad_id=pad_id, seed=seed,
-        )
-        self.vocab_size_per_ngram = list(engram_vocab_size)
-        self.max_ngram_size = int(max_ngram_size)
-        self.n_embed_per_ngram = int(n_embed_per_ngram)
-        self.n_head_per_ngram = int(n_head_per_ngram)
-        self.layer_ids = [int(i) for i in layer_ids]
-        self.seed = int(seed)
-        self.compressed_tokenizer = compressed_tokenizer or CompressedTokenizer(tokenizer_name_or_path)
-        if not compress:  # ablation: hash raw token ids (identity "compression")
-            self.compressed_tokenizer = CompressedTokenizer.identity(self.compressed_tokenizer)
-        if hash_mode not in ("ngram", "shuffled", "constant"):
-            raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {hash_mode!r}")
-        self.compress, self.hash_mode = bool(compress), hash_mode
-        self.tokenizer_len = self.compressed_tokenizer.vocab_size
-        if not 0 <= pad_id < self.tokenizer_len:
-            raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.tokenizer_len})")
-        self.raw_pad_id = int(pad_id)
-        self.pad_id = int(self.compressed_tokenizer.lookup_table[pad_id])
-        self.tokenizer_vocab_size = self.compressed_tokenizer.num_new_token
-        self.layer_multipliers = layer_multipliers(self.layer_ids, self.max_ngram_size, self.tokenizer_vocab_size, self.seed)
-        self.vocab_size_across_layers = head_moduli(
-            self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram
-        )
-        self.max_prime = max(p for l in self.layer_ids for p in self.head_sizes(l))
+        family = DeepSeekFamily(engram_vocab_size, max_ngram_size, n_embed_per_ngram, n_head_per_ngram, layer_ids,
+                                tokenizer_name_or_path, pad_id, seed, compressed_tokenizer=compressed_tokenizer,
+                                compress=compress, hash_mode=hash_mode)
+        self._bind(family, backend)
+
+    def _bind(self, family: HashFamily, backend: str) -> None:
         if backend not in ("auto", "numba", "torch"):
             raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
-        self.backend = backend
-        self.family, self.reset_id = "deepseek", None
+        self.family, self.backend = family, backend
+        self.max_prime = family.max_prime
         self._device_cache: dict[Any, tuple] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def qwen4_exp(cls, vocab_size: int, ngram_size: int, heads_per_ngram: int, ple_layer_ids, ngram_vocab_size_base: int,
-                  seed: int, eos_token_id: int, backend: str = "auto") -> "NgramHashMapping":
-        """The `qwen4_exp` family (Qwen3.8-Flash-Next's n-gram tables; `engram.integrations.qwen4_exp` builds it
-        from a model config): raw token ids (no compression); per PLE layer (index i in `ple_layer_ids`)
-        multipliers `2 * (splitmix64(seed + 10007 * i + GAMMA * (k + 1)) mod half_bound) + 1`; head h of layer
-        i takes the (i * H + h + 1)-th prime above `ngram_vocab_size_base - 1` (consecutive primes shared by all
-        orders and layers); positions before the sequence or across an EOS (each document hashes as if it
-        started fresh) read the EOS id. `hash()` is keyed by the (1-indexed) `ple_layer_ids`.
-        """
-        for name, v in (("vocab_size", vocab_size), ("ngram_size", ngram_size), ("heads_per_ngram", heads_per_ngram),
-                        ("ngram_vocab_size_base", ngram_vocab_size_base)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "ngram_size" else 1):
-                raise ConfigError(f"qwen4_exp hashing: {name} must be a positive integer, got {v!r}")
-        if not isinstance(eos_token_id, int) or not 0 <= eos_token_id < vocab_size:
-            raise ConfigError(f"qwen4_exp hashing needs the EOS id in [0, {vocab_size}), got {eos_token_id!r}")
-        if not ple_layer_ids:
-            raise ConfigError("qwen4_exp hashing: ple_layer_ids is empty (the model has no n-gram table)")
+    def for_family(cls, family: HashFamily, backend: str = "auto") -> "NgramHashMapping":
+        """The engine over any `HashFamily`."""
         self = cls.__new__(cls)
-        self.family, self.reset_id = "qwen4_exp", int(eos_token_id)
-        self.max_ngram_size, self.n_head_per_ngram = int(ngram_size), int(heads_per_ngram)
-        self.n_embed_per_ngram, self.vocab_size_per_ngram = None, None
-        self.prime_base = int(ngram_vocab_size_base)
-        self.layer_ids = [int(i) for i in ple_layer_ids]
-        self.seed = int(seed)
-        self.compressed_tokenizer = RawIds(vocab_size)
-        self.compress, self.hash_mode = False, "ngram"
-        self.tokenizer_len = self.tokenizer_vocab_size = int(vocab_size)
-        self.raw_pad_id = self.pad_id = int(eos_token_id)
-        H = (self.max_ngram_size - 1) * self.n_head_per_ngram
-        primes = consecutive_primes(self.prime_base - 1, H * len(self.layer_ids))
-        self.layer_multipliers, self.vocab_size_across_layers = {}, {}
-        for i, lid in enumerate(self.layer_ids):
-            self.layer_multipliers[lid] = splitmix_multipliers(vocab_size, self.max_ngram_size, i, self.seed)
-            heads = primes[i * H:(i + 1) * H]
-            self.vocab_size_across_layers[lid] = [heads[o * self.n_head_per_ngram:(o + 1) * self.n_head_per_ngram]
-                                                  for o in range(self.max_ngram_size - 1)]
-        self.max_prime = max(primes)
-        if backend not in ("auto", "numba", "torch"):
-            raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
-        self.backend = backend
-        self._device_cache, self._lock = {}, threading.Lock()
+        self._bind(family, backend)
         return self
 
     @classmethod
     def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
-        return cls(
-            cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram, cfg.n_head_per_ngram,
-            cfg.layer_ids, cfg.tokenizer_name_or_path, cfg.pad_id, cfg.seed,
-            compressed_tokenizer=compressed_tokenizer, compress=cfg.compress_tokenizer, hash_mode=cfg.hash_mode,
-        )
+        return cls.for_family(DeepSeekFamily.from_config(cfg, compressed_tokenizer))
 
-    # ------------------------------------------------------------------ layout helpers
+    @classmethod
+    def qwen4_exp(cls, vocab_size: int, ngram_size: int, heads_per_ngram: int, ple_layer_ids, ngram_vocab_size_base: int,
+                  seed: int, eos_token_id: int, backend: str = "auto") -> "NgramHashMapping":
+        """The `qwen4_exp` family's engine (`engram.integrations.qwen4_exp.Qwen4ExpFamily` documents it)."""
+        fam = family_class("qwen4_exp")(vocab_size, ngram_size, heads_per_ngram, ple_layer_ids, ngram_vocab_size_base,
+                                        seed, eos_token_id)
+        return cls.for_family(fam, backend)
+
+    # The family's constants under the reference's attribute names.
+    layer_ids = _from_family("layer_ids")
+    max_ngram_size = _from_family("max_ngram_size")
+    n_head_per_ngram = _from_family("n_head_per_ngram")
+    n_embed_per_ngram = property(lambda self: getattr(self.family, "n_embed_per_ngram", None))
+    vocab_size_per_ngram = property(lambda self: getattr(self.family, "vocab_size_per_ngram", None))
+    seed = _from_family("seed")
+    compressed_tokenizer = _from_family("compressed_tokenizer")
+    compress = property(lambda self: getattr(self.family, "compress", False))
+    hash_mode = _from_family("hash_mode")
+    pad_id = _from_family("pad_id", "The pad's compressed id (what positions before the start read).")
+    raw_pad_id = _from_family("raw_pad_id", "The pad's token id.")
+    reset_id = _from_family("reset_id")
+    layer_multipliers = _from_family("multipliers", "`{layer_id: int64 [max_ngram_size]}` (reference name).")
+    vocab_size_across_layers = _from_family("moduli", "`{layer_id: [[p] * heads] * orders}` (reference name).")
+    raw_vocab_size = _from_family("raw_vocab_size", "Token ids accepted: [0, raw_vocab_size).")
+    compressed_vocab_size = _from_family("compressed_vocab_size", "Distinct compressed ids.")
+    tokenizer_vocab_size = compressed_vocab_size  # the reference's name for the compressed size
+
+    @property
+    def tokenizer_len(self) -> int:
+        """Deprecated alias of `raw_vocab_size`."""
+        warnings.warn("NgramHashMapping.tokenizer_len is deprecated: use raw_vocab_size", DeprecationWarning, 2)
+        return self.raw_vocab_size
+
     def head_sizes(self, layer_id: int) -> list[int]:
         """Flat list of the layer's per-head table sizes, in hash-column order."""
-        return [p for order in self.vocab_size_across_layers[int(layer_id)] for p in order]
+        return self.family.head_sizes(layer_id)
 
     def head_offsets(self, layer_id: int) -> list[int]:
         """Row offset of each head inside the layer's concatenated table."""
-        sizes = self.head_sizes(layer_id)
-        return [int(v) for v in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+        return self.family.head_offsets(layer_id)
 
     # ------------------------------------------------------------------ hashing
     def _tensors(self, device: torch.device):
@@ -322,12 +457,12 @@ class NgramHashMapping:
                 lo, hi = (int(v) for v in torch.aminmax(input_ids))  # one pass
             else:
                 lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.tokenizer_len:
+            if lo < 0 or hi >= self.raw_vocab_size:
                 arr = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
-                bad = (arr < 0) | (arr >= self.tokenizer_len)
+                bad = (arr < 0) | (arr >= self.raw_vocab_size)
                 pos = _first_bad(bad)
                 raise HashInputError(
-                    f"token id {int(arr[pos])} at position {pos} is outside [0, {self.tokenizer_len}) for this "
+                    f"token id {int(arr[pos])} at position {pos} is outside [0, {self.raw_vocab_size}) for this "
                     f"tokenizer ({getattr(self.compressed_tokenizer.tokenizer_file, 'name', 'in memory')}); "
                     + ("negative ids are not allowed: pad with the pad id instead" if arr[pos] < 0
                        else "was the text tokenized with a different tokenizer?")
@@ -369,14 +504,14 @@ class NgramHashMapping:
         """Hash a validated int tensor `[B, T]` -> (int64 `[L, B, T, (N-1)*K]`, whether offsets were added),
         all layers at once.
 
-        CPU tensors use the fused numba kernel when numba is installed (`pip install engram[fast]`);
+        CPU tensors use the fused numba kernel when numba is installed (`pip install engram-torch[fast]`);
         it adds the head offsets itself when asked (`offsets`). Otherwise (and on GPU) a vectorized
         torch path computes the same per-head integers.
         """
         if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
             if not _fasthash.available():
                 if self.backend == "numba":
-                    raise ImportError("backend='numba' needs numba: pip install 'engram[fast]'")
+                    raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
             elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
                 return self._hash_numba(input_ids, offsets), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
@@ -469,119 +604,38 @@ class NgramHashMapping:
         full = self.hash(torch.cat([history.to(input_ids.device), input_ids], dim=1), offsets)
         return {k: v[:, -T:] for k, v in full.items()}
 
-    # ------------------------------------------------------------------ spec
+    # ------------------------------------------------------------------ manifest
     def spec(self, include_lookup_table: bool = True) -> dict:
-        """A self-describing manifest: everything another runtime needs to hash identically."""
-        import base64
+        """The family's self-describing manifest: everything another runtime needs to hash identically."""
+        return self.family.spec(include_lookup_table)
 
-        ct = self.compressed_tokenizer
-        if self.family != "deepseek":
-            return self._family_spec()
-        d = {
-            "format": SPEC_FORMAT,
-            "family": self.family,
-            "tokenizer_file": ct.tokenizer_file.name if ct.tokenizer_file is not None else "tokenizer.json",
-            "tokenizer_sha256": ct.tokenizer_sha256,
-            "tokenizer_len": self.tokenizer_len,
-            "compressed_vocab_size": self.tokenizer_vocab_size,
-            "lookup_table_sha256": ct.lookup_sha256,
-            "pad_id": self.raw_pad_id,
-            "compressed_pad_id": self.pad_id,
-            "max_ngram_size": self.max_ngram_size,
-            "n_embed_per_ngram": self.n_embed_per_ngram,
-            "n_head_per_ngram": self.n_head_per_ngram,
-            "engram_vocab_size": self.vocab_size_per_ngram,
-            "seed": self.seed,
-            "compress_tokenizer": self.compress,
-            "hash_mode": self.hash_mode,
-            "layer_ids": self.layer_ids,
-            "layers": {
-                str(l): {
-                    "multipliers": [int(m) for m in self.layer_multipliers[l]],
-                    "head_moduli": self.vocab_size_across_layers[l],
-                    "head_offsets": self.head_offsets(l),
-                    "table_rows": int(sum(self.head_sizes(l))),
-                }
-                for l in self.layer_ids
-            },
-            "formula": (
-                "x = lookup_table[token_id]; positions t<0 read compressed_pad_id; for layer L, order n in 2..max_ngram_size, "
-                "mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in wrapping int64; head j of order n: row = mix floor-mod "
-                "head_moduli[n-2][j]; table row = row + head_offsets[(n-2)*n_head_per_ngram + j]"
-            ),
-        }
-        if include_lookup_table:
-            d["lookup_table_int32_le_b64"] = base64.b64encode(ct.lookup_table.astype("<i4").tobytes()).decode("ascii")
-        return d
+    def spec_identity(self) -> dict:
+        """What decides which row an n-gram reads (`hashing.spec_identity` of this mapping's manifest)."""
+        return spec_identity(self.spec(include_lookup_table=False))
 
-    def _family_spec(self) -> dict:
-        """The manifest of a raw-id family (qwen4_exp): its constants and every layer's multipliers and primes."""
-        return {
-            "format": SPEC_FORMAT, "family": self.family, "vocab_size": self.tokenizer_len,
-            "max_ngram_size": self.max_ngram_size, "n_head_per_ngram": self.n_head_per_ngram,
-            "prime_base": self.prime_base, "seed": self.seed, "reset_id": self.reset_id, "layer_ids": self.layer_ids,
-            "lookup_table_sha256": self.compressed_tokenizer.lookup_sha256, "compressed_pad_id": self.pad_id,
-            "layers": {str(l): {"multipliers": [int(m) for m in self.layer_multipliers[l]],
-                                "head_moduli": self.vocab_size_across_layers[l], "head_offsets": self.head_offsets(l),
-                                "table_rows": int(sum(self.head_sizes(l)))} for l in self.layer_ids},
-            "formula": ("raw token ids; positions before the sequence or before the token after the last EOS (reset_id) "
-                        "read reset_id; mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in wrapping int64; head j of order n: "
-                        "row = mix floor-mod head_moduli[n-2][j]; table row = row + head_offsets[(n-2)*n_head_per_ngram + j]"),
-        }
+    def spec_digest(self) -> str:
+        """sha256 of `spec_identity()` (what overlays record)."""
+        return identity_digest(self.spec(include_lookup_table=False))
 
-    def check_spec(self, spec: dict) -> None:
-        """Refuse a manifest that hashes differently from this mapping (family, tokenizer table, constants)."""
-        fam = spec.get("family", "deepseek") if isinstance(spec, dict) else None
-        if fam != self.family:
-            raise ConfigError(f"hash manifest of family {fam!r}, this model hashes with {self.family!r}: the table rows "
-                              "would be addressed differently; use the manifest saved with this model")
-        mine = self.spec(include_lookup_table=False)
-        for key in ("lookup_table_sha256", "compressed_pad_id", "layers"):
-            if spec.get(key) != mine[key]:
-                raise ConfigError(f"hash manifest mismatch on {key!r}: it was made for other hashing constants")
+    def check_spec(self, spec: dict, what: str = "hash manifest", error: type[Exception] = ConfigError) -> None:
+        """Refuse a manifest that hashes differently from this mapping (family, lookup table, pad, layers)."""
+        check_identity(self.spec(include_lookup_table=False), spec, what, error)
 
     def save_spec(self, path, include_lookup_table: bool = True) -> None:
         atomic_write_bytes(Path(path), (json.dumps(self.spec(include_lookup_table), indent=1) + "\n").encode("utf-8"))
 
     @classmethod
     def from_spec(cls, spec_or_path, tokenizer_name_or_path=None) -> "NgramHashMapping":
-        """Build a mapping from an `engram spec` manifest, refusing a tokenizer that does not match it."""
+        """Build a mapping from an `engram spec` manifest of any family, refusing a tokenizer that does not match it."""
         if isinstance(spec_or_path, (str, os.PathLike)):
-            p = Path(spec_or_path)
-            if not p.is_file():
-                raise ConfigError(f"hash spec not found: {p} (write one with `engram spec --out {p}`)")
-            try:
-                spec = json.loads(p.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"hash spec {p} is not valid JSON: {e}") from None
+            spec = read_json(spec_or_path, "hash spec", f"write one with `engram spec --out {spec_or_path}`", ConfigError)
         else:
             spec = spec_or_path
         if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
             raise ConfigError(f"not an Engram hash spec (expected format {SPEC_FORMAT!r})")
-        if spec.get("family", "deepseek") == "qwen4_exp":
-            m = cls.qwen4_exp(spec["vocab_size"], spec["max_ngram_size"], spec["n_head_per_ngram"], spec["layer_ids"],
-                              spec["prime_base"], spec["seed"], spec["reset_id"])
-            m.check_spec(spec)
-            return m
-        if spec.get("family", "deepseek") != "deepseek":
-            raise ConfigError(f"unknown hash family {spec.get('family')!r} in the manifest (known: deepseek, qwen4_exp)")
-        ct = CompressedTokenizer(tokenizer_name_or_path)
-        if ct.tokenizer_sha256 != spec["tokenizer_sha256"]:
-            raise ConfigError(
-                f"tokenizer mismatch: the spec was made with tokenizer sha256 {spec['tokenizer_sha256'][:16]}..., "
-                f"but {ct.tokenizer_file} has {ct.tokenizer_sha256[:16]}...; pass the tokenizer the spec was made with"
-            )
-        if ct.lookup_sha256 != spec["lookup_table_sha256"]:
-            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
-        m = cls(
-            spec["engram_vocab_size"], spec["max_ngram_size"], spec["n_embed_per_ngram"], spec["n_head_per_ngram"],
-            spec["layer_ids"], None, spec["pad_id"], spec["seed"], compressed_tokenizer=ct,
-            compress=spec.get("compress_tokenizer", True), hash_mode=spec.get("hash_mode", "ngram"),
-        )
-        for l in m.layer_ids:
-            entry = spec["layers"][str(l)]
-            if [int(v) for v in m.layer_multipliers[l]] != entry["multipliers"] or m.vocab_size_across_layers[l] != entry["head_moduli"]:
-                raise ConfigError(f"spec layer {l}: multipliers or primes differ from the ones this config derives")
+        family = family_class(spec.get("family", "deepseek")).from_spec(spec, tokenizer_name_or_path)
+        m = cls.for_family(family)
+        m.check_spec(spec, "hash spec")
         return m
 
 

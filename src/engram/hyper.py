@@ -1,13 +1,13 @@
-"""mHC: manifold-constrained hyper-connections (arXiv 2512.24880) with n residual streams.
+"""mHC: manifold-constrained hyper-connections (arXiv 2512.24880) with G = hc_mult residual streams.
 
-    x_{l+1} = H_res x_l + H_post^T F(H_pre x_l),      x_l: (B, T, n, C)
+    x_{l+1} = H_res x_l + H_post^T F(H_pre x_l),      x_l: (B, T, G, D)   (D: hidden size)
 
-Coefficients come from the RMS-normed flattened streams x' (B, T, n*C):
+Coefficients come from the RMS-normed flattened streams x' (B, T, G*D):
     H~ = alpha * (x' phi) + b,  H_pre = sigmoid(H~_pre),  H_post = 2 sigmoid(H~_post),
     H_res = SinkhornKnopp(exp(H~_res))   (20 alternating column/row normalizations).
-alpha starts at 0.01 so every layer starts near its static bias: H_pre = 1/n (the layer reads
+alpha starts at 0.01 so every layer starts near its static bias: H_pre = 1/G (the layer reads
 the mean of the streams), H_post = 1 (it writes to every stream) and H_res = Sinkhorn(exp(I)) (diagonal
-~0.48 for n = 4, off-diagonal ~0.17).
+~0.48 for G = 4, off-diagonal ~0.17).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class _FusedSinkhorn(torch.autograd.Function):
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = 20, fused: bool = True) -> torch.Tensor:
-    """`sinkhorn_knopp`, through the fused numba kernels when possible (CPU float32, `engram[fast]`)."""
+    """`sinkhorn_knopp`, through the fused numba kernels when possible (CPU float32, `engram-torch[fast]`)."""
     if fused and logits.device.type == "cpu" and logits.dtype == torch.float32:
         if _fastsinkhorn.available():
             return _FusedSinkhorn.apply(logits, iters)
@@ -75,19 +75,19 @@ class HyperConnection(nn.Module):
         return torch.cat([b_pre, torch.zeros(n), b_res.flatten()])
 
     def coefficients(self, x: torch.Tensor):
-        """x (B, T, n, C) -> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n)."""
-        B, T, n, C = x.shape
-        h = self.phi(self.norm(x.reshape(B, T, n * C)))  # (B, T, 2n + n^2)
-        a = torch.cat([self.alpha[0].expand(n), self.alpha[1].expand(n), self.alpha[2].expand(n * n)])
+        """x (B, T, G, D) -> H_pre (B, T, G), H_post (B, T, G), H_res (B, T, G, G)."""
+        B, T, G, D = x.shape
+        h = self.phi(self.norm(x.reshape(B, T, G * D)))  # (B, T, 2G + G^2)
+        a = torch.cat([self.alpha[0].expand(G), self.alpha[1].expand(G), self.alpha[2].expand(G * G)])
         h = a * h + self.bias
-        h_pre = torch.sigmoid(h[..., :n])
-        h_post = 2 * torch.sigmoid(h[..., n:2 * n])
-        h_res = sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.sinkhorn_iters)
+        h_pre = torch.sigmoid(h[..., :G])
+        h_post = 2 * torch.sigmoid(h[..., G:2 * G])
+        h_res = sinkhorn(h[..., 2 * G:].reshape(B, T, G, G), self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     def forward(self, x: torch.Tensor, fn) -> torch.Tensor:
         h_pre, h_post, h_res = self.coefficients(x)
-        layer_in = torch.einsum("btn,btnc->btc", h_pre, x)  # (B, T, C)
-        layer_out = fn(layer_in)  # (B, T, C)
-        mixed = torch.einsum("btij,btjc->btic", h_res, x)  # (B, T, n, C)
+        layer_in = torch.einsum("btn,btnc->btc", h_pre, x)  # (B, T, D)
+        layer_out = fn(layer_in)  # (B, T, D)
+        mixed = torch.einsum("btij,btjc->btic", h_res, x)  # (B, T, G, D)
         return mixed + h_post.unsqueeze(-1) * layer_out.unsqueeze(2)

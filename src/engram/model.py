@@ -1,21 +1,20 @@
 """A real language model hosting Engram: attention (RoPE, GQA, KV cache), SwiGLU or DeepSeekMoE FFN, mHC.
 
-    ids (B, T) -> embed_tokens -> (B, T, n, C) streams -> blocks -> mean over streams -> norm -> lm_head
+    ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks -> mean over streams -> norm -> lm_head
 
 Block (0-based index i; Engram at `engram.layer_ids`, added before attention as in the paper):
-    x = x + Engram_i(x, rows_i)[0]           (B, T, n, C), gates per stream; rows_i (B, T, H, d) from the
+    x = x + Engram_i(x, rows_i)[0]           (B, T, G, D), gates per stream; rows_i (B, T, H, d) from the
                                              layer's table for hash ids computed outside the model
     x = HC_attn(x, lambda u: Attn(RMSNorm(u)))    (plain residual when n == 1)
     x = HC_ffn (x, lambda u: FFN(RMSNorm(u)))
 
 Hugging Face integration: `EngramLMConfig(PretrainedConfig)`, `EngramForCausalLM(PreTrainedModel,
-GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram[hf]'`.
+GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram-torch[hf]'`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from .hashing import get_hash_mapping
 from .hyper import HyperConnection
 from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
+from .persist import read_json, recover_dir
 from .tokenizer import load_tokenizer
 
 SPEC_FILE = "engram_hash_spec.json"
@@ -252,10 +252,10 @@ class Block(nn.Module):
             self.hc_ffn = HyperConnection(cfg.hidden_size, self.n, cfg.sinkhorn_iters)
 
     def forward(self, x, pos, cache=None, rows=None, engram_scale: float = 1.0, gates: dict | None = None):
-        # x: (B, T, n, C); rows: this block's Engram rows (B, T, H, d), None when it has no Engram or it is off
+        # x: (B, T, G, D); rows: this block's Engram rows (B, T, H, d), None when it has no Engram or it is off
         if rows is not None:
             state = cache.engram_state(self.idx) if isinstance(cache, NgramHistory) else None
-            delta, g = self.engram(x, rows, state)  # (B, T, n, C), (B, T, n)
+            delta, g = self.engram(x, rows, state)  # (B, T, G, D), (B, T, G)
             x = x + (delta if engram_scale == 1 else engram_scale * delta)
             if gates is not None:
                 gates[self.idx] = g.detach()
@@ -275,7 +275,7 @@ def wait_rows(rows):
 
 
 class EngramModel(nn.Module):
-    """Embedding + blocks + final norm: ids (B, T) + per-layer Engram inputs -> hidden (B, T, C).
+    """Embedding + blocks + final norm: ids (B, T) + per-layer Engram inputs -> hidden (B, T, D).
 
     Each Engram layer gets either its rows (`engram_rows[layer]`: (B, T, H, d) or pending, from a
     prefetcher) or its hash ids (`hash_ids[layer]`: (B, T, H), from the data pipeline or
@@ -311,10 +311,10 @@ class EngramModel(nn.Module):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         pos = torch.arange(past, past + T, device=input_ids.device)
-        x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, n, C)
+        x = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)  # (B, T, G, D)
         for layer in self.layers:
             x = layer(x, pos, cache, self.rows_for(layer, hash_ids, engram_rows), self.engram_scale, gates)
-        return self.norm(x.mean(dim=2))  # (B, T, C)
+        return self.norm(x.mean(dim=2))  # (B, T, D)
 
 
 class NgramHistory:
@@ -549,6 +549,7 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         d = Path(pretrained_model_name_or_path)
+        recover_dir(d)  # a save interrupted between its renames leaves the old folder aside
         if d.is_dir():  # every file against its checksum first: a corrupt file is one line, not wrong numbers
             verify_manifest(d)
         config = kwargs.get("config")
@@ -565,13 +566,14 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if model.model.mapping is not None:
             if not spec_path.is_file():
                 raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
-            verify_spec(model.model.mapping, json.loads(spec_path.read_text(encoding="utf-8")))
+            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError), str(d))
         return model
 
 
 def load_model(path) -> tuple[EngramForCausalLM, object]:
     """A run dir (uses DIR/final) or a save_pretrained folder -> (model in eval mode, its `tokenizers` tokenizer)."""
     p = Path(path)
+    recover_dir(p / "final")  # a save interrupted between its renames leaves the old folder aside
     if (p / "final" / "config.json").is_file():
         p = p / "final"
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
@@ -590,18 +592,6 @@ def load_model(path) -> tuple[EngramForCausalLM, object]:
     tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
                          else model.config.engram.get("tokenizer_name_or_path"))
     return model, tok
-
-
-def verify_spec(mapping, saved: dict) -> None:
-    """Refuse a checkpoint whose hashing (tokenizer, lookup table, multipliers, primes) differs from ours."""
-    mine = mapping.spec(include_lookup_table=False)
-    for key in ("tokenizer_sha256", "lookup_table_sha256", "compressed_pad_id", "layers"):
-        if saved.get(key) != mine[key]:
-            raise ConfigError(
-                f"hashing mismatch on '{key}': the checkpoint was trained with a different tokenizer or hash "
-                "config than this installation derives; its Engram rows would be garbage. Use the tokenizer "
-                "recorded in engram_hash_spec.json"
-            )
 
 
 AutoConfig.register("engram", EngramLMConfig, exist_ok=True)

@@ -26,7 +26,7 @@ def _step_size(lr: float, b1: float, b2: float, step: float) -> float:
 
 
 def _fused_ok(*ts: torch.Tensor) -> bool:
-    """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram[fast]`)."""
+    """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram-torch[fast]`)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
         return False
     return _fastadam.available()
@@ -60,7 +60,7 @@ class LazyRowAdam(torch.optim.Optimizer):
     """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients.
 
     `fused=True` (default) updates float32 CPU tables in place with the numba kernel when numba is
-    installed (`engram[fast]`); otherwise, and on GPU, touched rows are gathered, updated and
+    installed (`engram-torch[fast]`); otherwise, and on GPU, touched rows are gathered, updated and
     scattered back with torch ops.
     """
 

@@ -1,4 +1,4 @@
-"""Presets: named model configs (functions returning an `EngramLMConfig`, needs `engram[hf]`) with their
+"""Presets: named model configs (functions returning an `EngramLMConfig`, needs `engram-torch[hf]`) with their
 training settings, in one registry (`PRESETS`) that the CLI, the trainer and the experiments read."""
 
 from __future__ import annotations

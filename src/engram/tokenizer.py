@@ -217,6 +217,16 @@ class CompressedTokenizer:
         """Token ids this map accepts: the tokenizer's vocabulary (with added tokens)."""
         return len(self.lookup_table)
 
+    @property
+    def raw_vocab_size(self) -> int:
+        """Token ids accepted: [0, raw_vocab_size) (what `vocab_size` returns)."""
+        return self.vocab_size
+
+    @property
+    def compressed_vocab_size(self) -> int:
+        """Distinct compressed ids (the reference's `num_new_token`, and `len()`)."""
+        return self.num_new_token
+
     def __len__(self) -> int:
         """The compressed vocabulary size, as the reference's `__len__` (98,627 for DeepSeek-V3): code that
         derives hashing constants from `len(compressed_tokenizer)` gets the reference's multipliers."""
@@ -235,6 +245,31 @@ class CompressedTokenizer:
 
 
 BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1 in every tokenizer `train_bpe` makes
+
+
+class RawIds:
+    """The identity "compression" of families that hash raw token ids (qwen4_exp): ids in [0, vocab_size)."""
+
+    tokenizer_file = None
+    tokenizer_sha256 = None
+
+    def __init__(self, vocab_size: int):
+        self.lookup_table = np.arange(vocab_size, dtype=np.int64)
+        self.num_new_token = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.lookup_table)
+
+    @property
+    def lookup_sha256(self) -> str:
+        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+
+    def __len__(self) -> int:
+        return self.num_new_token
+
+    def __call__(self, input_ids):
+        return np.asarray(input_ids, dtype=np.int64).copy()
 
 
 def train_bpe(texts, vocab_size: int, out_path, progress: bool = True) -> Path:

@@ -43,7 +43,8 @@ from .optim import build_optimizers, split_params, warmup_cosine
 from .tables import (TableError, installed_tables, offload_tables, readahead_for, table_entries, table_file,
                      write_safetensors)
 from .tables.base import find_tables
-from .utils import atomic_write_bytes, peak_rss_mib
+from .persist import atomic_write_bytes, read_json, replace_dir, temp_dir_for
+from .utils import peak_rss_mib
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -133,9 +134,7 @@ def _plot(run_dir: Path) -> Path | None:
 
 def save_final(model, run_dir: Path, manifest: dict) -> Path:
     final = run_dir / "final"
-    tmp = run_dir / ".final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = temp_dir_for(final)
     old = dict(model.config.engram)
     model.config.engram = {**old, "tokenizer_name_or_path": "tokenizer.json"}
     try:
@@ -151,10 +150,7 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
         write_safetensors(f, table_entries(model, small, where=f"save_final: {f}"), meta)
     shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
     write_manifest(tmp)  # again: the tables and the tokenizer came after save_pretrained's
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
+    return replace_dir(tmp, final)
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -196,24 +192,36 @@ class Run:
         return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
 
 
-def _check_run_dir(run_dir: Path, run_json: dict, resume: bool) -> None:
-    """A new run needs an empty --out; a resumed one the flags it was started with."""
+def setup_run(out, run_json: dict, resume: bool, same: tuple[str, ...]) -> Path:
+    """The run directory of a new or resumed run (`engram train` and `engram adapt` alike); writes run.json.
+
+    A new run needs an --out without checkpoints. A resumed one must have been started with the same
+    `same` settings of run.json, the same kind ("train" / "adapt") and the same table backend; a
+    corrupt run.json is one line saying how to resume anyway (the checkpoints are verified on their own).
+    """
+    run_dir = Path(out)
     if resume and (run_dir / "run.json").is_file():
-        try:
-            prev = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-            prev["train"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise ConfigError(f"--resume: {run_dir / 'run.json'} is corrupt; delete it to resume without checking "
-                              "that the flags match the run's (the checkpoints are verified on their own)") from None
-        prev_backend = prev.get("train", {}).get("table_backend", "param")
+        fix = ("delete it to resume without checking that the flags match the run's (the checkpoints are verified "
+               "on their own)")
+        prev = read_json(run_dir / "run.json", "--resume: run.json", fix, ConfigError)
+        if not isinstance(prev.get("train"), dict):
+            raise ConfigError(f"--resume: {run_dir / 'run.json'} is corrupt (no 'train' section); {fix}")
+        kind, prev_kind = run_json.get("kind", "train"), prev.get("kind", "train")
+        if prev_kind != kind:
+            raise ConfigError(f"--resume: {run_dir} holds an `engram {prev_kind}` run, not `engram {kind}`")
+        prev_backend = prev["train"].get("table_backend", "param")
         if prev_backend != run_json["train"]["table_backend"]:
             raise ConfigError(f"--resume: {run_dir} was trained with table_backend={prev_backend}; use the same setting")
-        keys = ("preset", "use_engram", "baseline", "model_overrides")
-        if {k: prev.get(k, {} if k == "model_overrides" else None) for k in keys} != {k: run_json[k] for k in keys}:
-            raise ConfigError(f"--resume: {run_dir} was started with preset={prev.get('preset')} "
-                              f"use_engram={prev.get('use_engram')} baseline={prev.get('baseline')}; use the same flags")
+        empty = {"model_overrides": {}, "engram_options": {}, "unfreeze": []}
+        diff = [k for k in same if prev.get(k, empty.get(k)) != run_json.get(k)]
+        if diff:
+            raise ConfigError(f"--resume: {run_dir} was started with "
+                              + " ".join(f"{k}={prev.get(k, empty.get(k))}" for k in diff) + "; use the same flags")
     elif not resume and checkpoints(run_dir):
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "run.json", json.dumps(run_json, indent=1).encode())
+    return run_dir
 
 
 def build(preset: str, data, out, max_steps, use_engram: bool, baseline, resume: bool, device, overrides,
@@ -223,12 +231,10 @@ def build(preset: str, data, out, max_steps, use_engram: bool, baseline, resume:
     tcfg = presets.train_config(preset, overrides, max_steps, world=ddp.world)
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
     manifest = load_manifest(data_dir)
-    run_json = {"preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
+    run_json = {"kind": "train", "preset": preset, "data": data, "use_engram": use_engram, "baseline": baseline,
                 "model_overrides": model_overrides or {}, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
-    run = Run(tcfg, Path(out), manifest, data_dir, None, ddp, progress=progress and ddp.is_main)
-    _check_run_dir(run.run_dir, run_json, resume)
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run.run_dir / "run.json", json.dumps(run_json, indent=1).encode())
+    run_dir = setup_run(out, run_json, resume, ("preset", "use_engram", "baseline", "model_overrides"))
+    run = Run(tcfg, run_dir, manifest, data_dir, None, ddp, progress=progress and ddp.is_main)
 
     torch.manual_seed(tcfg.seed)
     run.mcfg = build_model_config(preset, manifest, use_engram=use_engram, baseline=baseline,

@@ -1,33 +1,12 @@
-"""Small shared helpers: atomic file writes, content hashing, cache location."""
+"""Small shared helpers: content hashing, peak memory, cache location (atomic writes live in persist.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so readers see either the old file or the whole new one.
-
-    Writes a temp file in the same directory, fsyncs it and renames it over `path`.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+from .persist import atomic_write_bytes  # noqa: F401  (its home is persist.py)
 
 
 def sha256_file(path: Path) -> str:

@@ -36,10 +36,14 @@ def verify_path(path) -> list[tuple[str, str, str]]:
         from .adapter import read_adapter_config
 
         check(f"adapter {p}", lambda: read_adapter_config(p), "save the adapter again or re-download it")
-    if (p / "overlay.json").is_file():
+    elif (p / "overlay.json").is_file():
         from .edit import Overlay
 
         check(f"overlay {p}", lambda: Overlay.load(p), "")
+    elif (p / "state.json").is_file():
+        from .checkpoint import read_checkpoint
+
+        check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
     elif (p / MANIFEST).is_file() or (p / "config.json").is_file():
         check(f"model {p}", lambda: verify_manifest(p), "")
     if (p / "final").is_dir():
@@ -47,10 +51,6 @@ def verify_path(path) -> list[tuple[str, str, str]]:
             out += verify_path(p / "final")
         except ValueError:  # a folder another tool wrote (e.g. an older PEFT-only run): nothing to check it against
             out.append((f"final {p / 'final'}", "unverified", "no engram checksums in it"))
-    if (p / "state.json").is_file() and (p / "optim.safetensors").exists():
-        from .checkpoint import read_checkpoint
-
-        check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
     for f in sorted(p.glob("*.safetensors")) if p.is_dir() else []:
         if f.name.startswith("engram_table_") or (f.parent / (f.name + ".blocks")).is_file():
             check(f"table {f}", lambda f=f: _verify_table(f), "")

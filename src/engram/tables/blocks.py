@@ -53,7 +53,7 @@ def _build_kernels():
     return first_unchecked
 
 
-_KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]); the torch ops do the same without numba
+_KERNELS = LazyKernels(_build_kernels)  # optional (engram-torch[fast]); the torch ops do the same without numba
 
 
 class UnverifiedTableWarning(UnverifiedWarning):

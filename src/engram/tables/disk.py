@@ -157,8 +157,8 @@ def _build_reader():
 
 
 SMALL_SPLIT = 2  # shares of a few cold rows outside `_gather_small`: the calling thread and one pool thread
-_KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]): one pass instead of five torch ops
-_READER = LazyKernels(_build_reader)  # optional (engram[fast]); without it the Python loop below reads
+_KERNELS = LazyKernels(_build_kernels)  # optional (engram-torch[fast]): one pass instead of five torch ops
+_READER = LazyKernels(_build_reader)  # optional (engram-torch[fast]); without it the Python loop below reads
 
 
 class DiskTable(Table):

@@ -60,7 +60,7 @@ def _build_kernels():
     return dequant_fp8
 
 
-_KERNELS = LazyKernels(_build_kernels)  # optional (engram[fast]): torch's float8 -> float32 cast is ~4x slower
+_KERNELS = LazyKernels(_build_kernels)  # optional (engram-torch[fast]): torch's float8 -> float32 cast is ~4x slower
 _FP8_LUT = torch.nan_to_num(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()).numpy()
 
 

@@ -1,0 +1,256 @@
+"""Saving over a good folder never loses it: a save killed at any step of `replace_dir` leaves the old
+folder or the new one complete, for models, adapters, overlays and checkpoints alike."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engram import persist
+from engram.persist import read_json, recover_dir, replace_dir
+
+STEPS = [1, 2, 3]  # (1) final -> aside, (2) tmp -> final, (3) delete aside
+
+
+class Crash(BaseException):
+    """A kill: nothing after it runs (BaseException, so no `except Exception` cleanup sees it)."""
+
+
+@pytest.fixture
+def crash_at(monkeypatch):
+    """crash_at(k): the k-th filesystem step of the next replace_dir raises Crash instead of running."""
+
+    def arm(k):
+        count = [0]
+
+        def step(real):
+            def run(*a, **kw):
+                count[0] += 1
+                if count[0] == k:
+                    raise Crash(f"killed before step {k}")
+                return real(*a, **kw)
+            return run
+
+        monkeypatch.setattr(persist, "_rename", step(os.replace))
+        monkeypatch.setattr(persist, "_remove_tree", step(shutil.rmtree))
+
+    def disarm():
+        monkeypatch.setattr(persist, "_rename", os.replace)
+        monkeypatch.setattr(persist, "_remove_tree", shutil.rmtree)
+
+    arm.disarm = disarm
+    return arm
+
+
+def folder(path, text):
+    path.mkdir(parents=True)
+    (path / "a.txt").write_text(text)
+    (path / "b.txt").write_text(text * 2)
+    return path
+
+
+def contents(path):
+    return {f.name: f.read_text() for f in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_replace_dir_interrupted_leaves_old_or_new(tmp_path, crash_at, k):
+    final = folder(tmp_path / "model", "old")
+    new = folder(tmp_path / ".model.tmp", "new")
+    crash_at(k)
+    with pytest.raises(Crash):
+        replace_dir(new, final)
+    crash_at.disarm()
+    recover_dir(final)  # what the next open does
+    assert contents(final) == ({"a.txt": "old", "b.txt": "oldold"} if k < 3 else {"a.txt": "new", "b.txt": "newnew"})
+    assert not (tmp_path / ".model.replaced").exists()
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_replace_dir_killed_in_a_child_process(tmp_path, k):
+    """A real kill (os._exit in a forked child, no cleanup of any kind) at each step."""
+    final = folder(tmp_path / "model", "old")
+    new = folder(tmp_path / ".model.tmp", "new")
+    pid = os.fork()
+    if pid == 0:  # child: die at step k
+        count = [0]
+
+        def step(real):
+            def run(*a, **kw):
+                count[0] += 1
+                if count[0] == k:
+                    os._exit(9)
+                return real(*a, **kw)
+            return run
+        persist._rename, persist._remove_tree = step(os.replace), step(shutil.rmtree)
+        replace_dir(new, final)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 9
+    recover_dir(final)
+    assert contents(final)["a.txt"] == ("old" if k < 3 else "new")
+
+
+def test_replace_dir_into_a_new_path_and_read_json_errors(tmp_path):
+    replace_dir(folder(tmp_path / ".x.tmp", "v"), tmp_path / "x")
+    assert contents(tmp_path / "x")["a.txt"] == "v"
+    with pytest.raises(ValueError, match=r"spec not found: .*missing.json \(write it\)"):
+        read_json(tmp_path / "missing.json", "spec", "write it")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(KeyError, match="corrupt .not valid JSON"):
+        read_json(tmp_path / "bad.json", "spec", "write it", KeyError)
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="a JSON dict was expected, found list"):
+        read_json(tmp_path / "list.json", "spec", "write it")
+
+
+# ------------------------------------------------------------------------------------------ every saved kind
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from engram.train import train
+
+    root = tmp_path_factory.mktemp("persist")
+    corpus = root / "c.txt"
+    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(300)))
+    train("tiny", data=[str(corpus)], out=root / "run", max_steps=2, overrides={"ckpt_every": 2, "eval_every": 2},
+          progress=False)
+    return root
+
+
+def bumped(model, by):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+    return model
+
+
+def first_weight(model):
+    return next(model.parameters()).detach().clone()
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_model_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+    from engram.model import load_model
+    from engram.train import save_final
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run / "run", run)
+    model, _ = load_model(run)
+    old = first_weight(model)
+    manifest = {"tokenizer_file": str(run / "final" / "tokenizer.json")}
+    shutil.copy(run / "final" / "tokenizer.json", tmp_path / "tokenizer.json")
+    manifest["tokenizer_file"] = str(tmp_path / "tokenizer.json")
+    crash_at(k)
+    with pytest.raises(Crash):
+        save_final(bumped(model, 1.0), run, manifest)
+    crash_at.disarm()
+    again, _ = load_model(run)  # verifies the manifest of whatever folder is there
+    assert torch.equal(first_weight(again), old if k < 3 else old + 1.0)
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_checkpoint_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+    from safetensors.torch import load_file
+
+    from engram.checkpoint import checkpoints, read_checkpoint, save_checkpoint
+    from engram.model import load_model
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run / "run", run)
+    model, _ = load_model(run)
+    opts = {"dense": torch.optim.AdamW(model.parameters())}
+    save_checkpoint(run, 7, model, opts, {"pos": 1})
+    crash_at(k)
+    with pytest.raises(Crash):
+        save_checkpoint(run, 7, model, opts, {"pos": 2})
+    crash_at.disarm()
+    latest = checkpoints(run)[0]  # resolves the interrupted replacement
+    assert latest.name == "step_000007"
+    assert read_checkpoint(latest)["batcher"] == {"pos": 1 if k < 3 else 2}
+    assert load_file(str(latest / "model.safetensors"))
+
+
+def tiny_base(vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=1, eos_token_id=0))
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_adapter_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+    import engram
+    from engram.adapter import adapter_of
+
+    tok = tiny_run / "run" / "final" / "tokenizer.json"
+    vocab = len(json.loads(tok.read_text())["model"]["vocab"])
+    opts = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
+    base = tiny_base(vocab)
+    engram.attach(base, [1], tokenizer=tok, **opts)
+    engram.save_adapter(base, tmp_path / "adapter")
+    adapter = adapter_of(base)
+    old = {k_: v.clone() for k_, v in adapter.state_dict().items()}
+    bumped(adapter, 0.5)
+    crash_at(k)
+    with pytest.raises(Crash):
+        engram.save_adapter(base, tmp_path / "adapter")
+    crash_at.disarm()
+    fresh = engram.load_adapter(tiny_base(vocab), tmp_path / "adapter")
+    got = adapter_of(fresh).state_dict()
+    want = old if k < 3 else {k_: v + 0.5 for k_, v in old.items()}
+    assert all(torch.equal(got[n], want[n]) for n in want if torch.is_floating_point(want[n]))
+
+
+@pytest.mark.parametrize("k", STEPS)
+def test_overlay_resave_interrupted(tmp_path, crash_at, k):
+    from engram.edit import Overlay
+
+    def overlay(v):
+        return Overlay({1: torch.tensor([3, 5])}, {1: torch.full((2, 4), v)}, {"layers": [1], "note": v})
+
+    overlay(1.0).save(tmp_path / "ov")
+    crash_at(k)
+    with pytest.raises(Crash):
+        overlay(2.0).save(tmp_path / "ov")
+    crash_at.disarm()
+    got = Overlay.load(tmp_path / "ov")
+    assert float(got.values[1][0, 0]) == (1.0 if k < 3 else 2.0)
+
+
+def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_path):
+    """Checkpoints and adapters listed their digests in state.json / engram_adapter.json before 0.2."""
+    import engram
+    from engram.adapter import read_adapter_config
+    from engram.checkpoint import CheckpointError, read_checkpoint
+    from engram.utils import sha256_file
+
+    def to_legacy(d, meta_name):
+        (d / "engram_manifest.json").unlink()
+        files = sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file() and f.name != meta_name)
+        meta = json.loads((d / meta_name).read_text())
+        meta["files"] = {f: sha256_file(d / f) for f in files}
+        (d / meta_name).write_text(json.dumps(meta))
+
+    ck = tmp_path / "ck"
+    shutil.copytree(sorted((tiny_run / "run" / "checkpoints").glob("step_*"))[-1], ck)
+    to_legacy(ck, "state.json")
+    assert read_checkpoint(ck)["step"] == 2
+    (ck / "optim.safetensors").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_checkpoint(ck)
+
+    tok = tiny_run / "run" / "final" / "tokenizer.json"
+    vocab = len(json.loads(tok.read_text())["model"]["vocab"])
+    base = tiny_base(vocab)
+    engram.attach(base, [1], tokenizer=tok, engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
+    engram.save_adapter(base, tmp_path / "a")
+    to_legacy(tmp_path / "a", "engram_adapter.json")
+    assert read_adapter_config(tmp_path / "a")["format"]
+    engram.load_adapter(tiny_base(vocab), tmp_path / "a")
