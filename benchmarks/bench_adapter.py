@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from _reference import RefEngram
 
 import engram
-from engram import adapter as ad
-from engram.data import load_manifest, prepare
-from engram.optim import build_optimizers
+from engram import adapters as ad
+from engram.training.data import load_manifest, prepare
+from engram.training.optim import build_optimizers
 
 ENGRAM = dict(engram_vocab_size=[65536, 65536], n_embed_per_ngram=128, n_head_per_ngram=4)
 

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import timeit  # noqa: E402
 
-from engram import presets
 from engram.model import EngramForCausalLM
+from engram.training import presets
 
 
 def step_time(cfg, ids, repeats):

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import timeit  # noqa: E402
 
 from engram.tables import MmapTable  # noqa: E402
-from engram.tables.backends import tensor_entry, write_safetensors  # noqa: E402
 from engram.tables.blocks import BlockVerifier, UnverifiedTableWarning  # noqa: E402
+from engram.tables.files import tensor_entry, write_safetensors  # noqa: E402
 
 
 def sha256_gbs(path: Path) -> float:

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_disk import evict  # noqa: E402
 
-from engram import presets  # noqa: E402
 from engram.model import EngramForCausalLM  # noqa: E402
 from engram.tables import Prefetcher, offload_tables, table_file  # noqa: E402
+from engram.training import presets  # noqa: E402
 
 
 class Forced:

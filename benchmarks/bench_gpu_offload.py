@@ -16,9 +16,9 @@ import torch
 def main():
     if not torch.cuda.is_available():
         sys.exit("bench_gpu_offload: needs a CUDA device (this measures pinned-host tables vs on-device tables)")
-    from engram import presets
     from engram.model import EngramForCausalLM
     from engram.tables import InRamTable, Prefetcher, find_tables, install
+    from engram.training import presets
 
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 2_000_003
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engram.optim import LazyRowAdam
+from engram.training.optim import LazyRowAdam
 
 
 def main():

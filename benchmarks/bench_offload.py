@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from engram import presets
 from engram.model import EngramForCausalLM
 from engram.tables import Prefetcher, offload_tables
+from engram.training import presets
 
 
 def main():

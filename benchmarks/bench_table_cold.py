@@ -19,8 +19,8 @@ Step time includes waiting for the batch. Prints a table, then one JSON line (`c
 
 import argparse
 import gc
-import mmap
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -34,12 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_disk import evict  # noqa: E402
 
-from engram import presets  # noqa: E402
-from engram.data import Batcher  # noqa: E402
 from engram.memory import defer_table_allocation  # noqa: E402
 from engram.model import EngramForCausalLM  # noqa: E402
-from engram.optim import build_optimizers  # noqa: E402
 from engram.tables import offload_tables, readahead_for, table_file  # noqa: E402
+from engram.training import presets  # noqa: E402
+from engram.training.data import Batcher  # noqa: E402
+from engram.training.optim import build_optimizers  # noqa: E402
 
 
 def page_out(table) -> float | None:

@@ -2,7 +2,7 @@
 
 Same model, data and seed, one process; the table kept five ways:
   * in RAM, `torch.optim.SparseAdam` (plain PyTorch, the reference-style setup);
-  * in RAM, `engram.optim.LazyRowAdam` (`engram train` default, `table_backend=param`);
+  * in RAM, `engram.training.optim.LazyRowAdam` (`engram train` default, `table_backend=param`);
   * memory-mapped file with weight + moments and the undo journal (`table_backend=mmap`),
     journal entries fsync'd (`durable`, the default) and not (`durable=False`), committed every
     `--commit-every` steps as a checkpoint would (commit time reported apart from step time);
@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engram import presets
 from engram.model import EngramForCausalLM
-from engram.optim import build_optimizers
 from engram.tables import offload_tables, readahead_for
+from engram.training import presets
+from engram.training.optim import build_optimizers
 
 
 def main():

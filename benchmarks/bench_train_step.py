@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from engram import presets
 from engram.model import EngramForCausalLM
-from engram.optim import build_optimizers
+from engram.training import presets
+from engram.training.optim import build_optimizers
 
 
 def main():

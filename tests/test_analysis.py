@@ -8,8 +8,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from conftest import run_cli  # noqa: E402
-from engram.analysis.experiments import run_experiment  # noqa: E402
 from test_train import make_corpus  # noqa: E402  (shared corpus builder)
+
+from engram.analysis.experiments import run_experiment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,12 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
     iso_run = tmp_path / "iso" / "engram-seed0"
     before = {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()}
-    import engram.train
+    import engram.training.train
 
     def no_training(*a, **k):
         raise AssertionError("sensitivity trained a model although the iso experiment's run is finished")
 
-    monkeypatch.setattr(engram.train, "train", no_training)  # (the experiment drivers import it at call time)
+    monkeypatch.setattr(engram.training.train, "train", no_training)  # (the experiment drivers import it at call time)
     s = run_experiment("sensitivity", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3,
                        progress=False)
     assert {f: f.stat().st_mtime_ns for f in iso_run.rglob("*") if f.is_file()} == before  # read, not rewritten
@@ -85,9 +86,9 @@ def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed")
 def test_gates_html_renders_in_headless_chromium(corpus, tmp_path):
-    from engram.analysis.gates import save_html
-
     import numpy as np
+
+    from engram.analysis.gates import save_html
 
     page = save_html(["the", " king"], {1: np.array([[0.2, 0.3], [0.9, 0.8]])}, tmp_path / "g.html")
     r = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("openai")
 
 from conftest import run_cli  # noqa: E402
+
 from engram.api import align, normalize_base_url, parse_entities  # noqa: E402
 
 KEY = "sk-test-SECRET-123"
@@ -184,7 +185,7 @@ def tiny_run(tmp_path_factory):
     pytest.importorskip("transformers")
     from test_train import make_corpus
 
-    from engram.train import train
+    from engram.training.train import train
 
     d = tmp_path_factory.mktemp("api_run")
     corpus = make_corpus(d / "corpus")

@@ -67,7 +67,7 @@ def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_graph_sees_function_level_imports():
     g = _graph()
     assert "engram.model" in g["engram"]  # imported inside `__getattr__` only
-    assert "engram.tables.base" in g["engram.tables.backends"] and "engram.tables" in g["engram.optim"]
+    assert "engram.tables.base" in g["engram.tables.backends"] and "engram.tables" in g["engram.training.optim"]
 
 
 def test_no_import_cycles():
@@ -76,12 +76,40 @@ def test_no_import_cycles():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
-@pytest.mark.parametrize("module", ["engram.memory", "engram.model", "engram.hashing", "engram.hyper"])
-def test_model_files_import_no_storage_distribution_data_training_or_cli(module):
-    forbidden = ("engram.tables", "engram.distributed", "engram.data", "engram.train", "engram.optim",
-                 "engram.checkpoint", "engram.cli", "engram.analysis", "engram.presets")
+CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper", "engram.model",
+        "engram.model_config", "engram.cache", "engram.persist", "engram.manifest", "engram.utils"]
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_no_storage_distribution_training_adapters_editing_or_cli(module):
+    """The flat core reads top to bottom on its own; the packages around it depend on it, never the reverse."""
+    forbidden = ("engram.tables", "engram.distributed", "engram.training", "engram.adapters", "engram.editing",
+                 "engram.integrations", "engram.cli", "engram.analysis", "engram.api", "engram.verify")
     bad = sorted(m for m in _closure(_graph(), module) if m.startswith(forbidden))
     assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("package", ["engram.adapters", "engram.editing", "engram.training", "engram.tables",
+                                     "engram.distributed", "engram.integrations"])
+def test_packages_do_not_reach_the_cli_or_analysis(package):
+    g = _graph()
+    modules = [m for m in g if m == package or m.startswith(package + ".")]
+    bad = sorted({r for m in modules for r in _closure(g, m) if r.startswith(("engram.cli", "engram.analysis"))})
+    assert not bad, f"{package} reaches {bad}"
+
+
+def test_persistence_helpers_have_one_home():
+    """Atomic writes, folder replacement and JSON reading are defined once, in persist.py."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "persist.py":
+            continue
+        text = path.read_text()
+        offenders += [f"{rel}: {n}" for n in ("def atomic_write_bytes", "def replace_dir", "def read_json") if n in text]
+        if rel != "persist.py" and "os.replace(tmp" in text and "rmtree" in text:
+            offenders.append(f"{rel}: replaces a folder by hand (rmtree + os.replace); use persist.replace_dir")
+    assert not offenders, offenders
 
 
 def test_only_tables_and_distributed_install_tables():

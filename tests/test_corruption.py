@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from engram.cli import main  # noqa: E402
-from engram.edit import Fact, edit_facts  # noqa: E402
+from engram.editing import Fact, edit_facts  # noqa: E402
 from engram.model import load_model  # noqa: E402
-from engram.train import train  # noqa: E402
+from engram.training.train import train  # noqa: E402
 
 MODES = ["flip16", "truncate", "zero", "garble", "missing"]
 TINY = {"ckpt_every": 2, "eval_every": 2}
@@ -48,8 +48,9 @@ def runs(tmp_path_factory):
     model, tok = load_model(root / "run")
     edit_facts(model, tok, [Fact("the cat sat on", " the dog")], steps=5, progress=False).save(root / "overlay")
     # an Engram adapter on a tiny pretrained Llama that uses the run's tokenizer
-    import engram
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engram
 
     base = LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -129,7 +130,7 @@ def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind
 @pytest.mark.parametrize("name", ["train.bin", "val.bin", "manifest.json", "tokenizer.json"])
 @pytest.mark.parametrize("mode", MODES)
 def test_damaged_prepared_data_is_rebuilt(tmp_path, monkeypatch, name, mode):
-    from engram.data import check_prepared, load_manifest, load_split, prepare
+    from engram.training.data import check_prepared, load_manifest, load_split, prepare
 
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path / "cache"))
     corpus = tmp_path / "c.txt"

@@ -6,9 +6,8 @@ import warnings
 import pytest
 import torch
 
-from engram.tables import TableError, write_table_file
+from engram.tables import TableError, disk, write_table_file
 from engram.tables.blocks import PAGE, write_block_sums
-from engram.tables import disk
 from engram.tables.disk import DiskTable
 from engram.tables.files import read_header
 
@@ -122,8 +121,8 @@ def test_truncated_file_is_refused(tmp_path):
 def test_model_served_from_the_disk_tier(tmp_path):
     pytest.importorskip("transformers")
     from engram.model import EngramForCausalLM
-    from engram.presets import tiny
     from engram.tables import Prefetcher, offload_tables
+    from engram.training.presets import tiny
 
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (2, 20))
@@ -143,10 +142,10 @@ def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
     pytest.importorskip("transformers")
     import numpy as np
 
-    from engram.data import Batcher
     from engram.model import EngramForCausalLM
-    from engram.presets import tiny
     from engram.tables import offload_tables, readahead_for
+    from engram.training.data import Batcher
+    from engram.training.presets import tiny
 
     m = EngramForCausalLM(tiny())
     assert readahead_for(m) is None  # tables in the model's parameters: nothing to page in

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("safetensors")
 
 from engram.distributed import ShardedTable, load_sharded, save_sharded  # noqa: E402
-from engram.optim import LazyRowAdam  # noqa: E402
+from engram.training.optim import LazyRowAdam  # noqa: E402
 
 ROWS, DIM, STEPS = 101, 8, 3
 

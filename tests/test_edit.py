@@ -1,4 +1,4 @@
-"""Fact editing (`engram.edit`, `engram edit`): only overlay rows change, locality is exact, overlays apply on
+"""Fact editing (`engram.editing`, `engram edit`): only overlay rows change, locality is exact, overlays apply on
 every table backend, stack in order, refuse another model, and the CLI fails in one line."""
 
 import json
@@ -12,14 +12,26 @@ pytest.importorskip("transformers")
 import engram  # noqa: E402
 from engram.analysis.editing import make_facts  # noqa: E402
 from engram.cli import main  # noqa: E402
-from engram.data import text_windows  # noqa: E402
-from engram.edit import (EditError, Fact, Overlay, apply_overlay, collision_set, conflicts, edit_facts,  # noqa: E402
-                         edit_report, edit_rows, hash_mapping, locality, read_facts)
+from engram.editing import (  # noqa: E402
+    EditError,
+    Fact,
+    Overlay,
+    apply_overlay,
+    collision_set,
+    conflicts,
+    edit_facts,
+    edit_report,
+    edit_rows,
+    hash_mapping,
+    locality,
+    read_facts,
+)
 from engram.manifest import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402
-from engram.train import train  # noqa: E402
+from engram.training.data import text_windows  # noqa: E402
+from engram.training.train import train  # noqa: E402
 
 FACTS = [Fact("the cat sat on", " the dog", ["a cat sat on"], ["It rained. the cat sat on"]),
          Fact("Line 5: the king", " ran"), Fact("the dog ran to the mat", " cat")]
@@ -66,7 +78,7 @@ def test_edit_moves_only_overlay_rows_toward_targets(run):
     assert torch.equal(logits(model, ids), base_logits)  # not applied by edit_facts
     rows = edit_rows(model, tok, FACTS)
     assert {k: v.tolist() for k, v in overlay.rows.items()} == {k: v.tolist() for k, v in rows.items()}
-    with engram.edit.applied(model, overlay):
+    with engram.editing.applied(model, overlay):
         after = [target_logp(model, tok, f) for f in FACTS]
     assert all(a > b + 0.5 for a, b in zip(after, before)), (before, after)
     assert torch.equal(logits(model, ids), base_logits)  # taken off again: the undo
@@ -128,7 +140,7 @@ def test_overlay_round_trip_and_refusals(tmp_path, run, edited):
     root, _ = run
     model, tok, overlay = edited
     ids = torch.tensor([tok.encode("the cat sat on the dog ran to the mat", add_special_tokens=False).ids])
-    with engram.edit.applied(model, overlay):
+    with engram.editing.applied(model, overlay):
         want = logits(model, ids)
     d = overlay.save(tmp_path / "ov")
     fresh, _ = load_model(root / "run")
@@ -156,7 +168,7 @@ def test_overlay_reads_the_same_on_every_backend(tmp_path, run, edited, backend)
     root, _ = run
     model, tok, overlay = edited
     ids = torch.tensor([tok.encode("Line 5: the king sat on the mat", add_special_tokens=False).ids])
-    with engram.edit.applied(model, overlay):
+    with engram.editing.applied(model, overlay):
         want = logits(model, ids)
     other, _ = load_model(root / "run")
     offload_tables(other, backend, tmp_path / "tables")
@@ -179,7 +191,7 @@ def test_overlays_stack_in_order_and_generate_uses_them(run, edited):
     m, _ = load_model(root / "run")
     apply_overlay(m, first)
     apply_overlay(m, second)
-    mhe = engram.edit.engram_layers(m)[lid]
+    mhe = engram.editing.engram_layers(m)[lid]
     assert torch.equal(mhe.table.lookup(r)[0], torch.full((mhe.dim,), -2.0))  # the last overlay wins
     remove_overlays(m)
     apply_overlay(m, overlay)
@@ -204,7 +216,7 @@ def test_edit_on_an_adapter(tmp_path):
     engram.attach(model, [1], tokenizer=tok_file, engram_vocab_size=[211, 223], n_embed_per_ngram=16,
                   n_head_per_ngram=2)
     with torch.no_grad():  # stand-in for a trained adapter: value rows off zero
-        for p in engram.adapter.adapter_of(model).parameters():
+        for p in engram.adapters.adapter_of(model).parameters():
             p.add_(torch.randn(p.shape) * 0.3)
     facts = [Fact("The quick brown fox", " said")]
     before = target_logp(model, tok, facts[0])
@@ -240,7 +252,7 @@ def test_conflicts_and_addressable_facts(edited):
     assert ids[0][-3:] == ids[1][-3:] and ids[0] != ids[1]
     found = conflicts(model, tok, clash)
     assert [c["facts"] for c in found] == [[0, 1]] and found[0]["tokens"] == [" the", " dog"]
-    assert engram.edit.shared_rows(model, tok, clash) == hash_mapping(model).n_head_per_ngram
+    assert engram.editing.shared_rows(model, tok, clash) == hash_mapping(model).n_head_per_ngram
     assert conflicts(model, tok, [Fact("the cat sat on", " the"), Fact("the cat sat on", " the")]) == []  # same target
 
 

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from engram.cli import main  # noqa: E402
 from engram.manifest import MANIFEST, IntegrityError, verify_manifest  # noqa: E402
-from engram.train import train  # noqa: E402
+from engram.training.train import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from engram.train import train
+    from engram.training.train import train
 
     root = tmp_path_factory.mktemp("persist")
     corpus = root / "c.txt"
@@ -136,7 +136,7 @@ def first_weight(model):
 @pytest.mark.parametrize("k", STEPS)
 def test_model_resave_interrupted(tiny_run, tmp_path, crash_at, k):
     from engram.model import load_model
-    from engram.train import save_final
+    from engram.training.train import save_final
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run / "run", run)
@@ -157,8 +157,8 @@ def test_model_resave_interrupted(tiny_run, tmp_path, crash_at, k):
 def test_checkpoint_resave_interrupted(tiny_run, tmp_path, crash_at, k):
     from safetensors.torch import load_file
 
-    from engram.checkpoint import checkpoints, read_checkpoint, save_checkpoint
     from engram.model import load_model
+    from engram.training.checkpoint import checkpoints, read_checkpoint, save_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run / "run", run)
@@ -187,7 +187,7 @@ def tiny_base(vocab):
 @pytest.mark.parametrize("k", STEPS)
 def test_adapter_resave_interrupted(tiny_run, tmp_path, crash_at, k):
     import engram
-    from engram.adapter import adapter_of
+    from engram.adapters import adapter_of
 
     tok = tiny_run / "run" / "final" / "tokenizer.json"
     vocab = len(json.loads(tok.read_text())["model"]["vocab"])
@@ -210,7 +210,7 @@ def test_adapter_resave_interrupted(tiny_run, tmp_path, crash_at, k):
 
 @pytest.mark.parametrize("k", STEPS)
 def test_overlay_resave_interrupted(tmp_path, crash_at, k):
-    from engram.edit import Overlay
+    from engram.editing import Overlay
 
     def overlay(v):
         return Overlay({1: torch.tensor([3, 5])}, {1: torch.full((2, 4), v)}, {"layers": [1], "note": v})
@@ -227,8 +227,8 @@ def test_overlay_resave_interrupted(tmp_path, crash_at, k):
 def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_path):
     """Checkpoints and adapters listed their digests in state.json / engram_adapter.json before 0.2."""
     import engram
-    from engram.adapter import read_adapter_config
-    from engram.checkpoint import CheckpointError, read_checkpoint
+    from engram.adapters import read_adapter_config
+    from engram.training.checkpoint import CheckpointError, read_checkpoint
     from engram.utils import sha256_file
 
     def to_legacy(d, meta_name):

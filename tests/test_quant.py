@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from engram.tables import TableError
-from engram.tables.quant import (QuantTable, dequantize, open_quant_file, quantize_rows, set_table_format,
-                                 write_quant_file)
+from engram.tables.quant import (
+    QuantTable,
+    dequantize,
+    open_quant_file,
+    quantize_rows,
+    set_table_format,
+    write_quant_file,
+)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -81,7 +87,7 @@ def test_the_disk_tier_serves_quantized_files(tmp_path, fmt, direct):
 def test_served_formats_keep_the_model_close(tmp_path):
     pytest.importorskip("transformers")
     from engram.model import EngramForCausalLM
-    from engram.presets import tiny
+    from engram.training.presets import tiny
 
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (2, 24))

@@ -5,11 +5,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engram import presets  # noqa: E402
 from engram.model import EngramForCausalLM  # noqa: E402
-from engram.tables import (InRamTable, MmapTable, Prefetcher, offload_tables, restore_tables,  # noqa: E402
-                           write_table_file)
+from engram.tables import (  # noqa: E402
+    InRamTable,
+    MmapTable,
+    Prefetcher,
+    offload_tables,
+    restore_tables,
+    write_table_file,
+)
 from engram.tables.backends import TableError  # noqa: E402
+from engram.training import presets  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +99,7 @@ def test_attached_prefetcher_in_generate_matches_plain_generate(inline_below, mo
 
 # ---------------------------------------------------------------------------- training with offloaded tables
 def _train_steps(model, steps=4, seed=1, fused=True):
-    from engram.optim import build_optimizers
+    from engram.training.optim import build_optimizers
 
     opts = build_optimizers(model, lr=3e-3, fused=fused)
     g = torch.Generator().manual_seed(seed)
@@ -117,7 +123,7 @@ def test_every_backend_trains_like_the_in_ram_parameter(tmp_path, backend, cache
     """Same losses, same final rows and moments as nn.Embedding + LazyRowAdam (CPU, fp32)."""
     if fused:
         pytest.importorskip("numba")
-    from engram.optim import LazyRowAdam, TableAdam
+    from engram.training.optim import LazyRowAdam, TableAdam
 
     torch.manual_seed(0)
     ref = EngramForCausalLM(presets.tiny())
@@ -162,12 +168,12 @@ def test_mmap_journal_rolls_back_a_killed_write(tmp_path):
     tb.write_rows(rows[:50], torch.zeros(50, 8), torch.zeros(50, 8), torch.zeros(50, 8))
     tb.write_rows(rows, torch.full((100, 8), 7.0), torch.ones(100, 8), torch.ones(100, 8))
     # killed in the middle of the next write: its journal entry is complete, half its rows are written
-    tb._journal_append(torch.arange(1, 300, 3))
+    tb.journal.append(torch.arange(1, 300, 3), *tb._snapshot(torch.arange(1, 300, 3)))
     tb.weight[1:150:3] = -5.0
     tb.flush()
     # ... and a torn entry at the journal's end (the kill landed while appending; its rows were never written)
     jsize = tb.journal_path.stat().st_size
-    tb._journal_append(torch.arange(2, 300, 3))
+    tb.journal.append(torch.arange(2, 300, 3), *tb._snapshot(torch.arange(2, 300, 3)))
     tb.close()
     with open(tb.journal_path, "r+b") as fh:
         fh.truncate(jsize + 100)
@@ -212,10 +218,10 @@ def test_journal_ahead_takes_the_entries_off_the_step_and_still_rolls_back(tmp_p
     tb.write_rows(batches[0], torch.zeros(len(batches[0]), 8), torch.ones(len(batches[0]), 8),
                   torch.ones(len(batches[0]), 8))
     assert tb.journal_path.stat().st_size == size  # the step found its rows journaled: no entry, no fsync
-    assert tb._synced == tb._written  # ... and durable
-    stale = tb._journal
+    assert tb.journal.synced == tb.journal.written  # ... and durable
+    stale = tb.journal.file
     tb.commit(0)  # a checkpoint replaces the journal while a pipeline thread's fsync of the old one is pending:
-    tb._sync(stale, 1 << 40)  # that fsync has nothing left to do (not an error on the closed file)
+    tb.journal.sync(stale, 1 << 40)  # that fsync has nothing left to do (not an error on the closed file)
     at0 = (tb.weight.clone(), tb.exp_avg.clone(), tb.exp_avg_sq.clone())
     with ThreadPoolExecutor(1) as pipeline:
         for i in range(1, len(batches) - 1):  # step i writes batch i while the pipeline journals batch i + 1

@@ -11,11 +11,18 @@ pytest.importorskip("transformers")
 
 from conftest import run_cli  # noqa: E402
 
-from engram.data import Batcher, DataError, local_documents, prepare, split_documents, strip_gutenberg  # noqa: E402
-from engram.optim import LazyRowAdam, warmup_cosine  # noqa: E402
 from engram.config import ConfigError  # noqa: E402
-from engram.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from engram.train import train  # noqa: E402
+from engram.training.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
+from engram.training.data import (  # noqa: E402
+    Batcher,
+    DataError,
+    local_documents,
+    prepare,
+    split_documents,
+    strip_gutenberg,
+)
+from engram.training.optim import LazyRowAdam, warmup_cosine  # noqa: E402
+from engram.training.train import train  # noqa: E402
 
 WORDS = ("the king queen horse great alexander tame could only bucephalus denmark prince ghost father "
          "mother sword crown night day love death").split()
@@ -259,8 +266,8 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(corpus, tmp_path, monkeypatch
     import os
     import signal
 
-    from engram.optim import LazyRowAdam
-    from engram.checkpoint import checkpoints
+    from engram.training.checkpoint import checkpoints
+    from engram.training.optim import LazyRowAdam
 
     kw = dict(data=[str(corpus)], progress=False, max_steps=8, overrides={"ckpt_every": 100})
     found = signal.getsignal(signal.SIGINT)  # SIG_IGN when started from a background shell job, else Python's
@@ -366,8 +373,8 @@ def test_sharded_checkpoints_resume_at_another_world_size(corpus, tmp_path, free
 
 
 def test_no_engram_and_iso_param_baselines(corpus, tmp_path):
-    from engram import presets
-    from engram.data import load_manifest
+    from engram.training import presets
+    from engram.training.data import load_manifest
 
     m = load_manifest(prepare([str(corpus)], "bpe:512", progress=False))
     eng = presets.model_for("tiny", m["vocab_size"], m["pad_id"], m["tokenizer_file"])

@@ -3,12 +3,19 @@
     from engram import EngramConfig, BackBoneConfig, NgramHashMapping, Engram
 """
 
-from .config import BackBoneConfig, ConfigError, EngramConfig, TrainConfig, load_config, save_config
+from .config import (
+    BackBoneConfig,
+    ConfigError,
+    EngramConfig,
+    TrainConfig,
+    load_config,
+    save_config,
+)
 from .hashing import HashInputError, NgramHashMapping, get_hash_mapping
 from .memory import Engram, MultiHeadEmbedding, ShortConv
 from .tokenizer import CompressedTokenizer, TokenizerError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
 _ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")
@@ -22,13 +29,13 @@ def __getattr__(name):
 
         return getattr(model, name)
     if name in _ADAPTER_NAMES:
-        from . import adapter
+        from . import adapters
 
-        return getattr(adapter, name)
+        return getattr(adapters, name)
     if name in _EDIT_NAMES:
-        from . import edit
+        from . import editing
 
-        return getattr(edit, name)
+        return getattr(editing, name)
     raise AttributeError(f"module 'engram' has no attribute {name!r}")
 
 

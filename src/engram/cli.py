@@ -19,10 +19,10 @@ from pathlib import Path
 
 from .api import ApiError, chat, crosscheck, load_settings
 from .config import BackBoneConfig, ConfigError, EngramConfig, TrainConfig, load_config
-from .data import load_manifest, load_sources, prepare, split_documents
 from .hashing import get_hash_mapping
-from .presets import PRESETS, TRAIN_PRESETS, train_config
 from .tokenizer import bos_id, encode, load_tokenizer, train_bpe
+from .training.data import load_manifest, load_sources, prepare, split_documents
+from .training.presets import PRESETS, TRAIN_PRESETS, train_config
 
 DEMO_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
 
@@ -113,7 +113,7 @@ def cmd_train(args) -> int:
         from .distributed.launch import launch
 
         return launch(sys.argv[1:], args.nproc, args.data, tcfg.tokenizer)
-    from .train import train
+    from .training.train import train
 
     summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
                     use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
@@ -132,7 +132,7 @@ def _load_for_inference(args):
     if args.base:
         if args.checkpoint:
             raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
-        from .adapt import load_with_adapter
+        from .training.adapt import load_with_adapter
 
         return load_with_adapter(args.base, args.adapter)
     if args.adapter:
@@ -150,7 +150,7 @@ def _with_overlays(model, overlays, table_format=None):
     against the model's own rows first, then applied in front of the converted tables)."""
     loaded = []
     if overlays:
-        from .edit import Overlay, check_overlay, model_digest
+        from .editing import Overlay, check_overlay, model_digest
 
         loaded = [Overlay.load(d) for d in overlays]
         digest = model_digest(model)  # (hashes the dense weights: once for all overlays)
@@ -161,7 +161,7 @@ def _with_overlays(model, overlays, table_format=None):
 
         set_table_format(model, table_format)
     if loaded:
-        from .edit import apply_overlay
+        from .editing import apply_overlay
 
         for o in loaded:
             apply_overlay(model, o, check=False)
@@ -169,8 +169,8 @@ def _with_overlays(model, overlays, table_format=None):
 
 
 def cmd_edit(args) -> int:
-    from .data import text_windows
-    from .edit import edit_facts, edit_report, print_report, read_facts
+    from .editing import edit_facts, edit_report, print_report, read_facts
+    from .training.data import text_windows
 
     if args.out and Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
@@ -192,7 +192,7 @@ def cmd_edit(args) -> int:
 
 
 def cmd_adapt(args) -> int:
-    from .adapt import adapt
+    from .training.adapt import adapt
 
     overrides = TrainConfig.parse_overrides(args.set or [])
     if args.table_backend:
@@ -226,7 +226,7 @@ def _engram_options(items: list[str]) -> dict:
 def cmd_eval(args) -> int:
     import math
 
-    from .train import evaluate_text
+    from .training.train import evaluate_text
 
     model, tok = _load_for_inference(args)
     _with_overlays(model, args.overlay, args.table_format)
@@ -240,7 +240,7 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from .adapter import generation_pad_id
+    from .adapters import generation_pad_id
 
     model, tok = _load_for_inference(args)
     _with_overlays(model, args.overlay, args.table_format)

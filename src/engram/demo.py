@@ -94,8 +94,8 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
         engrams = [b.engram for b in model.blocks if b.engram is not None]
         blocks = "attention/MoE inside blocks are pass-through mocks (as in the reference demo)"
     else:
-        from . import presets
         from .model import EngramForCausalLM
+        from .training import presets
 
         cfg = presets.demo(vocab_size=backbone_cfg.vocab_size, hidden_size=backbone_cfg.hidden_size,
                            num_hidden_layers=backbone_cfg.num_layers, hc_mult=backbone_cfg.hc_mult,

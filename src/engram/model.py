@@ -9,7 +9,8 @@ Block (0-based index i; Engram at `engram.layer_ids`, added before attention as 
     x = HC_ffn (x, lambda u: FFN(RMSNorm(u)))
 
 Hugging Face integration: `EngramLMConfig(PretrainedConfig)`, `EngramForCausalLM(PreTrainedModel,
-GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram-torch[hf]'`.
+GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram-torch[hf]'`. The config lives
+in `model_config.py`, the decoding state a KV cache carries in `cache.py`.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedModel,
+)
 from transformers import initialization as hf_init
-from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import BackBoneConfig, ConfigError, EngramConfig
+from .cache import EngramCache, NgramHistory, with_ngram_history  # noqa: F401  (public here too)
+from .config import ConfigError
 from .hashing import get_hash_mapping
 from .hyper import HyperConnection
 from .manifest import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
+from .model_config import EngramLMConfig
 from .persist import read_json, recover_dir
 from .tokenizer import load_tokenizer
 
@@ -41,71 +48,6 @@ SPEC_FILE = "engram_hash_spec.json"
 # transformers 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to
 # `cache`; the supported range (>= 5.0) has either. Decided once here, never in a class body.
 CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
-
-
-class EngramLMConfig(PretrainedConfig):
-    """Sizes of the host model plus the embedded `EngramConfig` (as a dict under `engram`).
-
-    ffn: "mlp" (SwiGLU) or "moe" (shared + routed top-k experts, auxiliary-loss-free balancing).
-    The shared experts form one SwiGLU of width `shared_intermediate_size` (default
-    `moe_intermediate_size * n_shared_experts`; the allocation experiment trims it to hold the
-    activated parameters fixed).
-    hc_mult: residual streams (1 = plain residual, >1 = mHC). use_engram: False builds the same
-    backbone without Engram (the iso-FLOP baseline).
-    """
-
-    model_type = "engram"
-
-    def __init__(self, vocab_size=129280, hidden_size=1024, num_hidden_layers=30, num_attention_heads=16,
-                 num_key_value_heads=None, intermediate_size=None, ffn="mlp", n_routed_experts=8, n_shared_experts=1,
-                 num_experts_per_tok=2, moe_intermediate_size=None, moe_bias_update_speed=1e-3,
-                 shared_intermediate_size=None, hc_mult=4,
-                 sinkhorn_iters=20, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                 use_engram=True, engram=None, tie_word_embeddings=False, pad_token_id=2, **kwargs):
-        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.intermediate_size = intermediate_size or 4 * hidden_size
-        self.ffn, self.n_routed_experts, self.n_shared_experts = ffn, n_routed_experts, n_shared_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        self.moe_intermediate_size = moe_intermediate_size or hidden_size
-        self.moe_bias_update_speed = moe_bias_update_speed
-        self.shared_intermediate_size = (self.moe_intermediate_size * n_shared_experts
-                                         if shared_intermediate_size is None else shared_intermediate_size)
-        self.hc_mult, self.sinkhorn_iters = hc_mult, sinkhorn_iters
-        self.rope_theta, self.max_position_embeddings, self.rms_norm_eps = rope_theta, max_position_embeddings, rms_norm_eps
-        self.use_engram = use_engram
-        ecfg = engram if isinstance(engram, EngramConfig) else EngramConfig.from_dict(engram or {})
-        self.engram = ecfg.to_dict()
-        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self.validate_sizes()
-
-    @property
-    def engram_config(self) -> EngramConfig:
-        return EngramConfig.from_dict(self.engram)
-
-    @property
-    def backbone_config(self) -> BackBoneConfig:
-        return BackBoneConfig(hidden_size=self.hidden_size, hc_mult=self.hc_mult, vocab_size=self.vocab_size,
-                              num_layers=self.num_hidden_layers)
-
-    def validate_sizes(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
-                              f"({self.num_attention_heads})")
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ConfigError("head dim (hidden_size // num_attention_heads) must be even for RoPE")
-        if self.ffn not in ("mlp", "moe"):
-            raise ConfigError(f"ffn must be 'mlp' or 'moe', got {self.ffn!r}")
-        if self.ffn == "moe" and not 0 < self.num_experts_per_tok <= self.n_routed_experts:
-            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, n_routed_experts="
-                              f"{self.n_routed_experts}]")
-        bad = [i for i in self.engram_config.layer_ids if i >= self.num_hidden_layers]
-        if self.use_engram and bad:
-            raise ConfigError(f"engram layer_ids {bad} are outside [0, {self.num_hidden_layers}) "
-                              f"(num_hidden_layers={self.num_hidden_layers}); ids are 0-based block indices")
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -315,77 +257,6 @@ class EngramModel(nn.Module):
         for layer in self.layers:
             x = layer(x, pos, cache, self.rows_for(layer, hash_ids, engram_rows), self.engram_scale, gates)
         return self.norm(x.mean(dim=2))  # (B, T, D)
-
-
-class NgramHistory:
-    """What Engram needs in a KV cache besides keys and values to decode token by token (a mixin for a
-    transformers `Cache`): the last N-1 token ids (the next token's n-grams reach back into them) and,
-    per Engram layer, the short conv's inputs at the last (K-1)*dilation positions (`engram_state`).
-
-    Beam search and batch edits reorder both with the keys and values. `with_ngram_history(cache)`
-    gives a plain `DynamicCache` (e.g. one `generate()` made) these fields in place. Steps decoded
-    with Engram switched off (`engram_scale=0`) keep their ids but leave no conv inputs: a later
-    step with Engram on reads the conv inputs of the last step that ran it.
-    """
-
-    ngram_history: torch.Tensor | None = None  # (B, <= N-1) int64
-
-    def push_ngram_history(self, input_ids: torch.Tensor, keep: int) -> None:
-        ctx = input_ids if self.ngram_history is None else torch.cat([self.ngram_history, input_ids], dim=1)
-        self.ngram_history = ctx[:, -keep:] if keep > 0 else ctx[:, :0]
-
-    def engram_state(self, layer_id: int) -> dict:
-        """Engram layer `layer_id`'s incremental-decoding state (see `Engram.forward`)."""
-        return self.__dict__.setdefault("_engram_states", {}).setdefault(int(layer_id), {})
-
-    def _map_engram(self, fn) -> None:
-        if self.ngram_history is not None:
-            self.ngram_history = fn(self.ngram_history)
-        for st in self.__dict__.get("_engram_states", {}).values():
-            for k, t in st.items():
-                st[k] = fn(t)
-
-    def clear_engram(self) -> None:
-        """Forget the id history and conv states (the keys and values are the caller's)."""
-        self.ngram_history = None
-        self.__dict__.pop("_engram_states", None)
-
-    def reset(self):
-        super().reset()
-        self.clear_engram()
-
-    def reorder_cache(self, beam_idx):
-        super().reorder_cache(beam_idx)
-        self._map_engram(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int):
-        super().batch_repeat_interleave(repeats)
-        self._map_engram(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices):
-        super().batch_select_indices(indices)
-        self._map_engram(lambda t: t[indices])
-
-
-class EngramCache(NgramHistory, DynamicCache):
-    """The KV cache plus Engram's decoding state (`NgramHistory`).
-
-    `generate()` creates one; pass one yourself (`past_key_values=EngramCache()`) for manual decoding.
-    """
-
-
-_HISTORY_CLASSES: dict[type, type] = {}
-
-
-def with_ngram_history(cache):
-    """Give a transformers cache Engram's decoding state in place (its class gains `NgramHistory`); returns it."""
-    if isinstance(cache, NgramHistory):
-        return cache
-    cls = type(cache)
-    if cls not in _HISTORY_CLASSES:
-        _HISTORY_CLASSES[cls] = type(f"Engram{cls.__name__}", (NgramHistory, cls), {"__module__": __name__})
-    cache.__class__ = _HISTORY_CLASSES[cls]
-    return cache
 
 
 @dataclass

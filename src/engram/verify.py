@@ -33,15 +33,15 @@ def verify_path(path) -> list[tuple[str, str, str]]:
             out.append((what, "BAD", f"{str(e).splitlines()[0]}; {fix}" if fix else str(e).splitlines()[0]))
 
     if (p / "engram_adapter.json").is_file():
-        from .adapter import read_adapter_config
+        from .adapters import read_adapter_config
 
         check(f"adapter {p}", lambda: read_adapter_config(p), "save the adapter again or re-download it")
     elif (p / "overlay.json").is_file():
-        from .edit import Overlay
+        from .editing import Overlay
 
         check(f"overlay {p}", lambda: Overlay.load(p), "")
     elif (p / "state.json").is_file():
-        from .checkpoint import read_checkpoint
+        from .training.checkpoint import read_checkpoint
 
         check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
     elif (p / MANIFEST).is_file() or (p / "config.json").is_file():

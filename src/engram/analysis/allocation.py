@@ -103,7 +103,7 @@ class Variant:
 def _config(preset: str, overrides: dict, use_engram: bool):
     """The model config a run of this variant trains (`presets.model_for`, the trainer's own merge of
     overrides), with the preset's vocabulary and tokenizer: those are the same in every variant."""
-    from ..presets import get_preset, model_for
+    from ..training.presets import get_preset, model_for
 
     proto = get_preset(preset).model()
     return model_for(preset, proto.vocab_size, proto.pad_token_id, proto.engram["tokenizer_name_or_path"],
@@ -274,7 +274,7 @@ def close_neighbours(table: dict, order: list[str]) -> set[str]:
 def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | None = None, progress: bool = True,
         scale: str = "cpu", data: list[str] | None = None, third_seed: bool = True) -> dict:
     """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png."""
-    from ..presets import train_config
+    from ..training.presets import train_config
 
     sc = _scale(scale)
     root = Path(out) / "allocation" if scale == "cpu" else Path(out) / f"allocation-{scale}"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..edit import Fact, Overlay, edit_facts, edit_report, read_facts, score
+from ..editing import Fact, Overlay, edit_facts, edit_report, read_facts, score
 from ..utils import atomic_write_bytes
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",
@@ -114,8 +114,8 @@ def base_model(root: Path, checkpoint: str | None, progress: bool) -> Path:
         return Path(checkpoint)
     run = root / "base"
     if not (run / "final" / "config.json").is_file():
-        from ..checkpoint import checkpoints
-        from ..train import train
+        from ..training.checkpoint import checkpoints
+        from ..training.train import train
 
         _say(progress, f"[edit] training the cpu-small model -> {run}")
         train("cpu-small", out=run, resume=bool(checkpoints(run)), progress=progress)
@@ -145,9 +145,9 @@ def _finetune_model(model, method: str):
 def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, windows, max_steps: int = 400,
              progress: bool = True) -> dict:
     """Teach `facts` by fine-tuning (`method` full | lora) until greedy decoding produces `goal` targets."""
-    from ..edit import _batch, _sequences, _target_logprobs
+    from ..editing.optimize import _batch, _sequences, _target_logprobs
     from ..model import load_model
-    from ..train import evaluate
+    from ..training.train import evaluate
 
     base, tok = load_model(model_dir)
     val_before = evaluate(base, windows, 16, torch.device("cpu"))
@@ -193,8 +193,8 @@ def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, windows
 # ------------------------------------------------------------------------------------------ the experiment
 def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 50, seed: int = 0,
         max_windows: int = 128, progress: bool = True) -> dict:
-    from ..data import text_windows
     from ..model import load_model
+    from ..training.data import text_windows
 
     root = Path(out) / "edit"
     root.mkdir(parents=True, exist_ok=True)

@@ -32,13 +32,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from ..config import ConfigError
-from ..data import eval_windows, load_split
 from ..model import EngramForCausalLM
-from ..presets import get_preset
+from ..training.data import eval_windows, load_split
+from ..training.presets import get_preset
 from ..utils import atomic_write_bytes
 from .runs import seed_stats, trained_run
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import eval_windows, load_split
 from ..tokenizer import load_tokenizer
+from ..training.data import eval_windows, load_split
 from .experiments import frequent_ngram_mask
 
 FUNCTION_WORDS = set("""a an the and or but if of to in on at by for with from as is are was were be been am it its

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import checkpoints
+from ..training.checkpoint import checkpoints
 from ..utils import atomic_write_bytes
 from .runs import seed_stats
 
@@ -53,9 +53,9 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
     """The base model folder (config, weights, tokenizer.json): a random Llama pretrained on Shakespeare."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..adapt import adapt
-    from ..data import load_manifest, prepare
     from ..tokenizer import load_tokenizer
+    from ..training.adapt import adapt
+    from ..training.data import load_manifest, prepare
 
     run = root / "base"
     final = run / "final"
@@ -79,8 +79,8 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
 def lora_rank_matching_engram(base: Path) -> tuple[int, int, int]:
     """(rank, LoRA params per rank, Engram adapter dense params): the LoRA rank whose trainable parameters
     come closest to the Engram adapter's dense (non-table) ones."""
-    from .. import adapter as ad
-    from ..adapt import load_base
+    from .. import adapters as ad
+    from ..training.adapt import load_base
 
     model, tok = load_base(base)
     ad.attach(model, LAYERS, tokenizer=tok, **ENGRAM)
@@ -108,8 +108,8 @@ def _step_ms(run_dir: Path, batch_tokens: int) -> float:
 
 def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | None = None,
         pretrain_steps: int | None = None, progress: bool = True) -> dict:
-    from ..adapt import evaluate_on, load_base
     from ..config import TrainConfig
+    from ..training.adapt import evaluate_on, load_base
 
     root = Path(out) / "retrofit"
     root.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def _plot(s: dict, path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # one run: engram.adapt.adapt(**json) (see _adapt_in_subprocess)
-    from ..adapt import adapt as _adapt
+if __name__ == "__main__":  # one run: engram.training.adapt.adapt(**json) (see _adapt_in_subprocess)
+    from ..training.adapt import adapt as _adapt
 
     _adapt(**json.loads(sys.argv[1]))

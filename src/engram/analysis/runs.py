@@ -18,8 +18,8 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
                 overrides: dict | None = None, **train_kw) -> dict:
     """Train `preset` into `run_dir` with `seed` (unless it finished; resuming a checkpointed one) and
     return `{"seed", "run_dir", **summary.json, "metrics"}`. `label` prefixes the progress line."""
-    from ..checkpoint import checkpoints
-    from ..train import read_metrics, train
+    from ..training.checkpoint import checkpoints
+    from ..training.train import read_metrics, train
 
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import load_manifest, load_split, prepare
 from ..hashing import layer_multipliers, next_unused_prime
 from ..tokenizer import CompressedTokenizer, load_tokenizer
+from ..training.data import load_manifest, load_split, prepare
 
 
 def compression_report(ct, tokenizer, top: int = 5) -> dict:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..memory import is_table_key
-from ..tables.backends import MmapTable, new_table_file, table_file
+from ..tables.backends import MmapTable
 from ..tables.base import find_tables, install, uninstall
+from ..tables.files import new_table_file, table_file
 from .sharded import ShardedTable, gather_full, shard_range
 
 
@@ -117,7 +118,10 @@ class DistContext:
         """Dense weights (no Engram tables) as full CPU tensors. Collective under FSDP2 (call on every rank;
         only rank 0 receives them there)."""
         if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
@@ -127,7 +131,10 @@ class DistContext:
     def load_dense_state_dict(self, model, sd: dict):
         """Load full dense weights; returns (missing, unexpected) keys like `load_state_dict(strict=False)`."""
         if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
 
             return set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
         return model.load_state_dict(sd, strict=False)
@@ -140,7 +147,10 @@ class DistContext:
         """`opt.state_dict()` in torch's index layout, with full tensors (collective under FSDP2; rank 0 gets it)."""
         if not self.fsdp:
             return opt.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not osd:  # with cpu_offload only rank 0 receives the full state
@@ -153,7 +163,10 @@ class DistContext:
         if not self.fsdp:
             opt.load_state_dict(sd)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         order = self._order(model, opt)
         osd = {"state": {order[int(i)]: st for i, st in sd["state"].items()},

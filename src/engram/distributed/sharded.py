@@ -12,7 +12,7 @@ to their owners and arrive as a sparse COO gradient of the local shard, so `Lazy
 data-parallel training). Checkpoints store each shard with its global row range, so they load at
 another world size. `local_table=` keeps this rank's rows in a trainable `engram.tables` table (a
 journaled memory-mapped file) instead of a parameter: gradients then go to its `add_grad` and
-`engram.optim.TableAdam` updates them.
+`engram.training.optim.TableAdam` updates them.
 """
 
 from __future__ import annotations

@@ -299,7 +299,9 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     Returns the model.
     """
     import math
-    from ..tables.backends import InRamTable, MmapTable, table_file, tensor_entry, write_safetensors
+
+    from ..tables.backends import InRamTable, MmapTable
+    from ..tables.files import table_file, tensor_entry, write_safetensors
 
     if backend not in ("ram", "mmap", "disk"):
         raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")

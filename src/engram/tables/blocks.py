@@ -31,13 +31,19 @@ import torch
 from .._numba import LazyKernels
 from ..manifest import UnverifiedWarning
 from .base import TableError
-from .files import row_span
 
 SUFFIX = ".blocks"
 MAGIC = b"ENGBLK01"
 BLOCK_BYTES = 1 << 16
 PAGE = 4096  # block size of the disk tier's files (`write_safetensors(page_blocks=True)`): one page per cold row
 FIX = "re-create the table file (engram train/serve writes it again) or re-download it"
+
+
+def row_span(rows, row_bytes: int, offset: int, unit: int):
+    """(first, last) `unit`-sized piece (page, checksum block) of the file holding each of `rows` (N,) of a
+    tensor whose row 0 starts at byte `offset`: a row may straddle two."""
+    start = rows * row_bytes + offset  # (N,) first byte of each row
+    return start // unit, (start + row_bytes - 1) // unit
 
 
 def _build_kernels():

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from .._numba import LazyKernels
-from .blocks import PAGE, BlockVerifier
-from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor, row_span
-from .files import read_header as _read_header
 from .base import Table, TableError
+from .blocks import PAGE, BlockVerifier, row_span
+from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
+from .files import read_header as _read_header
 
 
 def _build_kernels():

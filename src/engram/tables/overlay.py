@@ -5,7 +5,7 @@
 
 An overlay never writes the table: the base file, parameter or shard stays as it was, and removing
 the overlay (`remove_overlays`) is the undo. Overlays stack: each wraps the previous table, so the
-last one applied wins on a row both change. `engram.edit` builds overlays (`edit_facts`) and checks
+last one applied wins on a row both change. `engram.editing` builds overlays (`edit_facts`) and checks
 that one fits a model (`apply_overlay`); this module only puts them behind layers.
 
 With `values` a trainable tensor, the substitution is differentiable in `values` and nothing else:

@@ -166,7 +166,7 @@ def quant_error(w: torch.Tensor, fmt: str) -> dict:
 def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str, page_blocks: bool = False):
     """A quantized table file: safetensors with `codes` (N, d) and `scales` (N,), format in the metadata,
     and block checksums (`tables/blocks.py`; `page_blocks=True` for the disk tier, as `write_safetensors`)."""
-    from .backends import tensor_entry, write_safetensors
+    from .files import tensor_entry, write_safetensors
 
     return write_safetensors(path, [tensor_entry("codes", codes), tensor_entry("scales", scales)],
                              {"format": "engram-quant-table", "quant": fmt}, block_sums=True, page_blocks=page_blocks)

@@ -7,12 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 
 
 def tiny(**overrides):
     """Tests: hidden 32, 2 layers, 4 streams, small tables; a forward takes milliseconds on CPU."""
-    from .model import EngramLMConfig
+    from ..model import EngramLMConfig
 
     kw = dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, hc_mult=4, max_position_embeddings=256,
@@ -25,7 +25,7 @@ def tiny(**overrides):
 def demo(**overrides):
     """The tutorial's config with real blocks: 30 layers, hidden 1024, 4 mHC streams, dense SwiGLU FFN,
     Engram at [1, 15] with 2 x 10.3M-row tables stored in bfloat16."""
-    from .model import EngramLMConfig
+    from ..model import EngramLMConfig
 
     kw = dict(vocab_size=129280, hidden_size=1024, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=4,
               intermediate_size=2048, hc_mult=4, ffn="mlp", engram=dict(table_dtype="bfloat16"))
@@ -38,7 +38,7 @@ def cpu_small(**overrides):
     """~10 minutes on 2 CPU cores: hidden 256, 4 layers, SwiGLU 768, plain residual (mHC costs ~+80% step
     time in eager PyTorch on a CPU at this size: `benchmarks/bench_backbone.py`), one Engram layer at
     block 1 with 2 orders x 4 heads x ~65k rows x 32 dims (16.8M table parameters), conv zero-init."""
-    from .model import EngramLMConfig
+    from ..model import EngramLMConfig
 
     kw = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
               intermediate_size=768, hc_mult=1, max_position_embeddings=1024, pad_token_id=1,
@@ -51,7 +51,7 @@ def cpu_small(**overrides):
 def exp(**overrides):
     """Evidence experiments (`engram experiment`): hidden 128, 4 layers, plain residual, one Engram
     layer at block 1 with 2 orders x 4 heads x ~20k rows x 16 dims; ~1-2 minutes per run on 2 cores."""
-    from .model import EngramLMConfig
+    from ..model import EngramLMConfig
 
     kw = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
               intermediate_size=384, hc_mult=1, max_position_embeddings=512, pad_token_id=1,
@@ -119,7 +119,7 @@ def _engram_param_count(cfg) -> int:
     """Parameters an Engram-enabled config spends on Engram, counted on a meta-device model (no memory)."""
     import torch
 
-    from .model import EngramForCausalLM
+    from ..model import EngramForCausalLM
 
     with torch.device("meta"):
         model = EngramForCausalLM(cfg)

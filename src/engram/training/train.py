@@ -31,20 +31,40 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..config import ConfigError, TrainConfig
+from ..distributed.parallel import DistContext
+from ..manifest import write_manifest
+from ..memory import defer_table_allocation, is_table_key
+from ..model import EngramForCausalLM, update_expert_bias
+from ..persist import atomic_write_bytes, read_json, replace_dir, temp_dir_for
+from ..tables import (
+    TableError,
+    installed_tables,
+    offload_tables,
+    readahead_for,
+    table_entries,
+    table_file,
+    write_safetensors,
+)
+from ..tables.base import find_tables
+from ..utils import peak_rss_mib
 from . import presets
-from .checkpoint import CheckpointError, checkpoints, durable_tables, load_checkpoint, save_checkpoint
-from .config import ConfigError, TrainConfig
-from .data import Batcher, eval_windows, load_manifest, load_split, prepare, text_windows
-from .distributed.parallel import DistContext
-from .manifest import write_manifest
-from .memory import defer_table_allocation, is_table_key
-from .model import EngramForCausalLM, update_expert_bias
+from .checkpoint import (
+    CheckpointError,
+    checkpoints,
+    durable_tables,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .data import (
+    Batcher,
+    eval_windows,
+    load_manifest,
+    load_split,
+    prepare,
+    text_windows,
+)
 from .optim import build_optimizers, split_params, warmup_cosine
-from .tables import (TableError, installed_tables, offload_tables, readahead_for, table_entries, table_file,
-                     write_safetensors)
-from .tables.base import find_tables
-from .persist import atomic_write_bytes, read_json, replace_dir, temp_dir_for
-from .utils import peak_rss_mib
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -176,7 +196,7 @@ class Run:
     progress: bool = True
     only_trainable: bool = False  # checkpoints hold the trainable parameters only (adapters: the base is frozen)
     write_final: object = None  # model -> final folder; None: save_final (an EngramForCausalLM)
-    counts: dict = None  # adapter runs: parameter counts (engram.adapter.trainable_summary)
+    counts: dict = None  # adapter runs: parameter counts (engram.adapters.trainable_summary)
 
     @property
     def metrics_path(self) -> Path:

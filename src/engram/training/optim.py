@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from . import _fastadam
-from .memory import is_table_key
-from .tables.base import installed_tables, row_grads
+from .. import _fastadam
+from ..memory import is_table_key
+from ..tables.base import installed_tables, row_grads
 
 
 def _step_size(lr: float, b1: float, b2: float, step: float) -> float:

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError, TrainConfig
+from ..distributed.parallel import DistContext
+from ..manifest import write_manifest
+from ..persist import atomic_write_bytes, replace_dir, temp_dir_for
 from .checkpoint import CheckpointError, durable_tables
-from .config import ConfigError, TrainConfig
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
-from .distributed.parallel import DistContext
-from .manifest import write_manifest
-from .persist import atomic_write_bytes, replace_dir, temp_dir_for
 
 METHODS = ("engram", "lora", "lora+engram", "full")
 # Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
@@ -62,8 +62,8 @@ def load_base(base: str | os.PathLike, device=None):
 def load_with_adapter(base, adapter=None, device=None):
     """(model in eval mode, `tokenizers` tokenizer): the base, with the adapter in `adapter` when given (an
     Engram adapter folder, a PEFT LoRA folder, or a run dir whose final/ holds either)."""
-    from .adapter import CONFIG_FILE, load_adapter
-    from .tokenizer import load_tokenizer
+    from ..adapters import CONFIG_FILE, load_adapter
+    from ..tokenizer import load_tokenizer
 
     model, tok_file = load_base(base, device)
     if adapter is not None:
@@ -97,7 +97,7 @@ def _layers(spec, n_layers: int) -> list[int]:
 
 
 def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
-    from .adapter import save_adapter
+    from ..adapters import save_adapter
 
     final = run_dir / "final"
     if method in ("engram", "lora+engram"):
@@ -114,9 +114,9 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
           unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
           overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True):
     """Settings, data, run dir, model (adapter attached / LoRA / unfrozen) and optimizers of an adapt run."""
-    from . import adapter as ad
+    from .. import adapters as ad
+    from ..tables import offload_tables, table_file
     from .optim import build_optimizers, split_params
-    from .tables import offload_tables, table_file
     from .train import Run, setup_run
 
     if method not in METHODS:

@@ -1,0 +1,63 @@
+"""Engram memory adapters on pretrained `transformers` causal LMs: attach, detach, save, load.
+
+    model = AutoModelForCausalLM.from_pretrained("path/to/qwen3")
+    engram.attach(model, layer_ids=[1], tokenizer="path/to/qwen3")   # exact: same logits as before
+    ... train (engram adapt, or engram.training.optim.build_optimizers on the trainable params) ...
+    engram.save_adapter(model, "out/adapter")                        # only what attach added
+    engram.load_adapter(AutoModelForCausalLM.from_pretrained(...), "out/adapter")
+    engram.detach(model)                                             # the base, untouched
+
+Where the memory goes: in front of decoder layer i the residual stream becomes
+`h + Engram_i(h, rows_i)`, `rows_i` looked up from layer i's table for the n-gram hash ids of the
+call's tokens (compressed with the base model's own tokenizer). Two forward pre-hooks do it: one on
+the module that owns the layer list (it sees `input_ids` and the KV cache: hashes once per call), one
+on each chosen layer (it adds the delta). The model's code is not modified; `detach` removes both.
+
+Exact at attach: the value rows of every layer's fused projection (`kv_proj.weight[:D]`, `kv_proj.bias[:D]`)
+start at zero, so the value, the gated value, its short conv (RMSNorm(0) = 0, SiLU(0) = 0) and the delta
+are exactly 0.0 and the logits equal the base's bit for bit. The tables keep their N(0, 1) init and the
+keys their default init, so the first step already moves the value rows (the gradient of a zero-initialized
+LoRA B, the same idea); the tables' gradients flow from the second step on.
+
+Decoding: the cache (`generate()`'s, or one passed in) carries Engram's state (the last N-1 ids and each
+layer's short-conv inputs; `engram.cache.NgramHistory`), so cached decoding equals full recomputes.
+
+Files: `introspect.py` (finding a base's layers, tokenizer and fingerprint), `hooks.py` (the adapter module and
+its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save, load).
+"""
+
+from .hooks import EngramAdapter, adapter_of
+from .introspect import (
+                         LAYER_LISTS,
+                         AdapterError,
+                         base_fingerprint,
+                         compressed_tokenizer,
+                         default_options,
+                         find_layers,
+                         generation_pad_id,
+                         pad_or_eos_id,
+)
+from .lifecycle import (
+                         add_lora,
+                         attach,
+                         detach,
+                         freeze_base,
+                         trainable_summary,
+                         unfreeze,
+)
+from .saving import (
+                         BASE_MODULES_FILE,
+                         CONFIG_FILE,
+                         FORMAT,
+                         LORA_DIR,
+                         SPEC_FILE,
+                         WEIGHTS_FILE,
+                         load_adapter,
+                         read_adapter_config,
+                         save_adapter,
+)
+
+__all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "base_fingerprint",
+           "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "generation_pad_id",
+           "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "trainable_summary", "unfreeze",
+           "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR"]

@@ -1,0 +1,141 @@
+"""What an adapter needs to know about a base model: where its decoder layers are, its hidden size, its
+tokenizer's compression, its pad id, and the fingerprint that tells one base from another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..tokenizer import CompressedTokenizer, TokenizerError
+from ..utils import sha256_bytes
+
+TOKENIZER_FILE = "tokenizer.json"
+# where decoder families keep their layers (Llama/Qwen/Mistral/Gemma, OPT, GPT-2/GPT-J, GPT-NeoX/Pythia, Falcon, MPT)
+LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "transformer.layers",
+               "transformer.blocks", "model.language_model.layers")
+# architecture-defining config fields compared by the base fingerprint (whichever the config has)
+_FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
+                     "num_attention_heads", "n_head", "num_key_value_heads", "intermediate_size", "n_inner",
+                     "head_dim", "tie_word_embeddings")
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be attached, saved or loaded; the message names the problem and the fix."""
+
+
+def default_options(hidden_size: int, vocab_size: int) -> dict:
+    """Engram settings an adapter gets unless given: bigrams and trigrams, 4 heads each, rows per head ~2x
+    the vocabulary (next unused primes), 64-dim head rows (n_embed_per_ngram = min(256, hidden)), the
+    paper's zero-initialized conv."""
+    e = min(256, hidden_size)
+    e -= e % 4
+    return dict(max_ngram_size=3, n_head_per_ngram=4, n_embed_per_ngram=max(4, e),
+                engram_vocab_size=[2 * vocab_size, 2 * vocab_size], conv_zero_init=True)
+
+
+def _get(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (attach/load go on the inner model)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def find_layers(model: nn.Module, layers_path: str | None = None) -> tuple[str, nn.ModuleList]:
+    """(dotted path, the decoder layer list) of a causal LM: `layers_path` or the first conventional one found."""
+    model = _unwrap(model)
+    for path in ([layers_path] if layers_path else LAYER_LISTS):
+        obj = _get(model, path)
+        if isinstance(obj, nn.ModuleList) and len(obj):
+            return path, obj
+    if layers_path:
+        raise AdapterError(f"{type(model).__name__} has no layer list at {layers_path!r} (an nn.ModuleList of "
+                           "decoder layers); check the name with print(model)")
+    raise AdapterError(f"{type(model).__name__}: no decoder layer list found (looked for {', '.join(LAYER_LISTS)}); "
+                       "pass layers_path='<dotted path of the nn.ModuleList of decoder layers>'")
+
+
+def _hidden_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for k in ("hidden_size", "n_embd", "d_model"):
+        v = getattr(cfg, k, None) if cfg is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return model.get_input_embeddings().weight.shape[1]
+
+
+def compressed_tokenizer(tokenizer, model: nn.Module | None = None) -> CompressedTokenizer:
+    """The compression of `tokenizer` (path, folder, tokenizer object or a `CompressedTokenizer`); None: the
+    `tokenizer.json` in the folder the model was loaded from."""
+    if isinstance(tokenizer, CompressedTokenizer):
+        return tokenizer
+    if tokenizer is None:
+        src = getattr(getattr(model, "config", None), "_name_or_path", "") if model is not None else ""
+        if not src or not (Path(src) / TOKENIZER_FILE).is_file():
+            raise AdapterError("attach needs the base model's tokenizer: pass tokenizer=<tokenizer.json, its folder "
+                               "or a fast tokenizer object> (hashing uses that tokenizer's compression)")
+        tokenizer = src
+    try:
+        return CompressedTokenizer(tokenizer)
+    except TokenizerError as e:
+        raise AdapterError(str(e)) from None
+
+
+def pad_or_eos_id(config) -> int | None:
+    """A model config's pad token id, else its (first) EOS id, else None."""
+    for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def generation_pad_id(model) -> int:
+    """The pad id to give `generate()` and to pad batches with: `pad_or_eos_id` of the model's config, else 0."""
+    pad = pad_or_eos_id(getattr(model, "config", None))
+    return 0 if pad is None else pad
+
+
+def _check_vocab(ct: CompressedTokenizer, model: nn.Module) -> None:
+    """The tokenizer must be the model's: every id it makes has an embedding row, and the embedding is not
+    much larger than the vocabulary (models pad it, e.g. Qwen3 151,669 -> 151,936)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    slack = max(1024, rows // 20)
+    if ct.vocab_size > rows or ct.vocab_size < rows - slack:
+        raise AdapterError(f"tokenizer has {ct.vocab_size:,} tokens but the model's embedding has {rows:,} rows: "
+                           "this is not the model's tokenizer; pass the one it was trained with")
+
+
+def base_fingerprint(model: nn.Module, ct: CompressedTokenizer) -> dict:
+    """What identifies a base model: its architecture config, its vocabulary (the compression table's
+    sha256) and its input embedding (shape + sha256 of 256 evenly spaced rows, rounded to bfloat16 so the
+    same weights loaded in another dtype match)."""
+    cfg = model.config.to_dict() if getattr(model, "config", None) is not None else {}
+    emb = model.get_input_embeddings().weight.detach()
+    idx = torch.linspace(0, emb.shape[0] - 1, min(256, emb.shape[0])).round().long().to(emb.device)
+    sample = emb.index_select(0, idx).to(torch.bfloat16).float().cpu().contiguous()
+    return {"config": {k: cfg[k] for k in _FINGERPRINT_KEYS if k in cfg},
+            "vocab": {"size": ct.vocab_size, "lookup_sha256": ct.lookup_sha256},
+            "embedding": {"shape": list(emb.shape), "sample_sha256": sha256_bytes(sample.numpy().tobytes())}}
+
+
+def _fingerprint_mismatch(saved: dict, now: dict) -> str | None:
+    for k in sorted(set(saved["config"]) | set(now["config"]), key=lambda k: _FINGERPRINT_KEYS.index(k)):
+        if saved["config"].get(k) != now["config"].get(k):
+            return f"config {k} is {now['config'].get(k)!r}, the adapter's base had {saved['config'].get(k)!r}"
+    if saved["vocab"] != now["vocab"]:
+        return "its tokenizer compresses differently (another vocabulary)"
+    if saved["embedding"]["shape"] != now["embedding"]["shape"]:
+        return f"embedding shape {now['embedding']['shape']} != {saved['embedding']['shape']}"
+    if saved["embedding"]["sample_sha256"] != now["embedding"]["sample_sha256"]:
+        return "its embedding weights differ (another checkpoint of this architecture)"
+    return None

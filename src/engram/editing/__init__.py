@@ -1,0 +1,41 @@
+"""Fact editing in the memory: change only the table rows a prompt addresses, ship them as an overlay.
+
+Engram's rows are addressed by token ids alone, so the rows a prompt reads are known before the
+model runs, and so is every other n-gram that reads them (the hash spec says so). `edit_facts`
+optimizes exactly those rows, everything else frozen, and returns an `Overlay`: row ids, new rows,
+and the digests of the hash manifest and of the model it was made for. `apply_overlay` puts it in
+front of the tables at gather time (any backend: parameter, RAM, memory-mapped file, shards);
+the table is never rewritten, and taking the overlay off is the undo.
+
+    facts = engram.editing.read_facts("facts.jsonl", tokenizer)   # {"prompt": ..., "target": ...} per line
+    overlay = engram.edit_facts(model, tokenizer, facts)        # -> Overlay (rows, values, digests)
+    overlay.save("out/overlay");  engram.apply_overlay(model, engram.Overlay.load("out/overlay"))
+
+Which rows (`positions`, `orders`):
+  * "trigger" (default): the rows read at the positions whose outputs predict the target tokens
+    (the prompt's last token and every target token but the last), highest n-gram order only
+    (`orders=None`): the n-grams that end the prompt, which carry the prompt's own tokens (an
+    entity name) rather than a common pair like " lives in"; the fewest rows shared with other text;
+  * "all": the rows read at every prompt and target position (more capacity, more collisions).
+
+The report (`edit_report`) measures efficacy (greedy decoding produces the target), generalization
+(paraphrases, the prompt inside a longer passage), the collision set (`collision_set`: every
+position of a text whose n-gram reads an edited row, exact from the hash spec) and locality: the
+validation logits of every position that neither reads an edited row nor attends to one are
+compared bit for bit with and without the overlay (`locality`).
+
+Files: `facts.py` (reading facts), `digests.py` (the model's layers, hashing and digests), `overlay.py`
+(`Overlay`, apply/remove), `optimize.py` (`edit_facts`), `report.py` (efficacy, collision set, locality).
+"""
+
+from ..tables.overlay import remove_overlays
+from .digests import engram_layers, frozen, hash_mapping, model_digest, spec_digest
+from .facts import EditError, Fact, parse_fact, read_facts
+from .optimize import conflicts, edit_facts, edit_rows, shared_rows
+from .overlay import FORMAT, META, WEIGHTS, Overlay, applied, apply_overlay, check_overlay
+from .report import collision_set, edit_report, fact_report, locality, print_report, score, table_rows_read
+
+__all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "check_overlay", "collision_set", "conflicts",
+           "shared_rows", "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "frozen",
+           "hash_mapping", "locality", "model_digest", "parse_fact", "print_report", "read_facts", "remove_overlays",
+           "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]

@@ -1,0 +1,73 @@
+"""Facts to write into the memory: `{"prompt": ..., "target": ...}` per JSONL line, checked in one line each."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EditError(ValueError):
+    """A fact, an overlay or the model it is applied to is not usable; the message names the fix."""
+
+
+@dataclass
+class Fact:
+    """One fact: `prompt` followed by `target` (may be several tokens). `paraphrases`: other prompts that
+    should produce the same target; `passages`: longer texts that end where the target should follow."""
+
+    prompt: str
+    target: str
+    paraphrases: list[str] = field(default_factory=list)
+    passages: list[str] = field(default_factory=list)
+
+
+_FACT_KEYS = {"prompt", "target", "paraphrases", "passages"}
+
+
+def parse_fact(obj, where: str, tokenizer=None) -> Fact:
+    """A `Fact` from a JSON object; `tokenizer` (optional) also checks that prompt and target tokenize to something."""
+    if not isinstance(obj, dict):
+        raise EditError(f"{where}: expected a JSON object with 'prompt' and 'target', got {type(obj).__name__}")
+    unknown = set(obj) - _FACT_KEYS
+    if unknown:
+        raise EditError(f"{where}: unknown keys {sorted(unknown)}; a fact has {sorted(_FACT_KEYS)}")
+    for key in ("prompt", "target"):
+        v = obj.get(key)
+        if not isinstance(v, str) or not v.strip():
+            raise EditError(f"{where}: '{key}' is missing or empty; every fact needs a non-empty prompt and target")
+    for key in ("paraphrases", "passages"):
+        v = obj.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
+            raise EditError(f"{where}: '{key}' must be a list of non-empty strings")
+    fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])))
+    if tokenizer is not None:
+        if not _encode(tokenizer, fact.prompt):
+            raise EditError(f"{where}: the prompt {fact.prompt!r} tokenizes to nothing")
+        if not _encode(tokenizer, fact.target):
+            raise EditError(f"{where}: the target {fact.target!r} tokenizes to nothing")
+    return fact
+
+
+def read_facts(path, tokenizer=None) -> list[Fact]:
+    """Facts from a JSONL file (one `{"prompt": ..., "target": ...}` per line; blank lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--facts {path}: no such file (one JSON object per line: "
+                                '{"prompt": "...", "target": "..."})')
+    facts = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EditError(f"{p}:{n}: not JSON ({e.msg})") from None
+        facts.append(parse_fact(obj, f"{p}:{n}", tokenizer))
+    if not facts:
+        raise EditError(f"{p}: no facts (one JSON object per line)")
+    return facts
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids

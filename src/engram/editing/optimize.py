@@ -1,0 +1,173 @@
+"""`edit_facts`: optimize only the rows a fact's prompt addresses, everything else frozen -> an `Overlay`."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..adapters.introspect import generation_pad_id
+from .digests import engram_layers, frozen, hash_mapping, model_digest, spec_digest
+from .facts import EditError, Fact, _encode
+from ..tables.overlay import overlays_of, push_overlay
+from .overlay import Overlay, _restore_tables
+
+
+def _sequences(tokenizer, facts: list[Fact]) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for i, f in enumerate(facts):
+        p, t = _encode(tokenizer, f.prompt), _encode(tokenizer, f.target)
+        if not p:
+            raise EditError(f"fact {i + 1}: the prompt {f.prompt!r} tokenizes to nothing")
+        if not t:
+            raise EditError(f"fact {i + 1}: the target {f.target!r} tokenizes to nothing")
+        out.append((p, t))
+    return out
+
+
+def _batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    T = max(len(s) for s in seqs)
+    return torch.tensor([s + [pad] * (T - len(s)) for s in seqs], dtype=torch.long)  # (B, T), right-padded
+
+
+def _order_columns(mapping, orders) -> list[int]:
+    """Hash-id columns (heads) of the chosen n-gram orders; columns run order 2..N, K heads each."""
+    N, K = mapping.max_ngram_size, mapping.n_head_per_ngram
+    orders = [N] if orders is None else sorted(set(int(o) for o in orders))
+    bad = [o for o in orders if not 2 <= o <= N]
+    if bad:
+        raise EditError(f"orders {bad} do not exist: this model hashes n-grams of orders 2..{N}")
+    return [(o - 2) * K + k for o in orders for k in range(K)]
+
+
+def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> list[dict]:
+    """Per fact: {layer: (P, h) table rows} read at its edited positions (P), in the chosen orders' h heads,
+    and `next`: the token each of those positions must predict (-1 for prompt positions under "all")."""
+    if positions not in ("trigger", "all"):
+        raise EditError(f"positions must be 'trigger' or 'all', got {positions!r}")
+    mapping = hash_mapping(model)
+    layers = engram_layers(model)
+    cols = _order_columns(mapping, orders)
+    out = []
+    for p, t in _sequences(tokenizer, facts):
+        seq = p + t
+        hashed = mapping.hash(np.asarray([seq], dtype=np.int64))
+        where = list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
+        rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}
+        for lid, mhe in layers.items():
+            flat = mhe.table_rows(hashed[lid][0])  # (T, H) table rows
+            rec[lid] = flat[where][:, cols]  # (P, h)
+        out.append(rec)
+    return out
+
+
+def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> dict[int, torch.Tensor]:
+    """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc)."""
+    recs = _fact_rows(model, tokenizer, facts, positions, orders)
+    return {lid: torch.unique(torch.cat([r[lid].reshape(-1) for r in recs])) for lid in engram_layers(model)}
+
+
+def conflicts(model, tokenizer, facts: list[Fact], orders=None) -> list[dict]:
+    """Pairs of facts that read exactly the same edited rows where they must predict different tokens.
+
+    Such facts end in the same n-gram (e.g. two prompts ending "... rules over"), so one set of rows
+    has to serve two targets and an edit can serve only one. (Facts sharing one head's row by a hash
+    collision while their other heads differ are not conflicts: `shared_rows` counts those.)
+    Each entry: `facts` (0-based indices), `tokens` (the two predicted tokens), `ngram` (its text).
+    """
+    recs = _fact_rows(model, tokenizer, facts, "trigger", orders)
+    layers = sorted(engram_layers(model))
+    seen: dict[tuple, tuple[int, int]] = {}
+    found: dict[tuple, dict] = {}
+    for i, rec in enumerate(recs):
+        for pos, nxt in enumerate(rec["next"]):
+            key = tuple(r for lid in layers for r in rec[lid][pos].tolist())  # every edited row read there
+            j, other = seen.setdefault(key, (i, nxt))
+            if j != i and other != nxt and (j, i) not in found:
+                found[(j, i)] = {"facts": [j, i], "tokens": [tokenizer.decode([other]), tokenizer.decode([nxt])]}
+    return list(found.values())
+
+
+def shared_rows(model, tokenizer, facts: list[Fact], orders=None) -> int:
+    """Edited rows read by two or more facts where they predict different tokens (conflicts or hash collisions)."""
+    recs = _fact_rows(model, tokenizer, facts, "trigger", orders)
+    owner: dict[tuple, set] = {}
+    for rec in recs:
+        for lid in engram_layers(model):
+            for pos, nxt in enumerate(rec["next"]):
+                for r in rec[lid][pos].tolist():
+                    owner.setdefault((lid, r), set()).add(nxt)
+    return sum(len(v) > 1 for v in owner.values())
+
+
+def _target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
+    """Per fact, log p(target token j | prompt, target[:j]) for each target token: list of (len(t),)."""
+    logits = model(ids).logits.float()  # (B, T, V)
+    logp = F.log_softmax(logits, dim=-1)
+    out = []
+    for b, (p, t) in enumerate(seqs):
+        pos = torch.arange(len(p) - 1, len(p) + len(t) - 1)
+        out.append(logp[b, pos, torch.tensor(t)])
+    return out
+
+
+def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
+               orders=None, target_prob: float = 0.9, progress: bool = True) -> Overlay:
+    """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
+
+    Every fact is one sequence `prompt + target` of a batch; the loss is the mean over facts of the
+    mean negative log-probability of the target tokens; Adam on the new rows, the model frozen. Stops
+    when every target token has probability >= `target_prob` and is the argmax (greedy decoding
+    produces it), or after `steps`. Returns the `Overlay` (not applied).
+    """
+    if not facts:
+        raise EditError("no facts to edit")
+    if not 0.5 < target_prob < 1:
+        raise EditError(f"target_prob must lie in (0.5, 1), got {target_prob}: above 0.5 a token is the argmax")
+    layers = engram_layers(model)
+    mapping = hash_mapping(model)
+    seqs = _sequences(tokenizer, facts)
+    rows = edit_rows(model, tokenizer, facts, positions, orders)
+    ids = _batch([p + t for p, t in seqs], generation_pad_id(model))
+    t0 = time.perf_counter()
+    values, log = {}, []
+    with frozen(model):
+        before = {lid: mhe.table for lid, mhe in layers.items()}
+        try:
+            for lid, r in rows.items():
+                with torch.no_grad():
+                    start = (layers[lid].table or layers[lid]).lookup(r).float().clone()  # (R, d) current rows
+                values[lid] = torch.nn.Parameter(start)
+                push_overlay(layers[lid], r, values[lid], name="edit")
+            opt = torch.optim.Adam(list(values.values()), lr=lr)
+            step = 0
+            for step in range(1, steps + 1):
+                lps = _target_logprobs(model, ids, seqs)
+                loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
+                done = sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
+                log.append({"step": step - 1, "loss": loss.item(), "facts_done": done})
+                if progress and (step == 1 or step % 25 == 0):
+                    print(f"edit step {step - 1:>4}: target NLL {loss.item():.4f}, facts at target {done}/{len(facts)}",
+                          file=sys.stderr, flush=True)
+                if done == len(facts):
+                    step -= 1
+                    break
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        finally:
+            _restore_tables(layers, before)
+    seconds = time.perf_counter() - t0
+    meta = {
+        "hash_spec_sha256": spec_digest(mapping), "base_digest": model_digest(model),
+        "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
+        "settings": {"steps": steps, "lr": lr, "positions": positions,
+                     "orders": sorted(set(orders)) if orders else [mapping.max_ngram_size], "target_prob": target_prob},
+        "optimization": {"steps_run": step, "seconds": round(seconds, 3), "final_loss": log[-1]["loss"],
+                         "facts_at_target": log[-1]["facts_done"]},
+        "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),
+    }
+    return Overlay({lid: r for lid, r in rows.items()}, {lid: v.detach().clone() for lid, v in values.items()}, meta)

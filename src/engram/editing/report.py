@@ -1,0 +1,180 @@
+"""Measuring an edit: efficacy, generalization, the exact collision set and bit-for-bit locality."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .digests import engram_layers, hash_mapping
+from .facts import Fact, _encode
+from ..adapters.introspect import generation_pad_id
+from .optimize import _target_logprobs, conflicts, shared_rows
+from .overlay import Overlay, applied
+
+
+def score(model, tokenizer, prompt: str, target: str) -> dict:
+    """Target probability after `prompt` (first token, whole target) and whether greedy decoding produces it."""
+    p, t = _encode(tokenizer, prompt), _encode(tokenizer, target)
+    ids = torch.tensor([p + t])
+    lp = _target_logprobs(model, ids, [(p, t)])[0]  # (len(t),)
+    out = model.generate(torch.tensor([p]), max_new_tokens=len(t), do_sample=False,
+                         pad_token_id=generation_pad_id(model))
+    produced = out[0, len(p):].tolist()
+    return {"p_first": float(lp[0].exp()), "p_target": float(lp.sum().exp()), "greedy": produced == t,
+            "generated": tokenizer.decode(produced)}
+
+
+def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay) -> list[dict]:
+    """Per fact, before and after `overlay`: the prompt, each paraphrase and each passage, scored (`score`)."""
+    def all_scores():
+        rows = []
+        for f in facts:
+            rows.append({"prompt": score(model, tokenizer, f.prompt, f.target),
+                         "paraphrases": [score(model, tokenizer, q, f.target) for q in f.paraphrases],
+                         "passages": [score(model, tokenizer, q, f.target) for q in f.passages]})
+        return rows
+
+    before = all_scores()
+    with applied(model, overlay):
+        after = all_scores()
+    return [{"prompt": f.prompt, "target": f.target, "before": b, "after": a} for f, b, a in zip(facts, before, after)]
+
+
+def table_rows_read(model, windows: np.ndarray, chunk: int = 64) -> dict[int, torch.Tensor]:
+    """{layer: (W, T, H) table row ids} the model reads for each position of `windows` (hash + head offsets)."""
+    mapping, layers = hash_mapping(model), engram_layers(model)
+    out: dict[int, list] = {lid: [] for lid in layers}
+    for i in range(0, len(windows), chunk):
+        hashed = mapping.hash(np.asarray(windows[i:i + chunk], dtype=np.int64))
+        for lid, mhe in layers.items():
+            out[lid].append(mhe.table_rows(hashed[lid]))
+    return {lid: torch.cat(v) for lid, v in out.items()}
+
+
+def collision_set(model, overlay: Overlay, windows: np.ndarray, tokenizer=None, top: int = 10) -> dict:
+    """Every position of `windows` (W, T) whose n-gram reads a row `overlay` changes, exact from the hash spec.
+
+    Returns `mask` (W, T) bool, the count, and the most frequent colliding n-grams (layer, order, text).
+    """
+    mapping = hash_mapping(model)
+    K = mapping.n_head_per_ngram
+    read = table_rows_read(model, windows)
+    mask = torch.zeros(windows.shape, dtype=torch.bool)
+    ngrams: dict[tuple, int] = {}
+    for lid, rows in overlay.rows.items():
+        hit = torch.isin(read[lid], rows)  # (W, T, H)
+        mask |= hit.any(-1)
+        for w, t, col in hit.nonzero().tolist():
+            n = col // K + 2
+            key = (lid, n, tuple(int(x) for x in windows[w, max(0, t - n + 1): t + 1]))
+            ngrams[key] = ngrams.get(key, 0) + 1
+    common = sorted(ngrams.items(), key=lambda kv: -kv[1])[:top]
+    return {"mask": mask, "positions": int(mask.sum()), "tokens": int(mask.numel()),
+            "distinct_ngrams": len(ngrams),
+            "top_ngrams": [{"layer": l, "order": n, "count": c,
+                            "text": tokenizer.decode(list(ids)) if tokenizer is not None else list(ids)}
+                           for (l, n, ids), c in common]}
+
+
+@torch.no_grad()
+def locality(model, overlay: Overlay, windows: np.ndarray, direct: torch.Tensor, batch_size: int = 16) -> dict:
+    """Validation loss with and without `overlay`, and the bit-for-bit check outside its reach.
+
+    `direct` (W, T): positions that read an edited row (`collision_set`). A prediction at position t
+    depends on rows read at positions <= t (attention, short conv), so the overlay can change it only
+    when some position <= t in its window is in `direct` (`affected`); every other position's logits
+    must be identical with and without the overlay, and are compared exactly.
+    """
+    affected = direct.cumsum(dim=1) > 0  # (W, T)
+    sums = {k: [0.0, 0.0, 0] for k in ("all", "outside", "affected", "direct")}  # loss before, after, tokens
+    changed_outside = 0
+    for i in range(0, len(windows), batch_size):
+        ids = torch.from_numpy(np.asarray(windows[i:i + batch_size], dtype=np.int64))
+        lb = model(ids).logits.float()
+        with applied(model, overlay):
+            la = model(ids).logits.float()
+        aff, dr = affected[i:i + batch_size, :-1], direct[i:i + batch_size, :-1]  # predictions at 0..T-2
+        diff = (lb[:, :-1] != la[:, :-1]).any(-1)  # (b, T-1)
+        changed_outside += int((diff & ~aff).sum())
+        tgt = ids[:, 1:]
+        nb = F.cross_entropy(lb[:, :-1].transpose(1, 2), tgt, reduction="none")  # (b, T-1)
+        na = F.cross_entropy(la[:, :-1].transpose(1, 2), tgt, reduction="none")
+        for key, m in (("all", torch.ones_like(aff)), ("outside", ~aff), ("affected", aff), ("direct", dr)):
+            sums[key][0] += float(nb[m].double().sum())
+            sums[key][1] += float(na[m].double().sum())
+            sums[key][2] += int(m.sum())
+    out = {"changed_outside": changed_outside}
+    for key, (b, a, n) in sums.items():
+        out[key] = {"tokens": n, "loss_before": b / n if n else None, "loss_after": a / n if n else None,
+                    "change": (a - b) / n if n else 0.0}
+    return out
+
+
+def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: np.ndarray,
+                batch_size: int = 16) -> dict:
+    """Efficacy, generalization, collision set and locality of `overlay` on `model` (see the module doc)."""
+    per_fact = fact_report(model, tokenizer, facts, overlay)
+    clash = conflicts(model, tokenizer, facts, overlay.meta.get("settings", {}).get("orders"))
+    coll = collision_set(model, overlay, windows, tokenizer)
+    loc = locality(model, overlay, windows, coll.pop("mask"), batch_size)
+
+    summary = {"facts": len(facts), "rows_changed": overlay.num_rows,
+               "rows_per_fact": overlay.num_rows / len(facts),
+               "facts_in_conflict": len({i for c in clash for i in c["facts"]}),
+               "rows_shared_across_targets": shared_rows(model, tokenizer, facts, overlay.meta.get("settings", {})
+                                                         .get("orders"))}
+    for when in ("before", "after"):
+        xs = [r[when]["prompt"]["greedy"] for r in per_fact]
+        summary[f"greedy_{when}"] = sum(xs) / len(xs)
+        summary[f"p_target_{when}"] = sum(r[when]["prompt"]["p_target"] for r in per_fact) / len(per_fact)
+        for kind in ("paraphrases", "passages"):
+            ys = [s for r in per_fact for s in r[when][kind]]
+            summary[f"{kind}_greedy_{when}"] = sum(s["greedy"] for s in ys) / len(ys) if ys else None
+            summary[f"{kind}_p_target_{when}"] = sum(s["p_target"] for s in ys) / len(ys) if ys else None
+            summary[f"{kind}_count"] = len(ys)
+    return {"summary": summary, "facts": per_fact, "conflicts": clash, "collisions": coll, "locality": loc,
+            "optimization": overlay.meta.get("optimization", {})}
+
+
+def print_report(report: dict, file=None) -> None:
+    """The per-fact table and the summary lines of `edit_report`'s result (to `file`, default stdout)."""
+    file = sys.stdout if file is None else file
+    pf = report["facts"]
+    w = min(40, max(len(r["prompt"]) for r in pf))
+    print(f"{'prompt':<{w}} {'target':<14} {'p before':>9} {'p after':>8} {'greedy':>7} {'paraphr.':>9} {'passage':>8}",
+          file=file)
+    for r in pf:
+        a = r["after"]
+        para = f"{sum(s['greedy'] for s in a['paraphrases'])}/{len(a['paraphrases'])}" if a["paraphrases"] else "-"
+        pas = f"{sum(s['greedy'] for s in a['passages'])}/{len(a['passages'])}" if a["passages"] else "-"
+        prompt = r["prompt"] if len(r["prompt"]) <= w else r["prompt"][: w - 3] + "..."
+        print(f"{prompt:<{w}} {r['target'][:14]:<14} {r['before']['prompt']['p_target']:>9.4f} "
+              f"{a['prompt']['p_target']:>8.4f} {'yes' if a['prompt']['greedy'] else 'no':>7} {para:>9} {pas:>8}",
+              file=file)
+    s, c, loc, o = report["summary"], report["collisions"], report["locality"], report["optimization"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{x:.0%}"
+
+    print(f"efficacy: greedy produces the target for {pct(s['greedy_after'])} of {s['facts']} facts (before "
+          f"{pct(s['greedy_before'])}); mean target probability {s['p_target_before']:.4f} -> {s['p_target_after']:.4f}",
+          file=file)
+    print(f"generalization: paraphrases {pct(s['paraphrases_greedy_after'])} of {s['paraphrases_count']}, "
+          f"in a passage {pct(s['passages_greedy_after'])} of {s['passages_count']}", file=file)
+    if report["conflicts"]:
+        pairs = "; ".join(f"{pf[a]['prompt']!r} / {pf[b]['prompt']!r}" for a, b in (c["facts"] for c in report["conflicts"][:3]))
+        print(f"conflicts: {s['facts_in_conflict']} facts end in the same n-gram as a fact with another target, so they "
+              f"share rows and cannot all be served ({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); put the "
+              "entity within the prompt's last n-gram", file=file)
+    print(f"rows changed: {s['rows_changed']:,} ({s['rows_per_fact']:.1f} per fact); edit took "
+          f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps", file=file)
+    print(f"collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "
+          f"({c['distinct_ngrams']:,} distinct n-grams); {loc['affected']['tokens']:,} predictions attend to one",
+          file=file)
+    la, lo = loc["all"], loc["outside"]
+    print(f"validation loss: all tokens {la['loss_before']:.5f} -> {la['loss_after']:.5f} ({la['change']:+.5f}); "
+          f"outside the collision set {lo['loss_before']:.5f} -> {lo['loss_after']:.5f}, "
+          f"{loc['changed_outside']} logits rows changed (must be 0)", file=file)
