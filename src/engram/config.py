@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .utils import atomic_write_bytes
+from .persist import atomic_write_bytes, read_json
 
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 
@@ -254,14 +254,7 @@ def check_layer_ids(engram: EngramConfig, backbone: BackBoneConfig) -> None:
 def load_config(path: str | os.PathLike) -> tuple[EngramConfig, BackBoneConfig]:
     """Read an `engram_config.json` with sections `engram` and `backbone` (either may be omitted)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p} (write one with `engram.save_config` or omit --config)")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {p} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a JSON object with sections 'engram' and 'backbone'")
+    data = read_json(p, "config file", "write one with `engram.save_config` or omit --config", ConfigError)
     unknown = sorted(set(data) - {"engram", "backbone"})
     if unknown:
         raise ConfigError(f"unknown section(s) in {p}: {', '.join(unknown)}; valid sections: engram, backbone")
