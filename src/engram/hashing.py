@@ -133,6 +133,7 @@ class HashFamily:
 
     name: ClassVar[str] = ""
     formula: ClassVar[str] = ""
+    mapping_class: ClassVar[type | None] = None  # an engine subclass the family needs (None: NgramHashMapping)
     reset_id: int | None = None
     hash_mode: str = "ngram"
 
@@ -269,6 +270,7 @@ class DeepSeekFamily(HashFamily):
 FAMILIES: dict[str, str] = {
     "deepseek": "engram.hashing:DeepSeekFamily",
     "qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily",
+    "deepseek_v41": "engram.integrations.deepseek_v41:DeepSeekV41Family",
 }
 
 
@@ -634,7 +636,7 @@ class NgramHashMapping:
         if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
             raise ConfigError(f"not an Engram hash spec (expected format {SPEC_FORMAT!r})")
         family = family_class(spec.get("family", "deepseek")).from_spec(spec, tokenizer_name_or_path)
-        m = cls.for_family(family)
+        m = (family.mapping_class or cls).for_family(family)
         m.check_spec(spec, "hash spec")
         return m
 

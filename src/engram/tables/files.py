@@ -20,7 +20,8 @@ import torch
 from .base import TableError, find_tables
 
 NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16 rows are mapped as uint16
-QUANT_NP_DTYPES = {"I8": np.int8, "U8": np.uint8, "F16": np.float16}  # codes and scales of quantized rows
+QUANT_NP_DTYPES = {"I8": np.int8, "U8": np.uint8, "F16": np.float16,  # codes and scales of quantized rows; FP8 bytes
+                   "F8_E4M3": np.uint8, "F8_E8M0": np.uint8}  # (DeepSeek-V4.1's rows and ue8m0 scales) stay raw
 
 
 def read_header(path: Path, required: tuple[str, ...] = ("weight",)) -> tuple[int, dict, int]:

@@ -172,6 +172,78 @@ def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str, 
                              {"format": "engram-quant-table", "quant": fmt}, block_sums=True, page_blocks=page_blocks)
 
 
+# ------------------------------------------------------------------------------------------ FP8 + ue8m0 block scales
+UE8M0_BLOCK = 32  # values per scale byte (DeepSeek-V4.1's Engram rows)
+
+
+def ue8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """float32 scales of ue8m0 bytes: the byte is the fp32 exponent field (byte 127 = 1.0, 0 = +0.0, 255 = +inf),
+    bit for bit what DeepSeek's kernels compute (`(byte << 23)` reinterpreted as float32)."""
+    return (scales.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+
+
+def dequantize_ue8m0(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows (N, d) from float8 e4m3 codes (N, d) (as uint8 or float8) and ue8m0 scales (N, d / 32) (as uint8 or
+    float8_e8m0fnu): `fp8 * scale` in float32, then `dtype` (bfloat16 as served)."""
+    n, d = codes.shape
+    if tuple(scales.shape) != (n, d // UE8M0_BLOCK) or d % UE8M0_BLOCK:
+        raise TableError(f"ue8m0 scales of shape {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}: one "
+                         f"scale per {UE8M0_BLOCK} values, (N, d / {UE8M0_BLOCK}), expected")
+    x = codes.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).view(n, d // UE8M0_BLOCK, UE8M0_BLOCK)
+    return (x * ue8m0_to_float(scales)[..., None]).view(n, d).to(dtype)
+
+
+class BlockFp8Table(Table):
+    """Read-only rows stored as float8 e4m3 codes with one ue8m0 scale byte per 32 values (DeepSeek-V4.1's
+    format), kept as FP8 bytes wherever they live and dequantized after the gather into `dtype`.
+
+    `codes` (N, d) and `scales` (N, d / 32): uint8 tensors (in RAM, or memory-mapped from a checkpoint shard)
+    or `Table`s of them (the disk tier's `DiskTable`, reading each row with a positioned read)."""
+
+    def __init__(self, codes, scales, dtype: torch.dtype = torch.bfloat16, name: str = "table"):
+        shape = (codes.num_rows, codes.dim) if isinstance(codes, Table) else tuple(codes.shape)
+        sshape = (scales.num_rows, scales.dim) if isinstance(scales, Table) else tuple(scales.shape)
+        if len(shape) != 2 or shape[1] % UE8M0_BLOCK or sshape != (shape[0], shape[1] // UE8M0_BLOCK):
+            raise TableError(f"{name}: scales of shape {list(sshape)} do not fit rows {list(shape)} (one ue8m0 byte "
+                             f"per {UE8M0_BLOCK} values: {[shape[0], shape[1] // UE8M0_BLOCK]} expected)")
+        self.codes, self.scales, self.dtype, self.name = codes, scales, dtype, name
+        self.num_rows, self.dim = shape
+        self.trainable = False
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.dim + self.dim // UE8M0_BLOCK  # 1 byte per value + 1 per 32 values (256 -> 264)
+
+    @staticmethod
+    def _read(src, rows: torch.Tensor) -> torch.Tensor:
+        return src.gather(rows) if isinstance(src, Table) else src.index_select(0, rows)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = rows.reshape(-1).long()
+        vals = dequantize_ue8m0(self._read(self.codes, rows), self._read(self.scales, rows), self.dtype)  # (N, d)
+        return out.copy_(vals) if out is not None else vals
+
+    def stats(self) -> dict:
+        extra = self.codes.stats() if isinstance(self.codes, Table) else {}
+        return {**extra, "format": "fp8_ue8m0", "bytes_per_row": self.bytes_per_row}
+
+    def close(self) -> None:
+        for src in (self.codes, self.scales):
+            if isinstance(src, Table):
+                src.close()
+
+
+def quantize_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (N, d) uint8, scales (N, d / 32) uint8) of rows `w`: per 32 values the power of two that brings
+    max|x| within e4m3's 448 (for writing test checkpoints and converting tables; DeepSeek ships them made)."""
+    n, d = w.shape
+    x = w.float().view(n, d // UE8M0_BLOCK, UE8M0_BLOCK)
+    amax = x.abs().amax(dim=-1)  # (N, d / 32)
+    e = torch.ceil(torch.log2(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))).clamp_(-127, 127)
+    codes = torch.ldexp(x, -e[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(n, d)
+    return codes, (e + 127).to(torch.uint8)
+
+
 def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mmap", **disk_kwargs) -> QuantTable:
     """A `QuantTable` over a quantized table file (`write_quant_file`).
 
@@ -214,5 +286,6 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mm
     return table
 
 
-__all__ = ["FORMATS", "QuantTable", "dequantize", "open_quant_file", "quant_error", "quantize_rows",
+__all__ = ["BlockFp8Table", "FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize", "dequantize_ue8m0", "quantize_ue8m0",
+           "ue8m0_to_float", "open_quant_file", "quant_error", "quantize_rows",
            "quantize_tables", "set_table_format", "write_quant_file"]

@@ -1,0 +1,488 @@
+"""DeepSeek-V4.1's released Engram: its hash family, FP8 rows with ue8m0 scales, and its conv-less module.
+
+Studying or serving DeepSeek's memory needs none of its backbone: `load` reads only the Engram parts of
+a checkpoint folder (config.json, tokenizer.json, the safetensors index and the shards it names).
+
+    mem = load("path/to/DeepSeek-V4.1-Flash", backend="disk")      # "ram" | "mmap" | "disk"
+    ids = mem.mapping.hash(input_ids)                                # {layer: (B, T, (N-1)*H) int32}, offsets added
+    hidden = mem.layers[layer](hidden, ids[layer], mask=None)        # (B, T, G, D) -> (B, T, G, D)
+
+What was read off vLLM 0.32's port of DeepSeek's `inference/engram.py` (and checked against it, see
+docs/models.md):
+
+- Hashing: the reference's compression of the model's own tokenizer (its size must equal
+  `engram_compressed_vocab_size`), multipliers from `default_rng(10007 * layer_id)`, primes above
+  `engram_vocab_size - 1` never reused, in order of layer, order, head: the reference family with seed 0
+  and one table size for every order. The pad is the compressed id of `engram_pad_token_id`. A DEAD
+  position (an image span) blocks every n-gram that reaches it: from there back the n-gram reads the
+  pad, as before the sequence start. Hash ids are int32 with the layer's head offsets added.
+- Rows: `layers.{i}.engram.embed.weight` (F8_E4M3, rows x head_dim) and `.embed.scale` (F8_E8M0,
+  rows x head_dim/32): value = fp8 * the float32 whose exponent field is the scale byte, then bf16.
+- Module: `wkv` (n_hash_cols * head_dim -> hidden * (hc_mult + 1): a key per hc branch and one shared
+  value), `q_weight`, `k_weight` (hc_mult x hidden); per branch `dot = sum(h q k key) rsqrt(mean h^2 + eps)
+  rsqrt(mean key^2 + eps) / sqrt(D)`, `gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6)))`, `h + gate value`;
+  a token mask shuts the gate. No short conv. `wkv` may be bf16 or block-FP8 with a `.scale`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..hashing import HashFamily, NgramHashMapping, head_moduli, layer_multipliers
+from ..persist import read_json
+from ..tables.base import Table, TableError
+from ..tables.quant import UE8M0_BLOCK, BlockFp8Table, ue8m0_to_float
+from ..tokenizer import CompressedTokenizer
+
+CONFIG_FIELDS = ("engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads",
+                 "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size", "engram_pad_token_id")
+
+
+# ------------------------------------------------------------------------------------------ config
+@dataclass
+class V41Config:
+    """The Engram fields of a DeepSeek-V4.1 `config.json`, plus the host sizes the module needs."""
+
+    layer_ids: list[int]
+    num_embeddings: list[int]  # table rows per Engram layer
+    max_ngram_size: int
+    n_heads: int  # heads per n-gram order
+    head_dim: int  # row width
+    vocab_size: int  # engram_vocab_size: primes start above it - 1
+    compressed_vocab_size: int
+    pad_token_id: int
+    hidden_size: int
+    hc_mult: int
+    rms_norm_eps: float
+
+    @property
+    def n_hash_cols(self) -> int:
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "config") -> "V41Config":
+        if not isinstance(cfg, dict) or not cfg.get("engram_layer_ids"):
+            raise ConfigError(f"{where}: not a DeepSeek-V4.1 Engram config (no engram_layer_ids; model_type "
+                              f"{cfg.get('model_type') if isinstance(cfg, dict) else None!r})")
+        missing = [k for k in CONFIG_FIELDS + ("hidden_size", "hc_mult") if k not in cfg]
+        if missing:
+            raise ConfigError(f"{where}: DeepSeek-V4.1 Engram config lacks {', '.join(missing)}")
+        c = cls([int(i) for i in cfg["engram_layer_ids"]], [int(n) for n in cfg["engram_num_embeddings"]],
+                int(cfg["engram_max_ngram_size"]), int(cfg["engram_n_heads"]), int(cfg["engram_head_dim"]),
+                int(cfg["engram_vocab_size"]), int(cfg["engram_compressed_vocab_size"]),
+                int(cfg["engram_pad_token_id"]), int(cfg["hidden_size"]), int(cfg["hc_mult"]),
+                float(cfg.get("rms_norm_eps", 1e-6)))
+        if len(c.num_embeddings) != len(c.layer_ids):
+            raise ConfigError(f"{where}: engram_num_embeddings has {len(c.num_embeddings)} entries for "
+                              f"{len(c.layer_ids)} engram_layer_ids")
+        if c.max_ngram_size < 2 or c.n_heads < 1 or c.head_dim % UE8M0_BLOCK:
+            raise ConfigError(f"{where}: engram_max_ngram_size must be >= 2, engram_n_heads >= 1 and engram_head_dim "
+                              f"a multiple of {UE8M0_BLOCK}")
+        return c
+
+
+# ------------------------------------------------------------------------------------------ hashing
+class DeepSeekV41Family(HashFamily):
+    """DeepSeek-V4.1's hash family: the reference's, with seed 0 and `engram_vocab_size` for every order."""
+
+    name = "deepseek_v41"
+    formula = ("x = lookup_table[token_id]; positions t<0, and every position at or before the nearest DEAD one an "
+               "n-gram reaches, read compressed_pad_id; mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in int64; head j of "
+               "order n: row = mix mod head_moduli[n-2][j] + head_offsets[(n-2)*n_heads + j] (int32)")
+
+    def __init__(self, cfg: V41Config, compressed_tokenizer: CompressedTokenizer):
+        ct = compressed_tokenizer
+        if ct.compressed_vocab_size != cfg.compressed_vocab_size:
+            raise ConfigError(f"the tokenizer compresses to {ct.compressed_vocab_size:,} ids but the config's "
+                              f"engram_compressed_vocab_size is {cfg.compressed_vocab_size:,}: not this model's "
+                              "tokenizer (hash multipliers derive from that size); pass the checkpoint's tokenizer.json")
+        if not 0 <= cfg.pad_token_id < ct.raw_vocab_size:
+            raise ConfigError(f"engram_pad_token_id {cfg.pad_token_id} is outside the tokenizer's [0, {ct.raw_vocab_size})")
+        self.cfg = cfg
+        self.layer_ids, self.max_ngram_size, self.n_head_per_ngram = cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads
+        self.seed, self.compressed_tokenizer = 0, ct
+        self.raw_pad_id, self.pad_id = cfg.pad_token_id, int(ct.lookup_table[cfg.pad_token_id])
+        self.multipliers = layer_multipliers(cfg.layer_ids, cfg.max_ngram_size, ct.compressed_vocab_size, 0)
+        self.moduli = head_moduli(cfg.layer_ids, [cfg.vocab_size] * (cfg.max_ngram_size - 1), cfg.max_ngram_size,
+                                  cfg.n_heads)
+        for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
+            if sum(self.head_sizes(lid)) > rows:
+                raise ConfigError(f"layer {lid}: its heads need {sum(self.head_sizes(lid)):,} rows, "
+                                  f"engram_num_embeddings gives {rows:,}")
+
+    def config_spec(self) -> dict:
+        ct, c = self.compressed_tokenizer, self.cfg
+        return {"tokenizer_sha256": ct.tokenizer_sha256, "tokenizer_len": ct.raw_vocab_size,
+                "compressed_vocab_size": ct.compressed_vocab_size, "lookup_table_sha256": ct.lookup_sha256,
+                "pad_id": c.pad_token_id, "compressed_pad_id": self.pad_id, "max_ngram_size": c.max_ngram_size,
+                "n_head_per_ngram": c.n_heads, "head_dim": c.head_dim, "engram_vocab_size": c.vocab_size,
+                "num_embeddings": c.num_embeddings, "layer_ids": c.layer_ids, "hidden_size": c.hidden_size,
+                "hc_mult": c.hc_mult, "rms_norm_eps": c.rms_norm_eps}
+
+    @classmethod
+    def from_spec(cls, spec: dict, tokenizer=None) -> "DeepSeekV41Family":
+        ct = CompressedTokenizer(tokenizer)
+        if ct.lookup_sha256 != spec["lookup_table_sha256"]:
+            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
+        cfg = V41Config(spec["layer_ids"], spec["num_embeddings"], spec["max_ngram_size"], spec["n_head_per_ngram"],
+                        spec["head_dim"], spec["engram_vocab_size"], spec["compressed_vocab_size"], spec["pad_id"],
+                        spec["hidden_size"], spec["hc_mult"], spec["rms_norm_eps"])
+        return cls(cfg, ct)
+
+
+def _as_mask(dead, shape, what: str) -> torch.Tensor | None:
+    if dead is None:
+        return None
+    d = torch.as_tensor(dead)
+    if d.dtype != torch.bool or tuple(d.shape) != tuple(shape):
+        raise ConfigError(f"{what} must be a bool tensor of shape {list(shape)} (True at DEAD positions), got "
+                          f"{d.dtype} {list(d.shape)}")
+    return d.cpu()
+
+
+class V41HashMapping(NgramHashMapping):
+    """The hashing engine for `DeepSeekV41Family`, with DEAD masks; hash ids int32 with offsets added.
+
+    Without a DEAD position the fused kernel (or the engine's torch path) hashes; with one, a torch path
+    applies the blocking (each n-gram reads the pad from the first DEAD position it reaches backwards)."""
+
+    def hash(self, input_ids, offsets: bool = True, dead=None) -> dict:
+        """`{layer_id: (B, T, (N-1)*H) int32}` (numpy in, numpy out; torch in, torch out). `dead` (B, T) bool."""
+        self.validate(input_ids)
+        as_numpy = not isinstance(input_ids, torch.Tensor)
+        t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
+        d = _as_mask(dead, t.shape, "dead")
+        if d is None or not bool(d.any()):
+            out = self.hash_tensor(t.cpu(), offsets)  # (L, B, T, H) int64
+        else:
+            out = self._hash_dead(t.cpu().long(), d, offsets)
+        out = out.to(torch.int32)
+        if as_numpy:
+            out = out.numpy()
+        else:
+            out = out.to(t.device)
+        return {lid: out[i] for i, lid in enumerate(self.layer_ids)}
+
+    def hash_continuation(self, input_ids, history_ids=None, offsets: bool = True, dead=None,
+                          history_dead=None) -> dict:
+        """Hash ids of new tokens (B, T) whose n-grams reach into `history_ids` (B, S): the ids just before them
+        (prefill in chunks, decoding). Give the last N-1 ids, or all of them when fewer exist (before those the
+        sequence starts: the pad). `history_dead` (B, S) marks DEAD history positions."""
+        if history_ids is None or history_ids.shape[1] == 0:
+            return self.hash(input_ids, offsets, dead)
+        T = input_ids.shape[1]
+        hist = torch.as_tensor(history_ids)
+        ids = torch.cat([hist.to(torch.as_tensor(input_ids).device), torch.as_tensor(input_ids)], dim=1)
+        d = None
+        if dead is not None or history_dead is not None:
+            hd = _as_mask(history_dead, hist.shape, "history_dead") if history_dead is not None else \
+                torch.zeros(hist.shape, dtype=torch.bool)
+            nd = _as_mask(dead, input_ids.shape, "dead") if dead is not None else \
+                torch.zeros(tuple(input_ids.shape), dtype=torch.bool)
+            d = torch.cat([hd, nd], dim=1)
+        full = self.hash(ids if isinstance(input_ids, torch.Tensor) else ids.numpy(), offsets, d)
+        return {k: v[:, -T:] for k, v in full.items()}
+
+    def _hash_dead(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
+        """(L, B, T, H) int64 row ids with DEAD blocking, by exact int64 arithmetic (mixes are non-negative)."""
+        B, T = ids.shape
+        N, pad = self.max_ngram_size, self.pad_id
+        x = torch.from_numpy(self.compressed_tokenizer.lookup_table)[ids]  # (B, T) compressed
+        blocked = torch.zeros(B, T, dtype=torch.bool)
+        vals = []
+        for k in range(N):  # the value each n-gram reads k positions back
+            xk = torch.full((B, T), pad, dtype=torch.long)
+            dk = torch.ones(B, T, dtype=torch.bool)  # before the sequence start: blocked
+            xk[:, k:], dk[:, k:] = x[:, :T - k], dead[:, :T - k]
+            blocked |= dk
+            vals.append(torch.where(blocked, pad, xk))
+        L, H = len(self.layer_ids), (N - 1) * self.n_head_per_ngram
+        out = torch.empty(L, B, T, H, dtype=torch.long)
+        for li, lid in enumerate(self.layer_ids):
+            m = [int(v) for v in self.layer_multipliers[lid]]
+            mix = vals[0] * m[0]
+            off = self.head_offsets(lid) if offsets else [0] * H
+            for k in range(1, N):
+                mix = torch.bitwise_xor(mix, vals[k] * m[k])
+                for j, p in enumerate(self.vocab_size_across_layers[lid][k - 1]):
+                    col = (k - 1) * self.n_head_per_ngram + j
+                    out[li, :, :, col] = torch.remainder(mix, p) + off[col]
+        return out
+
+
+DeepSeekV41Family.mapping_class = V41HashMapping  # NgramHashMapping.from_spec builds this engine for the family
+
+
+def hash_mapping(config, tokenizer, backend: str = "auto") -> V41HashMapping:
+    """The V4.1 hashing of a config (`config.json` path, dict or `V41Config`) and the model's tokenizer
+    (`tokenizer.json`, its folder, a tokenizer object or a `CompressedTokenizer`)."""
+    cfg = config if isinstance(config, V41Config) else V41Config.from_dict(
+        read_json(config, "config.json", "pass the checkpoint folder's config.json", ConfigError)
+        if isinstance(config, (str, Path)) else config)
+    ct = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer(tokenizer)
+    return V41HashMapping.for_family(DeepSeekV41Family(cfg, ct), backend)
+
+
+# ------------------------------------------------------------------------------------------ the module
+def dequantize_linear(weight: torch.Tensor, scale: torch.Tensor | None, dtype=torch.bfloat16) -> torch.Tensor:
+    """A linear weight (out, in) as stored: bf16/fp32 as is; FP8 e4m3 with a float32 `scale` per 128 x 128 block
+    (DeepSeek-V3's `weight_scale_inv`, multiplied) or a ue8m0 byte per 32 inputs (MX-FP8)."""
+    if scale is None:
+        return weight.to(dtype)
+    w = weight.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    o, i = w.shape
+    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)) and tuple(scale.shape) == (o, i // 32):
+        s = ue8m0_to_float(scale).repeat_interleave(32, dim=1)
+    elif scale.dtype == torch.float32 and tuple(scale.shape) == (math.ceil(o / 128), math.ceil(i / 128)):
+        s = scale.repeat_interleave(128, dim=0)[:o].repeat_interleave(128, dim=1)[:, :i]
+    else:
+        raise TableError(f"wkv scale of shape {list(scale.shape)} ({scale.dtype}) fits neither 128x128 float32 blocks "
+                         f"({[math.ceil(o / 128), math.ceil(i / 128)]}) nor ue8m0 per 32 inputs ({[o, i // 32]})")
+    return (w * s).to(dtype)
+
+
+class V41Engram(nn.Module):
+    """DeepSeek-V4.1's Engram layer: `(hidden (B, T, G, D), hash ids (B, T, H) or rows (B, T, H, d), mask) -> hidden`.
+
+    No short conv; the caller's residual is inside (the layer returns `h + gate * value`, as the released
+    module does). Weights: `wkv` (G*D + D, H*d), `q_weight`, `k_weight` (G, D); rows from `table`."""
+
+    def __init__(self, layer_id: int, cfg: V41Config, table: Table | None = None, dtype=torch.bfloat16):
+        super().__init__()
+        self.layer_id, self.cfg, self.table = layer_id, cfg, table
+        G, D = cfg.hc_mult, cfg.hidden_size
+        self.wkv = nn.Linear(cfg.n_hash_cols * cfg.head_dim, D * (G + 1), bias=False, dtype=dtype)
+        self.q_weight = nn.Parameter(torch.ones(G, D, dtype=dtype), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(G, D, dtype=dtype), requires_grad=False)
+        self.clamp = 1e-6
+
+    def rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) int row ids (offsets added) -> (B, T, H, d) rows from the table."""
+        if self.table is None:
+            raise TableError(f"Engram layer {self.layer_id} has no table: pass rows, or load() a checkpoint")
+        if hash_ids.dtype.is_floating_point or hash_ids.dim() != 3:
+            raise ConfigError(f"hash ids must be an integer tensor (B, T, H), got {hash_ids.dtype} {list(hash_ids.shape)}")
+        flat = hash_ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.table.num_rows):
+            raise ConfigError(f"hash ids must lie in [0, {self.table.num_rows}) (offsets added): got "
+                              f"[{int(flat.min())}, {int(flat.max())}]")
+        return self.table.lookup(flat.cpu()).view(*hash_ids.shape, -1).to(hash_ids.device)
+
+    def forward(self, hidden: torch.Tensor, ids_or_rows: torch.Tensor, mask: torch.Tensor | None = None):
+        G, D = self.cfg.hc_mult, self.cfg.hidden_size
+        if hidden.dim() != 4 or tuple(hidden.shape[2:]) != (G, D):
+            raise ConfigError(f"hidden must be (B, T, {G}, {D}), got {list(hidden.shape)}")
+        # 1. rows: looked up here from hash ids, or given
+        rows = self.rows(ids_or_rows) if not ids_or_rows.dtype.is_floating_point else ids_or_rows  # (B, T, H, d)
+        B, T = hidden.shape[:2]
+        # 2. one key per branch and a shared value from one projection, in the weights' dtype
+        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # (B, T, (G+1)*D)
+        f = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        key = kv[..., :G * D].view(B, T, G, D).to(f)  # (B, T, G, D)
+        value = kv[..., G * D:].to(f)  # (B, T, D)
+        h = hidden.to(f)
+        # 3. gate per branch: normalized dot of the stream with the key, signed square root, sigmoid
+        eps = self.cfg.rms_norm_eps
+        dot = (h * self.q_weight.to(f) * self.k_weight.to(f) * key).sum(-1)  # (B, T, G)
+        dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) / math.sqrt(D)
+        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(self.clamp)))  # (B, T, G)
+        if mask is not None:
+            if tuple(mask.shape) != (B, T):
+                raise ConfigError(f"mask must be (B, T) = {[B, T]}, got {list(mask.shape)}")
+            gate = gate * mask.to(gate.device, f)[..., None]  # False shuts the gate
+        # 4. the stream plus the gated value
+        return (h + gate[..., None] * value[:, :, None, :]).to(hidden.dtype)  # (B, T, G, D)
+
+
+# ------------------------------------------------------------------------------------------ the checkpoint
+def _weight_map(d: Path) -> dict[str, str]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        wm = read_json(index, "safetensors index", "re-download the checkpoint", ConfigError).get("weight_map")
+        if not isinstance(wm, dict):
+            raise ConfigError(f"{index} has no weight_map")
+        return wm
+    single = d / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(f"{d}: no model.safetensors.index.json or model.safetensors (not a checkpoint folder)")
+    from ..tables.files import read_header
+
+    _, meta, _ = read_header(single, required=())
+    return {k: "model.safetensors" for k in meta if k != "__metadata__"}
+
+
+class _Tensor:
+    """Where one checkpoint tensor lies: its shard, header and entry (checked against the file's size)."""
+
+    def __init__(self, d: Path, key: str, weight_map: dict):
+        from ..tables.files import read_header
+
+        if key not in weight_map:
+            raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index); a DeepSeek-V4.1 Engram layer needs "
+                              "embed.weight, embed.scale, wkv.weight, q_weight and k_weight")
+        self.key, self.path = key, d / weight_map[key]
+        self.n, meta, self.size = read_header(self.path, required=())
+        if key not in meta:
+            raise ConfigError(f"{self.path} lacks {key}, which the index places there; re-download the shard")
+        self.info = meta[key]
+        a, b = self.info["data_offsets"]
+        if 8 + self.n + b > self.size:
+            raise TableError(f"{self.path} is truncated: {key} ends at byte {8 + self.n + b:,}, the file has "
+                             f"{self.size:,}; re-download the shard")
+        self.shape = tuple(self.info["shape"])
+
+    def mapped(self) -> torch.Tensor:
+        """The tensor memory-mapped from its shard: raw bytes for FP8, else its dtype."""
+        from ..tables.files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
+
+        return map_tensor(self.path, self.n, self.size, self.key, self.info,
+                          dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
+
+    def load(self) -> torch.Tensor:
+        """The tensor in RAM (FP8 bytes as uint8; a float32 wkv scale as float32)."""
+        t = self.mapped().clone()
+        return t.view(torch.float32) if self.info["dtype"] == "F32" else t
+
+
+class V41Memory:
+    """What `load` returns: `.config` (V41Config), `.mapping` (V41HashMapping), `.layers[layer_id]` (V41Engram,
+    each with its `.table`), `.backend`. `close()` releases files and read threads."""
+
+    def __init__(self, config, mapping, layers, backend):
+        self.config, self.mapping, self.layers, self.backend = config, mapping, layers, backend
+
+    def __call__(self, layer_id: int, hidden, hash_ids, mask=None):
+        return self.layers[layer_id](hidden, hash_ids, mask)
+
+    def table_bytes(self) -> int:
+        return sum(m.table.num_rows * m.table.bytes_per_row for m in self.layers.values())
+
+    def close(self) -> None:
+        for m in self.layers.values():
+            m.table.close()
+
+
+def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
+         **disk_kwargs) -> V41Memory:
+    """DeepSeek-V4.1's Engram layers from a checkpoint folder, without its backbone.
+
+    backend "ram": rows copied into RAM as FP8 bytes (264 bytes per 256-wide row); "mmap": rows and scales
+    memory-mapped in place from the shards; "disk": read in place by the cold tier (`DiskTable`: positioned
+    reads, many in flight; `disk_kwargs` such as `queue_depth`). Rows are never assembled in RAM for mmap/disk
+    and stay FP8 on disk; a gather dequantizes them to `dtype`. `dir` (mmap/disk): first copy each layer's
+    rows and scales into `dir/engram_v41_L{layer}.safetensors` with 4 KiB block checksums, streamed a block
+    at a time, and read that (every block checked on its first read; the released shards carry no sums).
+    Everything is checked before any table opens: keys, shapes, dtypes, shard sizes, the tokenizer.
+    """
+    if backend not in ("ram", "mmap", "disk"):
+        raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    d = Path(path)
+    if not d.is_dir():
+        raise ConfigError(f"{d}: no such checkpoint folder")
+    cfg = V41Config.from_dict(read_json(d / "config.json", "config.json", "pass a DeepSeek-V4.1 checkpoint folder",
+                                        ConfigError), str(d / "config.json"))
+    tok = tokenizer if tokenizer is not None else d / "tokenizer.json"
+    mapping = hash_mapping(cfg, tok)
+    wm = _weight_map(d)
+    plan = {}
+    for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
+        pre = f"layers.{lid}.engram."
+        t = {k: _Tensor(d, pre + k, wm) for k in ("embed.weight", "embed.scale", "wkv.weight", "q_weight", "k_weight")}
+        if pre + "wkv.scale" in wm:
+            t["wkv.scale"] = _Tensor(d, pre + "wkv.scale", wm)
+        want = {"embed.weight": ((rows, cfg.head_dim), ("F8_E4M3",)),
+                "embed.scale": ((rows, cfg.head_dim // UE8M0_BLOCK), ("F8_E8M0", "U8")),
+                "wkv.weight": ((cfg.hidden_size * (cfg.hc_mult + 1), cfg.n_hash_cols * cfg.head_dim),
+                               ("BF16", "F32", "F8_E4M3")),
+                "q_weight": ((cfg.hc_mult, cfg.hidden_size), ("BF16", "F32")),
+                "k_weight": ((cfg.hc_mult, cfg.hidden_size), ("BF16", "F32"))}
+        for k, (shape, dtypes) in want.items():
+            if t[k].shape != shape or t[k].info["dtype"] not in dtypes:
+                raise ConfigError(f"{t[k].path}: {t[k].key} is {t[k].info['dtype']} {list(t[k].shape)}, a DeepSeek-V4.1 "
+                                  f"Engram layer needs {'/'.join(dtypes)} {list(shape)} (config: {rows:,} rows, "
+                                  f"head_dim {cfg.head_dim})")
+        plan[lid] = t
+    layers, opened = {}, []
+    try:
+        for lid, t in plan.items():
+            table = _open_table(t["embed.weight"], t["embed.scale"], backend, dir, lid, dtype, disk_kwargs)
+            opened.append(table)
+            m = V41Engram(lid, cfg, table, dtype=dtype)
+            with torch.no_grad():
+                m.wkv.weight.copy_(dequantize_linear(t["wkv.weight"].load(), t["wkv.scale"].load()
+                                                     if "wkv.scale" in t else None, dtype))
+                m.q_weight.copy_(t["q_weight"].load().to(dtype))
+                m.k_weight.copy_(t["k_weight"].load().to(dtype))
+            layers[lid] = m.eval()
+    except BaseException:
+        for table in opened:
+            table.close()
+        raise
+    return V41Memory(cfg, mapping, layers, backend)
+
+
+def _open_table(codes: _Tensor, scales: _Tensor, backend: str, dir, lid: int, dtype, disk_kwargs) -> BlockFp8Table:
+    name = f"layer {lid}"
+    if backend == "ram":
+        return BlockFp8Table(codes.load(), scales.load(), dtype, name)
+    if dir is not None:  # a checked copy: rows and scales streamed into one page-aligned file with 4 KiB sums
+        from ..tables.files import tensor_entry, write_safetensors
+
+        f = Path(dir) / f"engram_v41_L{lid}.safetensors"
+        write_safetensors(f, [tensor_entry("codes", codes.mapped()), tensor_entry("scales", scales.mapped())],
+                          {"format": "engram-v41-rows/1", "source": str(codes.path.parent)}, block_sums=True,
+                          page_blocks=True)
+        return _open_file(f, backend, dtype, name, disk_kwargs)
+    if backend == "mmap":
+        return BlockFp8Table(codes.mapped(), scales.mapped(), dtype, name)
+    from ..tables.blocks import UnverifiedTableWarning
+    from ..tables.disk import DiskTable
+
+    with warnings.catch_warnings():  # the released shards carry no block sums: one warning for the whole load
+        warnings.simplefilter("ignore", UnverifiedTableWarning)
+        c = DiskTable(codes.path, tensor=codes.key, **disk_kwargs)
+        try:
+            s = DiskTable(scales.path, tensor=scales.key, **disk_kwargs)
+        except BaseException:
+            c.close()
+            raise
+    if c.blocks is None:
+        warnings.warn(f"{codes.path.parent}: the shards have no block checksums, so disk-tier reads of layer {lid} are "
+                      "not checked; load(..., dir=DIR) reads a checked copy", UnverifiedTableWarning, stacklevel=3)
+    return BlockFp8Table(c, s, dtype, name)
+
+
+def _open_file(f: Path, backend: str, dtype, name: str, disk_kwargs) -> BlockFp8Table:
+    from ..tables.files import QUANT_NP_DTYPES, map_tensor, read_header
+
+    if backend == "disk":
+        from ..tables.disk import DiskTable
+
+        c = DiskTable(f, tensor="codes", **disk_kwargs)
+        try:
+            s = DiskTable(f, tensor="scales", **disk_kwargs)
+        except BaseException:
+            c.close()
+            raise
+        return BlockFp8Table(c, s, dtype, name)
+    from ..tables.blocks import BlockVerifier
+
+    n, meta, size = read_header(f, required=("codes", "scales"))
+    blocks = BlockVerifier.open(f)
+    if blocks is not None:
+        blocks.verify_all()  # mmap reads are not checked per row here: check the copy once, now
+    c = map_tensor(f, n, size, "codes", meta["codes"], dtypes=QUANT_NP_DTYPES)[1]
+    s = map_tensor(f, n, size, "scales", meta["scales"], dtypes=QUANT_NP_DTYPES)[1]
+    return BlockFp8Table(c, s, dtype, name)
+
+
+__all__ = ["DeepSeekV41Family", "V41Config", "V41Engram", "V41HashMapping", "V41Memory", "dequantize_linear",
+           "hash_mapping", "load"]
