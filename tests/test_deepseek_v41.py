@@ -290,6 +290,8 @@ def test_synthetic_checkpoint_gives_identical_outputs_from_every_tier(tok, tmp_p
             mem = v41.load(d, backend, **kw)
         if backend == "disk" and "dir" not in kw:
             assert sum("no block checksums" in str(w.message) for w in caught) == 2  # one per layer, in place
+        if "dir" in kw:  # the checked copy: one packed 64 + 2 byte row per table row, block sums beside it
+            assert all((kw["dir"] / f"engram_v41_L{lid}.safetensors.blocks").is_file() for lid in (1, 3))
         hash_ids = mem.mapping.hash(ids, dead=dead)
         torch.manual_seed(1)
         h = torch.randn(2, 12, 2, 32).to(torch.bfloat16)
@@ -352,3 +354,19 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tok, tmp_path):
             assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="backend must be"):
         v41.load(d, "gpu")
+
+
+def test_a_flipped_byte_in_the_checked_copy_is_one_error_on_its_first_read(tok, tmp_path):
+    d = write_checkpoint(tmp_path / "ckpt", tok)
+    v41.load(d, "disk", dir=tmp_path / "copy").close()
+    f = tmp_path / "copy" / "engram_v41_L1.safetensors"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF  # a row in the middle of the table
+    f.write_bytes(bytes(b))
+    from engram.tables.disk import DiskTable
+    from engram.tables.quant import BlockFp8Table
+
+    table = BlockFp8Table(packed=DiskTable(f, tensor="rows"))
+    with pytest.raises(TableError, match="checksum|corrupt"):
+        table.gather(torch.arange(table.num_rows))
+    table.close()

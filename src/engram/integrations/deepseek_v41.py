@@ -282,11 +282,16 @@ class V41Engram(nn.Module):
             raise ConfigError(f"hidden must be (B, T, {G}, {D}), got {list(hidden.shape)}")
         # 1. rows: looked up here from hash ids, or given
         rows = self.rows(ids_or_rows) if not ids_or_rows.dtype.is_floating_point else ids_or_rows  # (B, T, H, d)
-        B, T = hidden.shape[:2]
         # 2. one key per branch and a shared value from one projection, in the weights' dtype
         kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # (B, T, (G+1)*D)
+        return self.gate_and_add(hidden, kv, mask)
+
+    def gate_and_add(self, hidden: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Steps 3-4 (what the released `_fused_engram_post_wkv_kernel` does): hidden (B, T, G, D), kv (B, T, (G+1)*D)."""
+        G, D = self.cfg.hc_mult, self.cfg.hidden_size
+        B, T = hidden.shape[:2]
         f = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        key = kv[..., :G * D].view(B, T, G, D).to(f)  # (B, T, G, D)
+        key = kv[..., :G * D].reshape(B, T, G, D).to(f)  # (B, T, G, D)
         value = kv[..., G * D:].to(f)  # (B, T, D)
         h = hidden.to(f)
         # 3. gate per branch: normalized dot of the stream with the key, signed square root, sigmoid
@@ -433,55 +438,52 @@ def _open_table(codes: _Tensor, scales: _Tensor, backend: str, dir, lid: int, dt
     name = f"layer {lid}"
     if backend == "ram":
         return BlockFp8Table(codes.load(), scales.load(), dtype, name)
-    if dir is not None:  # a checked copy: rows and scales streamed into one page-aligned file with 4 KiB sums
-        from ..tables.files import tensor_entry, write_safetensors
-
-        f = Path(dir) / f"engram_v41_L{lid}.safetensors"
-        write_safetensors(f, [tensor_entry("codes", codes.mapped()), tensor_entry("scales", scales.mapped())],
-                          {"format": "engram-v41-rows/1", "source": str(codes.path.parent)}, block_sums=True,
-                          page_blocks=True)
-        return _open_file(f, backend, dtype, name, disk_kwargs)
+    if dir is not None:  # a checked copy: rows packed with their scales (one read each), 4 KiB block sums
+        return _open_file(_write_packed(codes, scales, Path(dir), lid), backend, dtype, name, disk_kwargs)
     if backend == "mmap":
         return BlockFp8Table(codes.mapped(), scales.mapped(), dtype, name)
     from ..tables.blocks import UnverifiedTableWarning
     from ..tables.disk import DiskTable
 
-    with warnings.catch_warnings():  # the released shards carry no block sums: one warning for the whole load
+    with warnings.catch_warnings():  # the released shards carry no block sums: one warning per layer, below
         warnings.simplefilter("ignore", UnverifiedTableWarning)
         c = DiskTable(codes.path, tensor=codes.key, **disk_kwargs)
-        try:
-            s = DiskTable(scales.path, tensor=scales.key, **disk_kwargs)
-        except BaseException:
-            c.close()
-            raise
     if c.blocks is None:
         warnings.warn(f"{codes.path.parent}: the shards have no block checksums, so disk-tier reads of layer {lid} are "
                       "not checked; load(..., dir=DIR) reads a checked copy", UnverifiedTableWarning, stacklevel=3)
-    return BlockFp8Table(c, s, dtype, name)
+    # the scales (1/32 of the bytes) in RAM: a cold row is one read of its codes, not two
+    return BlockFp8Table(c, scales.load(), dtype, name)
+
+
+def _write_packed(codes: _Tensor, scales: _Tensor, dir: Path, lid: int, chunk_rows: int = 1 << 16) -> Path:
+    """dir/engram_v41_L{lid}.safetensors: tensor `rows` (N, d + d/32) uint8, each row's codes then its scales,
+    streamed from the mapped shards a block of rows at a time, page-aligned with 4 KiB block sums."""
+    from ..tables.files import write_safetensors
+    from ..tables.quant import pack_ue8m0_rows
+
+    c, s = codes.mapped(), scales.mapped()
+    n, w = c.shape[0], c.shape[1] + s.shape[1]
+    chunks = (pack_ue8m0_rows(c[i:i + chunk_rows], s[i:i + chunk_rows]) for i in range(0, n, chunk_rows))
+    f = dir / f"engram_v41_L{lid}.safetensors"
+    return write_safetensors(f, [("rows", torch.uint8, (n, w), chunks)],
+                             {"format": "engram-v41-rows/1", "source": str(codes.path.parent)}, block_sums=True,
+                             page_blocks=True)
 
 
 def _open_file(f: Path, backend: str, dtype, name: str, disk_kwargs) -> BlockFp8Table:
+    from ..tables.blocks import BlockVerifier
     from ..tables.files import QUANT_NP_DTYPES, map_tensor, read_header
 
     if backend == "disk":
         from ..tables.disk import DiskTable
 
-        c = DiskTable(f, tensor="codes", **disk_kwargs)
-        try:
-            s = DiskTable(f, tensor="scales", **disk_kwargs)
-        except BaseException:
-            c.close()
-            raise
-        return BlockFp8Table(c, s, dtype, name)
-    from ..tables.blocks import BlockVerifier
-
-    n, meta, size = read_header(f, required=("codes", "scales"))
+        return BlockFp8Table(dtype=dtype, name=name, packed=DiskTable(f, tensor="rows", **disk_kwargs))
+    n, meta, size = read_header(f, required=("rows",))
     blocks = BlockVerifier.open(f)
     if blocks is not None:
-        blocks.verify_all()  # mmap reads are not checked per row here: check the copy once, now
-    c = map_tensor(f, n, size, "codes", meta["codes"], dtypes=QUANT_NP_DTYPES)[1]
-    s = map_tensor(f, n, size, "scales", meta["scales"], dtypes=QUANT_NP_DTYPES)[1]
-    return BlockFp8Table(c, s, dtype, name)
+        blocks.verify_all()  # mmap gathers are not checked per row here: check the copy once, now
+    return BlockFp8Table(dtype=dtype, name=name, packed=map_tensor(f, n, size, "rows", meta["rows"],
+                                                                   dtypes=QUANT_NP_DTYPES)[1])
 
 
 __all__ = ["DeepSeekV41Family", "V41Config", "V41Engram", "V41HashMapping", "V41Memory", "dequantize_linear",

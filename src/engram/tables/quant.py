@@ -197,17 +197,29 @@ class BlockFp8Table(Table):
     """Read-only rows stored as float8 e4m3 codes with one ue8m0 scale byte per 32 values (DeepSeek-V4.1's
     format), kept as FP8 bytes wherever they live and dequantized after the gather into `dtype`.
 
-    `codes` (N, d) and `scales` (N, d / 32): uint8 tensors (in RAM, or memory-mapped from a checkpoint shard)
-    or `Table`s of them (the disk tier's `DiskTable`, reading each row with a positioned read)."""
+    Either `codes` (N, d) and `scales` (N, d / 32), or `packed` (N, d + d / 32): each row's codes followed by
+    its scales, so one read fetches a row (264 bytes for d = 256). Each is a uint8 tensor (in RAM, or
+    memory-mapped from a checkpoint shard) or a `Table` of them (the disk tier's `DiskTable`)."""
 
-    def __init__(self, codes, scales, dtype: torch.dtype = torch.bfloat16, name: str = "table"):
-        shape = (codes.num_rows, codes.dim) if isinstance(codes, Table) else tuple(codes.shape)
-        sshape = (scales.num_rows, scales.dim) if isinstance(scales, Table) else tuple(scales.shape)
-        if len(shape) != 2 or shape[1] % UE8M0_BLOCK or sshape != (shape[0], shape[1] // UE8M0_BLOCK):
-            raise TableError(f"{name}: scales of shape {list(sshape)} do not fit rows {list(shape)} (one ue8m0 byte "
-                             f"per {UE8M0_BLOCK} values: {[shape[0], shape[1] // UE8M0_BLOCK]} expected)")
-        self.codes, self.scales, self.dtype, self.name = codes, scales, dtype, name
-        self.num_rows, self.dim = shape
+    def __init__(self, codes=None, scales=None, dtype: torch.dtype = torch.bfloat16, name: str = "table",
+                 packed=None):
+        def shape(src):
+            return (src.num_rows, src.dim) if isinstance(src, Table) else tuple(src.shape)
+
+        if packed is not None:
+            n, w = shape(packed)
+            d = w * UE8M0_BLOCK // (UE8M0_BLOCK + 1)
+            if len(shape(packed)) != 2 or d % UE8M0_BLOCK or d + d // UE8M0_BLOCK != w:
+                raise TableError(f"{name}: packed rows of width {w} are not d + d/{UE8M0_BLOCK} bytes for a d divisible "
+                                 f"by {UE8M0_BLOCK}")
+            self.num_rows, self.dim = n, d
+        else:
+            cs, ss = shape(codes), shape(scales)
+            if len(cs) != 2 or cs[1] % UE8M0_BLOCK or ss != (cs[0], cs[1] // UE8M0_BLOCK):
+                raise TableError(f"{name}: scales of shape {list(ss)} do not fit rows {list(cs)} (one ue8m0 byte "
+                                 f"per {UE8M0_BLOCK} values: {[cs[0], cs[1] // UE8M0_BLOCK]} expected)")
+            self.num_rows, self.dim = cs
+        self.codes, self.scales, self.packed, self.dtype, self.name = codes, scales, packed, dtype, name
         self.trainable = False
 
     @property
@@ -220,17 +232,28 @@ class BlockFp8Table(Table):
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = rows.reshape(-1).long()
-        vals = dequantize_ue8m0(self._read(self.codes, rows), self._read(self.scales, rows), self.dtype)  # (N, d)
+        if self.packed is not None:
+            both = self._read(self.packed, rows)  # (N, d + d/32): one read per row
+            codes, scales = both[:, :self.dim], both[:, self.dim:]
+        else:
+            codes, scales = self._read(self.codes, rows), self._read(self.scales, rows)
+        vals = dequantize_ue8m0(codes, scales, self.dtype)  # (N, d)
         return out.copy_(vals) if out is not None else vals
 
     def stats(self) -> dict:
-        extra = self.codes.stats() if isinstance(self.codes, Table) else {}
+        src = self.packed if self.packed is not None else self.codes
+        extra = src.stats() if isinstance(src, Table) else {}
         return {**extra, "format": "fp8_ue8m0", "bytes_per_row": self.bytes_per_row}
 
     def close(self) -> None:
-        for src in (self.codes, self.scales):
+        for src in (self.codes, self.scales, self.packed):
             if isinstance(src, Table):
                 src.close()
+
+
+def pack_ue8m0_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(N, d + d/32) uint8: each row's e4m3 codes followed by its ue8m0 scales (`BlockFp8Table(packed=...)`)."""
+    return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
 
 
 def quantize_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +309,6 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mm
     return table
 
 
-__all__ = ["BlockFp8Table", "FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize", "dequantize_ue8m0", "quantize_ue8m0",
+__all__ = ["BlockFp8Table", "FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize", "dequantize_ue8m0", "pack_ue8m0_rows", "quantize_ue8m0",
            "ue8m0_to_float", "open_quant_file", "quant_error", "quantize_rows",
            "quantize_tables", "set_table_format", "write_quant_file"]
