@@ -370,3 +370,24 @@ def test_a_flipped_byte_in_the_checked_copy_is_one_error_on_its_first_read(tok, 
     with pytest.raises(TableError, match="checksum|corrupt"):
         table.gather(torch.arange(table.num_rows))
     table.close()
+
+
+def test_engram_models_serve_their_tables_in_v41_rows():
+    """`--table-format fp8_ue8m0`: any engram model's tables as DeepSeek-V4.1 stores them (264/256 bytes per value)."""
+    pytest.importorskip("transformers")
+    from engram.model import EngramForCausalLM
+    from engram.tables.quant import set_table_format
+    from engram.training.presets import tiny
+
+    torch.manual_seed(0)
+    cfg = dict(engram=dict(engram_vocab_size=[1009, 1013], n_embed_per_ngram=128, n_head_per_ngram=2, layer_ids=[1]))
+    ids = torch.randint(0, 1000, (2, 24))
+    ref = EngramForCausalLM(tiny(**cfg)).eval()
+    m = EngramForCausalLM(tiny(**cfg)).eval()
+    m.load_state_dict(ref.state_dict())
+    assert set_table_format(m, "fp8_ue8m0") == {1: 64 + 2}
+    with torch.no_grad():
+        want, got = ref(ids).logits, m(ids).logits
+    assert not torch.equal(got, want) and float((got - want).abs().max()) < 0.3
+    with pytest.raises(TableError, match="multiple of 32"):
+        set_table_format(EngramForCausalLM(tiny()).eval(), "fp8_ue8m0")  # 8-wide rows

@@ -453,7 +453,7 @@ def _training_commands(sub) -> None:
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--overlay", action="append", metavar="DIR",
                     help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
-    e.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8"],
+    e.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8", "fp8_ue8m0"],
                     help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
     e.set_defaults(func=cmd_eval)
 
@@ -468,7 +468,7 @@ def _training_commands(sub) -> None:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--overlay", action="append", metavar="DIR",
                     help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
-    sm.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8"],
+    sm.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8", "fp8_ue8m0"],
                     help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
     sm.set_defaults(func=cmd_sample)
 

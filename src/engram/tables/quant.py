@@ -140,7 +140,8 @@ def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[i
 
 def set_table_format(model, fmt: str) -> dict:
     """Serve `model`'s Engram tables as `fmt`: "float32" (as they are), "bfloat16" (cast, in RAM), "int8" or "fp8"
-    (`quantize_tables`, dequantized to float32 after each gather). Returns {layer_id: bytes per row}."""
+    (`quantize_tables`, dequantized to float32 after each gather), or "fp8_ue8m0" (DeepSeek-V4.1's rows: a scale
+    byte per 32 values). Returns {layer_id: bytes per row}."""
     from .backends import InRamTable
 
     if fmt == "float32":
@@ -150,6 +151,17 @@ def set_table_format(model, fmt: str) -> dict:
         for _, mhe in find_tables(model):
             install(mhe, InRamTable(mhe.embedding.weight.detach().to(torch.bfloat16)), free_parameter=True)
             out[mhe.layer_id] = mhe.dim * 2
+        return out
+    if fmt == "fp8_ue8m0":  # DeepSeek-V4.1's rows: e4m3 + a power-of-two scale per 32 values, dequantized to bf16
+        out = {}
+        for _, mhe in find_tables(model):
+            if mhe.dim % UE8M0_BLOCK:
+                raise TableError(f"fp8_ue8m0 needs rows a multiple of {UE8M0_BLOCK} wide; layer {mhe.layer_id}'s "
+                                 f"are {mhe.dim}")
+            table = BlockFp8Table(*quantize_ue8m0(mhe.embedding.weight.detach()), torch.float32,
+                                  f"layer {mhe.layer_id}")
+            install(mhe, table, free_parameter=True)
+            out[mhe.layer_id] = table.bytes_per_row
         return out
     return {lid: t.bytes_per_row for lid, t in quantize_tables(model, fmt, torch.float32).items()}
 
