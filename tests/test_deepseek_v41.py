@@ -391,3 +391,23 @@ def test_engram_models_serve_their_tables_in_v41_rows():
     assert not torch.equal(got, want) and float((got - want).abs().max()) < 0.3
     with pytest.raises(TableError, match="multiple of 32"):
         set_table_format(EngramForCausalLM(tiny()).eval(), "fp8_ue8m0")  # 8-wide rows
+
+
+def test_overlays_stack_on_v41_rows_from_every_tier(tok, tmp_path):
+    from engram.tables.overlay import OverlayTable
+
+    d = write_checkpoint(tmp_path / "ckpt", tok)
+    rows, values = torch.tensor([5, 17, 2000]), torch.randn(3, 64)
+    for backend in ("ram", "mmap", "disk"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mem = v41.load(d, backend)
+        base = mem.layers[1].table
+        ids = torch.tensor([4, 5, 6, 17, 2000, 2001])
+        before = base.gather(ids)
+        mem.layers[1].table = OverlayTable(base, rows, values, name="facts")
+        got = mem.layers[1].table.lookup(ids)
+        assert torch.equal(got[[1, 3, 4]], values.to(torch.bfloat16)) and torch.equal(got[[0, 2, 5]], before[[0, 2, 5]])
+        mem.layers[1].table = base  # removing the overlay is the undo
+        assert torch.equal(mem.layers[1].table.lookup(ids), before)
+        mem.close()
