@@ -167,6 +167,13 @@ def test_dequantization_of_every_code_and_every_scale_byte():
     assert [v for v in full.tolist() if v == v] == [v for v in want_codes if v == v]  # scale 1.0: the codes
     bf = dequantize_ue8m0(rows[:3], scales[120:123].view(3, 1).repeat(1, 8))  # served as bfloat16
     assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got[120:123].to(torch.bfloat16).view(torch.int16))
+    from engram.tables.quant import _dequantize_ue8m0_torch
+
+    g = torch.Generator().manual_seed(0)
+    rc, rs = torch.randint(0, 256, (300, 128), dtype=torch.uint8, generator=g), torch.randint(0, 256, (300, 4),
+                                                                                               dtype=torch.uint8, generator=g)
+    for dt, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):  # fused loop (numba) == torch ops
+        assert torch.equal(dequantize_ue8m0(rc, rs, dt).view(bits), _dequantize_ue8m0_torch(rc, rs, dt).view(bits))
     w = torch.randn(10, 64)
     c, s = quantize_ue8m0(w)
     assert ((dequantize_ue8m0(c, s, torch.float32) - w).abs() <= w.abs() * 0.0625 + 1e-12).all()
