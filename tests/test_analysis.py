@@ -18,9 +18,10 @@ def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("corpus_an"))
 
 
-@pytest.mark.parametrize("name", ["iso", "placement", "capacity", "ablations"])
+@pytest.mark.parametrize("name", ["iso", "placement", "capacity", "ablations", "design"])
 def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
-    s = run_experiment(name, out=tmp_path, seeds=2 if name == "iso" else 1, preset="tiny", data=[str(corpus)],
+    seeds = 2 if name in ("iso", "design") else 1
+    s = run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)],
                        max_steps=3, progress=False, size="small")
     root = tmp_path / name
     assert (root / "summary.json").is_file() and (root / "summary.md").is_file() and (root / "plot.png").is_file()
@@ -35,8 +36,13 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
         assert "rows1" in table and "no-engram" in table
     if name == "ablations":
         assert {"shuffled-hash", "frozen-table", "no-gate", "no-conv", "no-compression"} <= set(table)
+    if name == "design":  # the reference vs V4.1's conv-less design, V4.1 also served as FP8 + ue8m0 rows
+        assert set(table) == {"reference", "v41", "v41, fp8_ue8m0 rows"} and table["v41"]["n"] == 2
+        assert table["v41"]["params"] == table["reference"]["params"]  # (the unused conv weights are still built)
+        assert table["v41"]["table_params"] == table["reference"]["table_params"]
+        assert "vs_reference" in table["v41, fp8_ue8m0 rows"] and "sd, n" in (root / "summary.md").read_text()
     # finished runs are skipped on a rerun (resumable experiments)
-    again = run_experiment(name, out=tmp_path, seeds=2 if name == "iso" else 1, preset="tiny", data=[str(corpus)],
+    again = run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)],
                            max_steps=3, progress=False, size="small")
     assert again["variants"] == table
 

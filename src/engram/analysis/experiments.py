@@ -21,6 +21,8 @@ Experiments:
                sparse budget kept by routed MoE experts swept from 100% down, the rest as Engram rows;
                plus dense iso-activated and iso-total baselines (`analysis/allocation.py`;
                `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).
+  design       the reference's Engram (short conv) vs DeepSeek-V4.1's (no conv; its tables served as FP8 rows
+               with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim rows so FP8 blocks fit).
   edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
                efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
                fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
@@ -39,9 +41,9 @@ from ..model import EngramForCausalLM
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
 from ..utils import atomic_write_bytes
-from .runs import seed_stats, trained_run
+from .runs import difference, seed_stats, trained_run
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "retrofit", "edit", "allocation")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -67,6 +69,9 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
             # per-stream vs single-branch gating needs several streams: both arms with hc_mult=4 (mHC)
             "hc4-per-stream": {"model_overrides": {"hc_mult": 4}},
             "hc4-single-branch": {"model_overrides": {"hc_mult": 4, "engram": {"single_branch": True}}}}
+    if name == "design":  # 32-dim rows (2 x 4 heads x 32 = 256 = n_embed_per_ngram) so ue8m0 blocks of 32 fit a row
+        return {"reference": {"model_overrides": {"engram": {"n_embed_per_ngram": 128}}},
+                "v41": {"model_overrides": {"engram": {"n_embed_per_ngram": 128, "use_short_conv": False}}}}
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
 
 
@@ -97,6 +102,8 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
                                                              max_steps=max_steps, progress=progress, **kw))
     if name == "sensitivity":
         table = sensitivity(results["engram"], data)
+    elif name == "design":
+        table = design_table(results)
     else:
         table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
@@ -109,7 +116,42 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     return summary
 
 
+def design_table(results: dict) -> dict:
+    """Final val loss per design, the V4.1 runs re-evaluated with their tables as FP8 + ue8m0 rows, and the
+    differences to the reference with their standard errors."""
+    from ..tables.quant import set_table_format
+    from ..training.train import evaluate
+
+    fp8 = []
+    for r in results["v41"]:
+        run_dir = Path(r["run_dir"])
+        info = json.loads((run_dir / "run.json").read_text())
+        windows = eval_windows(load_split(Path(info["data_dir"]), "val"), info["train"]["seq_len"],
+                               info["train"]["eval_max_windows"])
+        model = EngramForCausalLM.from_pretrained(run_dir / "final").eval()
+        set_table_format(model, "fp8_ue8m0")
+        with torch.no_grad():
+            fp8.append(evaluate(model, windows, info["train"]["batch_size"], torch.device("cpu")))
+    table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
+             for v, rs in results.items()}
+    table["v41, fp8_ue8m0 rows"] = seed_stats(fp8) | {"params": table["v41"]["params"],
+                                                      "table_params": table["v41"]["table_params"]}
+    for v in ("v41", "v41, fp8_ue8m0 rows"):
+        table[v]["vs_reference"] = difference(table["reference"], table[v])
+    return table
+
+
 def _markdown(name: str, table: dict) -> str:
+    if name == "design":
+        lines = ["| design | final val loss (mean ± sd, n) | vs reference (± se) | params | table params |",
+                 "|---|---|---|---|---|"]
+        for v, r in table.items():
+            d = r.get("vs_reference")
+            vs = "" if d is None else (f"{d['diff']:+.4f} ± {d['se']:.4f} "
+                                       f"({'finding' if d['finding'] else 'no difference at this scale'})")
+            lines.append(f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} (n={r['n']}) | {vs} | {r['params']:,} | "
+                         f"{r['table_params']:,} |")
+        return "\n".join(lines) + "\n"
     if name == "sensitivity":
         lines = ["| token category | tokens | loss with Engram | loss without | increase |", "|---|---|---|---|---|"]
         for cat, r in table.items():

@@ -10,8 +10,18 @@ from pathlib import Path
 
 
 def seed_stats(xs: list[float]) -> dict:
-    """Mean, spread (half the range; 0 for one value) and the values themselves."""
-    return {"mean": statistics.fmean(xs), "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
+    """Mean, sample standard deviation (0 for one value), n, spread (half the range) and the values themselves."""
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs),
+            "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
+
+
+def difference(a: dict, b: dict) -> dict:
+    """b - a of two `seed_stats`, its standard error, and whether it is a finding (beyond two standard errors)."""
+    import math
+
+    d = b["mean"] - a["mean"]
+    se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) if a["n"] > 1 and b["n"] > 1 else float("nan")
+    return {"diff": d, "se": se, "finding": bool(abs(d) > 2 * se) if se == se else False}
 
 
 def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_steps: int | None, progress: bool,
