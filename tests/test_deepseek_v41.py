@@ -13,7 +13,7 @@ import torch
 from engram.config import ConfigError
 from engram.integrations import deepseek_v41 as v41
 from engram.tables.base import TableError
-from engram.tables.quant import UE8M0_BLOCK, dequantize_ue8m0, quantize_ue8m0, ue8m0_to_float
+from engram.tables.quant import dequantize_ue8m0, quantize_ue8m0, ue8m0_to_float
 from engram.tokenizer import CompressedTokenizer, train_bpe
 
 
@@ -418,3 +418,19 @@ def test_overlays_stack_on_v41_rows_from_every_tier(tok, tmp_path):
         mem.layers[1].table = base  # removing the overlay is the undo
         assert torch.equal(mem.layers[1].table.lookup(ids), before)
         mem.close()
+
+
+def test_stats_of_the_v41_hashing_on_a_corpus(tok):
+    """`engram stats --v41`: row use and collisions per head, hashed in chunks that continue each other."""
+    from engram.analysis.stats import mapping_usage
+
+    ct = CompressedTokenizer(tok)
+    m = v41.hash_mapping(config(tok), ct)
+    ids = np.random.default_rng(0).integers(0, 40, 3000)  # a small alphabet: n-grams repeat, rows collide
+    whole, chunked = mapping_usage(m, ids), mapping_usage(m, ids, chunk=77)
+    assert whole == chunked and len(whole) == 2 * 2 * 2  # layers x orders x heads
+    h = m.hash(torch.from_numpy(ids[None]))
+    for u in whole:
+        col = (u["order"] - 2) * 2 + u["head"]
+        assert u["rows_used"] == len(torch.unique(h[u["layer"]][0, :, col]))
+        assert u["rows_used"] <= min(u["head_rows"], u["distinct_ngrams"]) and 0 <= u["collision_rate"] < 1

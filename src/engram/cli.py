@@ -325,6 +325,8 @@ def cmd_gates(args) -> int:
 def cmd_stats(args) -> int:
     from .analysis import stats as S
 
+    if args.v41:
+        return _stats_v41(args, S)
     r = S.report(args.data, args.tokenizer, args.sizes)
     c = r["compression"]
     print(f"tokenizer {Path(r['tokenizer_file']).name}: {c['vocab']:,} ids -> {c['compressed']:,} compressed "
@@ -342,6 +344,26 @@ def cmd_stats(args) -> int:
     if args.out:
         S.plot_zipf(r["zipf"], Path(args.out))
         print(f"wrote {args.out}")
+    return 0
+
+
+def _stats_v41(args, S) -> int:
+    """`engram stats --v41 DIR`: a DeepSeek-V4.1 checkpoint's own hashing on a corpus (its tokenizer)."""
+    import numpy as np
+
+    from .integrations import deepseek_v41 as v41
+    from .training.data import load_manifest, load_split, prepare
+
+    d = Path(args.v41)
+    mapping = v41.hash_mapping(d / "config.json", d / "tokenizer.json")
+    data_dir = prepare(args.data, str((d / "tokenizer.json").resolve()))
+    ids = np.asarray(load_split(data_dir, "train"), dtype=np.int64)
+    print(f"{d.name}: hashing of layers {mapping.layer_ids} on {len(ids):,} train tokens of "
+          f"{load_manifest(data_dir).get('sources', args.data or 'shakespeare')}")
+    print(f"{'layer':>5} {'order':>5} {'head':>4} {'rows':>11} {'distinct':>9} {'used':>9} {'usage':>8} {'collide':>8}")
+    for u in S.mapping_usage(mapping, ids):
+        print(f"{u['layer']:>5} {u['order']:>5} {u['head']:>4} {u['head_rows']:>11,} {u['distinct_ngrams']:>9,} "
+              f"{u['rows_used']:>9,} {u['row_usage']:>8.3%} {u['collision_rate']:>8.2%}")
     return 0
 
 
@@ -545,6 +567,8 @@ def _analysis_commands(sub) -> None:
     st.add_argument("--tokenizer", default="deepseek", help="deepseek | bpe:N | path/to/tokenizer.json")
     st.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
     st.add_argument("--out", help="rank-frequency plot (.png)")
+    st.add_argument("--v41", metavar="DIR", help="a DeepSeek-V4.1 checkpoint folder: its own hashing's row use and "
+                    "collisions on --data (tokenized with its tokenizer)")
     st.set_defaults(func=cmd_stats)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..hashing import layer_multipliers, next_unused_prime
 from ..tokenizer import CompressedTokenizer, load_tokenizer
@@ -76,6 +77,32 @@ def plot_zipf(counts: dict[int, np.ndarray], path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def mapping_usage(mapping, ids: np.ndarray, chunk: int = 1 << 16) -> list[dict]:
+    """How a model's own hashing uses its tables on token ids `ids` (one long sequence): per layer and head,
+    the distinct n-grams of the head's order, the rows they land in, the share of the head's rows used and
+    the share of distinct n-grams that share a row with another (collisions). Any family (`deepseek`,
+    `qwen4_exp`, `deepseek_v41`)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    cols = []
+    for s in range(0, len(ids), chunk):  # hashed in chunks, each continuing from the ids before it
+        hist = ids[max(0, s - (mapping.max_ngram_size - 1)):s]
+        cur = ids[s:s + chunk]
+        h = mapping.hash_continuation(torch.from_numpy(cur[None]), torch.from_numpy(hist[None]) if len(hist) else None)
+        cols.append({lid: np.asarray(v[0]) for lid, v in h.items()})
+    x = mapping.compressed_tokenizer.lookup_table[ids]
+    out, H = [], mapping.n_head_per_ngram
+    for lid in mapping.layer_ids:
+        rows = np.concatenate([c[lid] for c in cols])  # (T, (N-1)*H)
+        for n in range(2, mapping.max_ngram_size + 1):
+            win = np.stack([np.concatenate([np.full(k, mapping.pad_id), x[: len(x) - k]]) for k in range(n)], 1)
+            distinct = len(np.unique(win, axis=0))  # distinct n-grams (exact: the tuples themselves)
+            for j, p in enumerate(mapping.vocab_size_across_layers[lid][n - 2]):
+                used = len(np.unique(rows[:, (n - 2) * H + j]))
+                out.append({"layer": lid, "order": n, "head": j, "head_rows": int(p), "distinct_ngrams": distinct,
+                            "rows_used": used, "row_usage": used / p, "collision_rate": 1 - used / distinct})
+    return out
 
 
 def report(data: list[str] | None, tokenizer: str, sizes: list[int]) -> dict:
