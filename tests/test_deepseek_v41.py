@@ -97,6 +97,10 @@ def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed
     for i, lid in enumerate(cfg["engram_layer_ids"]):
         assert np.array_equal(fast[lid], clean[lid]) and fast[lid].dtype == np.int32
         assert torch.equal(slow[i], torch.from_numpy(clean[lid]))
+    if m._fused():  # with DEAD positions: the fused kernel (resets) and the int64 torch path agree
+        dt = torch.from_numpy(dead)
+        fused, exact = m._hash_dead_fused(torch.from_numpy(ids), dt, True), m._hash_dead(torch.from_numpy(ids), dt, True)
+        assert torch.equal(fused, exact)
 
 
 def test_chunked_prefill_and_decode_equal_one_pass(tok):

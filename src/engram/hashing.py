@@ -519,13 +519,17 @@ class NgramHashMapping:
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
             return self._hash_torch(input_ids), False
 
-    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool = False) -> torch.Tensor:
+    def _numba_constants(self) -> tuple:
+        """(multipliers (L, N), kernel constants, (L, O, H), head offsets (L, O, H) float64), built once."""
         if ("numba",) not in self._device_cache:
             P = np.array([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[l] for l in self.layer_ids]).astype(np.int64)
             off = np.array([self.head_offsets(l) for l in self.layer_ids], dtype=np.float64).reshape(P.shape)
             self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
-        mult, consts, (L, O, H), off = self._device_cache[("numba",)]
+        return self._device_cache[("numba",)]
+
+    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool = False) -> torch.Tensor:
+        mult, consts, (L, O, H), off = self._numba_constants()
         B, T = input_ids.shape
         raw = input_ids.numpy()
         x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]

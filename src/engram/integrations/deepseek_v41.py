@@ -151,8 +151,9 @@ def _as_mask(dead, shape, what: str) -> torch.Tensor | None:
 class V41HashMapping(NgramHashMapping):
     """The hashing engine for `DeepSeekV41Family`, with DEAD masks; hash ids int32 with offsets added.
 
-    Without a DEAD position the fused kernel (or the engine's torch path) hashes; with one, a torch path
-    applies the blocking (each n-gram reads the pad from the first DEAD position it reaches backwards)."""
+    The fused kernel hashes (DEAD positions as document resets, `_hash_dead_fused`); without numba the engine's
+    torch path, and with DEAD positions an exact int64 torch path (each n-gram reads the pad from the first
+    DEAD position it reaches backwards, `_hash_dead`)."""
 
     def hash(self, input_ids, offsets: bool = True, dead=None) -> dict:
         """`{layer_id: (B, T, (N-1)*H) int32}` (numpy in, numpy out; torch in, torch out). `dead` (B, T) bool."""
@@ -162,6 +163,8 @@ class V41HashMapping(NgramHashMapping):
         d = _as_mask(dead, t.shape, "dead")
         if d is None or not bool(d.any()):
             out = self.hash_tensor(t.cpu(), offsets)  # (L, B, T, H) int64
+        elif self._fused():
+            out = self._hash_dead_fused(t.cpu().long(), d, offsets)
         else:
             out = self._hash_dead(t.cpu().long(), d, offsets)
         out = out.to(torch.int32)
@@ -190,6 +193,30 @@ class V41HashMapping(NgramHashMapping):
             d = torch.cat([hd, nd], dim=1)
         full = self.hash(ids if isinstance(input_ids, torch.Tensor) else ids.numpy(), offsets, d)
         return {k: v[:, -T:] for k, v in full.items()}
+
+    def _fused(self) -> bool:
+        from .. import _fasthash
+
+        return self.backend in ("auto", "numba") and _fasthash.available() and self.max_prime <= _fasthash.MAX_PRIME
+
+    def _hash_dead_fused(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
+        """The fused kernel with DEAD positions as document resets: a DEAD position's id becomes a sentinel the
+        kernel treats as a document end (n-grams after it read the pad from it back, as DEAD requires); the
+        DEAD position's own n-grams (all pad) are then set from the all-pad n-gram's rows."""
+        from .. import _fasthash
+
+        mult, consts, (L, O, H), off = self._numba_constants()
+        sentinel = self.compressed_tokenizer.compressed_vocab_size  # no real compressed id
+        x = self.compressed_tokenizer.lookup_table[ids.numpy()]  # (B, T)
+        x[dead.numpy()] = sentinel
+        out = np.empty((L, *x.shape, O * H), dtype=np.int64)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, sentinel, off if offsets else None)
+        pads = np.empty((L, 1, 1, O * H), dtype=np.int64)  # rows of the n-grams of pads only
+        _fasthash.hash_into(np.full((1, 1), self.pad_id, dtype=np.int64), self.pad_id, mult, consts, pads, None,
+                            off if offsets else None)
+        where = dead.numpy()
+        out[:, where] = pads[:, 0, 0][:, None, :]
+        return torch.from_numpy(out)
 
     def _hash_dead(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
         """(L, B, T, H) int64 row ids with DEAD blocking, by exact int64 arithmetic (mixes are non-negative)."""
