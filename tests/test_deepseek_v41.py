@@ -438,3 +438,19 @@ def test_stats_of_the_v41_hashing_on_a_corpus(tok):
         col = (u["order"] - 2) * 2 + u["head"]
         assert u["rows_used"] == len(torch.unique(h[u["layer"]][0, :, col]))
         assert u["rows_used"] <= min(u["head_rows"], u["distinct_ngrams"]) and 0 <= u["collision_rate"] < 1
+
+
+def test_the_v41_preset_trains_saves_and_serves_in_v41_rows(tmp_path):
+    """`engram train --preset cpu-small-v41` (no short conv) and `engram eval --table-format fp8_ue8m0`."""
+    pytest.importorskip("transformers")
+    from engram.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(300)))
+    assert main(["train", "--preset", "cpu-small-v41", "--data", str(corpus), "--out", str(tmp_path / "run"),
+                 "--max-steps", "2", "--set", "seq_len=32", "--set", "eval_max_windows=2"]) == 0
+    cfg = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert cfg["engram"]["use_short_conv"] is False
+    for fmt in ("float32", "fp8_ue8m0"):
+        assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(corpus), "--seq-len", "32",
+                     "--max-windows", "2", "--table-format", fmt]) == 0

@@ -61,6 +61,15 @@ def exp(**overrides):
     return EngramLMConfig(**kw)
 
 
+def cpu_small_v41(**overrides):
+    """cpu-small with DeepSeek-V4.1's Engram design: no short conv (the gate is the reference's, as V4.1's);
+    serve its tables as V4.1 stores them with `--table-format fp8_ue8m0` (its 32-wide rows fit the blocks)."""
+    kw = dict(engram=dict(engram_vocab_size=[65536, 65536], max_ngram_size=3, n_embed_per_ngram=128,
+                          n_head_per_ngram=4, layer_ids=[1], pad_id=1, use_short_conv=False))
+    kw.update(overrides)
+    return cpu_small(**kw)
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named configuration: the model (`model(**overrides) -> EngramLMConfig`) and, for trainable
@@ -72,6 +81,9 @@ class Preset:
     summary: str
 
 
+PRESET_CPU_SMALL_TRAIN = TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3,
+                                     warmup_steps=80, eval_max_windows=128, ckpt_every=200)
+
 # The one list of presets: the CLI, the trainer and the experiments read it.
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", tiny, TrainConfig(tokenizer="bpe:512", seq_len=32, batch_size=4, max_steps=20, lr=3e-3,
@@ -80,9 +92,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("exp", exp, TrainConfig(tokenizer="bpe:4096", seq_len=128, batch_size=8, max_steps=500, lr=3e-3,
                                    warmup_steps=40, eval_max_windows=96, ckpt_every=250),
            "evidence experiments: hidden 128, 4 layers, ~1-2 min per run"),
-    Preset("cpu-small", cpu_small, TrainConfig(tokenizer="bpe:8192", seq_len=256, batch_size=8, max_steps=800, lr=2e-3,
-                                               warmup_steps=80, eval_max_windows=128, ckpt_every=200),
+    Preset("cpu-small", cpu_small, PRESET_CPU_SMALL_TRAIN,
            "hidden 256, 4 layers, 16.8M table params, ~10 min on 2 cores"),
+    Preset("cpu-small-v41", cpu_small_v41, PRESET_CPU_SMALL_TRAIN,
+           "cpu-small with DeepSeek-V4.1's design: no short conv; serve with --table-format fp8_ue8m0"),
     Preset("demo", demo, None, "the tutorial's 30-layer demo model (not trainable on a CPU)"),
 )}
 TRAIN_PRESETS = tuple(name for name, p in PRESETS.items() if p.train is not None)
