@@ -588,10 +588,54 @@ def _channel_commands(sub) -> None:
         a.set_defaults(func=cmd_ask if name == "ask" else cmd_crosscheck)
 
 
+def cmd_serve(args) -> int:
+    from .serving import load_engine
+    from .serving.app import serve
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ImportError("engram serve needs FastAPI and uvicorn: pip install 'engram-torch[serve]'") from None
+    if (args.path is None) == (args.base is None):
+        raise ValueError("give a model (PATH: a run dir, model folder or qwen4_exp folder) or --base DIR [--adapter DIR]")
+    overlays = {}
+    for spec in args.overlay or []:
+        name, sep, d = spec.partition("=")
+        if not sep or not name or not d or "+" in name:
+            raise ValueError(f"--overlay {spec!r}: expected NAME=DIR (a name without '+')")
+        if name in overlays:
+            raise ValueError(f"--overlay {name} given twice")
+        overlays[name] = d
+    if args.table_backend != "ram" and not args.table_dir:
+        raise ValueError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
+    engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
+                         args.table_dir, args.name)
+    serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None)
+    return 0
+
+
+def _serve_command(sub) -> None:
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server for an Engram model (overlays chosen per request)")
+    sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
+    sv.add_argument("--base", help="a pretrained transformers model folder (with --adapter: plus that adapter)")
+    sv.add_argument("--adapter", help="Engram adapter folder (or LoRA folder, or an `engram adapt` run dir)")
+    sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
+                    help="load a fact overlay, served as model MODEL+NAME (repeatable)")
+    sv.add_argument("--table-backend", default="ram", choices=["ram", "mmap", "disk"])
+    sv.add_argument("--table-dir", help="where mmap/disk table files go")
+    sv.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8", "fp8_ue8m0"])
+    sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default $ENGRAM_API_KEY; none: open)")
+    sv.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
     sub = p.add_subparsers(dest="command", required=True)
-    for group in (_model_commands, _training_commands, _analysis_commands, _channel_commands):
+    for group in (_model_commands, _training_commands, _analysis_commands, _channel_commands, _serve_command):
         group(sub)
     return p
 

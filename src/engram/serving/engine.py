@@ -1,0 +1,271 @@
+"""The serving engine: one model, named fact overlays, and one worker thread that decodes requests in order.
+
+Requests queue and are decoded one at a time by a single worker thread, so an overlay chosen by one
+request is on the tables only while that request decodes: no other request ever sees it, and every
+answer equals the same request sent alone (greedy decoding is deterministic; sampling is seeded per
+request). On 2 CPU cores the model's own kernels use the cores; interleaving requests would not add
+throughput here (`benchmarks/bench_serve.py` measures it). A request whose client went away is
+cancelled between two tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+class ServeError(ValueError):
+    """A request the server refuses: `status` (HTTP) and `code` say why, the message says what to do."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+@dataclass
+class Job:
+    """One request: prompt ids, settings, the overlay to decode with, and where its events go."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    seed: int | None
+    overlay: str | None
+    emit: object  # callable(event: dict), thread-safe (hands events to the request's event loop)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+class _Streamer:
+    """transformers streamer: receives each new token id from `generate` and turns them into text deltas."""
+
+    def __init__(self, engine: "Engine", job: Job, prompt_len: int):
+        self.engine, self.job, self.prompt_len = engine, job, prompt_len
+        self.first, self.ids, self.sent, self.finish = True, [], 0, None
+        self.text = ""
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first:  # generate() hands the prompt over first
+            self.first = False
+            return
+        self.ids.extend(int(v) for v in value.reshape(-1).tolist())
+        self.text = self.engine.decode(self.ids)
+        cut = _first_stop(self.text, self.job.stop)
+        if cut is not None:
+            self.text, self.finish = self.text[:cut], "stop"
+        self._flush(final=self.finish is not None)
+
+    def _flush(self, final: bool) -> None:
+        hold = 0 if final else max((len(s) - 1 for s in self.job.stop), default=0)  # a stop may be half-arrived
+        safe = len(self.text) - hold
+        while not final and safe > self.sent and self.text[safe - 1] == "\ufffd":  # half a UTF-8 character
+            safe -= 1
+        if safe > self.sent:
+            self.job.emit({"type": "delta", "text": self.text[self.sent:safe]})
+            self.sent = safe
+
+    def end(self) -> None:
+        self._flush(final=True)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    at = [text.find(s) for s in stops if s and s in text]
+    return min(at) if at else None
+
+
+class _Stop:
+    """StoppingCriteria: the client went away, or a stop string appeared."""
+
+    def __init__(self, job: Job, streamer: _Streamer):
+        self.job, self.streamer = job, streamer
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = self.job.cancelled.is_set() or self.streamer.finish is not None
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+
+class Engine:
+    """A loaded model behind a queue. `name`: the model id clients send; `overlays`: {name: Overlay}, each
+    served as the model id `name+overlay`."""
+
+    def __init__(self, model, tokenizer, name: str, overlays: dict | None = None, chat_template: str | None = None,
+                 max_context: int | None = None):
+        from ..adapters import generation_pad_id
+
+        self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
+        self.overlays = dict(overlays or {})
+        self.chat_template = chat_template
+        cfg = getattr(model, "config", None)
+        self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 0) or 4096)
+        self.pad_id = generation_pad_id(model)
+        self.jobs: queue.Queue = queue.Queue()
+        self.busy = threading.Event()  # a job is decoding
+        self.counts = {"done": 0, "cancelled": 0, "failed": 0}
+        self.created = int(time.time())
+        self._worker = threading.Thread(target=self._run, name="engram-serve", daemon=True)
+        self._worker.start()
+
+    # ---- what clients may ask for
+    def model_ids(self) -> list[str]:
+        return [self.name] + [f"{self.name}+{o}" for o in self.overlays]
+
+    def resolve(self, model_id: str) -> str | None:
+        """The overlay a model id asks for (None: the model alone), or a 404 ServeError."""
+        if model_id == self.name:
+            return None
+        base, _, overlay = (model_id or "").partition("+")
+        if base != self.name:
+            raise ServeError(f"model {model_id!r} does not exist; this server serves {', '.join(self.model_ids())}",
+                             404, "model_not_found", "model")
+        if overlay not in self.overlays:
+            raise ServeError(f"overlay {overlay!r} is not loaded (loaded: {', '.join(self.overlays) or 'none'}); start "
+                             "the server with --overlay NAME=DIR", 404, "model_not_found", "model")
+        return overlay
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if not self.chat_template:
+            raise ServeError("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
+                             "use /v1/completions with a prompt", 400, "no_chat_template")
+        import jinja2
+
+        env = jinja2.Environment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          bos_token="", eos_token="")
+
+    def check(self, ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise ServeError("the prompt is empty (no tokens after tokenization); send some text", 400,
+                             "empty_prompt", "prompt")
+        if len(ids) + 1 > self.max_context:
+            raise ServeError(f"the prompt has {len(ids):,} tokens; this model's context is {self.max_context:,}", 400,
+                             "context_length_exceeded", "prompt")
+        if len(ids) + max_tokens > self.max_context:
+            raise ServeError(f"max_tokens {max_tokens:,} + the prompt's {len(ids):,} tokens exceed the context of "
+                             f"{self.max_context:,}; ask for at most {self.max_context - len(ids):,}", 400,
+                             "context_length_exceeded", "max_tokens")
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    # ---- the worker
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            self.busy.set()
+            try:
+                self._decode(job)
+            except Exception as e:  # a failure ends this request, never the server
+                self.counts["failed"] += 1
+                job.emit({"type": "error", "message": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            finally:
+                self.busy.clear()
+
+    def _decode(self, job: Job) -> None:
+        from contextlib import nullcontext
+
+        from transformers import StoppingCriteriaList
+
+        if job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+            job.emit({"type": "done", "finish_reason": "cancelled", "completion_tokens": 0})
+            return
+        streamer = _Streamer(self, job, len(job.ids))
+        greedy = job.temperature <= 0
+        ctx = nullcontext()
+        if job.overlay is not None:
+            from ..editing import applied
+
+            ctx = applied(self.model, self.overlays[job.overlay])
+        if job.seed is not None:
+            torch.manual_seed(job.seed)
+        with ctx, torch.no_grad():
+            self.model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=not greedy,
+                                temperature=None if greedy else job.temperature, top_k=None,
+                                top_p=None if greedy or job.top_p >= 1 else job.top_p, pad_token_id=self.pad_id,
+                                streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop(job, streamer)]))
+        reason = streamer.finish or ("cancelled" if job.cancelled.is_set() else
+                                     "length" if len(streamer.ids) >= job.max_tokens else "stop")
+        self.counts["cancelled" if reason == "cancelled" else "done"] += 1
+        job.emit({"type": "done", "finish_reason": reason, "completion_tokens": len(streamer.ids)})
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._worker.join(timeout=5)
+
+
+def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_backend: str = "ram",
+                table_format: str | None = None, table_dir=None, name: str | None = None) -> Engine:
+    """An `Engine` for a run dir / model folder (`path`), a pretrained base + adapter, or a qwen4_exp model folder;
+    `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does."""
+    from ..editing import Overlay, check_overlay, model_digest
+
+    template = None
+    if base is not None:
+        from ..training.adapt import load_with_adapter
+
+        model, tok = load_with_adapter(base, adapter)
+        template = _chat_template(Path(base))
+        name = name or Path(adapter or base).name
+    else:
+        p = Path(path)
+        cfg_file = p / "config.json"
+        if cfg_file.is_file() and "qwen4_exp" in cfg_file.read_text(encoding="utf-8", errors="replace"):
+            model, tok = _load_qwen4(p, table_backend, table_dir)
+        else:
+            from ..model import load_model
+
+            model, tok = load_model(p)
+            if table_backend != "ram":
+                from ..tables import offload_tables
+
+                offload_tables(model, table_backend, table_dir)
+        template = _chat_template(p if (p / "tokenizer_config.json").is_file() else p / "final")
+        name = name or (p.name if p.name != "final" else p.parent.name)
+    if table_format and table_format != "float32":
+        from ..tables.quant import set_table_format
+
+        set_table_format(model, table_format)
+    loaded = {}
+    if overlays:
+        digest = model_digest(model)
+        for oname, d in overlays.items():
+            o = Overlay.load(d)
+            check_overlay(model, o, where=f"--overlay {oname}={d}", digest=digest)
+            loaded[oname] = o
+    return Engine(model, tok, name, loaded, template)
+
+
+def _chat_template(d: Path) -> str | None:
+    import json
+
+    f = d / "tokenizer_config.json"
+    if not f.is_file():
+        return None
+    try:
+        t = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
+    except ValueError:
+        return None
+    return t if isinstance(t, str) else None
+
+
+def _load_qwen4(p: Path, backend: str, table_dir):
+    from ..integrations.qwen4_exp import from_pretrained
+    from ..tokenizer import load_tokenizer
+
+    return from_pretrained(p, backend, table_dir), load_tokenizer(p / "tokenizer.json")
