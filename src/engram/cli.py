@@ -610,7 +610,7 @@ def cmd_serve(args) -> int:
     if args.table_backend != "ram" and not args.table_dir:
         raise ValueError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
     engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
-                         args.table_dir, args.name)
+                         args.table_dir, args.name, args.chat_template)
     serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None)
     return 0
 
@@ -626,6 +626,8 @@ def _serve_command(sub) -> None:
     sv.add_argument("--table-dir", help="where mmap/disk table files go")
     sv.add_argument("--table-format", choices=["float32", "bfloat16", "int8", "fp8", "fp8_ue8m0"])
     sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--chat-template", help="'plain' (role: content lines) or a Jinja file; default: the tokenizer's "
+                    "own (tokenizer_config.json), else /v1/chat/completions is refused")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default $ENGRAM_API_KEY; none: open)")

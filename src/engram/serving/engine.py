@@ -209,10 +209,17 @@ class Engine:
         self._worker.join(timeout=5)
 
 
+# `--chat-template plain`: for models trained without one (engram's own): "role: content" lines, then "assistant:"
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_backend: str = "ram",
-                table_format: str | None = None, table_dir=None, name: str | None = None) -> Engine:
+                table_format: str | None = None, table_dir=None, name: str | None = None,
+                chat_template: str | None = None) -> Engine:
     """An `Engine` for a run dir / model folder (`path`), a pretrained base + adapter, or a qwen4_exp model folder;
-    `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does."""
+    `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does. `chat_template`:
+    "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one)."""
     from ..editing import Overlay, check_overlay, model_digest
 
     template = None
@@ -237,6 +244,13 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
                 offload_tables(model, table_backend, table_dir)
         template = _chat_template(p if (p / "tokenizer_config.json").is_file() else p / "final")
         name = name or (p.name if p.name != "final" else p.parent.name)
+    if chat_template == "plain":
+        template = PLAIN_CHAT_TEMPLATE
+    elif chat_template is not None:
+        f = Path(chat_template)
+        if not f.is_file():
+            raise ServeError(f"--chat-template {chat_template}: no such file (give 'plain' or a Jinja template file)")
+        template = f.read_text(encoding="utf-8")
     if table_format and table_format != "float32":
         from ..tables.quant import set_table_format
 
