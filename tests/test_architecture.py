@@ -84,13 +84,13 @@ CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", 
 def test_core_imports_no_storage_distribution_training_adapters_editing_or_cli(module):
     """The flat core reads top to bottom on its own; the packages around it depend on it, never the reverse."""
     forbidden = ("engram.tables", "engram.distributed", "engram.training", "engram.adapters", "engram.editing",
-                 "engram.integrations", "engram.cli", "engram.analysis", "engram.api", "engram.verify")
+                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.api", "engram.verify")
     bad = sorted(m for m in _closure(_graph(), module) if m.startswith(forbidden))
     assert not bad, f"{module} reaches {bad}"
 
 
 @pytest.mark.parametrize("package", ["engram.adapters", "engram.editing", "engram.training", "engram.tables",
-                                     "engram.distributed", "engram.integrations"])
+                                     "engram.distributed", "engram.integrations", "engram.serving"])
 def test_packages_do_not_reach_the_cli_or_analysis(package):
     g = _graph()
     modules = [m for m in g if m == package or m.startswith(package + ".")]
