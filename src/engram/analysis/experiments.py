@@ -40,7 +40,7 @@ from ..config import ConfigError
 from ..model import EngramForCausalLM
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
-from ..utils import atomic_write_bytes
+from ..utils import atomic_write_bytes, environment
 from .runs import difference, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
@@ -107,7 +107,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     else:
         table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
-    summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table}
+    summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
     md = _markdown(name, table)
     atomic_write_bytes(root / "summary.md", md.encode())

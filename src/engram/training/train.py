@@ -47,7 +47,7 @@ from ..tables import (
     write_safetensors,
 )
 from ..tables.base import find_tables
-from ..utils import peak_rss_mib
+from ..utils import environment, peak_rss_mib
 from . import presets
 from .checkpoint import (
     CheckpointError,
@@ -444,6 +444,7 @@ def finish(run: Run, step: int, ended: str, last_loss: float, last_val: float | 
         summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(run.ddp.device) / 2**20
     if table_stats:
         summary["table_cache"] = table_stats
+    summary["environment"] = environment()  # versions, threads, CPU, commit: what "reproduces" depends on
     atomic_write_bytes(run.run_dir / "summary.json", json.dumps(summary, indent=1).encode())
     return summary
 
