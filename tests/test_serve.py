@@ -186,8 +186,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_worker(setup):
     assert h["cancelled"] == before + 1 and not h["busy"] and h["queued"] == 0
 
 
-def test_chat_and_the_tutorials_channel_against_engrams_own_server(setup, tmp_path, monkeypatch):
-    """`--chat-template plain`; `engram ask` and `engram crosscheck --base-url` reach the server end to end."""
+def test_chat_with_the_plain_template_streams_and_not(setup):
+    """`--chat-template plain`: chat is the plain prompt's completion, streamed or not."""
     root, port, _ = setup
     c = client(port)
     msgs = [{"role": "user", "content": "the cat sat on"}]
@@ -197,6 +197,12 @@ def test_chat_and_the_tutorials_channel_against_engrams_own_server(setup, tmp_pa
     parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)]
     assert "".join(parts) == r.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_engram_ask_and_crosscheck_against_engrams_own_server(setup, tmp_path, monkeypatch):
+    """The tutorial's channel closed locally (two CLI processes: slow)."""
+    root, port, _ = setup
     monkeypatch.chdir(tmp_path)
     env = {**os.environ, "ENGRAM_API_KEY": KEY}
     base = ["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "tiny", "--retries", "0"]
