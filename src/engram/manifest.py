@@ -65,3 +65,21 @@ def verify_manifest(directory, fix: str = "re-download it or save it again") -> 
             raise IntegrityError(f"{p} is corrupt (sha256 differs from the manifest); {fix}")
     return True
 
+
+def verify_saved(directory, legacy: dict | None, what: str, fix: str, error: type[Exception]) -> None:
+    """Check a saved folder (a checkpoint, an adapter): against its manifest, or, for a folder saved before 0.2,
+    against the sha256 digests its own JSON lists (`legacy`, {file: digest}). Raises `error` in one line."""
+    d = Path(directory)
+    if legacy is not None:
+        for name, digest in legacy.items():
+            if not (d / name).is_file():
+                raise error(f"{d / name} is missing ({what} incomplete)")
+            if sha256_file(d / name) != digest:
+                raise error(f"{d / name} is truncated or corrupt (sha256 mismatch)")
+        return
+    if not (d / MANIFEST).is_file():
+        raise error(f"{d / MANIFEST} is missing ({what} incomplete); {fix}")
+    try:
+        verify_manifest(d, fix)
+    except IntegrityError as e:
+        raise error(f"{what} truncated or corrupt: {e}") from None

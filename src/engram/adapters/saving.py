@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ..manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
+from ..manifest import verify_saved, write_manifest
 from ..persist import (
     atomic_write_bytes,
     read_json,
@@ -17,7 +17,6 @@ from ..persist import (
     temp_dir_for,
     write_json,
 )
-from ..utils import sha256_file
 from .hooks import adapter_of
 from .introspect import (
     TOKENIZER_FILE,
@@ -84,20 +83,10 @@ def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> di
     if not f.is_file():
         raise AdapterError(f"{d}: no Engram adapter here (expected {CONFIG_FILE}; save one with engram.save_adapter)")
     meta = read_json(f, "adapter config", "save the adapter again", AdapterError)
-    if verify and "files" not in meta:  # adapters before 0.2 listed their digests in engram_adapter.json
-        if not (d / MANIFEST).is_file():
-            raise AdapterError(f"{d / MANIFEST} is missing (adapter incomplete); save the adapter again")
-        try:
-            verify_manifest(d, "save the adapter again")
-        except IntegrityError as e:
-            raise AdapterError(f"adapter corrupt: {e}") from None
+    if verify:  # adapters before 0.2 listed their digests in engram_adapter.json
+        verify_saved(d, meta.get("files"), "adapter", "save the adapter again", AdapterError)
     if meta.get("format") != FORMAT:
         raise AdapterError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
-    for name, digest in meta.get("files", {}).items() if verify else ():
-        if not (d / name).is_file():
-            raise AdapterError(f"{d / name} is missing (adapter incomplete)")
-        if sha256_file(d / name) != digest:
-            raise AdapterError(f"{d / name} is truncated or corrupt (sha256 mismatch)")
     return meta
 
 

@@ -211,11 +211,13 @@ class V41HashMapping(NgramHashMapping):
         x[dead.numpy()] = sentinel
         out = np.empty((L, *x.shape, O * H), dtype=np.int64)
         _fasthash.hash_into(x, self.pad_id, mult, consts, out, sentinel, off if offsets else None)
-        pads = np.empty((L, 1, 1, O * H), dtype=np.int64)  # rows of the n-grams of pads only
-        _fasthash.hash_into(np.full((1, 1), self.pad_id, dtype=np.int64), self.pad_id, mult, consts, pads, None,
-                            off if offsets else None)
-        where = dead.numpy()
-        out[:, where] = pads[:, 0, 0][:, None, :]
+        key = ("v41 all-pad rows", offsets)  # (L, H): the rows of the n-grams of pads only, hashed once
+        if key not in self._device_cache:
+            pads = np.empty((L, 1, 1, O * H), dtype=np.int64)
+            _fasthash.hash_into(np.full((1, 1), self.pad_id, dtype=np.int64), self.pad_id, mult, consts, pads, None,
+                                off if offsets else None)
+            self._device_cache[key] = pads[:, 0, 0]
+        out[:, dead.numpy()] = self._device_cache[key][:, None, :]
         return torch.from_numpy(out)
 
     def _hash_dead(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
@@ -379,9 +381,8 @@ class _Tensor:
                           dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
 
     def load(self) -> torch.Tensor:
-        """The tensor in RAM (FP8 bytes as uint8; a float32 wkv scale as float32)."""
-        t = self.mapped().clone()
-        return t.view(torch.float32) if self.info["dtype"] == "F32" else t
+        """The tensor in RAM (FP8 bytes as uint8; bf16 and float32 as themselves)."""
+        return self.mapped().clone()
 
 
 class V41Memory:

@@ -47,8 +47,8 @@ class Job:
 class _Streamer:
     """transformers streamer: receives each new token id from `generate` and turns them into text deltas."""
 
-    def __init__(self, engine: "Engine", job: Job, prompt_len: int):
-        self.engine, self.job, self.prompt_len = engine, job, prompt_len
+    def __init__(self, engine: "Engine", job: Job):
+        self.engine, self.job = engine, job
         self.first, self.ids, self.sent, self.finish = True, [], 0, None
         self.text = ""
 
@@ -185,7 +185,7 @@ class Engine:
             self.counts["cancelled"] += 1
             job.emit({"type": "done", "finish_reason": "cancelled", "completion_tokens": 0})
             return
-        streamer = _Streamer(self, job, len(job.ids))
+        streamer = _Streamer(self, job)
         greedy = job.temperature <= 0
         ctx = nullcontext()
         if job.overlay is not None:

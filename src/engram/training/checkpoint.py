@@ -24,11 +24,10 @@ import torch
 
 from ..distributed.parallel import DistContext
 from ..distributed.sharded import ShardedTable, load_sharded, save_sharded
-from ..manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest
+from ..manifest import verify_saved, write_manifest
 from ..memory import is_table_key
 from ..persist import atomic_write_bytes, read_json, recover_dir, replace_dir
 from ..tables.base import find_tables, installed_tables
-from ..utils import sha256_file
 from .optim import TableAdam
 
 
@@ -175,18 +174,8 @@ def read_checkpoint(path: Path) -> dict:
     if not sf.is_file():
         raise CheckpointError(f"{sf} is missing (checkpoint incomplete)")
     state = read_json(sf, "checkpoint state", "resume from an earlier checkpoint", CheckpointError)
-    if "files" not in state:  # the manifest lists every file (state.json held the digests before 0.2)
-        if not (path / MANIFEST).is_file():
-            raise CheckpointError(f"{path / MANIFEST} is missing (checkpoint incomplete)")
-        try:
-            verify_manifest(path, "resume from an earlier checkpoint")
-        except IntegrityError as e:
-            raise CheckpointError(f"checkpoint truncated or corrupt: {e}") from None
-    for f, digest in state.get("files", {}).items():
-        if not (path / f).is_file():
-            raise CheckpointError(f"{path / f} is missing")
-        if sha256_file(path / f) != digest:
-            raise CheckpointError(f"{path / f} is truncated or corrupt (sha256 mismatch)")
+    # the manifest lists every file (state.json held the digests before 0.2)
+    verify_saved(path, state.get("files"), "checkpoint", "resume from an earlier checkpoint", CheckpointError)
     return state
 
 

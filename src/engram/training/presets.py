@@ -34,6 +34,10 @@ def demo(**overrides):
 
 
 # ------------------------------------------------------------------------------------ training presets
+CPU_SMALL_ENGRAM = dict(engram_vocab_size=[65536, 65536], max_ngram_size=3, n_embed_per_ngram=128, n_head_per_ngram=4,
+                        layer_ids=[1], pad_id=1)  # cpu-small's table, with or without the short conv
+
+
 def cpu_small(**overrides):
     """~10 minutes on 2 CPU cores: hidden 256, 4 layers, SwiGLU 768, plain residual (mHC costs ~+80% step
     time in eager PyTorch on a CPU at this size: `benchmarks/bench_backbone.py`), one Engram layer at
@@ -42,8 +46,7 @@ def cpu_small(**overrides):
 
     kw = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
               intermediate_size=768, hc_mult=1, max_position_embeddings=1024, pad_token_id=1,
-              engram=dict(engram_vocab_size=[65536, 65536], max_ngram_size=3, n_embed_per_ngram=128,
-                          n_head_per_ngram=4, layer_ids=[1], pad_id=1, conv_zero_init=True))
+              engram=dict(CPU_SMALL_ENGRAM, conv_zero_init=True))
     kw.update(overrides)
     return EngramLMConfig(**kw)
 
@@ -64,8 +67,7 @@ def exp(**overrides):
 def cpu_small_v41(**overrides):
     """cpu-small with DeepSeek-V4.1's Engram design: no short conv (the gate is the reference's, as V4.1's);
     serve its tables as V4.1 stores them with `--table-format fp8_ue8m0` (its 32-wide rows fit the blocks)."""
-    kw = dict(engram=dict(engram_vocab_size=[65536, 65536], max_ngram_size=3, n_embed_per_ngram=128,
-                          n_head_per_ngram=4, layer_ids=[1], pad_id=1, use_short_conv=False))
+    kw = dict(engram=dict(CPU_SMALL_ENGRAM, use_short_conv=False))
     kw.update(overrides)
     return cpu_small(**kw)
 
