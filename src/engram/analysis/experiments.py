@@ -75,6 +75,20 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
 
 
+# variants whose training is identical to another experiment's (same preset, same keyword arguments): they
+# share its run directories instead of training the same model again
+SAME_RUN = {("placement", "block1"): ("iso", "engram"), ("ablations", "full"): ("iso", "engram"),
+            ("capacity", "no-engram"): ("iso", "no-engram"), ("sensitivity", "engram"): ("iso", "engram")}
+
+
+def run_dir_of(out: str | Path, name: str, variant: str, seed: int, preset: str) -> Path:
+    """Where (name, variant, seed) trains: its own folder, or the identical run of `SAME_RUN`."""
+    src = SAME_RUN.get((name, variant))
+    if src is not None and variants(name, preset)[variant] == variants(src[0], preset)[src[1]]:
+        name, variant = src
+    return Path(out) / name / f"{variant}-seed{seed}"
+
+
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None, scale: str = "cpu") -> dict:
@@ -96,8 +110,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     results: dict[str, list[dict]] = {}
     for seed in range(seeds):
         for vname, kw in vs.items():
-            # sensitivity reuses the iso experiment's Engram runs when they exist
-            run_dir = (Path(out) / "iso" / f"engram-seed{seed}") if name == "sensitivity" else root / f"{vname}-seed{seed}"
+            run_dir = run_dir_of(out, name, vname, seed, preset)
             results.setdefault(vname, []).append(trained_run(run_dir, f"[{name}] {vname}", seed, preset, data=data,
                                                              max_steps=max_steps, progress=progress, **kw))
     if name == "sensitivity":

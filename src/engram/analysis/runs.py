@@ -40,5 +40,15 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
         if done.get("interrupted"):  # Ctrl-C: the run checkpointed; the same command resumes the sweep
             print("engram: experiment stopped; run the same command again to resume it", flush=True)
             raise KeyboardInterrupt
+    else:  # a finished run is reused only if it is the run asked for (a shared or stale OUT could hold another)
+        info = json.loads((run_dir / "run.json").read_text())
+        got = (info.get("preset"), info["train"].get("seed"), info.get("model_overrides") or {},
+               info.get("use_engram", True), info.get("baseline"))
+        want = (preset, seed, train_kw.get("model_overrides") or {}, train_kw.get("use_engram", True),
+                train_kw.get("baseline"))
+        if got != want:
+            raise RuntimeError(f"{run_dir} holds a finished run of preset {got[0]!r}, seed {got[1]}, overrides "
+                               f"{got[2:]} but this experiment needs preset {want[0]!r}, seed {want[1]}, overrides "
+                               f"{want[2:]}; use another --out or delete that folder")
     summ = json.loads((run_dir / "summary.json").read_text())
     return {"seed": seed, "run_dir": str(run_dir), **summ, "metrics": read_metrics(run_dir / "metrics.jsonl")}
