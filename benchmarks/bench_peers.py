@@ -1,7 +1,10 @@
-"""engram against the peers a user would pick instead, in one process: the disk store (EngramDB).
+"""engram against the peers a user would pick instead, in one script: the disk store (EngramDB) and
+Engram adapters on transformers models (engram-peft).
 
     pip install -r benchmarks/requirements-peers.txt        # the peers; never needed by the tests or CI
-    python benchmarks/bench_peers.py [--rows 2000000] [--rounds 3]
+    python benchmarks/bench_peers.py [--part disk|adapters|all] [--rows 2000000] [--rounds 3] [--steps 150]
+
+(engram-peft 1.2.7 needs Python >= 3.12: it imports `typing.override`, though it declares >= 3.10.)
 
 Disk store: the same bfloat16 rows (`--rows` x d, for d = 160 as Qwen3.8-Flash-Next's table and d = 256)
 written in both formats (engram's disk-tier file: page-aligned safetensors with 4 KiB block sums;
@@ -10,8 +13,16 @@ tokens, 2 orders x 4 heads, offsets folded into the table), each file evicted fr
 a cold round (`posix_fadvise(DONTNEED)`, resident fraction from `mincore`), then warm. engram's
 `DiskTable.gather` (checking each block on first read) vs EngramDB's `Store.fetch` (and its io_uring
 page reader where the kernel allows), with fio's 4 KiB random-read limit in the same run; the bytes
-returned are compared for equality. Prints a table and one JSON line. (The adapter comparison with
-engram-peft is not in this script yet.)
+returned are compared for equality.
+
+Adapters: the same random Llama and Qwen3 bases (hidden 256, 4 layers, the `exp` preset's BPE-4096
+Shakespeare tokenizer), the same Engram table (2 orders x 4 heads x ~10k rows x 32 dims at layer 1, one
+stream, zero-initialized conv), the same Shakespeare batches (8 x 128 tokens), steps, base LR (table at 5x),
+no weight decay, the base frozen: `engram.attach` + `build_optimizers` vs `engram_peft.get_engram_model`
++ its `create_optimizer` (SparseAdam rows). Each (side, base) runs in its own child process, alternating,
+`--rounds` times: step time (median after 3 warm-up steps), peak RSS, train loss over the last 10 steps
+and val loss after `--steps`, max |logit change| at attach, adapter files' bytes, and max |logit
+difference| after a save/load round trip into a fresh base. Prints a table and one JSON line.
 """
 
 import argparse
@@ -50,10 +61,25 @@ def real_row_ids(rows: int, tokens: int = 4096) -> torch.Tensor:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("disk", "adapters", "all"), default="all")
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=150, help="adapter training steps")
     ap.add_argument("--dir", help="where to write the files (default: a temp dir)")
+    ap.add_argument("--child", nargs=2, metavar=("SIDE", "BASE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(adapter_child(*args.child, steps=args.steps)))
+        return
+    out = {}
+    if args.part in ("adapters", "all"):
+        out["adapters"] = adapters(args)
+    if args.part in ("disk", "all"):
+        out["disk"] = disk(args)
+    print(json.dumps(out))
+
+
+def disk(args) -> dict:
     import engramdb
 
     ids = real_row_ids(args.rows)
@@ -114,7 +140,152 @@ def main():
                   f"({r['cold_ratio']:.2f}x); warm ids/s {med['engram_warm']:,.0f} vs {med['engramdb_warm']:,.0f} "
                   f"({r['warm_ratio']:.2f}x); fio 4 KiB {r['fio']}; bytes identical; resident after eviction "
                   + ("n/a" if r["max_resident"] is None else f"{r['max_resident']:.1%}"))
-    print(json.dumps(out))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ adapters
+ROWS, HEADS, HEAD_DIM, LAYER, LR, BATCH, SEQ = 10_007, 4, 32, 1, 3e-3, 8, 128
+
+
+def _base(kind: str, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common))
+
+
+def _batches(steps: int):
+    from engram.training.data import eval_windows, load_split, prepare
+
+    d = prepare(None, "bpe:4096", progress=False)
+    train, val = load_split(d, "train"), load_split(d, "val")
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(train) - SEQ, size=(steps, BATCH))
+    xs = [torch.from_numpy(np.stack([train[s:s + SEQ] for s in row]).astype(np.int64)) for row in starts]
+    return d / "tokenizer.json", xs, torch.from_numpy(eval_windows(val, SEQ, 32).astype(np.int64))
+
+
+def adapter_child(side: str, kind: str, steps: int) -> dict:
+    """One (side, base) run in this process: attach, exactness, `steps` steps, val loss, save, reload."""
+    import resource
+    import shutil
+
+    tok_path, xs, val = _batches(steps)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+    model = _base(kind, vocab).train()
+    probe = val[:2]
+    with torch.no_grad():
+        before = model(input_ids=probe).logits
+    if side == "engram":
+        import engram
+        from engram.training.optim import build_optimizers
+
+        engram.attach(model, [LAYER], tokenizer=tok_path, verbose=False, engram_vocab_size=[ROWS, ROWS],
+                      n_head_per_ngram=HEADS, n_embed_per_ngram=HEADS * HEAD_DIM, max_ngram_size=3, pad_id=1)
+        opts = list(build_optimizers(model, LR, weight_decay=0.0).values())
+        net = model
+    else:
+        from engram_peft import EngramConfig, get_engram_model
+        from transformers import PreTrainedTokenizerFast
+
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), pad_token="<|pad|>", eos_token="<|endoftext|>")
+        cfg = EngramConfig(engram_vocab_size_per_ngram=[HEADS * ROWS] * 2, ngram_sizes=[2, 3], max_ngram_size=3,
+                           n_head_per_ngram=HEADS, embedding_dim=2 * HEADS * HEAD_DIM, target_layers=[LAYER], hc_mult=1,
+                           pad_id=1, learning_rate_multiplier=5.0, weight_decay=0.0)
+        net = get_engram_model(model, cfg, tokenizer=hf_tok, train_mode="engram_only")
+        opts = [net.create_optimizer(base_learning_rate=LR)]
+    with torch.no_grad():
+        exact = (net(input_ids=probe).logits - before).abs().max().item()
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    times, losses = [], []
+    for x in xs:
+        t = time.perf_counter()
+        loss = net(input_ids=x, labels=x).loss
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        for o in opts:
+            o.step()
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+    net.eval()
+    with torch.no_grad():
+        val_loss = statistics.fmean(net(input_ids=val[i:i + 8], labels=val[i:i + 8]).loss.item()
+                                    for i in range(0, len(val), 8))
+        trained = net(input_ids=probe).logits
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        t = time.perf_counter()
+        if side == "engram":
+            engram.save_adapter(net, tmp / "a")
+        else:
+            net.save_pretrained(str(tmp / "a"))
+        save_s = time.perf_counter() - t
+        size = sum(f.stat().st_size for f in (tmp / "a").rglob("*") if f.is_file())
+        fresh = _base(kind, vocab).eval()
+        t = time.perf_counter()
+        if side == "engram":
+            again = engram.load_adapter(fresh, tmp / "a").eval()
+        else:
+            from engram_peft import EngramModel
+
+            again = EngramModel.from_pretrained(fresh, str(tmp / "a"), tokenizer=hf_tok).eval()
+        load_s = time.perf_counter() - t
+        with torch.no_grad():
+            roundtrip = (again(input_ids=probe).logits - trained).abs().max().item()
+    finally:
+        shutil.rmtree(tmp)
+    return {"side": side, "base": kind, "step_s": statistics.median(times[3:]), "train_loss_last10": statistics.fmean(losses[-10:]),
+            "val_loss": val_loss, "exact_at_attach": exact, "trainable": trainable, "adapter_bytes": size,
+            "save_s": save_s, "load_s": load_s, "roundtrip_max_diff": roundtrip,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def adapters(args) -> dict:
+    import subprocess
+
+    import engram_peft  # noqa: F401  (fail here, not in a child, if the peer is missing)
+    from importlib.metadata import version
+
+    runs = []
+    for r in range(args.rounds):
+        for kind in ("llama", "qwen3"):
+            for side in (("engram", "peft") if r % 2 == 0 else ("peft", "engram")):  # alternate who goes first
+                p = subprocess.run([sys.executable, __file__, "--child", side, kind, "--steps", str(args.steps)],
+                                   capture_output=True, text=True)
+                if p.returncode:
+                    raise SystemExit(f"{side} on {kind} failed:\n{p.stderr[-3000:]}")
+                runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+                print(f"round {r} {kind:5s} {side:6s}: " + ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[-1].items()
+                    if k not in ("side", "base")), flush=True)
+    out = {"engram_peft": version("engram-peft"), "steps": args.steps, "rounds": args.rounds, "runs": runs, "bases": {}}
+    print("\n| base | engram / engram-peft step time | val loss engram vs peft | exact at attach (max |dlogit|) | "
+          "adapter bytes | round trip max |dlogit| | peak RSS MiB |\n|---|---|---|---|---|---|---|")
+    for kind in ("llama", "qwen3"):
+        e = [x for x in runs if x["base"] == kind and x["side"] == "engram"]
+        p = [x for x in runs if x["base"] == kind and x["side"] == "peft"]
+        ratios = [a["step_s"] / b["step_s"] for a, b in zip(e, p)]
+        b = {"step_ratio": [round(x, 3) for x in ratios],
+             "val_loss": {"engram": [x["val_loss"] for x in e], "peft": [x["val_loss"] for x in p]},
+             "exact_at_attach": {"engram": max(x["exact_at_attach"] for x in e), "peft": max(x["exact_at_attach"] for x in p)},
+             "adapter_bytes": {"engram": e[0]["adapter_bytes"], "peft": p[0]["adapter_bytes"]},
+             "roundtrip": {"engram": max(x["roundtrip_max_diff"] for x in e), "peft": max(x["roundtrip_max_diff"] for x in p)},
+             "peak_rss_mib": {"engram": max(x["peak_rss_mib"] for x in e), "peft": max(x["peak_rss_mib"] for x in p)},
+             "trainable": {"engram": e[0]["trainable"], "peft": p[0]["trainable"]}}
+        out["bases"][kind] = b
+        print(f"| {kind} | {min(ratios):.2f}-{max(ratios):.2f}x | {statistics.fmean(b['val_loss']['engram']):.4f} vs "
+              f"{statistics.fmean(b['val_loss']['peft']):.4f} | {b['exact_at_attach']['engram']:.2g} vs "
+              f"{b['exact_at_attach']['peft']:.2g} | {b['adapter_bytes']['engram']:,} vs {b['adapter_bytes']['peft']:,} | "
+              f"{b['roundtrip']['engram']:.2g} vs {b['roundtrip']['peft']:.2g} | {b['peak_rss_mib']['engram']:.0f} vs "
+              f"{b['peak_rss_mib']['peft']:.0f} |")
+    return out
 
 
 if __name__ == "__main__":

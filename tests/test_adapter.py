@@ -261,3 +261,13 @@ def test_row_sharded_tables_are_identical(tok, free_port):
     import torch.multiprocessing as mp
 
     mp.spawn(_sharded_worker, args=(2, free_port(), str(tok), "qwen3"), nprocs=2, join=True)
+
+
+def test_adapter_rows_start_small_unless_asked_for_the_reference_init(tok):
+    """Adapters draw rows from N(0, 0.02) (see `default_options`); table_init_std=1.0 is the reference's N(0, 1)."""
+    for std in (None, 1.0):
+        m = make("llama")
+        kw = {} if std is None else {"table_init_std": std}
+        engram.attach(m, [1], tokenizer=tok, verbose=False, **OPTS, **kw)
+        rows = adapter_of(m).layers["1"].multi_head_embedding.embedding.weight
+        assert abs(rows.std().item() - (0.02 if std is None else 1.0)) < 0.1 * (0.02 if std is None else 1.0)

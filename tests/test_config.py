@@ -36,6 +36,8 @@ def test_json_round_trip(tmp_path):
         (dict(layer_ids=[-1]), "non-negative"),
         (dict(layer_ids=[]), "empty"),
         (dict(table_dtype="int8"), "table_dtype"),
+        (dict(table_init_std=0.0), "table_init_std"),
+        (dict(table_init_std="small"), "table_init_std"),
     ],
 )
 def test_engram_config_errors(kwargs, match):

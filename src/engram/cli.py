@@ -296,8 +296,14 @@ def cmd_experiment(args) -> int:
     for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
                                    max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
-                                   scale=args.scale)
+                                   scale=args.scale, record=args.record, plan_only=args.plan_only)
     return 0
+
+
+def cmd_results(args) -> int:
+    from .analysis import report
+
+    return report.main(args.dir, args.template, args.out, args.img, check=args.check)
 
 
 def cmd_gates(args) -> int:
@@ -541,8 +547,10 @@ def _analysis_commands(sub) -> None:
                                            "retrofit, edit, allocation, all)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
-    ex.add_argument("--seeds", type=int, default=2)
+    ex.add_argument("--seeds", type=int, default=3)
     ex.add_argument("--out", default="runs/experiments")
+    ex.add_argument("--record", metavar="DIR", help="also write the per-seed results to DIR/NAME.json "
+                                                    "(docs/results in this repository; `engram results` renders them)")
     ex.add_argument("--preset", default="exp", metavar="{" + ",".join(TRAIN_PRESETS) + "}",
                     help="model/training preset of every run")
     ex.add_argument("--data", action="append")
@@ -551,7 +559,17 @@ def _analysis_commands(sub) -> None:
     ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
     ex.add_argument("--scale", default="cpu", choices=["cpu", "gpu", "tiny"],
                     help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
+    ex.add_argument("--plan-only", action="store_true",
+                    help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); train nothing")
     ex.set_defaults(func=cmd_experiment)
+
+    rs = sub.add_parser("results", help="regenerate docs/results.md and its plots from the per-seed files in docs/results/")
+    rs.add_argument("--dir", default="docs/results", help="per-seed JSON files (default docs/results)")
+    rs.add_argument("--template", default="docs/results.in.md")
+    rs.add_argument("--out", default="docs/results.md")
+    rs.add_argument("--img", default="docs/img", help="where the plots go ('' for none)")
+    rs.add_argument("--check", action="store_true", help="only check that OUT is up to date (exit 1 if not)")
+    rs.set_defaults(func=cmd_results)
 
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)")
     ga.add_argument("--checkpoint", required=True)

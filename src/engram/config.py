@@ -35,8 +35,9 @@ class EngramConfig:
 
     engram_vocab_size[n-2] is the target table size per head for n-grams of order n; each head
     gets the next unused prime above it. `layer_ids` are 0-based block indices.
-    `conv_zero_init` and `table_dtype` are our options: the reference keeps the default conv
-    init and float32 tables (`False`, `"float32"`); the paper zero-initializes the conv.
+    `conv_zero_init`, `table_init_std` and `table_dtype` are our options: the reference keeps the
+    default conv init, N(0, 1) rows and float32 tables (`False`, `1.0`, `"float32"`); the paper
+    zero-initializes the conv. Adapters (`engram.attach`) default to a zero conv and N(0, 0.02) rows.
 
     Ablation switches (defaults = the reference): `use_gate` (False: gate fixed at 1),
     `use_short_conv` (False: output = gated value), `single_branch` (one gate from the mean of
@@ -57,6 +58,7 @@ class EngramConfig:
     seed: int = 0
     kernel_size: int = 4
     conv_zero_init: bool = False
+    table_init_std: float = 1.0
     table_dtype: str = "float32"
     use_gate: bool = True
     use_short_conv: bool = True
@@ -75,6 +77,10 @@ class EngramConfig:
             raise ConfigError(f"max_ngram_size must be an integer >= 2 (bigrams and up), got {self.max_ngram_size!r}")
         for name in ("n_embed_per_ngram", "n_head_per_ngram", "kernel_size"):
             _positive_int(name, getattr(self, name))
+        if isinstance(self.table_init_std, bool) or not isinstance(self.table_init_std, (int, float)) \
+                or not self.table_init_std > 0:
+            raise ConfigError(f"table_init_std must be a positive number (1.0: the reference's N(0, 1) rows), "
+                              f"got {self.table_init_std!r}")
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
             raise ConfigError(
                 f"engram_vocab_size needs one size per n-gram order 2..{self.max_ngram_size} "

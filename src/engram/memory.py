@@ -73,9 +73,10 @@ class MultiHeadEmbedding(nn.Module):
     """
 
     def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True,
-                 layer_id: int | None = None):
+                 layer_id: int | None = None, init_std: float = 1.0):
         super().__init__()
         self.layer_id = layer_id
+        self.init_std = float(init_std)
         self.num_heads = len(list_of_N)
         self.num_rows = int(sum(list_of_N))  # the table's rows, also when its storage lives elsewhere
         self.embedding_dim = self.dim = D
@@ -92,14 +93,15 @@ class MultiHeadEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, chunk_rows: int = 1 << 20) -> None:
-        """N(0, 1) init, as nn.Embedding; drawn in float32 chunks (bf16 `normal_` is ~3x slower)."""
+        """N(0, init_std) init (1: nn.Embedding's, the reference's); drawn in float32 chunks (bf16 `normal_` is
+        ~3x slower)."""
         w = self.embedding.weight
         for start in range(0, w.shape[0], chunk_rows):
             block = w[start: start + chunk_rows]
             if block.dtype == torch.float32:
-                block.normal_()
+                block.normal_(std=self.init_std)
             else:
-                block.copy_(torch.randn(block.shape, dtype=torch.float32))
+                block.copy_(torch.randn(block.shape, dtype=torch.float32) * self.init_std)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -239,7 +241,7 @@ class Engram(nn.Module):
         E = engram_cfg.engram_hidden_size
         self.multi_head_embedding = MultiHeadEmbedding(
             self.hash_mapping.head_sizes(layer_id), engram_cfg.head_dim, dtype=_DTYPES[engram_cfg.table_dtype],
-            layer_id=layer_id,
+            layer_id=layer_id, init_std=engram_cfg.table_init_std,
         )
         self.short_conv = ShortConv(D, engram_cfg.kernel_size, dilation=engram_cfg.max_ngram_size, hc_mult=G,
                                     zero_init=engram_cfg.conv_zero_init)

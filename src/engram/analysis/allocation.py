@@ -235,10 +235,34 @@ def plan(scale: str | Scale = "cpu", flops_seq_len: int | None = None) -> list[V
             over = {**dense, "intermediate_size": width}
             out.append(Variant(name, "dense", None, False, over,
                                count_params(_config(sc.preset, over, use_engram=False))))
-    for v in out if flops_seq_len else ():
-        v.accounting["flops_per_token"] = flops_per_token(_config(sc.preset, v.model_overrides, v.use_engram),
-                                                          flops_seq_len)
+    from ..hashing import head_moduli
+
+    for v in out:
+        a, cfg = v.accounting, _config(sc.preset, v.model_overrides, v.use_engram)
+        a["embedding_share_of_activated"] = a["embedding"] / a["activated"]  # the same embedding + LM head in all
+        a["ffn_width"] = cfg.shared_intermediate_size if cfg.ffn == "moe" else cfg.intermediate_size
+        if v.use_engram:
+            e = cfg.engram_config
+            a["engram_vocab_size"] = list(e.engram_vocab_size)
+            a["head_primes"] = {str(k): p for k, p in head_moduli(e.layer_ids, e.engram_vocab_size, e.max_ngram_size,
+                                                                  e.n_head_per_ngram).items()}
+        if flops_seq_len:
+            a["flops_per_token"] = flops_per_token(cfg, flops_seq_len)
     return out
+
+
+ACCOUNTING_NOTES = {
+    "activated": "everything but the Engram table and the routed experts a token skips, plus the table rows it "
+                 "reads (heads x head_dim per Engram layer); includes the token embedding and LM head, which are "
+                 "the same in every variant (embedding_share_of_activated)",
+    "ffn_width": "MoE variants: the shared expert's width, narrowed to pay for Engram's dense weights; dense "
+                 "baselines: the SwiGLU width",
+    "head_primes": "the prime row count of every head, {layer: [[order 2 heads], [order 3 heads]]}",
+    "flops_per_token": "forward FLOPs per token from torch.utils.flop_counter at the training sequence length: "
+                       "matmuls, attention and the conv; it counts neither the n-gram hashing (integer "
+                       "multiply-XOR-mod on the host, 8 heads per token) nor the table gather (memory reads)",
+    "tokens_per_row": "training tokens x rows read per token / table rows: how often a row is read in training",
+}
 
 
 def _rows_read(cfg) -> int:
@@ -272,8 +296,11 @@ def close_neighbours(table: dict, order: list[str]) -> set[str]:
 
 
 def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | None = None, progress: bool = True,
-        scale: str = "cpu", data: list[str] | None = None, third_seed: bool = True) -> dict:
-    """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png."""
+        scale: str = "cpu", data: list[str] | None = None, third_seed: bool = True, plan_only: bool = False,
+        record: str | Path | None = None) -> dict:
+    """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png.
+    `plan_only`: write and print the accounting, train nothing. `record`: also copy accounting.json to
+    `record/allocation-accounting.json`."""
     from ..training.presets import train_config
 
     sc = _scale(scale)
@@ -283,15 +310,21 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     tcfg = train_config(sc.preset, sc.train, steps)
     data = list(data or sc.data) or None
     vs = plan(sc, flops_seq_len=tcfg.seq_len)  # (seconds; finished runs of unchanged variants are reused)
-    atomic_write_bytes(root / "accounting.json", json.dumps({"scale": scale, "variants": [dataclasses.asdict(v) for v in vs]},
-                                                            indent=1).encode())
     tokens = steps * tcfg.batch_size * tcfg.seq_len
     for v in vs:  # a token reads rows_read / head_dim rows of the table's table / head_dim
         a = v.accounting
         a["tokens"] = tokens
         a["tokens_per_row"] = tokens * a["rows_read"] / a["table"] if a["table"] else None
+    accounting = (json.dumps({"scale": scale, "notes": ACCOUNTING_NOTES,
+                              "variants": [dataclasses.asdict(v) for v in vs]}, indent=1) + "\n").encode()
+    atomic_write_bytes(root / "accounting.json", accounting)
+    if record is not None:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(record) / f"{root.name}-accounting.json", accounting)
     if progress:
         print(accounting_markdown(vs))
+    if plan_only:
+        return {"experiment": "allocation", "scale": scale, "accounting": [dataclasses.asdict(v) for v in vs]}
     results: dict[str, list[dict]] = {v.name: [] for v in vs}
     for seed in range(seeds):
         for v in vs:
@@ -322,15 +355,18 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
 
 # ------------------------------------------------------------------------------------------ reports
 def accounting_markdown(vs: list[Variant]) -> str:
-    lines = ["| variant | rho (MoE share) | routed experts | total params | activated | table params | "
-             "FLOPs/token (fwd) | tokens per row |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
+             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for v in vs:
         a = v.accounting
         E = v.model_overrides.get("n_routed_experts", "-") if v.kind != "dense" else "-"
         rho = f"{100 * v.rho:.1f}%" if v.rho is not None else "-"
         fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
         tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
-        lines.append(f"| {v.name} | {rho} | {E} | {a['total']:,} | {a['activated']:,} | {a['table']:,} | {fl} | {tpr} |")
+        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
+        lines.append(f"| {v.name} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | {a['activated']:,}{share} | "
+                     f"{a['table']:,} | {fl} | {tpr} |")
     return "\n".join(lines) + "\n"
 
 

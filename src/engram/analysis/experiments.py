@@ -41,6 +41,7 @@ from ..model import EngramForCausalLM
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
 from ..utils import atomic_write_bytes, environment
+from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import difference, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
@@ -91,7 +92,10 @@ def run_dir_of(out: str | Path, name: str, variant: str, seed: int, preset: str)
 
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
-                   size: str = "default", checkpoint: str | None = None, scale: str = "cpu") -> dict:
+                   size: str = "default", checkpoint: str | None = None, scale: str = "cpu",
+                   record: str | Path | None = None, plan_only: bool = False) -> dict:
+    """Train (or reuse) every (variant, seed) run of experiment `name` and summarize it. `record`: also write the
+    per-seed results and each run's environment to `record/NAME.json`, the file `engram results` renders."""
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
@@ -99,7 +103,8 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
         from .allocation import run
 
-        return run(out, seeds, max_steps, progress=progress, scale=scale, data=data)
+        return run(out, seeds, max_steps, progress=progress, scale=scale, data=data, plan_only=plan_only,
+                   record=record)
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 
@@ -122,9 +127,11 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
                  for v, rs in results.items()}
     summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
-    md = _markdown(name, table)
+    rec = record_experiment(Path(record) / f"{name}.json", summary, results) if record is not None \
+        else experiment_record(summary, results)
+    md = table_markdown(rec) + "\n"
     atomic_write_bytes(root / "summary.md", md.encode())
-    _plot(name, results, table, root / "plot.png")
+    plot(rec, root / "plot.png")
     print(md)
     return summary
 
@@ -152,80 +159,6 @@ def design_table(results: dict) -> dict:
     for v in ("v41", "v41, fp8_ue8m0 rows"):
         table[v]["vs_reference"] = difference(table["reference"], table[v])
     return table
-
-
-def _markdown(name: str, table: dict) -> str:
-    if name == "design":
-        lines = ["| design | final val loss (mean ± sd, n) | vs reference (± se) | params | table params |",
-                 "|---|---|---|---|---|"]
-        for v, r in table.items():
-            d = r.get("vs_reference")
-            vs = "" if d is None else (f"{d['diff']:+.4f} ± {d['se']:.4f} "
-                                       f"({'finding' if d['finding'] else 'no difference at this scale'})")
-            lines.append(f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} (n={r['n']}) | {vs} | {r['params']:,} | "
-                         f"{r['table_params']:,} |")
-        return "\n".join(lines) + "\n"
-    if name == "sensitivity":
-        lines = ["| token category | tokens | loss with Engram | loss without | increase |", "|---|---|---|---|---|"]
-        for cat, r in table.items():
-            lines.append(f"| {cat} | {r['tokens']} | {r['on']['mean']:.3f} | {r['off']['mean']:.3f} | "
-                         f"{r['increase']['mean']:+.3f} ± {r['increase']['spread']:.3f} |")
-        return "\n".join(lines) + "\n"
-    lines = ["| variant | final val loss (mean ± half-range) | params | table params |", "|---|---|---|---|"]
-    for v, r in table.items():
-        lines.append(f"| {v} | {r['mean']:.4f} ± {r['spread']:.4f} | {r['params']:,} | {r['table_params']:,} |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(name: str, results: dict, table: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if name == "iso":
-        for v, rs in results.items():
-            curves = [[(m["step"], m["val_loss"]) for m in r["metrics"] if "val_loss" in m] for r in rs]
-            steps = [s for s, _ in curves[0]]
-            mean = np.mean([[l for _, l in c] for c in curves], axis=0)
-            ax.plot(steps[1:], mean[1:], "o-", label=v)
-        ax.set_xlabel("step")
-        ax.set_ylabel("val loss")
-    elif name == "placement":
-        xs = list(range(len(table)))
-        ax.errorbar(xs, [table[v]["mean"] for v in table], yerr=[table[v]["spread"] for v in table], fmt="o-")
-        ax.set_xticks(xs, list(table))
-        ax.set_xlabel("Engram block (0-based)")
-        ax.set_ylabel("final val loss")
-    elif name == "capacity":
-        pts = [(int(v[4:]) if v != "rows1" else 1, table[v]) for v in table if v.startswith("rows")]
-        ax.errorbar([p for p, _ in pts], [t["mean"] for _, t in pts], yerr=[t["spread"] for _, t in pts], fmt="o-",
-                    label="Engram")
-        if "no-engram" in table:
-            ax.axhline(table["no-engram"]["mean"], color="gray", ls="--", label="no Engram")
-        ax.set_xscale("log")
-        ax.set_xlabel("rows per head")
-        ax.set_ylabel("final val loss")
-        ax.legend()
-    elif name == "sensitivity":
-        cats = list(table)
-        ax.bar(cats, [table[c]["increase"]["mean"] for c in cats], yerr=[table[c]["increase"]["spread"] for c in cats])
-        ax.set_ylabel("val loss increase when Engram is suppressed")
-    else:
-        vs = list(table)
-        ax.barh(vs, [table[v]["mean"] for v in vs], xerr=[table[v]["spread"] for v in vs])
-        lo = min(table[v]["mean"] for v in vs)
-        ax.set_xlim(lo - 0.1, max(table[v]["mean"] for v in vs) + 0.05)
-        ax.set_xlabel("final val loss")
-    if name == "iso":
-        ax.legend()
-    ax.grid(alpha=0.3)
-    ax.set_title(f"engram experiment {name}")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ sensitivity

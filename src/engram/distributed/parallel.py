@@ -97,7 +97,7 @@ class DistContext:
         if overwrite:
             rows = W.detach()[lo:hi] if W.shape[0] == mhe.num_rows else W.detach()  # (empty: a deferred table)
             seed = None if init_seed is None else init_seed + 1009 * mhe.layer_id + self.rank
-            new_table_file(f, rows, hi - lo, seed, with_moments=True)
+            new_table_file(f, rows, hi - lo, seed, with_moments=True, std=mhe.init_std)
         elif not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a run with memory-mapped table shards resumes with the --nproc "
                                     "it was started with")

@@ -85,7 +85,7 @@ class ShardedTable(torch.nn.Module, Table):
     """
 
     def __init__(self, num_rows: int, dim: int, group=None, dtype=torch.float32, init: torch.Tensor | None = None,
-                 grad_scale: float = 1.0, local_table: Table | None = None):
+                 grad_scale: float = 1.0, local_table: Table | None = None, init_std: float = 1.0):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
@@ -105,7 +105,7 @@ class ShardedTable(torch.nn.Module, Table):
         if init is not None:  # the full table (tests) or this shard
             w = init[self.lo:self.hi] if init.shape[0] == num_rows else init
         else:
-            w = torch.randn(self.hi - self.lo, dim)
+            w = torch.randn(self.hi - self.lo, dim) * init_std
         self.weight = torch.nn.Parameter(w.to(dtype).clone())
         self.dtype = self.weight.dtype
 

@@ -282,7 +282,7 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
             f = table_file(directory, mhe.layer_id)
             if overwrite or not f.is_file():
                 new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mhe.layer_id,
-                               with_moments=trainable, page_blocks=backend == "disk")
+                               with_moments=trainable, page_blocks=backend == "disk", std=mhe.init_std)
             if backend == "disk":  # cold tier: positioned reads, many in flight (tables/disk.py)
                 from .disk import DiskTable
 

@@ -95,8 +95,8 @@ def write_table_file(path: str | os.PathLike, weight: torch.Tensor, chunk_rows: 
 
 
 def new_table_file(path: str | os.PathLike, rows: torch.Tensor, num_rows: int, seed: int | None,
-                   with_moments: bool, page_blocks: bool = False) -> Path:
-    """A table file of `num_rows` rows: `rows` written out when it holds them, else N(0, 1) drawn from `seed`.
+                   with_moments: bool, page_blocks: bool = False, std: float = 1.0) -> Path:
+    """A table file of `num_rows` rows: `rows` written out when it holds them, else N(0, std) drawn from `seed`.
 
     `rows` gives dim and dtype; it is empty for a model built under `defer_table_allocation()`.
     """
@@ -106,18 +106,18 @@ def new_table_file(path: str | os.PathLike, rows: torch.Tensor, num_rows: int, s
         raise TableError(f"{path} does not exist and the model has no table rows to write "
                          "(built with defer_table_allocation()): pass init_seed to create it")
     return create_table_file(path, num_rows, rows.shape[1], rows.dtype, seed=seed, with_moments=with_moments,
-                             page_blocks=page_blocks)
+                             page_blocks=page_blocks, std=std)
 
 
 def create_table_file(path: str | os.PathLike, num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
                       seed: int = 0, with_moments: bool = False, chunk_rows: int = 1 << 18,
-                      page_blocks: bool = False) -> Path:
-    """A new table file with N(0, 1) rows (nn.Embedding's init) drawn chunk by chunk from `seed`.
+                      page_blocks: bool = False, std: float = 1.0) -> Path:
+    """A new table file with N(0, std) rows (std 1: nn.Embedding's init) drawn chunk by chunk from `seed`.
 
     Memory stays at one chunk, so the table can be larger than RAM. Same seed, same file.
     """
     g = torch.Generator().manual_seed(seed)
-    chunks = (torch.randn(min(chunk_rows, num_rows - s), dim, generator=g).to(dtype)
+    chunks = ((torch.randn(min(chunk_rows, num_rows - s), dim, generator=g) * std).to(dtype)
               for s in range(0, num_rows, chunk_rows))
     entries = [("weight", dtype, (num_rows, dim), chunks)]
     return write_safetensors(path, entries + (_zero_moments(num_rows, dim, chunk_rows) if with_moments else []),
