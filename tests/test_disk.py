@@ -166,3 +166,37 @@ def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
     assert table.journal_path.stat().st_size > empty_journal  # ... but journals those rows for the coming steps
     from engram.config import TrainConfig
     assert TrainConfig.parse_overrides(["table_readahead=false"]) == {"table_readahead": False}
+
+
+def test_plan_ranges_merges_near_rows_and_keeps_far_ones_apart():
+    import numpy as np
+
+    rows = np.array([0, 1, 2, 50, 1000])  # 100-byte rows: 0-2 on page 0, 50 on page 1 (adjacent), 1000 on page 24
+    r = disk.plan_ranges(rows, 100, 0, PAGE, 0)
+    assert r.tolist() == [[0, 2 * PAGE, 0, 4], [24 * PAGE, 25 * PAGE, 4, 5]]
+    r = disk.plan_ranges(np.arange(0, 100_000, 7), 100, 0, PAGE, 0, max_bytes=64 << 10)  # one dense run, cut
+    assert len(r) > 1 and (r[1:, 0] >= r[:-1, 1] - PAGE).all() and (r[:, 1] - r[:, 0]).max() <= (64 << 10) + 2 * PAGE
+    assert r[0, 2] == 0 and r[-1, 3] == len(np.arange(0, 100_000, 7)) and (r[1:, 2] == r[:-1, 3]).all()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("page_blocks", [True, False])
+def test_dense_gathers_read_ranges_and_still_check_every_block(tmp_path, direct, page_blocks, reader):
+    W = torch.randn(20000, 20)  # 80-byte rows: many per page, some straddle pages
+    f = write_table_file(tmp_path / "t.safetensors", W, page_blocks=page_blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = DiskTable(f, queue_depth=4, direct=direct)
+    ids = torch.randperm(20000)[:6000]
+    assert torch.equal(t.gather(ids), W[ids])
+    if reader == "compiled":
+        assert 0 < t.stats()["ranges"] < 6000 / 4  # coalesced: far fewer reads than rows
+    n, _, _ = read_header(f)
+    _flip(f, 8 + n + 15000 * 80 + 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t2 = DiskTable(f, queue_depth=4, direct=direct)
+    with pytest.raises(TableError, match="fail their checksum"):
+        t2.gather(torch.arange(14990, 15030))  # 40 rows around the damage: the range path
+    t.close()
+    t2.close()

@@ -296,7 +296,8 @@ def cmd_experiment(args) -> int:
     for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
                                    max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
-                                   scale=args.scale, record=args.record, plan_only=args.plan_only)
+                                   scale=args.scale, record=args.record, plan_only=args.plan_only,
+                                   finished_only=args.finished_only)
     return 0
 
 
@@ -559,6 +560,8 @@ def _analysis_commands(sub) -> None:
     ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
     ex.add_argument("--scale", default="cpu", choices=["cpu", "gpu", "tiny"],
                     help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
+    ex.add_argument("--finished-only", action="store_true",
+                    help="train nothing: summarize (and --record) the runs that have finished")
     ex.add_argument("--plan-only", action="store_true",
                     help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); train nothing")
     ex.set_defaults(func=cmd_experiment)

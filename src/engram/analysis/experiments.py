@@ -93,9 +93,10 @@ def run_dir_of(out: str | Path, name: str, variant: str, seed: int, preset: str)
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None, scale: str = "cpu",
-                   record: str | Path | None = None, plan_only: bool = False) -> dict:
+                   record: str | Path | None = None, plan_only: bool = False, finished_only: bool = False) -> dict:
     """Train (or reuse) every (variant, seed) run of experiment `name` and summarize it. `record`: also write the
-    per-seed results and each run's environment to `record/NAME.json`, the file `engram results` renders."""
+    per-seed results and each run's environment to `record/NAME.json`, the file `engram results` renders.
+    `finished_only`: train nothing; summarize the runs that have finished (variants may have fewer seeds)."""
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
@@ -116,8 +117,12 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     for seed in range(seeds):
         for vname, kw in vs.items():
             run_dir = run_dir_of(out, name, vname, seed, preset)
+            if finished_only and not (run_dir / "summary.json").is_file():
+                continue
             results.setdefault(vname, []).append(trained_run(run_dir, f"[{name}] {vname}", seed, preset, data=data,
                                                              max_steps=max_steps, progress=progress, **kw))
+    if not results:
+        raise ConfigError(f"no finished runs of {name!r} under {out}")
     if name == "sensitivity":
         table = sensitivity(results["engram"], data)
     elif name == "design":

@@ -153,7 +153,64 @@ def _build_reader():
                 seen[p1] = True
         return 0, 0, reads, warm
 
-    return read_rows, gather_small
+    @numba.njit(nogil=True)
+    def read_ranges(fd, rows, ranges, part, row_bytes, offset, out, buf, direct, ok, sums, bb, d0, d_end):
+        # ranges[part] (lo, hi, i0, i1: the file bytes [lo, hi) holding rows[i0:i1], see `plan_ranges`) -> out:
+        # one read per range, its unchecked blocks checked, then the rows cut out. Returns as `read_rows`.
+        for j in range(part.shape[0]):
+            lo, hi, i0, i1 = ranges[part[j], 0], ranges[part[j], 1], ranges[part[j], 2], ranges[part[j], 3]
+            base, end = lo, hi
+            if direct:
+                base, end = lo - lo % 4096, (hi + 4095) // 4096 * 4096
+            got = pread(fd, buf.ctypes.data, end - base, base)
+            need = offset + rows[i1 - 1] * row_bytes + row_bytes - base
+            if got < need:
+                return 1, i1 - 1
+            if ok.shape[0]:
+                for b in range((lo - d0) // bb, (min(hi, d_end) - 1 - d0) // bb + 1):
+                    if not ok[b]:
+                        a = d0 + b * bb - base
+                        n = min(bb, d_end - d0 - b * bb)
+                        if a + n > got:
+                            return 1, i1 - 1
+                        if crc32(0, buf[a:].ctypes.data, n) != sums[b]:
+                            return 2, b
+                        ok[b] = True
+            for i in range(i0, i1):
+                s = offset + rows[i] * row_bytes - base
+                for k in range(row_bytes):
+                    out[i, k] = buf[s + k]
+        return 0, 0
+
+    return read_rows, gather_small, read_ranges
+
+
+RANGE_GAP = PAGE  # rows whose aligned spans lie within one page of each other share a read (one hole page read
+RANGE_MAX = 256 << 10  # costs less than one more read); a range is cut after ~256 KiB so the pool stays busy
+
+
+def plan_ranges(rows: np.ndarray, row_bytes: int, offset: int, align: int, a0: int, gap: int = RANGE_GAP,
+                max_bytes: int = RANGE_MAX) -> np.ndarray:
+    """Coalesced reads for sorted distinct `rows`: (R, 4) int64 rows (lo, hi, i0, i1), the file bytes [lo, hi)
+    that hold rows[i0:i1], aligned to `align` from `a0` (the block sums' blocks, or pages). Spans closer than
+    `gap` merge; a range is cut where it passes `max_bytes` (it may exceed it by one row's aligned span).
+
+    A dense gather (a small table, or many rows per page) becomes a few large reads instead of one per row,
+    which is what a peer's single sorted reader gets from the kernel's read-ahead (docs/performance.md,
+    "Against the peers"); a sparse one (rows pages apart) stays one read per row."""
+    n = len(rows)
+    s = offset + rows.astype(np.int64) * row_bytes
+    lo = a0 + (s - a0) // align * align
+    hi = a0 + -(-(s + row_bytes - a0) // align) * align
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    new[1:] = lo[1:] > hi[:-1] + gap
+    seg_start = lo[new][np.cumsum(new) - 1]
+    chunk = (lo - seg_start) // max_bytes
+    new[1:] |= chunk[1:] != chunk[:-1]  # (two ranges may share a block at the cut: it is read twice, checked once)
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], n)
+    return np.stack([lo[starts], hi[ends - 1], starts, ends], axis=1)
 
 
 SMALL_SPLIT = 2  # shares of a few cold rows outside `_gather_small`: the calling thread and one pool thread
@@ -193,7 +250,7 @@ class DiskTable(Table):
         if direct:
             self._open_direct()
         self.pool = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="engram-disk")
-        self.reads = self.warm_rows = 0
+        self.reads = self.warm_rows = self.ranges = 0
         self.blocks = BlockVerifier.open(path)  # None (after one warning) for a file without current sums
         if self.blocks is not None and self.blocks.block_bytes > PAGE:
             warnings.warn(f"{path}: its block sums cover {self.blocks.block_bytes // 1024} KiB, so the first read of "
@@ -292,6 +349,29 @@ class DiskTable(Table):
                                     self._scratch(b), self.direct, ok, sums, bb, d0, d_end)
         self._raise(kind, at, rows, b)
 
+    def _read_ranges_fast(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Sorted distinct cold `rows` -> `out` by coalesced reads (`plan_ranges`), shared among the pool."""
+        b, ok, sums, bb, d0, d_end = self._sums()
+        align, a0 = (bb, d0) if b is not None else (PAGE, 0)
+        ranges = plan_ranges(rows, self.row_bytes, self.offset, align, a0)
+        span = RANGE_MAX + self.row_bytes + 2 * align + 2 * PAGE
+        if int((ranges[:, 1] - ranges[:, 0]).max()) + 2 * PAGE > span:  # (the kernel reads into `span` bytes)
+            raise RuntimeError("engram bug: a planned read is larger than its buffer")
+        kernel = _READER.get()[2]
+
+        def work(part):
+            raw = np.empty(span + PAGE, dtype=np.uint8)
+            buf = raw[(-raw.ctypes.data) % PAGE:][:span]
+            return kernel(self.fd, rows, ranges, part, self.row_bytes, self.offset, out, buf, self.direct, ok, sums,
+                          bb, d0, d_end)
+
+        parts = [p for p in np.array_split(np.arange(len(ranges), dtype=np.int64), min(self.queue_depth, len(ranges)))
+                 if len(p)]
+        for f in [self.pool.submit(work, p) for p in parts]:
+            kind, at = f.result()
+            self._raise(kind, at, rows, b)
+        self.ranges += len(ranges)
+
     def _raise(self, kind: int, at: int, rows, b) -> None:
         """The one-line error for a reader's status `kind` (1 short read at rows[at], 2 block `at` corrupt,
         3 row ids out of range); nothing for 0."""
@@ -370,7 +450,9 @@ class DiskTable(Table):
             u = uniq.index_select(0, cold).numpy()
             raw = np.empty((len(u), self.row_bytes), dtype=np.uint8)
             read = self._read_rows_fast if _READER.get() is not None else self._read_rows
-            if len(u) < self.inline_below:  # a few cold rows: the calling thread reads a share, one pool thread the rest
+            if _READER.get() is not None and len(u) >= self.inline_below:
+                self._read_ranges_fast(u, raw)
+            elif len(u) < self.inline_below:  # a few cold rows: the calling thread reads a share, one pool thread the rest
                 parts = np.array_split(np.arange(len(u)), min(len(u), SMALL_SPLIT))
                 others = [self.pool.submit(read, u, raw, p) for p in parts[1:]]
                 read(u, raw, parts[0])
@@ -388,7 +470,7 @@ class DiskTable(Table):
         return out.copy_(vals) if out is not None else vals
 
     def stats(self) -> dict:
-        return {"reads": self.reads, "warm_rows": self.warm_rows, "queue_depth": self.queue_depth,
+        return {"reads": self.reads, "ranges": self.ranges, "warm_rows": self.warm_rows, "queue_depth": self.queue_depth,
                 "direct": self.direct}
 
     def close(self) -> None:
