@@ -353,7 +353,7 @@ class DiskTable(Table):
         """Sorted distinct cold `rows` -> `out` by coalesced reads (`plan_ranges`), shared among the pool."""
         b, ok, sums, bb, d0, d_end = self._sums()
         align, a0 = (bb, d0) if b is not None else (PAGE, 0)
-        ranges = plan_ranges(rows, self.row_bytes, self.offset, align, a0)
+        ranges = plan_ranges(rows, self.row_bytes, self.offset, align, a0, RANGE_GAP, RANGE_MAX)
         span = RANGE_MAX + self.row_bytes + 2 * align + 2 * PAGE
         if int((ranges[:, 1] - ranges[:, 0]).max()) + 2 * PAGE > span:  # (the kernel reads into `span` bytes)
             raise RuntimeError("engram bug: a planned read is larger than its buffer")
