@@ -1,7 +1,7 @@
 """engram against the peers a user would pick instead, in one script: the disk store (EngramDB) and
 Engram adapters on transformers models (engram-peft).
 
-    pip install -r benchmarks/requirements-peers.txt        # the peers; never needed by the tests or CI
+    pip install -e '.[hf,fast]' -r benchmarks/requirements-peers.txt   # the peers; never needed by tests or CI
     python benchmarks/bench_peers.py [--part disk|adapters|all] [--rows 2000000] [--rounds 3] [--steps 150]
 
 (engram-peft 1.2.7 needs Python >= 3.12: it imports `typing.override`, though it declares >= 3.10.)

@@ -8,7 +8,7 @@ the results page; `render` fills its placeholders from those files, so every num
 
     {{table:EXP}}           the experiment's table: mean ± sample sd (n), the difference to its baseline ± its
                             standard error and the verdict (a finding only beyond two standard errors)
-    {{stat:EXP/VARIANT}}    "4.6593 ± 0.0118 (n=3)"
+    {{stat:EXP/VARIANT}}    "4.6593 ± 0.0118 (n=3)"; EXP/VARIANT#FIELD for a nested one (sensitivity's #increase)
     {{diff:EXP/A:EXP/B}}    B - A: "+0.0253 ± 0.0081 (se): a finding (beyond 2 se)" or "...: no difference
                             at this scale"
     {{env:EXP}}             the environment the experiment's runs recorded
@@ -116,25 +116,32 @@ def load(results_dir: str | Path) -> dict[str, dict]:
 
 
 def _stat(recs: dict, ref: str) -> dict:
+    """`EXP/VARIANT` (or `EXP/VARIANT#FIELD` for a nested statistic, e.g. sensitivity's `#increase`)."""
     exp, _, variant = ref.partition("/")
+    variant, _, sub = variant.partition("#")
     try:
-        return recs[exp]["variants"][variant]
+        return recs[exp]["variants"][variant][sub] if sub else recs[exp]["variants"][variant]
     except KeyError:
         raise KeyError(f"{ref!r}: no such experiment/variant in the per-seed files") from None
 
 
 def render(template: str, recs: dict[str, dict]) -> str:
+    def rec(name: str) -> dict:
+        if name not in recs:
+            raise KeyError(f"no per-seed file for experiment {name!r} (engram experiment {name} --record DIR)")
+        return recs[name]
+
     def fill(m: re.Match) -> str:
         kind, arg = m.group(1), m.group(2)
         if kind == "table":
-            return table_markdown(recs[arg])
+            return table_markdown(rec(arg))
         if kind == "stat":
             return fmt_stat(_stat(recs, arg))
         if kind == "diff":
             a, b = arg.split(":")
             return fmt_diff(_stat(recs, a), _stat(recs, b))
         if kind == "env":
-            return fmt_env(recs[arg])
+            return fmt_env(rec(arg))
         raise ValueError(f"unknown placeholder {{{{{kind}:{arg}}}}}")
 
     return re.sub(r"\{\{(table|stat|diff|env):([^}]+)\}\}", fill, template)
