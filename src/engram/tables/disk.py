@@ -185,8 +185,11 @@ def _build_reader():
     return read_rows, gather_small, read_ranges
 
 
-RANGE_GAP = PAGE  # rows whose aligned spans lie within one page of each other share a read (one hole page read
-RANGE_MAX = 256 << 10  # costs less than one more read); a range is cut after ~256 KiB so the pool stays busy
+# Coalesced cold reads (`plan_ranges`): rows whose aligned spans lie within RANGE_GAP of each other share one
+# read (on this project's VM, reading a hole of up to 16 KiB was cheaper than another random read, for
+# bench_peers' sparse and dense tables alike); a range is cut after ~RANGE_MAX bytes so the pool stays busy.
+RANGE_GAP = 4 * PAGE
+RANGE_MAX = 256 << 10
 
 
 def plan_ranges(rows: np.ndarray, row_bytes: int, offset: int, align: int, a0: int, gap: int = RANGE_GAP,
