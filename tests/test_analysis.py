@@ -30,8 +30,14 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     if name == "iso":
         assert set(table) == {"engram", "no-engram", "iso-param"} and len(table["engram"]["values"]) == 2
         assert table["no-engram"]["table_params"] == 0 < table["engram"]["table_params"]
-    if name == "placement":
+    if name == "placement":  # block 1 is the preset's own Engram layer: iso's run, trained once, shared
         assert set(table) == {"block0", "block1"}
+        assert (tmp_path / "iso" / "engram-seed0" / "summary.json").is_file() and not (root / "block1-seed0").exists()
+        from engram.analysis.runs import trained_run
+
+        with pytest.raises(RuntimeError, match="holds a finished run of preset 'tiny', seed 0"):  # not the run asked for
+            trained_run(tmp_path / "iso" / "engram-seed0", "x", 1, "tiny", data=[str(corpus)], max_steps=3,
+                        progress=False)
     if name == "capacity":
         assert "rows1" in table and "no-engram" in table
     if name == "ablations":

@@ -54,7 +54,8 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
         return {"engram": {}, "no-engram": {"use_engram": False}, "iso-param": {"baseline": "iso-param"}} \
             if name == "iso" else {"engram": {}}
     if name == "placement":
-        return {f"block{i}": {"model_overrides": {"engram": {"layer_ids": [i]}}}
+        default = list(proto.engram.get("layer_ids", []))  # the preset's own block: no override, so that run is iso's
+        return {f"block{i}": {} if [i] == default else {"model_overrides": {"engram": {"layer_ids": [i]}}}
                 for i in range(proto.num_hidden_layers)}
     if name == "capacity":
         sizes = [101, 1009, 10007, 100003] if size == "default" else [11, 1009]
