@@ -71,6 +71,12 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     t = s["variants"]
     assert set(t) == {"frequent n-gram completions", "all other tokens"}
     assert all(v["tokens"] > 0 for v in t.values())
+    # --finished-only: the iso runs that finished (seed 0 of 2 asked), recorded, nothing trained
+    s = run_experiment("iso", out=tmp_path, seeds=2, preset="tiny", data=[str(corpus)], max_steps=3, progress=False,
+                       finished_only=True, record=tmp_path / "rec")
+    assert {v["n"] for v in s["variants"].values()} == {1}
+    rec = json.loads((tmp_path / "rec" / "iso.json").read_text())
+    assert rec["seeds"]["engram"] == [0] and rec["environments"][0]["threads"] >= 1
 
 
 def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
