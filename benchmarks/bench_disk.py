@@ -103,21 +103,29 @@ def cold_gather(table, path: Path, ids: torch.Tensor, want: torch.Tensor) -> tup
     return rate, resident
 
 
+def fio_read(path: Path, *args: str) -> dict | None:
+    """fio's read statistics (`iops`, `bw_bytes`, ...) of one job group reading `path` with `args`; None when
+    fio is missing or the job fails (e.g. an I/O engine this kernel lacks)."""
+    if shutil.which("fio") is None:
+        return None
+    r = subprocess.run(["fio", "--name=limit", f"--filename={path}", *args, "--readonly", "--group_reporting",
+                        "--output-format=json"], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout)["jobs"][0]["read"]
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
 def fio_reads_per_s(path: Path, qd: int, seconds: int = 4) -> dict:
     """The device's random 4 KiB O_DIRECT read limit at queue depth `qd` by fio, when it is installed:
     {engine: IOPS} for `qd` synchronous jobs (psync) and one job with `qd` in flight (io_uring)."""
-    if shutil.which("fio") is None:
-        return {}
     out = {}
     for engine, depth in (("psync", ["--numjobs", str(qd), "--iodepth", "1"]),
                           ("io_uring", ["--numjobs", "1", "--iodepth", str(qd)])):
-        r = subprocess.run(["fio", "--name=limit", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
-                            f"--ioengine={engine}", *depth, f"--runtime={seconds}", "--time_based", "--readonly",
-                            "--group_reporting", "--output-format=json"], capture_output=True, text=True)
-        try:
-            out[engine] = float(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
-        except (ValueError, KeyError, IndexError):
-            continue  # (an engine this kernel lacks)
+        r = fio_read(path, "--rw=randread", "--bs=4k", "--direct=1", f"--ioengine={engine}", *depth,
+                     f"--runtime={seconds}", "--time_based")
+        if r is not None:  # (None: no fio, or an engine this kernel lacks)
+            out[engine] = float(r["iops"])
     return out
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_disk import compile_readers, evict  # noqa: E402
+from bench_disk import compile_readers, evict, fio_read  # noqa: E402
 
 from engram.tables import write_table_file  # noqa: E402
 from engram.tables.disk import DiskTable  # noqa: E402
@@ -68,31 +68,17 @@ def device_limits(path: Path, distinct: int, reads: int = 24_576) -> dict:
     file and does `reads` reads in all, few enough that buffered patterns mostly miss the cache), and reading
     the whole file sequentially in 1 MiB direct reads (rows/s = distinct / the time to read it: the best
     pattern when the rows are dense in a small file)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("fio") is None:
-        return {}
     out = {}
     for name, spec in PATTERNS:
         jobs = int(next(a for a in spec if a.startswith("--numjobs=")).split("=")[1])
         evict(path)
-        r = subprocess.run(["fio", "--name=limit", f"--filename={path}", "--rw=randread", *spec, "--readonly",
-                            f"--number_ios={reads // jobs}", "--group_reporting", "--output-format=json"],
-                           capture_output=True, text=True)
-        try:
-            out[name] = float(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
-        except (ValueError, KeyError, IndexError):
-            continue  # (an engine this kernel lacks)
+        r = fio_read(path, "--rw=randread", *spec, f"--number_ios={reads // jobs}")
+        if r is not None:  # (None: no fio, or an engine this kernel lacks)
+            out[name] = float(r["iops"])
     evict(path)
-    r = subprocess.run(["fio", "--name=seq", f"--filename={path}", "--rw=read", "--bs=1m", "--direct=1",
-                        "--ioengine=io_uring", "--iodepth=8", "--readonly", "--output-format=json"],
-                       capture_output=True, text=True)
-    try:
-        bw = float(json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"])
-        out["whole file, 1 MiB sequential direct"] = distinct * bw / path.stat().st_size
-    except (ValueError, KeyError, IndexError):
-        pass
+    r = fio_read(path, "--rw=read", "--bs=1m", "--direct=1", "--ioengine=io_uring", "--iodepth=8")
+    if r is not None:
+        out["whole file, 1 MiB sequential direct"] = distinct * float(r["bw_bytes"]) / path.stat().st_size
     return out
 
 

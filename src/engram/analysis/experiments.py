@@ -91,7 +91,7 @@ def run_dir_of(out: str | Path, name: str, variant: str, seed: int, preset: str)
     return Path(out) / name / f"{variant}-seed{seed}"
 
 
-def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 2, preset: str = "exp",
+def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 3, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None, scale: str = "cpu",
                    record: str | Path | None = None, plan_only: bool = False, finished_only: bool = False) -> dict:

@@ -221,6 +221,12 @@ _KERNELS = LazyKernels(_build_kernels)  # optional (engram-torch[fast]): one pas
 _READER = LazyKernels(_build_reader)  # optional (engram-torch[fast]); without it the Python loop below reads
 
 
+def _aligned(span: int) -> np.ndarray:
+    """`span` bytes starting on a page boundary (O_DIRECT reads need it)."""
+    raw = np.empty(span + PAGE, dtype=np.uint8)
+    return raw[(-raw.ctypes.data) % PAGE:][:span]
+
+
 class DiskTable(Table):
     """Read-only rows of a table file, gathered by `queue_depth` concurrent positioned reads (see module doc).
 
@@ -331,10 +337,8 @@ class DiskTable(Table):
                 pass
 
     def _scratch(self, b) -> np.ndarray:
-        """A page-aligned buffer (O_DIRECT needs it) for one read: a row, or its block(s) with their pages."""
-        span = self.row_bytes + 2 * PAGE + (2 * b.block_bytes if b is not None else 0)
-        raw = np.empty(span + PAGE, dtype=np.uint8)
-        return raw[(-raw.ctypes.data) % PAGE:][:span]
+        """A page-aligned buffer for one read: a row, or its block(s) with their pages."""
+        return _aligned(self.row_bytes + 2 * PAGE + (2 * b.block_bytes if b is not None else 0))
 
     def _sums(self):
         """(verifier or None, ok flags, sums, block bytes, data start, data end) for the compiled loops. They mark
@@ -363,10 +367,8 @@ class DiskTable(Table):
         kernel = _READER.get()[2]
 
         def work(part):
-            raw = np.empty(span + PAGE, dtype=np.uint8)
-            buf = raw[(-raw.ctypes.data) % PAGE:][:span]
-            return kernel(self.fd, rows, ranges, part, self.row_bytes, self.offset, out, buf, self.direct, ok, sums,
-                          bb, d0, d_end)
+            return kernel(self.fd, rows, ranges, part, self.row_bytes, self.offset, out, _aligned(span), self.direct,
+                          ok, sums, bb, d0, d_end)
 
         parts = [p for p in np.array_split(np.arange(len(ranges), dtype=np.int64), min(self.queue_depth, len(ranges)))
                  if len(p)]
