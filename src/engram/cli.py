@@ -297,7 +297,8 @@ def cmd_experiment(args) -> int:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
                                    max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
                                    scale=args.scale, record=args.record, plan_only=args.plan_only,
-                                   finished_only=args.finished_only)
+                                   finished_only=args.finished_only,
+                                   variants_only=args.variants.split(",") if args.variants else None)
     return 0
 
 
@@ -562,6 +563,9 @@ def _analysis_commands(sub) -> None:
                     help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
     ex.add_argument("--finished-only", action="store_true",
                     help="train nothing: summarize (and --record) the runs that have finished")
+    ex.add_argument("--variants", metavar="A,B",
+                    help="allocation: train only these variants (e.g. moe-E16,moe-E14+engram); the others are "
+                         "reported where their runs finished")
     ex.add_argument("--plan-only", action="store_true",
                     help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); train nothing")
     ex.set_defaults(func=cmd_experiment)

@@ -297,10 +297,11 @@ def close_neighbours(table: dict, order: list[str]) -> set[str]:
 
 def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | None = None, progress: bool = True,
         scale: str = "cpu", data: list[str] | None = None, third_seed: bool = True, plan_only: bool = False,
-        record: str | Path | None = None) -> dict:
+        record: str | Path | None = None, only: list[str] | None = None, finished_only: bool = False) -> dict:
     """Train the sweep (resumable) and write accounting.json, summary.json, summary.md, plot.png.
-    `plan_only`: write and print the accounting, train nothing. `record`: also copy accounting.json to
-    `record/allocation-accounting.json`."""
+    `plan_only`: write and print the accounting, train nothing. `only`: train these variants (names from the
+    plan) for `seeds` seeds and report the others' finished runs only. `finished_only`: train nothing.
+    `record`: also write `record/allocation-accounting.json` and the per-seed results `record/allocation.json`."""
     from ..training.presets import train_config
 
     sc = _scale(scale)
@@ -325,12 +326,32 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
         print(accounting_markdown(vs))
     if plan_only:
         return {"experiment": "allocation", "scale": scale, "accounting": [dataclasses.asdict(v) for v in vs]}
+    names = [v.name for v in vs]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown allocation variant(s) {', '.join(unknown)}; the {scale} plan has {', '.join(names)}")
     results: dict[str, list[dict]] = {v.name: [] for v in vs}
     for seed in range(seeds):
         for v in vs:
-            results[v.name].append(_train(root / f"{v.name}-seed{seed}", sc, v, seed, steps, data, progress))
+            run_dir = root / f"{v.name}-seed{seed}"
+            train_it = not finished_only and (only is None or v.name in only)
+            if train_it or (run_dir / "summary.json").is_file():
+                results[v.name].append(_train(run_dir, sc, v, seed, steps, data, progress))
+    if only is not None or finished_only:  # seeds beyond `seeds` that finished earlier count too
+        for v in vs:
+            seed = seeds
+            while (root / f"{v.name}-seed{seed}" / "summary.json").is_file():
+                results[v.name].append(_train(root / f"{v.name}-seed{seed}", sc, v, seed, steps, data, progress))
+                seed += 1
+        third_seed = False
+    vs = [v for v in vs if results[v.name]]
+    results = {n: rs for n, rs in results.items() if rs}
+    if not vs:
+        raise ConfigError(f"no finished allocation runs under {root}")
     table = {n: seed_stats([r["val_loss"] for r in rs]) for n, rs in results.items()}
     sweep = [v.name for v in sorted((v for v in vs if v.rho is not None), key=lambda v: v.rho)]
+    if not sweep or sweep[-1] != names[0]:
+        raise ConfigError(f"the pure MoE ({names[0]}) has no finished run: every comparison needs it")
     while third_seed and seeds == 2:  # until no point with 2 seeds is within two spreads of a neighbour
         more = [v for v in vs if v.name in close_neighbours(table, sweep) and len(results[v.name]) == 2]
         if not more:
@@ -345,6 +366,16 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
                             for v in vs},
                "best_engram": best, "pure_moe": sweep[-1]}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    if record is not None:
+        from .report import record_experiment
+
+        rec_table = {v.name: table[v.name] | {"rho": v.rho, "params": v.accounting["total"],
+                                              "activated": v.accounting["activated"], "table_params": v.accounting["table"]}
+                     for v in vs}
+        record_experiment(Path(record) / "allocation.json",
+                          {"experiment": "allocation", "preset": sc.preset, "seeds": seeds, "variants": rec_table},
+                          results, command=f"engram experiment allocation --seeds {seeds} --record {record}"
+                          + (f" --variants {','.join(only)}" if only else ""))
     md = accounting_markdown(vs) + "\n" + results_markdown(vs, table, best, sweep[-1])
     atomic_write_bytes(root / "summary.md", md.encode())
     _plot(vs, table, root / "plot.png", scale)

@@ -94,7 +94,8 @@ def run_dir_of(out: str | Path, name: str, variant: str, seed: int, preset: str)
 def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int = 3, preset: str = "exp",
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None, scale: str = "cpu",
-                   record: str | Path | None = None, plan_only: bool = False, finished_only: bool = False) -> dict:
+                   record: str | Path | None = None, plan_only: bool = False, finished_only: bool = False,
+                   variants_only: list[str] | None = None) -> dict:
     """Train (or reuse) every (variant, seed) run of experiment `name` and summarize it. `record`: also write the
     per-seed results and each run's environment to `record/NAME.json`, the file `engram results` renders.
     `finished_only`: train nothing; summarize the runs that have finished (variants may have fewer seeds)."""
@@ -106,7 +107,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         from .allocation import run
 
         return run(out, seeds, max_steps, progress=progress, scale=scale, data=data, plan_only=plan_only,
-                   record=record)
+                   record=record, only=variants_only, finished_only=finished_only)
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 

@@ -28,16 +28,16 @@ from .runs import difference
 
 # the row every other row of an experiment's table is compared with
 BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
-            "design": "reference"}
+            "design": "reference", "allocation": "moe-E16"}
 
 
 # ------------------------------------------------------------------------------------------ recording
-def experiment_record(summary: dict, results: dict[str, list[dict]]) -> dict:
+def experiment_record(summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
     """What `--record` commits: the summary's table (per-seed values included), each variant's seeds, the val
     curves of `iso`, and the environments the runs recorded (deduplicated; `run_environment` indexes them)."""
     name = summary["experiment"]
     rec = {"experiment": name, "preset": summary["preset"], "date": datetime.date.today().isoformat(),
-           "command": f"engram experiment {name} --seeds {summary['seeds']} --record docs/results",
+           "command": command or f"engram experiment {name} --seeds {summary['seeds']} --record docs/results",
            "variants": summary["variants"], "seeds": {v: [r["seed"] for r in rs] for v, rs in results.items()}}
     envs: list[dict] = []
     rec["run_environment"] = {}
@@ -56,8 +56,8 @@ def experiment_record(summary: dict, results: dict[str, list[dict]]) -> dict:
     return rec
 
 
-def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]]) -> dict:
-    rec = experiment_record(summary, results)
+def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
+    rec = experiment_record(summary, results, command)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, (json.dumps(rec, indent=1) + "\n").encode())
     return rec
