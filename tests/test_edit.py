@@ -337,3 +337,37 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
         lines = [line for line in err.splitlines() if line.startswith("engram:")]
         assert code == 2 and len(lines) == 1 and msg in lines[0] and "Traceback" not in err, err
         assert not (tmp_path / "bad").exists()
+
+
+def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
+    """The counterfactual/new-entity experiment on the tiny model: every method measured on every metric,
+    per-seed files written, the fact sets seeded, neighbours never among the edited subjects."""
+    from engram.analysis import editing as ed
+
+    root, corpus = run
+    facts = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEF" for rel, o in
+             (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]
+    facts.append(("LandG", "capital", " Paris"))  # not known: never edited, never a neighbour
+    monkeypatch.setattr(ed, "world_facts", lambda: facts)
+    monkeypatch.setattr(ed, "known_facts", lambda model, tok, fs: [f for f in fs if f[0] != "LandG"])
+    fs = ed.fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
+    assert fs == ed.fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
+    edited_subjects = {f.prompt for f in fs["counterfactual"]}
+    assert len(fs["counterfactual"]) == 3 and len(fs["new"]) == 3
+    assert all(f.target != o for f, o in zip(fs["counterfactual"], fs["counterfactual_true"]))
+    assert not {x["prompt"] for x in fs["neighbours"]} & edited_subjects
+    s = ed.run(tmp_path, checkpoint=str(root / "run"), n_facts=3, seeds=2, max_windows=2, ft_steps=2, edit_steps=5,
+               general=[str(corpus)], progress=False, record=tmp_path / "rec")
+    assert set(s["methods"]) == set(ed.METHODS)
+    for m in ed.METHODS:
+        assert set(s["methods"][m]) == set(ed.METRICS) and s["methods"][m]["val_change"]["n"] == 2
+    from engram.editing import score
+    from engram.model import load_model
+
+    model, tok = load_model(root / "run")
+    pairs = [("the cat sat on", " the mat"), ("Line 5: the", " cat"), ("the dog ran", " to the king.")]
+    assert ed.greedy(model, tok, pairs, chunk=2) == [score(model, tok, p, t)["greedy"] for p, t in pairs]
+    assert json.loads((tmp_path / "rec" / "edit.json").read_text())["known_facts"] == 18
+    with pytest.raises(ValueError, match="knows only"):
+        ed.run(tmp_path / "again", checkpoint=str(root / "run"), n_facts=30, seeds=1, general=[str(corpus)],
+               progress=False)

@@ -200,6 +200,8 @@ def cmd_adapt(args) -> int:
     options = _engram_options(args.engram or [])
     summary = adapt(args.base, data=args.data, out=args.out, method=args.method, layers=args.layers,
                     lora_rank=args.lora_rank, unfreeze=args.unfreeze, engram_options=options,
+                    lora_targets=(args.lora_targets if args.lora_targets in (None, "all-linear")
+                                  else args.lora_targets.split(",")),
                     max_steps=args.max_steps, overrides=overrides, resume=args.resume, device=args.device)
     if summary.get("interrupted"):
         return 130
@@ -462,6 +464,8 @@ def _training_commands(sub) -> None:
     ad.add_argument("--method", default="engram", choices=["engram", "lora", "lora+engram", "full"])
     ad.add_argument("--layers", help="decoder layers to put Engram in front of, e.g. 1,3 (default 1)")
     ad.add_argument("--lora-rank", type=int, help="add LoRA of this rank on the base (needs engram-torch[peft])")
+    ad.add_argument("--lora-targets", metavar="all-linear|q_proj,v_proj",
+                    help="modules LoRA wraps (default: PEFT's for the architecture, q_proj,v_proj for Llama)")
     ad.add_argument("--unfreeze", action="append", metavar="MODULE", help="also train this base module (e.g. lm_head)")
     ad.add_argument("--engram", action="append", metavar="KEY=VALUE",
                     help="Engram option, e.g. engram_vocab_size=[20011,20011] n_head_per_ngram=4")

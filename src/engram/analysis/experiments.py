@@ -102,7 +102,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
-        return run(out, seeds, max_steps, progress=progress)
+        return run(out, seeds, max_steps, progress=progress, record=record)
     if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
         from .allocation import run
 
@@ -111,7 +111,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 
-        return run(out, checkpoint=checkpoint, progress=progress)
+        return run(out, checkpoint=checkpoint, seeds=seeds, progress=progress, record=record)
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)

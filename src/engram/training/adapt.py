@@ -112,8 +112,11 @@ def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
 
 def build(base, data, out, method: str = "engram", layers=None, lora_rank: int | None = None,
           unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
-          overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True):
-    """Settings, data, run dir, model (adapter attached / LoRA / unfrozen) and optimizers of an adapt run."""
+          overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True,
+          lora_targets: str | list[str] | None = None):
+    """Settings, data, run dir, model (adapter attached / LoRA / unfrozen) and optimizers of an adapt run.
+    `lora_targets`: PEFT's `target_modules` ("all-linear", or names such as ["q_proj", "v_proj"]); None: PEFT's
+    default for the architecture (q_proj and v_proj for Llama)."""
     from .. import adapters as ad
     from ..tables import offload_tables, table_file
     from .optim import build_optimizers, split_params
@@ -151,15 +154,18 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
             if "engram" not in method:
                 raise ConfigError("--unfreeze needs an Engram adapter (its modules are saved with it)")
             ad.unfreeze(model, unfreeze)
+    if lora_targets is not None and not lora_rank:
+        raise ConfigError("--lora-targets needs LoRA (--method lora or lora+engram)")
     if lora_rank:
-        model = ad.add_lora(model, rank=lora_rank)
+        model = ad.add_lora(model, rank=lora_rank, target_modules=lora_targets)
     data_dir = prepare(data, str(tok_file.resolve()), progress=progress)
     manifest = load_manifest(data_dir)
     tcfg = dataclasses.replace(tcfg, tokenizer=str(tok_file.resolve()))
     run_json = {"kind": "adapt", "base": str(Path(base).resolve()), "method": method, "layers": layer_ids,
                 "lora_rank": lora_rank, "unfreeze": list(unfreeze or []), "engram_options": engram_options or {},
-                "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
-    run_dir = setup_run(out, run_json, resume, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options"))
+                "lora_targets": lora_targets, "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
+    run_dir = setup_run(out, run_json, resume, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options",
+                                                "lora_targets"))
 
     model.train()
     run = Run(tcfg, run_dir, manifest, data_dir, None, ddp, progress=progress, only_trainable=method != "full")
@@ -188,7 +194,8 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
 def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None, lora_rank: int | None = None,
           unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
           overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True,
-          stop_after: int | None = None, extra_eval: dict | None = None) -> dict:
+          stop_after: int | None = None, extra_eval: dict | None = None,
+          lora_targets: str | list[str] | None = None) -> dict:
     """Train an adapter on `data` (default: Shakespeare) for the model in `base`; returns a summary dict.
 
     `extra_eval` {name: data sources}: after training, also report the validation loss on those corpora
@@ -197,7 +204,7 @@ def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None
     from .train import finish, log_start, loop, restore
 
     run = build(base, data, out, method, layers, lora_rank, unfreeze, engram_options, max_steps, overrides, resume,
-                device, progress)
+                device, progress, lora_targets)
     step = restore(run) if resume else 0
     c = run.counts
     if run.progress:

