@@ -89,7 +89,16 @@ def fmt_env(rec: dict) -> str:
 
 
 def table_markdown(rec: dict) -> str:
-    name, table = rec["experiment"], rec["variants"]
+    name = rec["experiment"]
+    if name == "edit":  # its own tables: methods x metrics over fact sets, the retrofit sweep and chosen points
+        from .editing import markdown
+
+        return markdown(rec).rstrip("\n")
+    if name == "retrofit":
+        from .retrofit import markdown
+
+        return markdown(rec).rstrip("\n")
+    table = rec["variants"]
     if name == "sensitivity":
         lines = ["| token category | tokens | loss with Engram | Engram suppressed | increase (mean ± sd, n) |",
                  "|---|---|---|---|---|"]
@@ -223,7 +232,11 @@ def main(results_dir: str, template: str, out: str, img: str = "", check: bool =
     atomic_write_bytes(Path(out), text.encode("utf-8"))
     if img:
         for name, rec in recs.items():
-            if name in ("iso", "placement", "capacity", "ablations", "sensitivity"):
-                plot(rec, Path(img) / f"exp-{name}.png")
+            if name in ("iso", "placement", "capacity", "ablations", "sensitivity", "allocation"):
+                plot(rec, Path(img) / f"exp-{name}{'-4seeds' if name == 'allocation' else ''}.png")
+            elif name in ("edit", "retrofit"):
+                from importlib import import_module
+
+                import_module(f".{'editing' if name == 'edit' else name}", __package__).plot(rec, Path(img) / f"{name}.png")
     print(f"wrote {out} from {len(recs)} per-seed files" + (f" and their plots in {img}/" if img else ""))
     return 0

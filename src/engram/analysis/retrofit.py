@@ -99,8 +99,9 @@ def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
 
 def _step_ms(run_dir: Path, batch_tokens: int) -> float:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    times = [batch_tokens / r["tok_s"] * 1e3 for r in rows if r.get("tok_s") and r["step"] > 5]
-    return statistics.median(times)
+    times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
+    warm = [t for s, t in times if s > 5] or [t for _, t in times]  # the first steps warm up allocators
+    return statistics.median(warm)
 
 
 def pareto(points: list[dict]) -> list[int]:
