@@ -218,9 +218,9 @@ def fact_sets(known: list[tuple[str, str, str]], all_facts: list[tuple[str, str,
         cf.append(Fact(prompt.format(s=s), new, [q.format(s=s) for q in paras], []))
         pool = [f for f in known if f[1] == rel and f[0] not in used]
         for ns, _, no in rng.sample(pool, min(n_neighbours, len(pool))):
-            neighbours.append({"prompt": prompt.format(s=ns), "target": no, "edited": s})
+            neighbours.append({"prompt": prompt.format(s=ns), "target": no, "edited": s, "relation": rel})
     return {"counterfactual": cf, "neighbours": neighbours, "new": make_facts(n, seed=seed, tokenizer=None),
-            "counterfactual_true": [o for _, _, o in picked]}
+            "counterfactual_true": [o for _, _, o in picked], "counterfactual_relation": [r for _, r, _ in picked]}
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -237,6 +237,11 @@ def measure(model, tok, fs: dict, windows, val_before: float) -> dict:
     out["specificity"] = _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]])
     out["counterfactual_old_kept"] = _share(model, tok, list(zip([f.prompt for f in fs["counterfactual"]],
                                                                  fs["counterfactual_true"])))
+    rels = fs.get("counterfactual_relation") or []
+    out["by_relation"] = {rel: {
+        "efficacy": _share(model, tok, [(f.prompt, f.target) for f, r in zip(fs["counterfactual"], rels) if r == rel]),
+        "specificity": _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"] if x.get("relation") == rel]),
+    } for rel in dict.fromkeys(rels)}
     out["val_change"] = evaluate(model, windows, 16, torch.device("cpu")) - val_before
     return out
 
@@ -392,13 +397,18 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
             per[method].append(json.loads(f.read_text()))
     table = {m: {k: seed_stats([r[k] for r in rs]) for k in METRICS} for m, rs in per.items()}
     tests = {m: {k: difference(table["engram-edit"][k], table[m][k]) for k in METRICS} for m in METHODS[1:]}
+    by_rel = {m: {rel: {k: seed_stats([r["by_relation"][rel][k] for r in rs if rel in r.get("by_relation", {})
+                                        and r["by_relation"][rel][k] is not None])
+                        for k in ("efficacy", "specificity")}
+                  for rel in WORLD_RELATIONS if any(rel in r.get("by_relation", {}) for r in rs)}
+              for m, rs in per.items()}
     summary = {"experiment": "edit", "date": __import__("datetime").date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
                "model": str(model_path), "model_train": info.get("train", {}), "val_before": val_before,
                "world_facts": len(all_facts), "known_facts": len(known),
                "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
                "n_facts": n_facts, "seeds": seeds, "ft_steps": ft_steps, "kl_weight": KL_WEIGHT,
-               "methods": table, "tests": tests, "runs": per, "environments": [environment()]}
+               "methods": table, "tests": tests, "by_relation": by_rel, "runs": per, "environments": [environment()]}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
     md = markdown(summary)
     atomic_write_bytes(root / "summary.md", md.encode())
@@ -440,6 +450,14 @@ def markdown(s: dict) -> str:
             cells.append(cell)
         steps = seed_stats([r["steps"] for r in s["runs"][m]])["mean"]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps:.0f} |")
+    if s.get("by_relation"):
+        rels = list(next(iter(s["by_relation"].values())))
+        lines += ["", "Counterfactuals by relation (mean ± sd over fact sets): efficacy / specificity.", "",
+                  "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
+        for m, t in s["by_relation"].items():
+            lines.append(f"| {m} | " + " | ".join(
+                f"{t[r]['efficacy']['mean']:.2f} ± {t[r]['efficacy']['std']:.2f} / "
+                f"{t[r]['specificity']['mean']:.2f} ± {t[r]['specificity']['std']:.2f}" for r in rels) + " |")
     return "\n".join(lines) + "\n"
 
 
