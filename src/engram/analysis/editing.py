@@ -481,7 +481,7 @@ def plot(s: dict, path: Path) -> None:
         a.bar(np.arange(len(ks)) + i * w, [t[k]["mean"] for k in ks], w, yerr=[t[k]["std"] for k in ks], capsize=2,
               label=m)
         b.bar(i, t["val_change"]["mean"], yerr=t["val_change"]["std"], capsize=3)
-    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k] for k in ks], fontsize=7)
+    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k].replace(" (", "\n(") for k in ks], fontsize=7)
     a.set_ylabel("share of prompts (greedy)")
     a.legend(fontsize=7)
     b.set_xticks(range(len(ms)), ms, fontsize=7, rotation=30)
