@@ -16,7 +16,9 @@
 4. Reported: every run's domain validation loss and forgetting (validation loss on the base's own
    corpus, after minus before); the Pareto front of (forgetting, domain loss) over the sweep; mean ±
    sd (n=3) at the chosen points and their differences with the two-standard-error rule; trainable
-   parameters, median step time and peak RSS (each run in its own process).
+   parameters, median step time and peak RSS (each run in its own process). **Matched pairs**: sweep
+   points of two methods whose domain losses lie within `MATCH_TOL` at seed 0 are trained at every
+   seed too, and their forgetting compared: the comparison at equal learning.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PRETRAIN = dict(max_steps=2000, overrides={**SETTINGS, "lr": 2e-3, "warmup_steps
 ADAPT = dict(max_steps=200, overrides={**SETTINGS, "warmup_steps": 20, "weight_decay": 0.0, "ckpt_every": 200,
                                        "eval_every": 200})
 LAYERS = [1]
+MATCH_TOL = 0.02  # nats: two sweep points "learned the domain equally" (see `run`)
 ENGRAM = dict(engram_vocab_size=[40009, 40009], n_embed_per_ngram=128, n_head_per_ngram=4)
 # name -> (adapt() arguments, learning rates swept)
 METHODS = {
@@ -155,12 +158,31 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     runs = [one(m, lr, 0) for m, (_, lrs) in methods.items() for lr in lrs]  # the sweep, seed 0
     chosen = {m: min((r for r in runs if r["method"] == m), key=lambda r: r["domain_val"])["lr"] for m in methods}
     runs += [one(m, chosen[m], s) for m in methods for s in range(1, seeds)]
+    sweep = [r for r in runs if r["seed"] == 0]
+    # matched pairs: sweep points of two methods that learned the domain equally (within MATCH_TOL at seed 0), the
+    # comparison of forgetting that does not favour the method that moved less; trained at every seed too
+    pairs = [(a, b) for i, a in enumerate(sweep) for b in sweep[i + 1:]
+             if a["method"] != b["method"] and abs(a["domain_val"] - b["domain_val"]) < MATCH_TOL]
+    for a, b in pairs:
+        for r in (a, b):
+            if r["lr"] != chosen[r["method"]]:
+                runs += [one(r["method"], r["lr"], s) for s in range(1, seeds)
+                         if not any(x["method"] == r["method"] and x["lr"] == r["lr"] and x["seed"] == s for x in runs)]
+
+    def point(m, lr):
+        rs = [r for r in runs if r["method"] == m and r["lr"] == lr]
+        return {"method": m, "lr": lr, "domain_val": seed_stats([r["domain_val"] for r in rs]),
+                "forgetting": seed_stats([r["forgetting"] for r in rs])}
+    matched = []
+    for a, b in pairs:
+        pa, pb = point(a["method"], a["lr"]), point(b["method"], b["lr"])
+        matched.append({"a": pa, "b": pb, "domain_diff": difference(pa["domain_val"], pb["domain_val"]),
+                        "forgetting_diff": difference(pa["forgetting"], pb["forgetting"])})
     at = {m: [r for r in runs if r["method"] == m and r["lr"] == chosen[m]] for m in methods}
     table = {m: {"lr": chosen[m], "domain_val": seed_stats([r["domain_val"] for r in rs]),
                  "forgetting": seed_stats([r["forgetting"] for r in rs]),
                  "step_ms": seed_stats([r["step_ms"] for r in rs]), "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
                  "trainable": rs[0]["trainable"]} for m, rs in at.items()}
-    sweep = [r for r in runs if r["seed"] == 0]
     front = [(sweep[i]["method"], sweep[i]["lr"]) for i in pareto(sweep)]
     ref = "engram" if "engram" in table else next(iter(table))
     tests = {m: {k: difference(table[ref][k], table[m][k]) for k in ("domain_val", "forgetting")}
@@ -179,6 +201,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                "methods": {m: {k: v for k, v in kw.items() if k != "engram_options"} | {"lrs": list(lrs)}
                            for m, (kw, lrs) in methods.items()},
                "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "chosen": table, "pareto_front": front,
+               "matched": matched, "match_tol": MATCH_TOL,
                "vs": ref, "tests": tests, "runs": runs, "environments": envs or [environment()]}
     atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
     md = markdown(summary)
@@ -223,6 +246,19 @@ def markdown(s: dict) -> str:
         lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} | {_fmt(r['forgetting'], True)} | {d('domain_val')} | "
                      f"{d('forgetting')} | {tr['engram_dense'] + tr['base_trainable']:,} | {tr['engram_table']:,} | "
                      f"{r['step_ms']['mean']:.0f} | {r['peak_rss_mib']['mean']:.0f} |")
+    if s.get("matched"):
+        lines += ["", f"Matched pairs (sweep points of two methods within {s['match_tol']} nats of domain loss at seed 0, "
+                      "trained at every seed; B - A ± se):", "",
+                  "| A | B | domain A | domain B | forgetting A | forgetting B | domain B - A | forgetting B - A |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for p in s["matched"]:
+            a, b = p["a"], p["b"]
+
+            def dd(x):
+                return f"{x['diff']:+.4f} ± {x['se']:.4f}" + (" (finding)" if x["finding"] else " (no difference)")
+            lines.append(f"| {a['method']} lr {a['lr']:g} | {b['method']} lr {b['lr']:g} | {_fmt(a['domain_val'])} | "
+                         f"{_fmt(b['domain_val'])} | {_fmt(a['forgetting'], True)} | {_fmt(b['forgetting'], True)} | "
+                         f"{dd(p['domain_diff'])} | {dd(p['forgetting_diff'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -251,6 +287,11 @@ def plot(s: dict, path: Path) -> None:
         ax.errorbar(ch["forgetting"]["mean"], ch["domain_val"]["mean"], xerr=ch["forgetting"]["std"],
                     yerr=ch["domain_val"]["std"], fmt="s", color=c, capsize=3, ms=7,
                     label=f"{m} chosen lr {ch['lr']:g} (mean ± sd, n={ch['domain_val']['n']})")
+    for k, p in enumerate(s.get("matched", [])):
+        for q in (p["a"], p["b"]):
+            ax.errorbar(q["forgetting"]["mean"], q["domain_val"]["mean"], xerr=q["forgetting"]["std"],
+                        yerr=q["domain_val"]["std"], fmt="D", color=COLORS.get(q["method"]), mfc="none", capsize=3, ms=8,
+                        label=f"matched pair: {q['method']} lr {q['lr']:g} (n={q['domain_val']['n']})")
     idx = pareto(sweep)
     ax.plot([sweep[i]["forgetting"] for i in idx], [sweep[i]["domain_val"] for i in idx], "k--", lw=1,
             label="Pareto front (sweep)")
