@@ -299,7 +299,7 @@ def plot(s: dict, path: Path) -> None:
     ax.set_ylabel("domain (WordNet) val loss")
     ax.set_title("engram experiment retrofit: domain loss vs forgetting")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
