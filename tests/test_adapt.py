@@ -80,6 +80,17 @@ def test_adapter_run_loads_for_eval_and_sample(base, tmp_path, capsys):
     assert r.returncode == 0 and r.stdout.startswith("def f1"), r.stderr
 
 
+def test_lora_targets_all_linear_wraps_more_than_the_default(base, tmp_path):
+    pytest.importorskip("peft")
+    model_dir, corpus = base
+    counts = {}
+    for targets in (None, ["q_proj", "v_proj"], "all-linear"):
+        s = adapt(model_dir, data=[str(corpus)], out=tmp_path / str(targets), method="lora", lora_rank=2, max_steps=1,
+                  overrides=TINY, progress=False, lora_targets=targets)
+        counts[str(targets)] = s["trainable"]["base_trainable"]
+    assert counts["None"] == counts[str(["q_proj", "v_proj"])] < counts["all-linear"]  # PEFT's Llama default is q/v
+
+
 @pytest.mark.parametrize("method", ["lora", "lora+engram", "full"])
 def test_other_methods_train_and_load(base, tmp_path, method, capsys):
     if "lora" in method:
@@ -111,6 +122,8 @@ def test_adapt_bad_input_is_one_line(base, tmp_path, capsys):
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--layers", "7"], "out of range"),
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--engram", "bogus=1"], "--engram bogus=1"),
         (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--method", "full", "--lora-rank", "4"], "full"),
+        (["--base", str(model_dir), "--out", str(tmp_path / "o"), "--method", "engram", "--lora-targets", "all-linear"],
+         "--lora-targets needs LoRA"),
     ):
         code, _, err = cli(capsys, "adapt", *args, "--data", corpus, "--max-steps", "2")
         errors = [line for line in err.splitlines() if line.startswith("engram: error:")]
