@@ -435,8 +435,9 @@ def markdown(s: dict) -> str:
     head = "| method | " + " | ".join(LABELS[k] for k in METRICS) + " | steps |"
     lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
              f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); val loss before {s['val_before']:.4f}. "
-             f"{s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set, {s['seeds']} fact sets "
-             "(mean ± sd over fact sets; vs the edit: difference ± se, a finding only beyond 2 se).", "",
+             f"{s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set. Every cell: mean ± sample sd "
+             f"over n={s['seeds']} fact sets; vs the edit: the verdict on the difference, a finding only beyond "
+             "2 se (each difference ± se is in the record's `tests`).", "",
              head, "|---" * (len(METRICS) + 2) + "|"]
     for m, t in s["methods"].items():
         cells = []
@@ -452,7 +453,7 @@ def markdown(s: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps:.0f} |")
     if s.get("by_relation"):
         rels = list(next(iter(s["by_relation"].values())))
-        lines += ["", "Counterfactuals by relation (mean ± sd over fact sets): efficacy / specificity.", "",
+        lines += ["", f"Counterfactuals by relation (mean ± sd over n={s['seeds']} fact sets): efficacy / specificity.", "",
                   "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
         for m, t in s["by_relation"].items():
             lines.append(f"| {m} | " + " | ".join(
