@@ -25,6 +25,7 @@ Every stage is cached under OUT/edit, so a stopped experiment resumes.
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 import time
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..editing import Fact, edit_facts
+from ..editing import Fact, applied, edit_facts
 from ..training.data import text_windows
 from ..utils import atomic_write_bytes, environment
 from .runs import difference, seed_stats
@@ -352,8 +353,8 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     root = Path(out) / "edit"
     root.mkdir(parents=True, exist_ok=True)
     model_dir = base_model(root, checkpoint, progress, base_steps, preset)
-    model, tok = load_model(model_dir / "final" if (model_dir / "final").is_dir() else model_dir)
     model_path = model_dir / "final" if (model_dir / "final").is_dir() else model_dir
+    model, tok = load_model(model_path)
     windows = text_windows(tok, general, "val", 256, max_windows)
     val_before = evaluate(model, windows, 16, torch.device("cpu"))
     info = json.loads((model_dir / "run.json").read_text()) if (model_dir / "run.json").is_file() else {}
@@ -378,7 +379,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                 if method == "engram-edit":
                     _say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts")
                     overlay = edit_facts(model, tok, facts, steps=edit_steps, progress=False)
-                    with _applied(model, overlay):
+                    with applied(model, overlay):
                         res = measure(model, tok, fs, windows, val_before)
                     res |= {"rows_changed": overlay.num_rows, "steps": overlay.meta["optimization"]["steps_run"],
                             "seconds": round(time.perf_counter() - t0, 1)}
@@ -402,7 +403,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                         for k in ("efficacy", "specificity")}
                   for rel in WORLD_RELATIONS if any(rel in r.get("by_relation", {}) for r in rs)}
               for m, rs in per.items()}
-    summary = {"experiment": "edit", "date": __import__("datetime").date.today().isoformat(),
+    summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
                "model": str(model_path), "model_train": info.get("train", {}), "val_before": val_before,
                "world_facts": len(all_facts), "known_facts": len(known),
@@ -418,12 +419,6 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
         atomic_write_bytes(Path(record) / "edit.json", (json.dumps(summary, indent=1) + "\n").encode())
     print(md)
     return summary
-
-
-def _applied(model, overlay):
-    from ..editing.overlay import applied
-
-    return applied(model, overlay)
 
 
 LABELS = {"efficacy_counterfactual": "efficacy (counterfactual)", "efficacy_new": "efficacy (new entity)",

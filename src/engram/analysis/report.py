@@ -31,6 +31,16 @@ BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", 
             "design": "reference", "allocation": "moe-E16"}
 
 
+# experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
+OWN_REPORT = {"edit": "editing", "retrofit": "retrofit"}
+
+
+def _own_report(name: str):
+    from importlib import import_module
+
+    return import_module(f".{OWN_REPORT[name]}", __package__)
+
+
 # ------------------------------------------------------------------------------------------ recording
 def experiment_record(summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
     """What `--record` commits: the summary's table (per-seed values included), each variant's seeds, the val
@@ -90,14 +100,8 @@ def fmt_env(rec: dict) -> str:
 
 def table_markdown(rec: dict) -> str:
     name = rec["experiment"]
-    if name == "edit":  # its own tables: methods x metrics over fact sets, the retrofit sweep and chosen points
-        from .editing import markdown
-
-        return markdown(rec).rstrip("\n")
-    if name == "retrofit":
-        from .retrofit import markdown
-
-        return markdown(rec).rstrip("\n")
+    if name in OWN_REPORT:  # edit: methods x metrics over fact sets; retrofit: the sweep and chosen points
+        return _own_report(name).markdown(rec).rstrip("\n")
     table = rec["variants"]
     if name == "sensitivity":
         lines = ["| token category | tokens | loss with Engram | Engram suppressed | increase (mean ± sd, n) |",
@@ -234,9 +238,7 @@ def main(results_dir: str, template: str, out: str, img: str = "", check: bool =
         for name, rec in recs.items():
             if name in ("iso", "placement", "capacity", "ablations", "sensitivity", "allocation"):
                 plot(rec, Path(img) / f"exp-{name}{'-4seeds' if name == 'allocation' else ''}.png")
-            elif name in ("edit", "retrofit"):
-                from importlib import import_module
-
-                import_module(f".{'editing' if name == 'edit' else name}", __package__).plot(rec, Path(img) / f"{name}.png")
+            elif name in OWN_REPORT:
+                _own_report(name).plot(rec, Path(img) / f"{name}.png")
     print(f"wrote {out} from {len(recs)} per-seed files" + (f" and their plots in {img}/" if img else ""))
     return 0

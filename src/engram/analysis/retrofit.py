@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 import subprocess
@@ -193,7 +194,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
         if env is not None and env not in envs:
             envs.append(env)
         r["environment"] = envs.index(env) if env is not None else None
-    summary = {"experiment": "retrofit", "date": __import__("datetime").date.today().isoformat(),
+    summary = {"experiment": "retrofit", "date": datetime.date.today().isoformat(),
                "command": "engram experiment retrofit --seeds %d --record docs/results" % seeds,
                "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
