@@ -26,7 +26,7 @@ from engram.editing import (  # noqa: E402
     locality,
     read_facts,
 )
-from engram.manifest import IntegrityError  # noqa: E402
+from engram.persist import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402

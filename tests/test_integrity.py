@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from engram.cli import main  # noqa: E402
-from engram.manifest import MANIFEST, IntegrityError, verify_manifest  # noqa: E402
+from engram.persist import MANIFEST, IntegrityError, verify_manifest  # noqa: E402
 from engram.training.train import train  # noqa: E402
 
 

@@ -169,7 +169,7 @@ def test_from_pretrained_initializes_missing_weights(tmp_path):
     sd = load_file(str(tmp_path / "model.safetensors"))
     del sd["model.layers.1.engram.kv_proj.weight"]
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    from engram.manifest import write_manifest
+    from engram.persist import write_manifest
 
     write_manifest(tmp_path)  # a deliberate edit re-lists the files (otherwise it is refused as corrupt)
     loaded = EngramForCausalLM.from_pretrained(tmp_path)
@@ -196,7 +196,7 @@ def test_save_load_round_trip_and_auto_class(tmp_path, tie):
     spec = json.loads((tmp_path / "engram_hash_spec.json").read_text())
     spec["layers"]["1"]["multipliers"][0] += 2
     (tmp_path / "engram_hash_spec.json").write_text(json.dumps(spec))
-    from engram.manifest import IntegrityError, write_manifest
+    from engram.persist import IntegrityError, write_manifest
 
     with pytest.raises(IntegrityError, match="engram_hash_spec.json is truncated or padded"):
         EngramForCausalLM.from_pretrained(tmp_path)  # the checksum manifest catches the edit first

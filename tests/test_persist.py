@@ -229,7 +229,7 @@ def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_p
     import engram
     from engram.adapters import read_adapter_config
     from engram.training.checkpoint import CheckpointError, read_checkpoint
-    from engram.utils import sha256_file
+    from engram.persist import sha256_file
 
     def to_legacy(d, meta_name):
         (d / "engram_manifest.json").unlink()

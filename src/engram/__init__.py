@@ -11,6 +11,7 @@ from .config import (
     load_config,
     save_config,
 )
+from .errors import EngramError
 from .hashing import HashInputError, NgramHashMapping, get_hash_mapping
 from .memory import Engram, MultiHeadEmbedding, ShortConv
 from .tokenizer import CompressedTokenizer, TokenizerError
@@ -78,7 +79,7 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 __all__ = [
-    "BackBoneConfig", "CompressedTokenizer", "ConfigError", "Engram", "EngramConfig", "HashInputError",
+    "BackBoneConfig", "CompressedTokenizer", "ConfigError", "Engram", "EngramConfig", "EngramError", "HashInputError",
     "MultiHeadEmbedding", "NgramHashMapping", "ShortConv", "TokenizerError", "TrainConfig", "get_hash_mapping",
     "load_config", "save_config",
 ]

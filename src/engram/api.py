@@ -20,8 +20,11 @@ DEFAULT_BASE_URL = "https://api.deepseek.com/v1"
 DEFAULT_MODEL = "deepseek-chat"
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
+from .errors import EngramError
 
-class ApiError(RuntimeError):
+
+
+class ApiError(EngramError, RuntimeError):
     """A diagnosed API failure: one line, cause and fix, key redacted."""
 
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import EngramError
 from .persist import atomic_write_bytes, read_json
 
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 
 
-class ConfigError(ValueError):
+class ConfigError(EngramError, ValueError):
     """A configuration value or file is invalid; the message says which and how to fix it."""
 
 

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from .errors import EngramError
 from . import _fasthash
 from .config import ConfigError, EngramConfig
 from .persist import atomic_write_bytes, read_json
@@ -57,7 +58,7 @@ SPEC_FORMAT = "engram-hash-spec/1"
 IDENTITY_KEYS = ("family", "lookup_table_sha256", "compressed_pad_id", "layers")
 
 
-class HashInputError(ValueError):
+class HashInputError(EngramError, ValueError):
     """Input ids have the wrong type, shape or values; the message names the first problem."""
 
 

@@ -37,7 +37,7 @@ from .cache import EngramCache, NgramHistory, with_ngram_history  # noqa: F401  
 from .config import ConfigError
 from .hashing import get_hash_mapping
 from .hyper import HyperConnection
-from .manifest import IntegrityError, verify_manifest, write_manifest
+from .persist import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
 from .model_config import EngramLMConfig
 from .persist import read_json, recover_dir

@@ -19,14 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import EngramError
 from .config import DEFAULT_TOKENIZER
-from .utils import atomic_write_bytes, cache_dir, sha256_bytes, sha256_file
+from .persist import atomic_write_bytes, sha256_bytes, sha256_file
+from .utils import cache_dir
 
 _SENTINEL = "\ue000"
 _CACHE_VERSION = 1
 
 
-class TokenizerError(ValueError):
+class TokenizerError(EngramError, ValueError):
     """A tokenizer could not be found or loaded; the message names the path and the fix."""
 
 

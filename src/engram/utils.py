@@ -1,24 +1,9 @@
-"""Small shared helpers: content hashing, peak memory, cache location (atomic writes live in persist.py)."""
+"""Small shared helpers: peak memory, cache location, the run environment (files and digests live in persist.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
-
-from .persist import atomic_write_bytes  # noqa: F401  (its home is persist.py)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def peak_rss_mib() -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .manifest import MANIFEST, UnverifiedWarning, verify_manifest
+from .persist import MANIFEST, UnverifiedWarning, verify_manifest
 
 
 def verify_path(path) -> list[tuple[str, str, str]]:

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..errors import EngramError
 from ..tokenizer import CompressedTokenizer, TokenizerError
-from ..utils import sha256_bytes
+from ..persist import sha256_bytes
 
 TOKENIZER_FILE = "tokenizer.json"
 # where decoder families keep their layers (Llama/Qwen/Mistral/Gemma, OPT, GPT-2/GPT-J, GPT-NeoX/Pythia, Falcon, MPT)
@@ -21,7 +22,7 @@ _FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_mod
                      "head_dim", "tie_word_embeddings")
 
 
-class AdapterError(ValueError):
+class AdapterError(EngramError, ValueError):
     """An adapter cannot be attached, saved or loaded; the message names the problem and the fix."""
 
 

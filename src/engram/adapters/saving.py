@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ..manifest import verify_saved, write_manifest
+from ..persist import verify_saved, write_manifest
 from ..persist import (
     atomic_write_bytes,
     read_json,

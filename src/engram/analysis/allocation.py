@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..utils import atomic_write_bytes
+from ..persist import atomic_write_bytes
 from .runs import seed_stats, trained_run
 
 ROUTED_WEIGHTS = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")

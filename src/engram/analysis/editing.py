@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from ..editing import Fact, applied, edit_facts
 from ..training.data import text_windows
-from ..utils import atomic_write_bytes, environment
+from ..persist import atomic_write_bytes
+from ..utils import environment
 from .runs import difference, seed_stats
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",

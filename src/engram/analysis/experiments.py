@@ -40,7 +40,8 @@ from ..config import ConfigError
 from ..model import EngramForCausalLM
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
-from ..utils import atomic_write_bytes, environment
+from ..persist import atomic_write_bytes
+from ..utils import environment
 from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import difference, seed_stats, trained_run
 

@@ -23,7 +23,7 @@ import json
 import re
 from pathlib import Path
 
-from ..utils import atomic_write_bytes
+from ..persist import atomic_write_bytes
 from .runs import difference
 
 # the row every other row of an experiment's table is compared with

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from ..training.checkpoint import checkpoints
-from ..utils import atomic_write_bytes, environment
+from ..persist import atomic_write_bytes
+from ..utils import environment
 from .runs import difference, seed_stats
 
 DOMAIN = ["wordnet"]

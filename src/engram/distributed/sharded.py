@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..tables.base import Table
-from ..utils import atomic_write_bytes
+from ..persist import atomic_write_bytes
 
 
 def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:

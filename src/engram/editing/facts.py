@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import EngramError
 
-class EditError(ValueError):
+
+class EditError(EngramError, ValueError):
     """A fact, an overlay or the model it is applied to is not usable; the message names the fix."""
 
 

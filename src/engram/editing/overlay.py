@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..hashing import identity_digest, legacy_identity_digest
-from ..manifest import IntegrityError, verify_manifest, write_manifest
+from ..persist import IntegrityError, verify_manifest, write_manifest
 from ..persist import recover_dir, replace_dir, temp_dir_for
 from ..tables.overlay import push_overlay, restore_table
 from .digests import engram_layers, hash_mapping, model_digest

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..errors import EngramError
 
-class ServeError(ValueError):
+
+
+class ServeError(EngramError, ValueError):
     """A request the server refuses: `status` (HTTP) and `code` say why, the message says what to do."""
 
     def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = None):

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import EngramError
 from ..memory import MultiHeadEmbedding
 
 
-class TableError(ValueError):
+class TableError(EngramError, ValueError):
     """A table file is missing, short or corrupt, or a table does not fit its layer; the message names it."""
 
 

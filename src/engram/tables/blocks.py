@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .._numba import LazyKernels
-from ..manifest import UnverifiedWarning
+from ..persist import UnverifiedWarning
 from .base import TableError
 
 SUFFIX = ".blocks"
@@ -107,7 +107,7 @@ class BlockCrc:
 
 def write_sums(path, sums: np.ndarray, block_bytes: int = BLOCK_BYTES) -> Path:
     """Store the block sums of table file `path` beside it (atomically); call after the table file is in place."""
-    from ..utils import atomic_write_bytes
+    from ..persist import atomic_write_bytes
 
     offset, fid = header_id(path)
     head = json.dumps({"format": "engram-blocks/1", "file_bytes": Path(path).stat().st_size, "file_id": fid,

@@ -30,7 +30,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.parallel import DistContext
-from ..manifest import write_manifest
+from ..persist import write_manifest
 from ..persist import atomic_write_bytes, replace_dir, temp_dir_for
 from .checkpoint import CheckpointError, durable_tables
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare

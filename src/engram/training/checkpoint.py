@@ -22,16 +22,17 @@ from pathlib import Path
 
 import torch
 
+from ..errors import EngramError
 from ..distributed.parallel import DistContext
 from ..distributed.sharded import ShardedTable, load_sharded, save_sharded
-from ..manifest import verify_saved, write_manifest
+from ..persist import verify_saved, write_manifest
 from ..memory import is_table_key
 from ..persist import atomic_write_bytes, read_json, recover_dir, replace_dir
 from ..tables.base import find_tables, installed_tables
 from .optim import TableAdam
 
 
-class CheckpointError(ValueError):
+class CheckpointError(EngramError, ValueError):
     """A checkpoint is missing, truncated or corrupt; the message names the file."""
 
 

