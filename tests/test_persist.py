@@ -1,5 +1,6 @@
-"""Saving over a good folder never loses it: a save killed at any step of `replace_dir` leaves the old
-folder or the new one complete, for models, adapters, overlays and checkpoints alike."""
+"""Saving over a good folder never loses it: a save killed at any filesystem step (every rename and tree removal
+persist makes, atomic files included) leaves the old folder or the new one complete, for models, adapters,
+overlays and checkpoints alike (prepared data and sharded tables: tests/test_corruption.py, test_distributed.py)."""
 
 import json
 import os
@@ -20,7 +21,7 @@ class Crash(BaseException):
 
 @pytest.fixture
 def crash_at(monkeypatch):
-    """crash_at(k): the k-th filesystem step of the next replace_dir raises Crash instead of running."""
+    """crash_at(k): the k-th filesystem step persist takes next (a rename or a tree removal) raises Crash instead."""
 
     def arm(k):
         count = [0]
@@ -133,28 +134,52 @@ def first_weight(model):
     return next(model.parameters()).detach().clone()
 
 
-@pytest.mark.parametrize("k", STEPS)
-def test_model_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+def every_crash(crash_at, reset, save, state) -> list[str]:
+    """Kill `save` at its k-th filesystem step (every rename and tree removal persist makes), k = 1, 2, ...
+    until it completes. Before each try `reset()` restores the old saved state; after each kill `state()`
+    (which loads as a user would, recovering an interrupted swap) must say "old" or "new", never anything else.
+    Returns what each try left: the first kill leaves "old", the completed save "new"."""
+    seen = []
+    for k in range(1, 200):
+        reset()
+        crash_at(k)
+        try:
+            save()
+            done = True
+        except Crash:
+            done = False
+        crash_at.disarm()
+        got = state()
+        assert got in ("old", "new"), f"killed at step {k}: {got}"
+        seen.append(got)
+        if done:
+            assert got == "new" and seen[0] == "old", seen
+            return seen
+    raise AssertionError("the save never completed")
+
+
+def test_model_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     from engram.model import load_model
     from engram.training.train import save_final
 
     run = tmp_path / "run"
-    shutil.copytree(tiny_run / "run", run)
-    model, _ = load_model(run)
-    old = first_weight(model)
-    manifest = {"tokenizer_file": str(run / "final" / "tokenizer.json")}
-    shutil.copy(run / "final" / "tokenizer.json", tmp_path / "tokenizer.json")
-    manifest["tokenizer_file"] = str(tmp_path / "tokenizer.json")
-    crash_at(k)
-    with pytest.raises(Crash):
-        save_final(bumped(model, 1.0), run, manifest)
-    crash_at.disarm()
-    again, _ = load_model(run)  # verifies the manifest of whatever folder is there
-    assert torch.equal(first_weight(again), old if k < 3 else old + 1.0)
+    shutil.copy(tiny_run / "run" / "final" / "tokenizer.json", tmp_path / "tokenizer.json")
+    manifest = {"tokenizer_file": str(tmp_path / "tokenizer.json")}
+    old = first_weight(load_model(tiny_run / "run")[0])
+
+    def reset():
+        if run.exists():
+            shutil.rmtree(run)
+        shutil.copytree(tiny_run / "run", run)
+
+    def state():
+        w = first_weight(load_model(run)[0])  # verifies the manifest of whatever folder is there
+        return "old" if torch.equal(w, old) else "new" if torch.equal(w, old + 1.0) else "garbage"
+
+    every_crash(crash_at, reset, lambda: save_final(bumped(load_model(run)[0], 1.0), run, manifest), state)
 
 
-@pytest.mark.parametrize("k", STEPS)
-def test_checkpoint_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+def test_checkpoint_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     from safetensors.torch import load_file
 
     from engram.model import load_model
@@ -164,15 +189,14 @@ def test_checkpoint_resave_interrupted(tiny_run, tmp_path, crash_at, k):
     shutil.copytree(tiny_run / "run", run)
     model, _ = load_model(run)
     opts = {"dense": torch.optim.AdamW(model.parameters())}
-    save_checkpoint(run, 7, model, opts, {"pos": 1})
-    crash_at(k)
-    with pytest.raises(Crash):
-        save_checkpoint(run, 7, model, opts, {"pos": 2})
-    crash_at.disarm()
-    latest = checkpoints(run)[0]  # resolves the interrupted replacement
-    assert latest.name == "step_000007"
-    assert read_checkpoint(latest)["batcher"] == {"pos": 1 if k < 3 else 2}
-    assert load_file(str(latest / "model.safetensors"))
+
+    def state():
+        latest = checkpoints(run)[0]  # resolves an interrupted replacement
+        assert latest.name == "step_000007" and load_file(str(latest / "model.safetensors"))
+        return {1: "old", 2: "new"}.get(read_checkpoint(latest)["batcher"]["pos"], "garbage")
+
+    every_crash(crash_at, lambda: save_checkpoint(run, 7, model, opts, {"pos": 1}),
+                lambda: save_checkpoint(run, 7, model, opts, {"pos": 2}), state)
 
 
 def tiny_base(vocab):
@@ -184,8 +208,7 @@ def tiny_base(vocab):
                                         pad_token_id=1, eos_token_id=0))
 
 
-@pytest.mark.parametrize("k", STEPS)
-def test_adapter_resave_interrupted(tiny_run, tmp_path, crash_at, k):
+def test_adapter_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     import engram
     from engram.adapters import adapter_of
 
@@ -194,34 +217,40 @@ def test_adapter_resave_interrupted(tiny_run, tmp_path, crash_at, k):
     opts = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
     base = tiny_base(vocab)
     engram.attach(base, [1], tokenizer=tok, **opts)
-    engram.save_adapter(base, tmp_path / "adapter")
     adapter = adapter_of(base)
-    old = {k_: v.clone() for k_, v in adapter.state_dict().items()}
-    bumped(adapter, 0.5)
-    crash_at(k)
-    with pytest.raises(Crash):
+    old = {k_: v.clone() for k_, v in adapter.state_dict().items() if torch.is_floating_point(v)}
+
+    def set_to(by):
+        with torch.no_grad():
+            for k_, v in adapter.state_dict().items():
+                if k_ in old:
+                    v.copy_(old[k_] + by)
+
+    def reset():
+        set_to(0.0)
         engram.save_adapter(base, tmp_path / "adapter")
-    crash_at.disarm()
-    fresh = engram.load_adapter(tiny_base(vocab), tmp_path / "adapter")
-    got = adapter_of(fresh).state_dict()
-    want = old if k < 3 else {k_: v + 0.5 for k_, v in old.items()}
-    assert all(torch.equal(got[n], want[n]) for n in want if torch.is_floating_point(want[n]))
+        set_to(0.5)
+
+    def state():
+        got = adapter_of(engram.load_adapter(tiny_base(vocab), tmp_path / "adapter")).state_dict()
+        for name, by in (("old", 0.0), ("new", 0.5)):
+            if all(torch.equal(got[n], old[n] + by) for n in old):
+                return name
+        return "garbage"
+
+    every_crash(crash_at, reset, lambda: engram.save_adapter(base, tmp_path / "adapter"), state)
 
 
-@pytest.mark.parametrize("k", STEPS)
-def test_overlay_resave_interrupted(tmp_path, crash_at, k):
+def test_overlay_resave_killed_at_every_step(tmp_path, crash_at):
     from engram.editing import Overlay
 
     def overlay(v):
         return Overlay({1: torch.tensor([3, 5])}, {1: torch.full((2, 4), v)}, {"layers": [1], "note": v})
 
-    overlay(1.0).save(tmp_path / "ov")
-    crash_at(k)
-    with pytest.raises(Crash):
-        overlay(2.0).save(tmp_path / "ov")
-    crash_at.disarm()
-    got = Overlay.load(tmp_path / "ov")
-    assert float(got.values[1][0, 0]) == (1.0 if k < 3 else 2.0)
+    def state():
+        return {1.0: "old", 2.0: "new"}.get(float(Overlay.load(tmp_path / "ov").values[1][0, 0]), "garbage")
+
+    every_crash(crash_at, lambda: overlay(1.0).save(tmp_path / "ov"), lambda: overlay(2.0).save(tmp_path / "ov"), state)
 
 
 def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_path):
