@@ -27,6 +27,24 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+TINY_CORPUS = "".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One tiny trained run for the whole session: `engram train tiny` for 10 steps on a 400-line corpus,
+    checkpoints at steps 5 and 10. Returns the run folder; the corpus is `tiny_run.parent / "c.txt"`.
+    Shared and read-only: copy it (`shutil.copytree`) before changing anything in it."""
+    from engram.training.train import train
+
+    root = tmp_path_factory.mktemp("tiny")
+    corpus = root / "c.txt"
+    corpus.write_text(TINY_CORPUS)
+    train("tiny", data=[str(corpus)], out=root / "run", max_steps=10, overrides={"ckpt_every": 5, "eval_every": 5},
+          progress=False)
+    return root / "run"
+
+
 @pytest.fixture
 def free_port():
     """A function returning a TCP port on 127.0.0.1 that was free a moment ago."""
