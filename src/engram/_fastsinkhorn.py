@@ -52,6 +52,20 @@ def _build():
                 for j in range(n):
                     out[t, i, j] = its[t, K - 1, i, j]
 
+    @njit(cache=True, boundscheck=False, inline="always")
+    def _normalize_back(g, x, y):  # pragma: no cover - compiled
+        # backward of y = x / rowsum(x), in place on g (n, n): dX_ij = (G_ij - sum_j' G_ij' Y_ij') / s_i
+        n = g.shape[0]
+        for i in range(n):
+            s = np.float32(0.0)
+            for j in range(n):
+                s += x[i, j]
+            dot = np.float32(0.0)
+            for j in range(n):
+                dot += g[i, j] * y[i, j]
+            for j in range(n):
+                g[i, j] = (g[i, j] - dot) / s
+
     @njit(parallel=True, cache=True, boundscheck=False)
     def bwd(its, grad, gin):  # pragma: no cover - compiled
         # grad (N, n, n) w.r.t. the output -> gin (N, n, n) w.r.t. the logits (the max shift is constant:
@@ -63,26 +77,10 @@ def _build():
                 for j in range(n):
                     g[i, j] = grad[t, i, j]
             for k in range(K - 1, 0, -2):
-                # row step: its[k] = its[k-1] / rowsum; dX_ij = (G_ij - sum_j' G_ij' Y_ij') / s_i
-                for i in range(n):
-                    s = np.float32(0.0)
-                    for j in range(n):
-                        s += its[t, k - 1, i, j]
-                    dot = np.float32(0.0)
-                    for j in range(n):
-                        dot += g[i, j] * its[t, k, i, j]
-                    for j in range(n):
-                        g[i, j] = (g[i, j] - dot) / s
-                # column step: its[k-1] = its[k-2] / colsum
-                for j in range(n):
-                    s = np.float32(0.0)
-                    for i in range(n):
-                        s += its[t, k - 2, i, j]
-                    dot = np.float32(0.0)
-                    for i in range(n):
-                        dot += g[i, j] * its[t, k - 1, i, j]
-                    for i in range(n):
-                        g[i, j] = (g[i, j] - dot) / s
+                # row step its[k] = its[k-1] / rowsum, then column step its[k-1] = its[k-2] / colsum: the same
+                # step on the transposes
+                _normalize_back(g, its[t, k - 1], its[t, k])
+                _normalize_back(g.T, its[t, k - 2].T, its[t, k - 1].T)
             for i in range(n):
                 for j in range(n):
                     gin[t, i, j] = g[i, j] * its[t, 0, i, j]  # d exp(x) = exp(x) dx

@@ -67,23 +67,9 @@ _remove_tree = shutil.rmtree
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so readers see either the old file or the whole new one.
-
-    Writes a temp file in the same directory, fsyncs it and renames it over `path`.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write `data` to `path` so readers see either the old file or the whole new one (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_json(path, obj, indent: int | None = 1) -> None:
