@@ -77,14 +77,14 @@ def test_no_import_cycles():
 
 
 CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper", "engram.model",
-        "engram.model_config", "engram.cache", "engram.persist", "engram.manifest", "engram.utils"]
+        "engram.model_config", "engram.cache", "engram.persist", "engram.utils"]
 
 
 @pytest.mark.parametrize("module", CORE)
 def test_core_imports_no_storage_distribution_training_adapters_editing_or_cli(module):
     """The flat core reads top to bottom on its own; the packages around it depend on it, never the reverse."""
     forbidden = ("engram.tables", "engram.distributed", "engram.training", "engram.adapters", "engram.editing",
-                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.api", "engram.verify")
+                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.client", "engram.verify")
     bad = sorted(m for m in _closure(_graph(), module) if m.startswith(forbidden))
     assert not bad, f"{module} reaches {bad}"
 
