@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import run_cli as run
@@ -85,3 +87,69 @@ def test_demo_default_config_within_budget():
     total = float(line.split("total ")[1].split(" s")[0])
     rss = float(line.split("peak RSS ")[1].split(" GiB")[0])
     assert total < 60 and rss < 8
+
+
+def _subparsers(parser):
+    """(name, parser) of every command and subcommand, `engram data prepare` as "data prepare"."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from ((f"{name} {n}", p) for n, p in _subparsers(sub))
+
+
+def test_every_command_has_help():
+    from engram.cli import build_parser, main
+
+    names = [n for n, _ in _subparsers(build_parser())]
+    assert {"train", "adapt", "eval", "sample", "edit", "serve", "ask", "crosscheck", "data prepare"} <= set(names)
+    for name in names:
+        with pytest.raises(SystemExit) as e:
+            main([*name.split(), "--help"])
+        assert e.value.code == 0, name
+
+
+def test_help_imports_no_heavy_module():
+    """`engram --help` builds every parser without transformers or matplotlib (they cost seconds)."""
+    code = ("import sys; from engram.cli import build_parser; build_parser(); "
+            "print([m for m in ('transformers', 'matplotlib') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_shared_options_take_their_choices_from_the_library():
+    from engram.cli import build_parser
+    from engram.tables.quant import TABLE_FORMATS
+    from engram.training.data import SPLITS
+
+    seen = {"--table-format": 0, "--split": 0}
+    for name, p in _subparsers(build_parser()):
+        for a in p._actions:
+            if "--table-format" in a.option_strings:
+                assert tuple(a.choices) == TABLE_FORMATS, name
+                seen["--table-format"] += 1
+            if "--split" in a.option_strings:
+                assert tuple(a.choices) == SPLITS, name
+                seen["--split"] += 1
+    assert seen == {"--table-format": 3, "--split": 2}
+
+
+def test_any_engram_error_is_one_line(monkeypatch, capsys):
+    """Every EngramError (not only the ValueError ones) ends the command with one line and status 2."""
+    import engram.cli.model
+    from engram.cli import main
+    from engram.errors import EngramError
+
+    class Broken(EngramError):
+        pass
+
+    def fail(args):
+        raise Broken("the spec cannot be written: fix this\nsecond line")
+
+    monkeypatch.delenv("ENGRAM_DEBUG", raising=False)
+    monkeypatch.setattr(engram.cli.model, "cmd_spec", fail)
+    assert main(["spec", "--out", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert err == "engram: error: the spec cannot be written: fix this\n"

@@ -19,6 +19,8 @@ from .errors import EngramError
 from .persist import atomic_write_bytes, read_json
 
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
+TABLE_DTYPES = ("float32", "bfloat16", "float16")  # EngramConfig.table_dtype: how the tables are stored
+TRAIN_TABLE_BACKENDS = ("param", "mmap")  # TrainConfig.table_backend: where the tables live while training
 
 
 class ConfigError(EngramError, ValueError):
@@ -107,7 +109,7 @@ class EngramConfig:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.hash_mode not in ("ngram", "shuffled", "constant"):
             raise ConfigError(f"hash_mode must be 'ngram', 'shuffled' or 'constant', got {self.hash_mode!r}")
-        if self.table_dtype not in ("float32", "bfloat16", "float16"):
+        if self.table_dtype not in TABLE_DTYPES:
             raise ConfigError(f"table_dtype must be 'float32', 'bfloat16' or 'float16', got {self.table_dtype!r}")
 
     @property
@@ -202,7 +204,7 @@ class TrainConfig:
                 raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.table_backend not in ("param", "mmap"):
+        if self.table_backend not in TRAIN_TABLE_BACKENDS:
             raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
         if self.table_init not in ("model", "file"):
             raise ConfigError(f"table_init must be 'model' or 'file', got {self.table_init!r}")

@@ -43,10 +43,13 @@ def _order_columns(mapping, orders) -> list[int]:
     return [(o - 2) * K + k for o in orders for k in range(K)]
 
 
+POSITIONS = ("trigger", "all")  # where a fact's rows are edited: see the package docstring
+
+
 def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> list[dict]:
     """Per fact: {layer: (P, h) table rows} read at its edited positions (P), in the chosen orders' h heads,
     and `next`: the token each of those positions must predict (-1 for prompt positions under "all")."""
-    if positions not in ("trigger", "all"):
+    if positions not in POSITIONS:
         raise EditError(f"positions must be 'trigger' or 'all', got {positions!r}")
     mapping = hash_mapping(model)
     layers = engram_layers(model)

@@ -249,6 +249,10 @@ class MmapTable(Table):
     def stats(self) -> dict:
         return self.row_cache.stats()
 
+
+BACKENDS = ("ram", "mmap", "disk")  # what `offload_tables` puts the tables in
+
+
 def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | None = None,
                    cache_bytes: int = 64 << 20, policy: str = "lru", trainable: bool = False,
                    overwrite: bool = False, init_seed: int | None = None) -> dict[int, Table]:
@@ -264,7 +268,7 @@ def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | 
     with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
     Returns {layer_id: table}.
     """
-    if backend not in ("ram", "mmap", "disk"):
+    if backend not in BACKENDS:
         raise TableError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
     if backend in ("mmap", "disk") and directory is None:
         raise TableError(f"offload_tables(backend={backend!r}) needs a directory for the table files")

@@ -22,7 +22,8 @@ import torch
 from .._numba import LazyKernels
 from .base import Table, TableError, find_tables, install
 
-FORMATS = ("int8", "fp8")
+FORMATS = ("int8", "fp8")  # quantized rows with a scale per row (`quantize_rows`)
+TABLE_FORMATS = ("float32", "bfloat16", *FORMATS, "fp8_ue8m0")  # what `set_table_format` serves
 FP8_MAX = 448.0
 
 
@@ -352,6 +353,6 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mm
     return table
 
 
-__all__ = ["BlockFp8Table", "FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize", "dequantize_ue8m0", "pack_ue8m0_rows", "quantize_ue8m0",
-           "ue8m0_to_float", "open_quant_file", "quant_error", "quantize_rows",
-           "quantize_tables", "set_table_format", "write_quant_file"]
+__all__ = ["BlockFp8Table", "FORMATS", "TABLE_FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize",
+           "dequantize_ue8m0", "pack_ue8m0_rows", "quantize_ue8m0", "ue8m0_to_float", "open_quant_file",
+           "quant_error", "quantize_rows", "quantize_tables", "set_table_format", "write_quant_file"]

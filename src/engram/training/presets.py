@@ -141,6 +141,9 @@ def _engram_param_count(cfg) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if ".engram." in name)
 
 
+BASELINES = ("iso-flop", "iso-param")  # what `--baseline` compares an Engram model with
+
+
 def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_engram: bool = True,
               baseline: str | None = None, overrides: dict | None = None):
     """Model config of a training preset for a given tokenizer.
@@ -160,7 +163,7 @@ def model_for(name: str, vocab_size: int, pad_id: int, tokenizer_file: str, use_
     cfg = base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram, use_engram=use_engram)
     if baseline in (None, "iso-flop"):
         return cfg
-    if baseline != "iso-param":
+    if baseline not in BASELINES:
         raise ConfigError(f"--baseline must be 'iso-flop' or 'iso-param', got {baseline!r}")
     extra = _engram_param_count(base(vocab_size=vocab_size, pad_token_id=pad_id, engram=engram))
     per_unit = 3 * cfg.hidden_size * cfg.num_hidden_layers  # gate, up and down rows per extra FFN unit

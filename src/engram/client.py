@@ -1,4 +1,4 @@
-"""OpenAI-compatible chat channel for `engram ask` and `engram crosscheck` (`pip install 'engram-torch[api]'`).
+"""Client of an OpenAI-compatible chat server: `engram ask` and `engram crosscheck` (`pip install 'engram-torch[api]'`).
 
 Works with any provider that speaks the chat-completions protocol (DeepSeek, OpenAI, gateways,
 vLLM, Ollama). Settings: key from `ENGRAM_API_KEY` (fallbacks `OPENAI_API_KEY`,
@@ -16,12 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import EngramError
+
 DEFAULT_BASE_URL = "https://api.deepseek.com/v1"
 DEFAULT_MODEL = "deepseek-chat"
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-
-from .errors import EngramError
-
 
 
 class ApiError(EngramError, RuntimeError):
@@ -70,7 +69,8 @@ def load_settings(model: str | None = None, base_url: str | None = None) -> Sett
         raise ApiError("no API key: set ENGRAM_API_KEY (or OPENAI_API_KEY, or the tutorial's TAOTOKEN_API_KEY) in the "
                        "environment or in ./.env")
     url, note = normalize_base_url(base_url or env.get("ENGRAM_BASE_URL") or DEFAULT_BASE_URL)
-    return Settings(api_key=key.strip(), base_url=url, model=model or env.get("ENGRAM_MODEL") or DEFAULT_MODEL, note=note)
+    return Settings(api_key=key.strip(), base_url=url, model=model or env.get("ENGRAM_MODEL") or DEFAULT_MODEL,
+                    note=note)
 
 
 def _redact(text: str, key: str) -> str:
@@ -136,7 +136,8 @@ def chat(messages: list[dict], settings: Settings, timeout: float = 60.0, retrie
         if proxies:
             v, val = proxies[0]
             raise ApiError(f"could not connect to {s.base_url} while {v}={val} is set: the proxy refused or is "
-                           f"unreachable ({cause[:120]}); fix the proxy, or unset {v} / add the host to NO_PROXY") from None
+                           f"unreachable ({cause[:120]}); fix the proxy, or unset {v} / add the host to "
+                           "NO_PROXY") from None
         raise ApiError(f"could not connect to {s.base_url} ({cause[:160]}): check the URL and your network") from None
     except openai.APIStatusError as e:
         raise ApiError(f"HTTP {e.status_code} from {s.base_url}: {_redact(str(e.body)[:300], s.api_key)}") from None
@@ -183,7 +184,8 @@ def ask_entities(text: str, settings: Settings, **kw) -> list[str]:
         reply = chat(messages, settings, **kw)
         items = parse_entities(reply)
     if items is None:
-        raise ApiError(f"the model did not return valid entity JSON after a stricter retry; last reply: {reply[:200]!r}")
+        raise ApiError("the model did not return valid entity JSON after a stricter retry; "
+                       f"last reply: {reply[:200]!r}")
     return items
 
 

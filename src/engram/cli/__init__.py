@@ -1,0 +1,58 @@
+"""The `engram` command: the parser, assembled from one module per job, and the error handler.
+
+    model.py     demo, hash, spec, verify        the model and its hashing from a config; saved folders
+    train.py     train, adapt, data, tokenizer   runs, and the data and tokenizer they read
+    serve.py     eval, sample, serve, ask, crosscheck   use a model; talk to an OpenAI-compatible server
+    edit.py      edit                            write facts into table rows (an overlay)
+    analysis.py  experiment, results, gates, stats
+    options.py   the options several commands share (argparse parent parsers) and what they load
+
+Each command is one thin function over the library. Modules that import transformers, matplotlib or
+torch.distributed (model, training, analysis, the launcher) are imported inside the commands that use
+them, so `engram hash` and `engram --help` do not pay for them (~2 s for transformers alone).
+
+Every expected failure (an `EngramError`, a bad value, a missing file or package) prints one line
+`engram: error: ...` and exits with status 2; no Python traceback. Set ENGRAM_DEBUG=1 to see tracebacks.
+Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import EngramError
+from . import analysis, edit, model, serve, train
+
+EXPECTED_ERRORS = (EngramError, ValueError, OSError, ImportError, KeyError, FloatingPointError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
+    sub = p.add_subparsers(dest="command", required=True)
+    for group in (model, train, serve, edit, analysis):
+        group.add_commands(sub)
+    return p
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    print(f"engram: warning: {message}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    args = build_parser().parse_args(argv)
+    warnings.showwarning = _warning_line  # one line, no source location
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("engram: interrupted", file=sys.stderr)
+        return 130
+    except EXPECTED_ERRORS as e:
+        if os.environ.get("ENGRAM_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"engram: error: {msg}", file=sys.stderr)
+        return 2

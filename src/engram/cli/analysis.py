@@ -1,0 +1,150 @@
+"""`engram experiment`, `results` (the evidence and its report), `gates` and `stats` (look inside a model and
+its tables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import options
+
+
+def cmd_experiment(args) -> int:
+    from ..analysis import experiments
+
+    if args.list or not args.name:
+        print(experiments.__doc__.split("Experiments:")[1].rstrip())
+        return 0
+    for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
+        experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
+                                   max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
+                                   scale=args.scale, record=args.record, plan_only=args.plan_only,
+                                   finished_only=args.finished_only,
+                                   variants_only=args.variants.split(",") if args.variants else None)
+    return 0
+
+
+def cmd_results(args) -> int:
+    from ..analysis import report
+
+    return report.main(args.dir, args.template, args.out, args.img, check=args.check)
+
+
+def cmd_gates(args) -> int:
+    from ..analysis import gates as G
+    from ..model import load_model
+
+    model, tok = load_model(args.checkpoint)
+    options.with_overlays(model, args.overlay)
+    tokens, gates = G.compute_gates(model, tok, args.text)
+    print(G.terminal(tokens, gates))
+    for layer in sorted(gates):
+        g = gates[layer]
+        print(f"layer {layer}: gate min {g.min():.3f} max {g.max():.3f} mean {g.mean():.3f}")
+    if args.out:
+        G.save(tokens, gates, Path(args.out), title=args.text)
+        print(f"wrote {args.out}")
+    if args.summary:
+        for layer, r in G.run_gate_summary(model, Path(args.checkpoint)).items():
+            print(f"layer {layer}: mean gate on frequent n-gram completions {r['entity_completion']:.3f} "
+                  f"({r['n_entity']} tokens) vs function words {r['function_words']:.3f} ({r['n_function']} tokens); "
+                  f"all {r['all']:.3f}")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from ..analysis import stats as S
+
+    if args.v41:
+        return _stats_v41(args, S)
+    r = S.report(args.data, args.tokenizer, args.sizes)
+    c = r["compression"]
+    print(f"tokenizer {Path(r['tokenizer_file']).name}: {c['vocab']:,} ids -> {c['compressed']:,} compressed "
+          f"({c['reduction']:.2%} reduction); largest merged groups:")
+    for g in c["largest_groups"]:
+        print(f"  {g['size']:>3} ids: {g['tokens']}")
+    print(f"\nrow usage on the train split ({r['train_tokens']:,} tokens), one head per order:")
+    print(f"{'order':>5} {'rows':>9} {'distinct':>9} {'used':>9} {'usage':>7} {'collide':>8}")
+    for u in r["row_usage"]:
+        print(f"{u['order']:>5} {u['table_rows']:>9,} {u['distinct_ngrams']:>9,} {u['rows_used']:>9,} "
+              f"{u['row_usage']:>7.1%} {u['collision_rate']:>8.1%}")
+    for n, cnt in r["zipf"].items():
+        top = cnt[: max(1, len(cnt) // 100)].sum() / cnt.sum()
+        print(f"{n}-grams: {len(cnt):,} distinct; top 1% of them cover {top:.1%} of occurrences")
+    if args.out:
+        S.plot_zipf(r["zipf"], Path(args.out))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _stats_v41(args, S) -> int:
+    """`engram stats --v41 DIR`: a DeepSeek-V4.1 checkpoint's own hashing on a corpus (its tokenizer)."""
+    import numpy as np
+
+    from ..integrations import deepseek_v41 as v41
+    from ..training.data import load_manifest, load_split, prepare
+
+    d = Path(args.v41)
+    mapping = v41.hash_mapping(d / "config.json", d / "tokenizer.json")
+    data_dir = prepare(args.data, str((d / "tokenizer.json").resolve()))
+    ids = np.asarray(load_split(data_dir, "train"), dtype=np.int64)
+    print(f"{d.name}: hashing of layers {mapping.layer_ids} on {len(ids):,} train tokens of "
+          f"{load_manifest(data_dir).get('sources', args.data or 'shakespeare')}")
+    print(f"{'layer':>5} {'order':>5} {'head':>4} {'rows':>11} {'distinct':>9} {'used':>9} {'usage':>8} {'collide':>8}")
+    for u in S.mapping_usage(mapping, ids):
+        print(f"{u['layer']:>5} {u['order']:>5} {u['head']:>4} {u['head_rows']:>11,} {u['distinct_ngrams']:>9,} "
+              f"{u['rows_used']:>9,} {u['row_usage']:>8.3%} {u['collision_rate']:>8.2%}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, "
+                                           "retrofit, edit, allocation, all)")
+    ex.add_argument("name", nargs="?")
+    ex.add_argument("--list", action="store_true")
+    ex.add_argument("--seeds", type=int, default=3)
+    ex.add_argument("--out", default="runs/experiments")
+    ex.add_argument("--record", metavar="DIR", help="also write the per-seed results to DIR/NAME.json "
+                                                    "(docs/results in this repository; `engram results` renders them)")
+    ex.add_argument("--preset", default="exp", metavar=options.preset_metavar(),
+                    help="model/training preset of every run")
+    ex.add_argument("--data", action="append")
+    ex.add_argument("--max-steps", type=int)
+    ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
+    ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
+    ex.add_argument("--scale", default="cpu", choices=options.ALLOCATION_SCALES,
+                    help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
+    ex.add_argument("--finished-only", action="store_true",
+                    help="train nothing: summarize (and --record) the runs that have finished")
+    ex.add_argument("--variants", metavar="A,B",
+                    help="allocation: train only these variants (e.g. moe-E16,moe-E14+engram); the others are "
+                         "reported where their runs finished")
+    ex.add_argument("--plan-only", action="store_true",
+                    help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); "
+                         "train nothing")
+    ex.set_defaults(func=cmd_experiment)
+
+    rs = sub.add_parser("results",
+                        help="regenerate docs/results.md and its plots from the per-seed files in docs/results/")
+    rs.add_argument("--dir", default="docs/results", help="per-seed JSON files (default docs/results)")
+    rs.add_argument("--template", default="docs/results.in.md")
+    rs.add_argument("--out", default="docs/results.md")
+    rs.add_argument("--img", default="docs/img", help="where the plots go ('' for none)")
+    rs.add_argument("--check", action="store_true", help="only check that OUT is up to date (exit 1 if not)")
+    rs.set_defaults(func=cmd_results)
+
+    ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)",
+                        parents=[options.overlays()])
+    ga.add_argument("--checkpoint", required=True)
+    ga.add_argument("--text", required=True)
+    ga.add_argument("--out")
+    ga.add_argument("--summary", action="store_true", help="mean gate on n-gram completions vs function words (val)")
+    ga.set_defaults(func=cmd_gates)
+
+    st = sub.add_parser("stats", help="tokenizer compression, table row usage/collisions, n-gram Zipf plot")
+    st.add_argument("--data", action="append")
+    st.add_argument("--tokenizer", default="deepseek", help="deepseek | bpe:N | path/to/tokenizer.json")
+    st.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
+    st.add_argument("--out", help="rank-frequency plot (.png)")
+    st.add_argument("--v41", metavar="DIR", help="a DeepSeek-V4.1 checkpoint folder: its own hashing's row use and "
+                    "collisions on --data (tokenized with its tokenizer)")
+    st.set_defaults(func=cmd_stats)

@@ -1,0 +1,52 @@
+"""`engram edit`: write facts into Engram table rows, as an overlay that `--overlay DIR` applies."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from . import options
+
+
+def cmd_edit(args) -> int:
+    from ..editing import edit_facts, edit_report, print_report, read_facts
+    from ..training.data import text_windows
+
+    if args.out and Path(args.out).is_file():
+        raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
+    model, tok = options.load_for_inference(args)
+    facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
+    options.with_overlays(model, args.overlay)
+    windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
+    print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
+          f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
+    overlay = edit_facts(model, tok, facts, steps=args.steps, lr=args.lr, positions=args.positions,
+                         orders=args.orders, target_prob=args.target_prob)
+    overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
+    report = edit_report(model, tok, facts, overlay, windows, args.batch_size)
+    overlay.meta["summary"] = report["summary"]
+    out = overlay.save(args.out, {"report.json": json.dumps(report, indent=1) + "\n"})
+    print_report(report)
+    print(f"wrote overlay {out} ({overlay.num_rows:,} rows) and {out / 'report.json'}; apply it with --overlay {out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    source = options.model_source(
+        base_help="a pretrained transformers model folder (with --adapter: its Engram adapter)",
+        adapter_help="Engram adapter folder (or an `engram adapt` run dir)")
+    windows = options.eval_windows(max_windows=64,
+                                   data_help="text for the collision set and locality (default Shakespeare)")
+    ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)",
+                        parents=[source, windows, options.overlays()])
+    ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '
+                    '(optional "paraphrases": [...], "passages": [...])')
+    ed.add_argument("--out", required=True, help="overlay folder to write (with report.json)")
+    ed.add_argument("--steps", type=int, default=300, help="most optimization steps (stops once every fact is met)")
+    ed.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on the edited rows")
+    ed.add_argument("--positions", default="trigger", choices=options.POSITIONS,
+                    help="trigger: rows read where the target is predicted; all: every prompt position too")
+    ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest)")
+    ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
+    ed.set_defaults(func=cmd_edit)

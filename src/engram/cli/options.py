@@ -1,0 +1,152 @@
+"""Options several commands take, as argparse parent parsers, and what they load.
+
+Each parent is a small `ArgumentParser(add_help=False)` a command lists in `parents=[...]`, so a flag,
+its help and its choices are written once. The choices come from the code that checks them (one
+import each, here); those modules are light (no transformers), so `engram --help` stays fast.
+
+`load_for_inference(args)` and `with_overlays(...)` turn the parsed model options into a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..analysis.allocation import SCALES
+from ..config import TABLE_DTYPES, TRAIN_TABLE_BACKENDS
+from ..editing.optimize import POSITIONS
+from ..tables.backends import BACKENDS as SERVE_TABLE_BACKENDS
+from ..tables.quant import TABLE_FORMATS
+from ..training.adapt import METHODS
+from ..training.data import SPLITS
+from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
+
+__all__ = ["ALLOCATION_SCALES", "BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
+           "TABLE_DTYPES", "TABLE_FORMATS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "config", "eval_windows",
+           "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar", "run_options", "table_format",
+           "train_table_backend", "with_overlays"]
+
+ALLOCATION_SCALES = tuple(SCALES)  # `engram experiment allocation --scale`
+
+CHECKPOINT_HELP = "run dir or save_pretrained folder of an engram model"
+BASE_HELP = "a pretrained transformers model folder (with --adapter: plus that adapter)"
+ADAPTER_HELP = "Engram adapter folder (or LoRA folder, or an `engram adapt` run dir)"
+
+
+def _parent() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(add_help=False)
+
+
+def preset_metavar() -> str:
+    """`{tiny,cpu-small,...}`: the training presets, shown instead of a choices list (validated by the registry)."""
+    return "{" + ",".join(TRAIN_PRESETS) + "}"
+
+
+# ------------------------------------------------------------------------------------------ model options
+def model_source(checkpoint: bool = True, base_help: str = BASE_HELP,
+                 adapter_help: str = ADAPTER_HELP) -> argparse.ArgumentParser:
+    """--checkpoint DIR (an engram model) or --base DIR [--adapter DIR] (a transformers model and an adapter)."""
+    p = _parent()
+    if checkpoint:
+        p.add_argument("--checkpoint", help=CHECKPOINT_HELP)
+    p.add_argument("--base", help=base_help)
+    p.add_argument("--adapter", help=adapter_help)
+    return p
+
+
+def overlays() -> argparse.ArgumentParser:
+    """--overlay DIR, repeatable: fact overlays applied in order (`with_overlays`)."""
+    p = _parent()
+    p.add_argument("--overlay", action="append", metavar="DIR",
+                   help="apply this engram edit overlay (repeatable: stacked in order; leave out to undo)")
+    return p
+
+
+def table_format() -> argparse.ArgumentParser:
+    """--table-format: the rows the Engram tables are served as (`tables.quant.set_table_format`)."""
+    p = _parent()
+    p.add_argument("--table-format", choices=TABLE_FORMATS,
+                   help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
+    return p
+
+
+def train_table_backend(help: str) -> argparse.ArgumentParser:
+    """--table-backend of `engram train` / `adapt`: where the tables live while training (TrainConfig)."""
+    p = _parent()
+    p.add_argument("--table-backend", choices=TRAIN_TABLE_BACKENDS, help=help)
+    return p
+
+
+def config() -> argparse.ArgumentParser:
+    """--config FILE: the EngramConfig and BackBoneConfig of `engram demo`, `hash` and `spec`."""
+    p = _parent()
+    p.add_argument("--config", help="engram_config.json with sections 'engram' and 'backbone'")
+    return p
+
+
+def no_bos() -> argparse.ArgumentParser:
+    p = _parent()
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (the tutorial does)")
+    return p
+
+
+def eval_windows(max_windows: int | None, data_help: str | None = None) -> argparse.ArgumentParser:
+    """--data, --split, --seq-len, --batch-size, --max-windows: the text windows a model is scored on."""
+    p = _parent()
+    p.add_argument("--data", action="append", help=data_help)
+    p.add_argument("--split", default="val", choices=SPLITS)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-windows", type=int, default=max_windows)
+    return p
+
+
+def run_options() -> argparse.ArgumentParser:
+    """--max-steps, --resume, --device, --set: what `engram train` and `engram adapt` share about a run."""
+    p = _parent()
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
+    p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ what they load
+def load_for_inference(args):
+    """(model, tokenizer) from --checkpoint (an engram model) or --base [--adapter] (a transformers model)."""
+    if args.base:
+        if args.checkpoint:
+            raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
+        from ..training.adapt import load_with_adapter
+
+        return load_with_adapter(args.base, args.adapter)
+    if args.adapter:
+        raise ValueError("--adapter needs --base DIR (the pretrained model it was trained on)")
+    if not args.checkpoint:
+        raise ValueError("give --checkpoint RUN_DIR (an engram model) or --base DIR [--adapter DIR]")
+    from ..model import load_model
+
+    return load_model(args.checkpoint)
+
+
+def with_overlays(model, overlay_dirs, table_format=None):
+    """--overlay DIR (each checked against the model, then stacked in order: later ones win on shared rows)
+    and --table-format (bfloat16, int8 or fp8 rows, dequantized after the gather; overlays are checked
+    against the model's own rows first, then applied in front of the converted tables)."""
+    loaded = []
+    if overlay_dirs:
+        from ..editing import Overlay, check_overlay, model_digest
+
+        loaded = [Overlay.load(d) for d in overlay_dirs]
+        digest = model_digest(model)  # (hashes the dense weights: once for all overlays)
+        for o in loaded:
+            check_overlay(model, o, digest=digest)
+    if table_format and table_format != "float32":
+        from ..tables.quant import set_table_format
+
+        set_table_format(model, table_format)
+    if loaded:
+        from ..editing import apply_overlay
+
+        for o in loaded:
+            apply_overlay(model, o, check=False)
+    return model

@@ -1,0 +1,165 @@
+"""Use a trained model: `engram eval`, `sample`, `serve` (an OpenAI-compatible server), and the client side of
+that protocol: `engram ask` / `crosscheck` against any such server (`engram.client`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import options
+
+
+def cmd_eval(args) -> int:
+    import math
+
+    from ..training.train import evaluate_text
+
+    model, tok = options.load_for_inference(args)
+    options.with_overlays(model, args.overlay, args.table_format)
+    loss, n_tokens, n_windows = evaluate_text(model, tok, args.data, args.split, args.seq_len, args.max_windows,
+                                              args.batch_size)
+    print(f"{args.split} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+          f"({n_tokens:,} tokens in {n_windows} windows of {args.seq_len})")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from ..adapters import generation_pad_id
+
+    model, tok = options.load_for_inference(args)
+    options.with_overlays(model, args.overlay, args.table_format)
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if not ids:
+        raise ValueError("--prompt is empty after tokenization")
+    torch.manual_seed(args.seed)
+    greedy = args.temperature <= 0
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not greedy,
+                         temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
+                         pad_token_id=generation_pad_id(model))
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from ..serving import load_engine
+    from ..serving.app import serve
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ImportError("engram serve needs FastAPI and uvicorn: pip install 'engram-torch[serve]'") from None
+    if (args.path is None) == (args.base is None):
+        raise ValueError("give a model (PATH: a run dir, model folder or qwen4_exp folder) "
+                         "or --base DIR [--adapter DIR]")
+    overlays = {}
+    for spec in args.overlay or []:
+        name, sep, d = spec.partition("=")
+        if not sep or not name or not d or "+" in name:
+            raise ValueError(f"--overlay {spec!r}: expected NAME=DIR (a name without '+')")
+        if name in overlays:
+            raise ValueError(f"--overlay {name} given twice")
+        overlays[name] = d
+    if args.table_backend != "ram" and not args.table_dir:
+        raise ValueError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
+    engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
+                         args.table_dir, args.name, args.chat_template)
+    serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None)
+    return 0
+
+
+def _settings(args):
+    """The client's settings from --model / --base-url (and the environment); a note if the URL was normalized."""
+    from ..client import load_settings
+
+    s = load_settings(args.model, args.base_url)
+    if s.note:
+        print(f"engram: note: {s.note}", file=sys.stderr)
+    return s
+
+
+def cmd_ask(args) -> int:
+    from ..client import chat
+
+    s = _settings(args)
+    print(chat([{"role": "user", "content": args.prompt}], s, timeout=args.timeout, retries=args.retries))
+    return 0
+
+
+def cmd_crosscheck(args) -> int:
+    from ..client import crosscheck
+    from ..model import load_model
+
+    s = _settings(args)
+    model, tok = load_model(args.checkpoint)
+    res = crosscheck(args.text, model, tok, s, threshold=args.threshold, timeout=args.timeout, retries=args.retries)
+    if args.json:
+        print(json.dumps(res, indent=1, ensure_ascii=False))
+        return 0
+    print(f"entities and phrases from {s.model}: {res['entities']}")
+    layers = list(res["tokens"][0]["gates"]) if res["tokens"] else []
+    print(f"{'token':<18}" + "".join(f"{'gate L' + l:>10}" for l in layers) + f"{'entity':>9}")
+    for r in res["tokens"]:
+        mark = "ends" if r["ends"] else ("inside" if r["inside"] else "")
+        print(f"{r['token']!r:<18}" + "".join(f"{r['gates'][l]:>10.3f}" for l in layers) + f"{mark:>9}")
+    p, r = ("n/a" if v is None else f"{v:.2f}" for v in (res["precision"], res["recall"]))
+    print(f"gate > {res['threshold']} vs token ends an entity: precision {p}, recall {r}")
+    return 0
+
+
+def _channel() -> argparse.ArgumentParser:
+    """The server `engram ask` / `crosscheck` talk to: --model, --base-url, --timeout, --retries."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", help="model id (default $ENGRAM_MODEL or deepseek-chat)")
+    p.add_argument("--base-url", help="OpenAI-compatible base URL (default $ENGRAM_BASE_URL or DeepSeek)")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--retries", type=int, default=3, help="retries with backoff on 429/5xx")
+    return p
+
+
+def add_commands(sub) -> None:
+    e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint",
+                       parents=[options.model_source(), options.eval_windows(max_windows=None), options.overlays(),
+                                options.table_format()])
+    e.set_defaults(func=cmd_eval)
+
+    sm = sub.add_parser("sample", help="generate text from a checkpoint",
+                        parents=[options.model_source(), options.overlays(), options.table_format()])
+    sm.add_argument("--prompt", required=True)
+    sm.add_argument("--max-new-tokens", type=int, default=60)
+    sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
+    sm.add_argument("--top-k", type=int, default=50)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.set_defaults(func=cmd_sample)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server for an Engram model (overlays chosen per request)",
+                        parents=[options.model_source(checkpoint=False), options.table_format()])
+    sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
+    sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
+                    help="load a fact overlay, served as model MODEL+NAME (repeatable)")
+    sv.add_argument("--table-backend", default="ram", choices=options.SERVE_TABLE_BACKENDS)
+    sv.add_argument("--table-dir", help="where mmap/disk table files go")
+    sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--chat-template", help="'plain' (role: content lines) or a Jinja file; default: the tokenizer's "
+                    "own (tokenizer_config.json), else /v1/chat/completions is refused")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default $ENGRAM_API_KEY; none: open)")
+    sv.set_defaults(func=cmd_serve)
+
+    a = sub.add_parser("ask", help="one chat completion through an OpenAI-compatible API (checks the channel)",
+                       parents=[_channel()])
+    a.add_argument("prompt")
+    a.set_defaults(func=cmd_ask)
+
+    x = sub.add_parser("crosscheck", help="compare a checkpoint's gates with a hosted model's entities in TEXT",
+                       parents=[_channel()])
+    x.add_argument("text")
+    x.add_argument("--checkpoint", required=True)
+    x.add_argument("--threshold", type=float, default=0.5)
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=cmd_crosscheck)
