@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ..persist import atomic_write_bytes, new_dir, read_json, recover_dir, verify_saved, write_json
+from ..persist import (
+    atomic_write_bytes,
+    new_dir,
+    read_json,
+    recover_dir,
+    verify_saved,
+    write_json,
+)
 from .hooks import adapter_of
 from .introspect import (
     TOKENIZER_FILE,

@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 
 from ..hashing import identity_digest, legacy_identity_digest
-from ..persist import IntegrityError, atomic_write_bytes, new_dir, read_json, recover_dir, verify_manifest, write_json
+from ..persist import (
+    IntegrityError,
+    atomic_write_bytes,
+    new_dir,
+    read_json,
+    recover_dir,
+    verify_manifest,
+    write_json,
+)
 from ..tables.overlay import push_overlay, restore_table
 from .digests import engram_layers, hash_mapping, model_digest
 from .facts import EditError
