@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 pytest.importorskip("safetensors")
 
-from engram import persist  # noqa: E402
-from engram.distributed import ShardedTable, load_sharded, save_sharded  # noqa: E402
-from engram.distributed.sharded import shard_range  # noqa: E402
+from engram import persist
+from engram.distributed import ShardedTable, load_sharded, save_sharded
+from engram.distributed.sharded import shard_range
 
 ROWS, DIM = 37, 4
 
