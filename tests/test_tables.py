@@ -54,7 +54,7 @@ def test_short_or_corrupt_table_files_fail_clearly(tmp_path):
     with pytest.raises(TableError, match="truncated"):
         MmapTable(tmp_path / "short.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(TableError, match="corrupt header"):
+    with pytest.raises(TableError, match="header is corrupt"):
         MmapTable(tmp_path / "junk.safetensors")
     (tmp_path / "tiny.safetensors").write_bytes(b"abc")
     with pytest.raises(TableError, match="too short"):

@@ -9,14 +9,13 @@ code runs unchanged. Both load from and save to one `engram_config.json` with th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import EngramError
-from .persist import atomic_write_bytes, read_json
+from .persist import read_json, write_json
 
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 TABLE_DTYPES = ("float32", "bfloat16", "float16")  # EngramConfig.table_dtype: how the tables are stored
@@ -275,6 +274,4 @@ def load_config(path: str | os.PathLike) -> tuple[EngramConfig, BackBoneConfig]:
 
 def save_config(path: str | os.PathLike, engram: EngramConfig, backbone: BackBoneConfig) -> None:
     """Write both configs to `path` as JSON (atomically: temp file, then rename)."""
-    
-    text = json.dumps({"engram": engram.to_dict(), "backbone": backbone.to_dict()}, indent=2) + "\n"
-    atomic_write_bytes(Path(path), text.encode("utf-8"))
+    write_json(path, {"engram": engram.to_dict(), "backbone": backbone.to_dict()}, indent=2)

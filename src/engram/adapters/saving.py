@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from ..persist import verify_saved, write_manifest
 from ..persist import (
     atomic_write_bytes,
+    new_dir,
     read_json,
     recover_dir,
-    replace_dir,
-    temp_dir_for,
+    verify_saved,
     write_json,
 )
 from .hooks import adapter_of
@@ -42,7 +41,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     Files: `engram_adapter.safetensors`, `engram_adapter.json` (Engram config, layers path, base
     fingerprint), `engram_hash_spec.json`, `tokenizer.json` (the compression's tokenizer),
     `base_modules.safetensors` and `lora/` when present, and `engram_manifest.json` (every file's sha256,
-    last). Written to a temp folder that `persist.replace_dir` moves into place.
+    last). Written to a temp folder that `persist.new_dir` swaps into place.
     """
     from ..tables import table_entries, write_safetensors
 
@@ -51,28 +50,27 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     if adapter is None:
         raise AdapterError("the model has no Engram adapter to save (engram.attach it first)")
     out = Path(directory)
-    tmp = temp_dir_for(out)
-    write_safetensors(tmp / WEIGHTS_FILE, table_entries(adapter, adapter.state_dict()), {"format": FORMAT})
-    if adapter.base_modules:
-        sd = target.state_dict()
-        keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))
-        from safetensors.torch import save_file
+    with new_dir(out) as tmp:  # the checksum manifest is written last, then the folder swapped in
+        write_safetensors(tmp / WEIGHTS_FILE, table_entries(adapter, adapter.state_dict()), {"format": FORMAT})
+        if adapter.base_modules:
+            sd = target.state_dict()
+            keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))
+            from safetensors.torch import save_file
 
-        save_file({k: sd[k].detach().cpu().contiguous() for k in keys}, str(tmp / BASE_MODULES_FILE))
-    ct = adapter.mapping.compressed_tokenizer
-    if ct.tokenizer_file is not None:
-        shutil.copy(ct.tokenizer_file, tmp / TOKENIZER_FILE)
-    else:
-        atomic_write_bytes(tmp / TOKENIZER_FILE, ct.tokenizer.to_str().encode("utf-8"))
-    adapter.mapping.save_spec(tmp / SPEC_FILE, include_lookup_table=False)
-    if model is not target and hasattr(model, "peft_config"):
-        model.save_pretrained(str(tmp / LORA_DIR))
-    meta = {"format": FORMAT, "engram": adapter.config.to_dict(), "layers_path": adapter.layers_path,
-            "hidden_size": adapter.layers[str(adapter.config.layer_ids[0])].hidden_size,
-            "base": adapter.fingerprint, "base_modules": adapter.base_modules}
-    write_json(tmp / CONFIG_FILE, meta)
-    write_manifest(tmp)  # last
-    return replace_dir(tmp, out)
+            save_file({k: sd[k].detach().cpu().contiguous() for k in keys}, str(tmp / BASE_MODULES_FILE))
+        ct = adapter.mapping.compressed_tokenizer
+        if ct.tokenizer_file is not None:
+            shutil.copy(ct.tokenizer_file, tmp / TOKENIZER_FILE)
+        else:
+            atomic_write_bytes(tmp / TOKENIZER_FILE, ct.tokenizer.to_str().encode("utf-8"))
+        adapter.mapping.save_spec(tmp / SPEC_FILE, include_lookup_table=False)
+        if model is not target and hasattr(model, "peft_config"):
+            model.save_pretrained(str(tmp / LORA_DIR))
+        meta = {"format": FORMAT, "engram": adapter.config.to_dict(), "layers_path": adapter.layers_path,
+                "hidden_size": adapter.layers[str(adapter.config.layer_ids[0])].hidden_size,
+                "base": adapter.fingerprint, "base_modules": adapter.base_modules}
+        write_json(tmp / CONFIG_FILE, meta)
+    return out
 
 
 def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> dict:

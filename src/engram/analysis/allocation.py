@@ -30,7 +30,6 @@ layers, >= 100M tokens per variant; `experiments/allocation_gpu.sh`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..persist import atomic_write_bytes
+from ..persist import atomic_write_bytes, write_json
 from .runs import seed_stats, trained_run
 
 ROUTED_WEIGHTS = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")
@@ -316,12 +315,10 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
         a = v.accounting
         a["tokens"] = tokens
         a["tokens_per_row"] = tokens * a["rows_read"] / a["table"] if a["table"] else None
-    accounting = (json.dumps({"scale": scale, "notes": ACCOUNTING_NOTES,
-                              "variants": [dataclasses.asdict(v) for v in vs]}, indent=1) + "\n").encode()
-    atomic_write_bytes(root / "accounting.json", accounting)
+    accounting = {"scale": scale, "notes": ACCOUNTING_NOTES, "variants": [dataclasses.asdict(v) for v in vs]}
+    write_json(root / "accounting.json", accounting)
     if record is not None:
-        Path(record).mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(record) / f"{root.name}-accounting.json", accounting)
+        write_json(Path(record) / f"{root.name}-accounting.json", accounting)
     if progress:
         print(accounting_markdown(vs))
     if plan_only:
@@ -365,7 +362,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
                "variants": {v.name: {"kind": v.kind, "rho": v.rho, **table[v.name], "accounting": v.accounting}
                             for v in vs},
                "best_engram": best, "pure_moe": sweep[-1]}
-    atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    write_json(root / "summary.json", summary)
     if record is not None:
         from .report import record_experiment
 

@@ -26,7 +26,6 @@ Every stage is cached under OUT/edit, so a stopped experiment resumes.
 from __future__ import annotations
 
 import datetime
-import json
 import random
 import time
 from pathlib import Path
@@ -35,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from ..editing import Fact, applied, edit_facts
+from ..persist import atomic_write_bytes, decode_json_bytes, write_json, write_jsonl
 from ..training.data import text_windows
-from ..persist import atomic_write_bytes
 from ..utils import environment
-from .runs import difference, seed_stats
+from .runs import difference, read_result, read_run_file, seed_stats
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",
              "lune", "mor", "kess", "ril", "vor", "ash", "fen", "ulm", "orn", "yse", "brae", "cind", "harl", "ost"]
@@ -110,7 +109,7 @@ def _trigger_ngrams(tokenizer, prompt: str, target: str, entity_end: int, order:
 
 
 def write_facts(facts: list[Fact], path: Path) -> Path:
-    atomic_write_bytes(path, "".join(json.dumps(f.__dict__) + "\n" for f in facts).encode("utf-8"))
+    write_jsonl(path, [f.__dict__ for f in facts])
     return path
 
 
@@ -142,7 +141,7 @@ def world_facts() -> list[tuple[str, str, str]]:
         for name in z.namelist():
             if not (name.startswith("countryinfo/data/") and name.endswith(".json")):
                 continue
-            d = json.loads(z.read(name))
+            d = decode_json_bytes(z.read(name), f"{wheel}: {name}", f"delete {wheel} to fetch it again")
             subj = (d.get("name") or "").strip()
             if not subj or len(subj) > 30:
                 continue
@@ -358,14 +357,14 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     model, tok = load_model(model_path)
     windows = text_windows(tok, general, "val", 256, max_windows)
     val_before = evaluate(model, windows, 16, torch.device("cpu"))
-    info = json.loads((model_dir / "run.json").read_text()) if (model_dir / "run.json").is_file() else {}
+    info = read_run_file(model_dir) if (model_dir / "run.json").is_file() else {}
     anchor = text_windows(tok, general, "train", 128, 256)  # general text for the KL penalty
     all_facts = world_facts()
     known_file = root / "known.json"
     if not known_file.is_file():
         _say(progress, f"[edit] scoring {len(all_facts)} world facts")
-        atomic_write_bytes(known_file, json.dumps(known_facts(model, tok, all_facts)).encode())
-    known = [tuple(f) for f in json.loads(known_file.read_text())]
+        write_json(known_file, known_facts(model, tok, all_facts), indent=None)
+    known = [tuple(f) for f in read_result(known_file, "known facts", expect=list)]
     if len(known) < n_facts:
         raise ValueError(f"the model knows only {len(known)} of {len(all_facts)} world facts, fewer than the {n_facts} "
                          "counterfactuals per set; train the base longer (base_steps) or lower n_facts")
@@ -385,7 +384,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                     res |= {"rows_changed": overlay.num_rows, "steps": overlay.meta["optimization"]["steps_run"],
                             "seconds": round(time.perf_counter() - t0, 1)}
                 else:
-                    goal = round(json.loads((root / f"seed{seed}-engram-edit.json").read_text())["efficacy_all"]
+                    goal = round(read_result(root / f"seed{seed}-engram-edit.json", "edit result")["efficacy_all"]
                                  * len(facts))
                     _say(progress, f"[edit] seed {seed}: {method} until {goal}/{len(facts)} targets are greedy")
                     tuned, _, info_ft = finetune(model_path, facts, method, goal, anchor, ft_steps, seed=seed,
@@ -395,8 +394,8 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                 res["efficacy_all"] = (res["efficacy_counterfactual"] * n + res["efficacy_new"] * len(fs["new"])) / len(facts)
                 res |= {"seed": seed, "facts": {"counterfactual": n, "new": len(fs["new"]),
                                                 "neighbours": len(fs["neighbours"])}}
-                atomic_write_bytes(f, json.dumps(res, indent=1).encode())
-            per[method].append(json.loads(f.read_text()))
+                write_json(f, res)
+            per[method].append(read_result(f, "edit result"))
     table = {m: {k: seed_stats([r[k] for r in rs]) for k in METRICS} for m, rs in per.items()}
     tests = {m: {k: difference(table["engram-edit"][k], table[m][k]) for k in METRICS} for m in METHODS[1:]}
     by_rel = {m: {rel: {k: seed_stats([r["by_relation"][rel][k] for r in rs if rel in r.get("by_relation", {})
@@ -411,13 +410,12 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
                "n_facts": n_facts, "seeds": seeds, "ft_steps": ft_steps, "kl_weight": KL_WEIGHT,
                "methods": table, "tests": tests, "by_relation": by_rel, "runs": per, "environments": [environment()]}
-    atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    write_json(root / "summary.json", summary)
     md = markdown(summary)
     atomic_write_bytes(root / "summary.md", md.encode())
     plot(summary, root / "plot.png")
     if record is not None:
-        Path(record).mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(record) / "edit.json", (json.dumps(summary, indent=1) + "\n").encode())
+        write_json(Path(record) / "edit.json", summary)
     print(md)
     return summary
 

@@ -30,7 +30,6 @@ Experiments:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +37,12 @@ import torch
 
 from ..config import ConfigError
 from ..model import EngramForCausalLM
+from ..persist import atomic_write_bytes, write_json
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
-from ..persist import atomic_write_bytes
 from ..utils import environment
 from .report import experiment_record, plot, record_experiment, table_markdown
-from .runs import difference, seed_stats, trained_run
+from .runs import difference, read_run_file, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
 
@@ -134,7 +133,7 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
     summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
-    atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    write_json(root / "summary.json", summary)
     rec = record_experiment(Path(record) / f"{name}.json", summary, results) if record is not None \
         else experiment_record(summary, results)
     md = table_markdown(rec) + "\n"
@@ -153,7 +152,7 @@ def design_table(results: dict) -> dict:
     fp8 = []
     for r in results["v41"]:
         run_dir = Path(r["run_dir"])
-        info = json.loads((run_dir / "run.json").read_text())
+        info = read_run_file(run_dir)
         windows = eval_windows(load_split(Path(info["data_dir"]), "val"), info["train"]["seq_len"],
                                info["train"]["eval_max_windows"])
         model = EngramForCausalLM.from_pretrained(run_dir / "final").eval()
@@ -191,7 +190,7 @@ def sensitivity(runs: list[dict], data=None) -> dict:
     per = {"frequent n-gram completions": {"on": [], "off": [], "n": 0}, "all other tokens": {"on": [], "off": [], "n": 0}}
     for r in runs:
         run_dir = Path(r["run_dir"])
-        info = json.loads((run_dir / "run.json").read_text())
+        info = read_run_file(run_dir)
         data_dir = Path(info["data_dir"])
         windows = eval_windows(load_split(data_dir, "val"), info["train"]["seq_len"], info["train"]["eval_max_windows"])
         mask = frequent_ngram_mask(np.asarray(load_split(data_dir, "train")), windows)[:, 1:]

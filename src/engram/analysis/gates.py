@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..persist import atomic_write_bytes
 from ..tokenizer import load_tokenizer
 from ..training.data import eval_windows, load_split
 from .experiments import frequent_ngram_mask
+from .runs import read_run_file
 
 FUNCTION_WORDS = set("""a an the and or but if of to in on at by for with from as is are was were be been am it its
 this that these those he she they we you i me him her them us my his their our your not no so than then there
@@ -100,7 +102,7 @@ document.querySelectorAll('.tok').forEach(function (el) {{
 }});
 </script></body></html>
 """
-    Path(path).write_text(page, encoding="utf-8")
+    atomic_write_bytes(Path(path), page.encode("utf-8"))
     return Path(path)
 
 
@@ -158,5 +160,5 @@ def run_gate_summary(model, checkpoint: Path) -> dict:
     run = p if (p / "run.json").is_file() else p.parent
     if not (run / "run.json").is_file():
         raise ValueError("--summary needs a run directory (with run.json) to find the val split")
-    info = json.loads((run / "run.json").read_text())
+    info = read_run_file(run)
     return gate_summary(model, Path(info["data_dir"]), info["train"]["seq_len"])

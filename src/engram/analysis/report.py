@@ -19,12 +19,11 @@ the results page; `render` fills its placeholders from those files, so every num
 from __future__ import annotations
 
 import datetime
-import json
 import re
 from pathlib import Path
 
-from ..persist import atomic_write_bytes
-from .runs import difference
+from ..persist import atomic_write_bytes, write_json
+from .runs import difference, read_result
 
 # the row every other row of an experiment's table is compared with
 BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
@@ -68,8 +67,7 @@ def experiment_record(summary: dict, results: dict[str, list[dict]], command: st
 
 def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
     rec = experiment_record(summary, results, command)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, (json.dumps(rec, indent=1) + "\n").encode())
+    write_json(path, rec)
     return rec
 
 
@@ -123,7 +121,7 @@ def table_markdown(rec: dict) -> str:
 def load(results_dir: str | Path) -> dict[str, dict]:
     out = {}
     for f in sorted(Path(results_dir).glob("*.json")):
-        rec = json.loads(f.read_text())
+        rec = read_result(f, "experiment record")
         out[rec.get("experiment", f.stem)] = rec
     return out
 

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from ..persist import atomic_write_bytes, new_dir, read_jsonl, write_json
 from ..training.checkpoint import checkpoints
-from ..persist import atomic_write_bytes
 from ..utils import environment
-from .runs import difference, seed_stats
+from .runs import ExperimentError, difference, read_result, read_run_file, seed_stats
 
 DOMAIN = ["wordnet"]
 GENERAL = ["shakespeare", "kjv"]  # the base's pretraining corpus: forgetting is measured on its val split
@@ -84,8 +84,9 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
         torch.manual_seed(0)
         n = load_tokenizer(tok).get_vocab_size(with_added_tokens=True)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=n, bos_token_id=0, eos_token_id=0, pad_token_id=1, **shape))
-        model.save_pretrained(init)
-        (init / "tokenizer.json").write_bytes(tok.read_bytes())
+        with new_dir(init) as tmp:  # a killed save never leaves a config.json without its weights
+            model.save_pretrained(tmp)
+            atomic_write_bytes(tmp / "tokenizer.json", tok.read_bytes())
     _say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) "
                    f"on {' + '.join(general or ['shakespeare'])} -> {run}")
     adapt(init, data=general, out=run, method="full", max_steps=max_steps or PRETRAIN["max_steps"],
@@ -103,7 +104,8 @@ def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
 
 
 def _step_ms(run_dir: Path, batch_tokens: int) -> float:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl", "metrics log", f"delete {run_dir} and run the experiment again",
+                      ExperimentError)
     times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
     warm = [t for s, t in times if s > 5] or [t for _, t in times]  # the first steps warm up allocators
     return statistics.median(warm)
@@ -138,8 +140,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     if not before_file.is_file():
         model, _ = load_base(base)
         before = {"domain": evaluate_on(model, domain, tcfg), "general": evaluate_on(model, general or None, tcfg)}
-        atomic_write_bytes(before_file, json.dumps(before).encode())
-    before = json.loads(before_file.read_text())
+        write_json(before_file, before, indent=None)
+    before = read_result(before_file, "base evaluation")
     steps = max_steps or ADAPT["max_steps"]
 
     def one(name: str, lr: float, seed: int) -> dict:
@@ -151,7 +153,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": general or None}, **kw0)
             _adapt_in_subprocess(kw, root / "runs.log")
-        s = json.loads((run_dir / "summary.json").read_text())
+        s = read_run_file(run_dir, "summary.json")
         return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
                 "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
                 "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
@@ -205,13 +207,12 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "chosen": table, "pareto_front": front,
                "matched": matched, "match_tol": MATCH_TOL,
                "vs": ref, "tests": tests, "runs": runs, "environments": envs or [environment()]}
-    atomic_write_bytes(root / "summary.json", json.dumps(summary, indent=1).encode())
+    write_json(root / "summary.json", summary)
     md = markdown(summary)
     atomic_write_bytes(root / "summary.md", md.encode())
     plot(summary, root / "plot.png")
     if record is not None:
-        Path(record).mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(record) / "retrofit.json", (json.dumps(summary, indent=1) + "\n").encode())
+        write_json(Path(record) / "retrofit.json", summary)
     print(md)
     return summary
 

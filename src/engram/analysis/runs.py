@@ -4,9 +4,27 @@ checkpointed); and the mean and spread of a value over seeds."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
+
+from ..errors import EngramError
+from ..persist import read_json
+
+
+class ExperimentError(EngramError, ValueError):
+    """A file a run or an experiment wrote (`run.json`, `summary.json`, a cached result) is missing or corrupt."""
+
+
+def read_result(path: Path, what: str, delete: Path | None = None, expect: type = dict):
+    """The JSON file `path` a run or an experiment wrote (`what` names it), or `ExperimentError` in one line
+    saying to delete `delete` (default: the file; a run's folder for its files) and run the command again."""
+    fix = f"delete {delete or path} and run the command that wrote it again"
+    return read_json(path, what, fix, ExperimentError, expect)
+
+
+def read_run_file(run_dir: Path, name: str = "run.json") -> dict:
+    """`run_dir/name` of a training run (`run.json`: its settings, `summary.json`: its results)."""
+    return read_result(Path(run_dir) / name, "run file", delete=run_dir)
 
 
 def seed_stats(xs: list[float]) -> dict:
@@ -41,7 +59,7 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
             print("engram: experiment stopped; run the same command again to resume it", flush=True)
             raise KeyboardInterrupt
     else:  # a finished run is reused only if it is the run asked for (a shared or stale OUT could hold another)
-        info = json.loads((run_dir / "run.json").read_text())
+        info = read_run_file(run_dir)
         got = (info.get("preset"), info["train"].get("seed"), info.get("model_overrides") or {},
                info.get("use_engram", True), info.get("baseline"))
         want = (preset, seed, train_kw.get("model_overrides") or {}, train_kw.get("use_engram", True),
@@ -50,5 +68,5 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
             raise RuntimeError(f"{run_dir} holds a finished run of preset {got[0]!r}, seed {got[1]}, overrides "
                                f"{got[2:]} but this experiment needs preset {want[0]!r}, seed {want[1]}, overrides "
                                f"{want[2:]}; use another --out or delete that folder")
-    summ = json.loads((run_dir / "summary.json").read_text())
+    summ = read_run_file(run_dir, "summary.json")
     return {"seed": seed, "run_dir": str(run_dir), **summ, "metrics": read_metrics(run_dir / "metrics.jsonl")}

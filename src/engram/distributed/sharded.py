@@ -17,15 +17,14 @@ journaled memory-mapped file) instead of a parameter: gradients then go to its `
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..tables.base import Table
-from ..persist import atomic_write_bytes
+from ..persist import new_dir_shared, read_json, recover_dir, write_json
+from ..tables.base import Table, TableError
 
 
 def _a2a(tensor: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
@@ -190,22 +189,35 @@ def gather_full(table: ShardedTable, dst: int = 0) -> torch.Tensor | None:
 
 
 def save_sharded(table: ShardedTable, directory: str | Path, optimizer=None) -> None:
-    """Each rank writes `shard_{rank}.safetensors` (weight, Adam moments if any) plus its row range."""
+    """Every rank of `table.group` together: the shard set `directory`, each rank's `shard_{rank}.safetensors`
+    (weight, Adam moments if any) and `shard_{rank}.json` (its global row range), so it loads at any world size.
+
+    `directory` is the shard set's own folder, replaced whole: the ranks write into a temp sibling, and rank 0
+    adds the checksum manifest and swaps it in once every shard is there (`persist.new_dir_shared`), so a crash
+    at any step leaves the old shard set or the new one, complete.
+    """
     from safetensors.torch import save_file
 
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": table.weight.detach().contiguous()}
     step = 0
     if optimizer is not None and table.weight in optimizer.state:
         st = optimizer.state[table.weight]
         tensors["exp_avg"], tensors["exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
         step = float(st["step"])
-    tmp = d / f".shard_{table.rank}.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(d / f"shard_{table.rank}.safetensors")
-    atomic_write_bytes(d / f"shard_{table.rank}.json", json.dumps(
-        {"lo": table.lo, "hi": table.hi, "num_rows": table.num_rows, "dim": table.dim, "step": step}).encode())
+    info = {"sharded_table": {"num_rows": table.num_rows, "dim": table.dim, "world": table.world}}
+    with new_dir_shared(directory, table.rank == 0, lambda: dist.barrier(group=table.group), info=info) as tmp:
+        save_file(tensors, str(tmp / f"shard_{table.rank}.safetensors"))
+        write_json(tmp / f"shard_{table.rank}.json", {"lo": table.lo, "hi": table.hi, "num_rows": table.num_rows,
+                                                      "dim": table.dim, "step": step}, indent=None)
+
+
+def read_shard_range(meta_file: Path) -> dict:
+    """A shard's `shard_{rank}.json`: {"lo", "hi", "num_rows", "dim", "step"} (its global row range)."""
+    m = read_json(meta_file, "shard range", "save the sharded table again (or resume from an older checkpoint)",
+                  TableError)
+    if not all(isinstance(m.get(k), int) for k in ("lo", "hi")):
+        raise TableError(f"shard range {meta_file} is corrupt (no integer 'lo' and 'hi'); save the sharded table again")
+    return m
 
 
 def load_sharded(directory: str | Path, lo: int, hi: int) -> dict[str, torch.Tensor]:
@@ -213,13 +225,17 @@ def load_sharded(directory: str | Path, lo: int, hi: int) -> dict[str, torch.Ten
     from safetensors import safe_open
 
     d = Path(directory)
+    try:
+        recover_dir(d)  # a save killed between its renames left the old shard set aside
+    except OSError:  # another rank put it back first
+        pass
     metas = sorted(d.glob("shard_*.json"))
     if not metas:
         raise FileNotFoundError(f"no shard_*.json in {d}")
     out: dict[str, torch.Tensor] = {}
     covered = 0
     for mf in metas:
-        m = json.loads(mf.read_text())
+        m = read_shard_range(mf)
         a, b = max(lo, m["lo"]), min(hi, m["hi"])
         if a >= b:
             continue

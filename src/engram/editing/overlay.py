@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,15 @@ from pathlib import Path
 import torch
 
 from ..hashing import identity_digest, legacy_identity_digest
-from ..persist import IntegrityError, verify_manifest, write_manifest
-from ..persist import recover_dir, replace_dir, temp_dir_for
+from ..persist import (
+    IntegrityError,
+    atomic_write_bytes,
+    new_dir,
+    read_json,
+    recover_dir,
+    verify_manifest,
+    write_json,
+)
 from ..tables.overlay import push_overlay, restore_table
 from .digests import engram_layers, hash_mapping, model_digest
 from .facts import EditError
@@ -36,21 +42,20 @@ class Overlay:
 
     def save(self, directory, extra_files: dict[str, str] | None = None) -> Path:
         """Write DIR/overlay.safetensors, overlay.json (+ `extra_files` {name: text}, e.g. the report) and a
-        checksum manifest, atomically: into a temp folder that `persist.replace_dir` moves into place."""
+        checksum manifest, atomically: into a temp folder that `persist.new_dir` swaps into place."""
         from safetensors.torch import save_file
 
         d = Path(directory)
-        tmp = temp_dir_for(d)
         tensors = {}
         for lid in sorted(self.rows):
             tensors[f"layer{lid}.rows"] = self.rows[lid].to(torch.long).contiguous()
             tensors[f"layer{lid}.values"] = self.values[lid].detach().float().contiguous()
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
-        (tmp / META).write_text(json.dumps({"format": FORMAT, **self.meta}, indent=1) + "\n", encoding="utf-8")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        write_manifest(tmp)
-        return replace_dir(tmp, d)
+        with new_dir(d) as tmp:
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+            write_json(tmp / META, {"format": FORMAT, **self.meta})
+            for name, text in (extra_files or {}).items():
+                atomic_write_bytes(tmp / name, text.encode("utf-8"))
+        return d
 
     @classmethod
     def load(cls, directory) -> "Overlay":
@@ -64,8 +69,8 @@ class Overlay:
                                     "written by engram edit)")
         fix = "re-run engram edit to write it again"
         verify_manifest(d, fix=fix)  # without a manifest (written by hand): one warning, still loads
+        meta = read_json(d / META, "overlay metadata", fix, IntegrityError)
         try:
-            meta = json.loads((d / META).read_text(encoding="utf-8"))
             if meta.get("format") != FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
             tensors = load_file(str(d / WEIGHTS))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EngramError
-
+from ..persist import read_json
 
 
 class ServeError(EngramError, ValueError):
@@ -269,15 +269,12 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
 
 
 def _chat_template(d: Path) -> str | None:
-    import json
-
+    """The chat template of the model folder `d`'s `tokenizer_config.json` (None when it has none)."""
     f = d / "tokenizer_config.json"
     if not f.is_file():
         return None
-    try:
-        t = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
-    except ValueError:
-        return None
+    t = read_json(f, "tokenizer config", "re-save or re-download the model, or pass --chat-template plain or a "
+                  "Jinja file", ServeError).get("chat_template")
     return t if isinstance(t, str) else None
 
 

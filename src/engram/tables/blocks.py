@@ -16,7 +16,6 @@ covered by their undo journal and checkpoints instead: their sums are dropped at
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -29,7 +28,12 @@ import numpy as np
 import torch
 
 from .._numba import LazyKernels
-from ..persist import UnverifiedWarning
+from ..persist import (
+    UnverifiedWarning,
+    atomic_write_bytes,
+    decode_json_bytes,
+    sha256_bytes,
+)
 from .base import TableError
 
 SUFFIX = ".blocks"
@@ -78,7 +82,7 @@ def header_id(path) -> tuple[int, str]:
         if len(head) < 8:
             raise TableError(f"{path} is too short to be a table file")
         (n,) = struct.unpack("<Q", head)
-        return 8 + n, hashlib.sha256(f.read(n)).hexdigest()[:32]
+        return 8 + n, sha256_bytes(f.read(n))[:32]
 
 
 class BlockCrc:
@@ -107,8 +111,6 @@ class BlockCrc:
 
 def write_sums(path, sums: np.ndarray, block_bytes: int = BLOCK_BYTES) -> Path:
     """Store the block sums of table file `path` beside it (atomically); call after the table file is in place."""
-    from ..persist import atomic_write_bytes
-
     offset, fid = header_id(path)
     head = json.dumps({"format": "engram-blocks/1", "file_bytes": Path(path).stat().st_size, "file_id": fid,
                        "data_offset": offset, "block_bytes": block_bytes, "blocks": int(len(sums))}).encode()
@@ -158,17 +160,17 @@ class BlockVerifier:
                           f"engram verify --write-blocks {path.parent}", UnverifiedTableWarning, stacklevel=3)
             return None
         raw = sc.read_bytes()
+        fix = f"delete it and run engram verify --write-blocks {path.parent} (after checking the table another way)"
+        if raw[:8] != MAGIC or len(raw) < 12:
+            raise TableError(f"{sc} is corrupt (bad magic); {fix}")
+        (hl,) = struct.unpack_from("<I", raw, 8)
+        head = decode_json_bytes(raw[12:12 + hl], str(sc), fix, TableError)
         try:
-            if raw[:8] != MAGIC:
-                raise ValueError("bad magic")
-            (hl,) = struct.unpack_from("<I", raw, 8)
-            head = json.loads(raw[12:12 + hl])
             sums = np.frombuffer(raw[12 + hl:], dtype="<u4")
             if len(sums) != head["blocks"]:
                 raise ValueError(f"{len(sums)} sums, the header says {head['blocks']}")
-        except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
-            raise TableError(f"{sc} is corrupt ({str(e).splitlines()[0]}); delete it and run engram verify "
-                             f"--write-blocks {path.parent} (after checking the table another way)") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise TableError(f"{sc} is corrupt ({str(e).splitlines()[0]}); {fix}") from None
         offset, fid = header_id(path)
         if (head["file_id"], head["file_bytes"]) != (fid, path.stat().st_size) or head["data_offset"] != offset:
             if head["file_id"] == fid:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..persist import atomic_file, decode_json_bytes
 from .base import TableError, find_tables
 
 NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16 rows are mapped as uint16
@@ -38,13 +39,12 @@ def read_header(path: Path, required: tuple[str, ...] = ("weight",)) -> tuple[in
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 1 << 24):
             raise TableError(f"{path}: corrupt header length {n}")
-        try:
-            meta = json.loads(f.read(n))
-            for name in required:
-                meta[name]["data_offsets"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise TableError(f"{path}: corrupt header (expected a safetensors file with tensors "
-                             f"{', '.join(repr(r) for r in required)})") from None
+        names = ", ".join(map(repr, required))
+        expected = f"expected a safetensors file with tensors {names}" if required else "expected a safetensors file"
+        meta = decode_json_bytes(f.read(n), f"{path}: header", expected, TableError)
+    missing = [r for r in required if not isinstance(meta.get(r), dict) or "data_offsets" not in meta[r]]
+    if missing:
+        raise TableError(f"{path}: header is corrupt (no tensor {missing[0]!r}); {expected}")
     return n, meta, size
 
 
@@ -149,7 +149,7 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
 
 def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
                       progress_bytes: int = 1 << 30, block_sums: bool = False, page_blocks: bool = False) -> Path:
-    """Stream tensors into a safetensors file, atomically (temp file, fsync, rename).
+    """Stream tensors into a safetensors file, atomically (`persist.atomic_file`: temp file, fsync, rename).
 
     `entries`: `(name, dtype, shape, chunks)` in file order, where `chunks` yields row blocks whose
     concatenation is the tensor, so tensors larger than RAM (memory-mapped, generated) are written
@@ -180,13 +180,11 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     header = json.dumps(meta).encode()
     align = PAGE if page_blocks else 8  # the data starts at 8 + len(header): pad with spaces (safetensors allows it)
     header += b" " * ((align - (8 + len(header)) % align) % align)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     from tqdm.auto import tqdm
 
     bar = tqdm(total=offset, unit="B", unit_scale=True, desc=f"writing {path.name}",
                disable=offset < progress_bytes, leave=False)
-    with open(tmp, "wb") as f, bar:
+    with atomic_file(path) as f, bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for name, dtype, shape, chunks in entries:
@@ -201,9 +199,6 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
             a, z = meta[name]["data_offsets"]
             if written != z - a:
                 raise TableError(f"{name}: wrote {written} bytes, the header promises {z - a}")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     if crc is not None:
         write_sums(path, crc.finish(), crc.block_bytes)
     return path

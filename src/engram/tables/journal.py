@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..persist import atomic_write_bytes
+
 _JMAGIC = b"ENGJRN01"
 _JHEAD = struct.Struct("<8sqqq")  # magic, base step, rows, dim
 _JENTRY = struct.Struct("<qI")  # rows in the entry, crc32 of its payload
@@ -111,12 +113,7 @@ class UndoJournal:
                 before()
             if self.file is not None:
                 self.file.close()
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(_JHEAD.pack(_JMAGIC, step, self.num_rows, self.dim))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            atomic_write_bytes(self.path, _JHEAD.pack(_JMAGIC, step, self.num_rows, self.dim))
             self.file = open(self.path, "ab")
             self.written = self.synced = self.file.tell()
             self.touched = torch.zeros(self.num_rows, dtype=torch.bool)
