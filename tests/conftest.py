@@ -1,4 +1,5 @@
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,6 +44,39 @@ def tiny_run(tmp_path_factory) -> Path:
     train("tiny", data=[str(corpus)], out=root / "run", max_steps=10, overrides={"ckpt_every": 5, "eval_every": 5},
           progress=False)
     return root / "run"
+
+
+class Crash(BaseException):
+    """The process died here (BaseException, so no `except Exception` cleanup sees it)."""
+
+
+@pytest.fixture
+def crash_at(monkeypatch):
+    """crash_at(k): from the k-th filesystem step persist takes on (a rename or a tree removal, the steps every
+    engram write goes through), every step raises `Crash`: a killed process runs no cleanup either.
+    `crash_at.disarm()` restores the real steps."""
+    from engram import persist
+
+    def arm(k):
+        calls = [0]
+
+        def step(real):
+            def run(*a, **kw):
+                calls[0] += 1
+                if calls[0] >= k:
+                    raise Crash(f"killed at step {k}")
+                return real(*a, **kw)
+            return run
+
+        monkeypatch.setattr(persist, "_rename", step(os.replace))
+        monkeypatch.setattr(persist, "_remove_tree", step(shutil.rmtree))
+
+    def disarm():
+        monkeypatch.setattr(persist, "_rename", os.replace)
+        monkeypatch.setattr(persist, "_remove_tree", shutil.rmtree)
+
+    arm.disarm = disarm
+    return arm
 
 
 @pytest.fixture

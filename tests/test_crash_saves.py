@@ -17,41 +17,12 @@ import torch.distributed as dist
 
 pytest.importorskip("safetensors")
 
+from conftest import Crash
 from engram import persist
 from engram.distributed import ShardedTable, load_sharded, save_sharded
 from engram.distributed.sharded import shard_range
 
 ROWS, DIM = 37, 4
-
-
-class Killed(BaseException):
-    """The process died here (BaseException: no `except Exception` sees it)."""
-
-
-@pytest.fixture
-def kill_at(monkeypatch):
-    """kill_at(k): from the k-th filesystem step on, every step raises Killed; kill_at.revive() undoes it."""
-
-    def arm(k):
-        calls = [0]
-
-        def step(real):
-            def run(*a, **kw):
-                calls[0] += 1
-                if calls[0] >= k:
-                    raise Killed(f"killed at step {k}")
-                return real(*a, **kw)
-            return run
-
-        monkeypatch.setattr(persist, "_rename", step(os.replace))
-        monkeypatch.setattr(persist, "_remove_tree", step(shutil.rmtree))
-
-    def revive():
-        monkeypatch.setattr(persist, "_rename", os.replace)
-        monkeypatch.setattr(persist, "_remove_tree", shutil.rmtree)
-
-    arm.revive = revive
-    return arm
 
 
 @pytest.fixture
@@ -74,7 +45,7 @@ def write_old_shard_set(d, W):
                                                            "step": 0}))
 
 
-def test_sharded_save_killed_at_every_step_leaves_the_old_or_the_new_shard_set(tmp_path, one_rank, kill_at):
+def test_sharded_save_killed_at_every_step_leaves_the_old_or_the_new_shard_set(tmp_path, one_rank, crash_at):
     g = torch.Generator().manual_seed(0)
     old_w, new_w = torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
     table = ShardedTable(ROWS, DIM, init=new_w)
@@ -85,13 +56,13 @@ def test_sharded_save_killed_at_every_step_leaves_the_old_or_the_new_shard_set(t
     while True:
         d = tmp_path / f"kill{k}" / "tables"
         write_old_shard_set(d, old_w)
-        kill_at(k)
+        crash_at(k)
         try:
             save_sharded(table, d, opt)
             finished = True
-        except Killed:
+        except Crash:
             finished = False
-        kill_at.revive()
+        crash_at.disarm()
         got = load_sharded(d, 0, ROWS)  # every row covered exactly once, or it raises
         if set(got) == {"weight"}:
             assert torch.equal(got["weight"], old_w), k
@@ -116,29 +87,29 @@ def test_sharded_sets_of_the_previous_version_still_load(tmp_path):
     assert torch.equal(load_sharded(tmp_path / "tables", 5, 30)["weight"], W[5:30])
 
 
-def test_table_file_write_killed_keeps_the_old_file_and_its_sums(tmp_path, kill_at):
+def test_table_file_write_killed_keeps_the_old_file_and_its_sums(tmp_path, crash_at):
     from engram.tables import MmapTable, write_table_file
 
     old, new = torch.randn(100, 8), torch.randn(100, 8)
     f = write_table_file(tmp_path / "t.safetensors", old)
-    kill_at(1)  # before the table file's rename
-    with pytest.raises(Killed):
+    crash_at(1)  # before the table file's rename
+    with pytest.raises(Crash):
         write_table_file(f, new)
-    kill_at.revive()
+    crash_at.disarm()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors", "t.safetensors.blocks"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # its block sums still describe it: verified, no warning
         assert torch.equal(MmapTable(f).gather(torch.arange(100)), old)
 
 
-def test_journal_restart_killed_keeps_the_old_journal(tmp_path, kill_at):
+def test_journal_restart_killed_keeps_the_old_journal(tmp_path, crash_at):
     from engram.tables.journal import UndoJournal
 
     j = UndoJournal(tmp_path / "t.safetensors", 10, 4, torch.float32)
     j.restart(3)
     j.close()
-    kill_at(1)
-    with pytest.raises(Killed):
+    crash_at(1)
+    with pytest.raises(Crash):
         UndoJournal(tmp_path / "t.safetensors", 10, 4, torch.float32).restart(7)
-    kill_at.revive()
+    crash_at.disarm()
     assert UndoJournal(tmp_path / "t.safetensors", 10, 4, torch.float32).step() == 3

@@ -9,40 +9,11 @@ import shutil
 import pytest
 import torch
 
+from conftest import Crash
 from engram import persist
 from engram.persist import read_json, recover_dir, replace_dir
 
 STEPS = [1, 2, 3]  # (1) final -> aside, (2) tmp -> final, (3) delete aside
-
-
-class Crash(BaseException):
-    """A kill: nothing after it runs (BaseException, so no `except Exception` cleanup sees it)."""
-
-
-@pytest.fixture
-def crash_at(monkeypatch):
-    """crash_at(k): the k-th filesystem step persist takes next (a rename or a tree removal) raises Crash instead."""
-
-    def arm(k):
-        count = [0]
-
-        def step(real):
-            def run(*a, **kw):
-                count[0] += 1
-                if count[0] == k:
-                    raise Crash(f"killed before step {k}")
-                return real(*a, **kw)
-            return run
-
-        monkeypatch.setattr(persist, "_rename", step(os.replace))
-        monkeypatch.setattr(persist, "_remove_tree", step(shutil.rmtree))
-
-    def disarm():
-        monkeypatch.setattr(persist, "_rename", os.replace)
-        monkeypatch.setattr(persist, "_remove_tree", shutil.rmtree)
-
-    arm.disarm = disarm
-    return arm
 
 
 def folder(path, text):
@@ -111,18 +82,6 @@ def test_replace_dir_into_a_new_path_and_read_json_errors(tmp_path):
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from engram.training.train import train
-
-    root = tmp_path_factory.mktemp("persist")
-    corpus = root / "c.txt"
-    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(300)))
-    train("tiny", data=[str(corpus)], out=root / "run", max_steps=2, overrides={"ckpt_every": 2, "eval_every": 2},
-          progress=False)
-    return root
-
-
 def bumped(model, by):
     with torch.no_grad():
         for p in model.parameters():
@@ -163,14 +122,14 @@ def test_model_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     from engram.training.train import save_final
 
     run = tmp_path / "run"
-    shutil.copy(tiny_run / "run" / "final" / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(tiny_run / "final" / "tokenizer.json", tmp_path / "tokenizer.json")
     manifest = {"tokenizer_file": str(tmp_path / "tokenizer.json")}
-    old = first_weight(load_model(tiny_run / "run")[0])
+    old = first_weight(load_model(tiny_run)[0])
 
     def reset():
         if run.exists():
             shutil.rmtree(run)
-        shutil.copytree(tiny_run / "run", run)
+        shutil.copytree(tiny_run, run)
 
     def state():
         w = first_weight(load_model(run)[0])  # verifies the manifest of whatever folder is there
@@ -186,17 +145,17 @@ def test_checkpoint_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     from engram.training.checkpoint import checkpoints, read_checkpoint, save_checkpoint
 
     run = tmp_path / "run"
-    shutil.copytree(tiny_run / "run", run)
+    shutil.copytree(tiny_run, run)
     model, _ = load_model(run)
     opts = {"dense": torch.optim.AdamW(model.parameters())}
 
     def state():
         latest = checkpoints(run)[0]  # resolves an interrupted replacement
-        assert latest.name == "step_000007" and load_file(str(latest / "model.safetensors"))
+        assert latest.name == "step_000011" and load_file(str(latest / "model.safetensors"))
         return {1: "old", 2: "new"}.get(read_checkpoint(latest)["batcher"]["pos"], "garbage")
 
-    every_crash(crash_at, lambda: save_checkpoint(run, 7, model, opts, {"pos": 1}),
-                lambda: save_checkpoint(run, 7, model, opts, {"pos": 2}), state)
+    every_crash(crash_at, lambda: save_checkpoint(run, 11, model, opts, {"pos": 1}),
+                lambda: save_checkpoint(run, 11, model, opts, {"pos": 2}), state)
 
 
 def tiny_base(vocab):
@@ -212,7 +171,7 @@ def test_adapter_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     import engram
     from engram.adapters import adapter_of
 
-    tok = tiny_run / "run" / "final" / "tokenizer.json"
+    tok = tiny_run / "final" / "tokenizer.json"
     vocab = len(json.loads(tok.read_text())["model"]["vocab"])
     opts = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
     base = tiny_base(vocab)
@@ -268,14 +227,14 @@ def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_p
         (d / meta_name).write_text(json.dumps(meta))
 
     ck = tmp_path / "ck"
-    shutil.copytree(sorted((tiny_run / "run" / "checkpoints").glob("step_*"))[-1], ck)
+    shutil.copytree(sorted((tiny_run / "checkpoints").glob("step_*"))[-1], ck)
     to_legacy(ck, "state.json")
-    assert read_checkpoint(ck)["step"] == 2
+    assert read_checkpoint(ck)["step"] == 10
     (ck / "optim.safetensors").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         read_checkpoint(ck)
 
-    tok = tiny_run / "run" / "final" / "tokenizer.json"
+    tok = tiny_run / "final" / "tokenizer.json"
     vocab = len(json.loads(tok.read_text())["model"]["vocab"])
     base = tiny_base(vocab)
     engram.attach(base, [1], tokenizer=tok, engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
