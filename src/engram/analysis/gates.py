@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..tokenizer import load_tokenizer
-from ..training.data import eval_windows, load_split
+from ..training.data import eval_windows, load_manifest, load_split
 from .experiments import frequent_ngram_mask
 
 FUNCTION_WORDS = set("""a an the and or but if of to in on at by for with from as is are was were be been am it its
@@ -133,7 +133,7 @@ def terminal(tokens: list[str], gates: dict) -> str:
 
 def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 32) -> dict:
     """Mean gate on frequent-n-gram completions vs function words over the val split."""
-    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    manifest = load_manifest(data_dir)
     tok = load_tokenizer(manifest["tokenizer_file"])
     windows = eval_windows(load_split(data_dir, "val"), seq_len, max_windows)
     ent = frequent_ngram_mask(np.asarray(load_split(data_dir, "train")), windows)
