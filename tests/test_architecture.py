@@ -77,7 +77,7 @@ def test_no_import_cycles():
 
 
 CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper", "engram.model",
-        "engram.model_config", "engram.cache", "engram.persist", "engram.manifest", "engram.utils"]
+        "engram.model_config", "engram.cache", "engram.persist", "engram.utils"]
 
 
 @pytest.mark.parametrize("module", CORE)
