@@ -15,11 +15,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from test_persist import Crash, crash_at  # noqa: E402, F401 (the fixture: a save killed at its k-th filesystem step)
+
 from engram.cli import main  # noqa: E402
 from engram.editing import Fact, edit_facts  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.training.train import train  # noqa: E402
-from test_persist import Crash, crash_at  # noqa: E402, F401 (the fixture: a save killed at its k-th filesystem step)
 
 MODES = ["flip16", "truncate", "zero", "garble", "missing"]
 TINY = {"ckpt_every": 2, "eval_every": 2}
@@ -199,7 +200,7 @@ def test_prepared_data_of_an_older_engram_is_rebuilt(tmp_path, monkeypatch, caps
     assert check_prepared(d) is None and not (d / "manifest.json").exists() and load_manifest(d) == info
 
 
-def test_prepared_data_save_killed_at_every_step_leaves_old_or_new(tmp_path, monkeypatch, crash_at):
+def test_prepared_data_save_killed_at_every_step_leaves_old_or_new(tmp_path, monkeypatch, crash_at):  # noqa: F811
     """The prepared-data save interrupted at its k-th filesystem step (each rename, each tree removal), for every k
     until one save completes: afterwards `check_prepared` and a fresh `prepare` find the old folder or the new one,
     complete, never a mix or nothing."""

@@ -187,9 +187,9 @@ def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None
     """
     run = build(base, data, out, method, layers, lora_rank, unfreeze, engram_options, max_steps, overrides, resume,
                 device, progress, lora_targets)
-    c = run.counts
+    c, how = run.counts, _method(method, lora_rank)[0]
     summary = execute(run, resume, stop_after, lambda r: (
-        f"adapt ({_method(method, lora_rank)[0]}): {c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in "
+        f"adapt ({how}): {c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in "
         f"Engram tables, {c['engram_dense'] / 1e6:.3f}M Engram dense, {c['base_trainable'] / 1e6:.3f}M base) of "
         f"{c['total'] / 1e6:.2f}M; train {r.manifest['splits']['train']['tokens']:,} tokens, device {r.ddp.device}"))
     if "final" in summary:

@@ -146,7 +146,8 @@ def check_prepared(data_dir: Path) -> str | None:
     except IntegrityError:
         return f"{MANIFEST} is corrupt"
     if m is None:
-        return f"in an older format ({LEGACY_MANIFEST})" if (d / LEGACY_MANIFEST).is_file() else f"{MANIFEST} is missing"
+        old = (d / LEGACY_MANIFEST).is_file()
+        return f"in an older format ({LEGACY_MANIFEST})" if old else f"{MANIFEST} is missing"
     info = m.get("info")
     if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
         return f"{MANIFEST} is corrupt (no description of the data)"

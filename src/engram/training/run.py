@@ -88,7 +88,9 @@ class Run:
 
     def autocast(self):
         dev = self.ddp.device
-        return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+        if dev.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -133,7 +135,8 @@ def setup_run(out, run_json: dict, resume: bool, same: tuple[str, ...]) -> Path:
             raise ConfigError(f"--resume: {run_dir} holds an `engram {prev_kind}` run, not `engram {kind}`")
         prev_backend = prev["train"].get("table_backend", "param")
         if prev_backend != run_json["train"]["table_backend"]:
-            raise ConfigError(f"--resume: {run_dir} was trained with table_backend={prev_backend}; use the same setting")
+            raise ConfigError(f"--resume: {run_dir} was trained with table_backend={prev_backend}; "
+                              "use the same setting")
         empty = {"model_overrides": {}, "engram_options": {}, "unfreeze": []}
         diff = [k for k in same if prev.get(k, empty.get(k)) != run_json.get(k)]
         if diff:
@@ -192,8 +195,8 @@ def place_tables(run: Run, resume: bool) -> None:
     table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run.run_dir / "tables"
     layers = [m.layer_id for _, m in find_tables(run.model)]
     mmap = tcfg.table_backend == "mmap" and bool(layers)
-    table_kw = dict(cache_bytes=int(tcfg.table_cache_mb * 2**20), init_seed=tcfg.seed if tables_as_files(tcfg) else None,
-                    overwrite=not resume)
+    table_kw = dict(cache_bytes=int(tcfg.table_cache_mb * 2**20), overwrite=not resume,
+                    init_seed=tcfg.seed if tables_as_files(tcfg) else None)
     if mmap and ddp.world == 1:
         if resume:
             missing = [str(f) for f in (table_file(table_dir, lid) for lid in layers) if not f.is_file()]
