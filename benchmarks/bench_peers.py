@@ -98,7 +98,7 @@ def real_row_ids(rows: int, tokens: int = 4096) -> torch.Tensor:
     """Row ids of `tokens` Shakespeare tokens hashed by the reference family (2 orders x 4 heads), into `rows`."""
     from engram.hashing import NgramHashMapping
     from engram.tokenizer import load_tokenizer
-    from engram.training.data import shakespeare_works
+    from engram.training.corpora import shakespeare_works
 
     text = "".join(doc.text for doc in shakespeare_works()[:3])
     tok = load_tokenizer(None)

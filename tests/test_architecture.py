@@ -104,6 +104,8 @@ JSON_PARSE_ALLOWED = {
     "editing/facts.py": "the user's facts file (JSON lines, checked line by line)",
     "cli/": "--set KEY=VALUE values on the command line",
     "client.py": "an OpenAI-compatible server's replies",
+    "training/corpora.py": "the user's JSON-lines corpus (`--data file.jsonl`)",
+    "analysis/retrofit.py": "its worker subprocess's arguments (sys.argv[1])",
 }
 
 

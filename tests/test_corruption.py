@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from conftest import Crash  # noqa: E402 (the `crash_at` fixture is in conftest: a save killed at its k-th step)
+
 from engram.cli import main  # noqa: E402
 from engram.editing import Fact, edit_facts  # noqa: E402
 from engram.model import load_model  # noqa: E402
@@ -127,7 +129,7 @@ def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind
             assert "falling back to step_000002" in out + err, (out, err)
 
 
-@pytest.mark.parametrize("name", ["train.bin", "val.bin", "manifest.json", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["train.bin", "val.bin", "engram_manifest.json", "tokenizer.json"])
 @pytest.mark.parametrize("mode", MODES)
 def test_damaged_prepared_data_is_rebuilt(tmp_path, monkeypatch, name, mode):
     from engram.training.data import check_prepared, load_manifest, load_split, prepare
@@ -139,7 +141,7 @@ def test_damaged_prepared_data_is_rebuilt(tmp_path, monkeypatch, name, mode):
     clean = {s: load_split(d, s).tolist() for s in load_manifest(d)["splits"]}
     damage(d / name, mode)
     assert check_prepared(d) is not None
-    with pytest.warns(UserWarning, match="damaged") if name != "manifest.json" or mode != "missing" else \
+    with pytest.warns(UserWarning, match="damaged") if name != "engram_manifest.json" or mode != "missing" else \
             _no_warning():
         d2 = prepare([str(corpus)], "bpe:300", progress=False)
     assert d2 == d and check_prepared(d) is None
@@ -169,3 +171,70 @@ def test_damaged_compression_cache_is_rebuilt(runs, capsys):
                 damage(f, mode)
         code, out, err = cli(capsys, *args)
         assert code == 0 and out == clean, (mode, err)  # rebuilt: the same numbers
+
+
+def _legacy(d):
+    """Turn a prepared folder into one written by an older engram: `manifest.json` only (the info, no checksums)."""
+    import json
+
+    from engram.training.data import load_manifest
+
+    info = load_manifest(d)
+    (d / "engram_manifest.json").unlink()
+    (d / "manifest.json").write_text(json.dumps(info))
+    return info
+
+
+def test_prepared_data_of_an_older_engram_is_rebuilt(tmp_path, monkeypatch, capsys):
+    from engram.training.data import check_prepared, load_manifest, prepare
+
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Verse {i}: the owl and the lark sang at the gate.\n" for i in range(300)))
+    d = prepare([str(corpus)], "bpe:300", progress=False)
+    info = _legacy(d)
+    assert load_manifest(d) == info  # still readable (an old run's data_dir) ...
+    assert "older format" in check_prepared(d)  # ... but a stale cache
+    assert prepare([str(corpus)], "bpe:300", progress=False) == d
+    assert "older format; tokenizing it again" in capsys.readouterr().err
+    assert check_prepared(d) is None and not (d / "manifest.json").exists() and load_manifest(d) == info
+
+
+def test_prepared_data_save_killed_at_every_step_leaves_old_or_new(tmp_path, monkeypatch, crash_at):
+    """The prepared-data save interrupted at its k-th filesystem step (each rename, each tree removal), for every k
+    until one save completes: afterwards `check_prepared` and a fresh `prepare` find the old folder or the new one,
+    complete, never a mix or nothing."""
+    from engram import persist
+    from engram.training.data import check_prepared, load_manifest, load_split, prepare
+
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Verse {i}: the owl and the lark sang at the gate.\n" for i in range(300)))
+    d = prepare([str(corpus)], "bpe:300", progress=False)
+    _legacy(d)  # the old folder: complete, but stale, so the next prepare replaces it
+    old = tmp_path / "old"
+    shutil.copytree(d, old)
+    old_tokens = load_split(old, "train").tolist()
+    corpus.write_text("".join(f"Line {i}: a new text for the new folder.\n" for i in range(300)))
+    for k in range(1, 100):
+        persist.remove_tree(d)
+        shutil.copytree(old, d)
+        crash_at(k)
+        try:
+            prepare([str(corpus)], "bpe:300", progress=False)
+            crashed = False
+        except Crash:
+            crashed = True
+        crash_at.disarm()
+        damage = check_prepared(d)  # what the next open sees
+        if damage is None:  # the new folder, complete
+            assert load_split(d, "train").tolist() != old_tokens and (d / "engram_manifest.json").is_file()
+        else:  # the old folder, complete
+            assert "older format" in damage, (k, damage)
+            assert load_split(d, "train").tolist() == old_tokens and load_manifest(d)["splits"]
+        assert not (d.parent / f".{d.name}.replaced").exists()
+        new = prepare([str(corpus)], "bpe:300", progress=False)  # a fresh prepare: the new folder, complete
+        assert check_prepared(new) is None and load_split(new, "train").tolist() != old_tokens
+        if not crashed:
+            break
+    assert crashed is False and k > 4  # every step was interrupted once, then a save ran all k - 1 of them

@@ -13,14 +13,8 @@ from conftest import run_cli  # noqa: E402
 
 from engram.config import ConfigError  # noqa: E402
 from engram.training.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from engram.training.data import (  # noqa: E402
-    Batcher,
-    DataError,
-    local_documents,
-    prepare,
-    split_documents,
-    strip_gutenberg,
-)
+from engram.training.corpora import DataError, local_documents, strip_gutenberg  # noqa: E402
+from engram.training.data import Batcher, load_manifest, prepare, split_documents  # noqa: E402
 from engram.training.optim import LazyRowAdam, warmup_cosine  # noqa: E402
 from engram.training.train import train  # noqa: E402
 
@@ -109,7 +103,7 @@ def test_jsonl_and_bad_data(tmp_path):
 
 def test_prepare_writes_uint32_tokens_and_manifest(corpus, tmp_path):
     d = prepare([str(corpus)], "bpe:300", out_root=tmp_path, progress=False)
-    m = json.loads((d / "manifest.json").read_text())
+    m = load_manifest(d)
     assert m["vocab_size"] == 300 and m["pad_id"] == 1
     train_tokens = np.fromfile(d / "train.bin", dtype=np.uint32)
     assert train_tokens.size == m["splits"]["train"]["tokens"] > 0 and train_tokens.max() < 300

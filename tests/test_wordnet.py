@@ -5,7 +5,7 @@ import tarfile
 
 import pytest
 
-from engram.training import data as D
+from engram.training import corpora as D
 
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
 NOUN = ("02084071 05 n 03 dog 0 domestic_dog 0 Canis_familiaris 0 001 @ 02083346 n 0000 | a member of the genus Canis; "

@@ -221,13 +221,15 @@ def read_json(path, what: str, fix: str, error: type[Exception] = ValueError, ex
     return obj
 
 
-def read_jsonl(path, what: str = "log", fix: str = "", error: type[Exception] = ValueError) -> list:
+def read_jsonl(path, what: str = "log", fix: str = "", error: type[Exception] = ValueError,
+               skip_damaged: bool = False) -> list:
     """Every record of a JSON-lines file; a torn last line (a crash mid-append) is skipped, a bad line
-    elsewhere raises `error`. A missing file is an empty log."""
+    elsewhere raises `error`. A missing file is an empty log. `skip_damaged`: skip every unreadable line
+    (bad bytes included) instead, for a log its writer rebuilds (a run's metrics.jsonl)."""
     p = Path(path)
     if not p.is_file():
         return []
-    lines = p.read_text(encoding="utf-8").splitlines()
+    lines = p.read_bytes().decode("utf-8", errors="replace" if skip_damaged else "strict").splitlines()
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -235,8 +237,8 @@ def read_jsonl(path, what: str = "log", fix: str = "", error: type[Exception] = 
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
+            if skip_damaged or i == len(lines) - 1:
+                continue
             raise error(f"{what} {p} line {i + 1} is corrupt (not valid JSON); {fix}".rstrip("; ")) from None
     return out
 

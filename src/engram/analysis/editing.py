@@ -133,7 +133,7 @@ def world_facts() -> list[tuple[str, str, str]]:
     """(subject, relation, object) for every country of `countryinfo` with that field, sorted."""
     import zipfile
 
-    from ..training.data import _fetch_wheel, cache_dir
+    from ..training.corpora import _fetch_wheel, cache_dir
 
     wheel = _fetch_wheel(COUNTRYINFO_WHEEL, cache_dir() / "corpora" / "pypi-countryinfo-1.0.1")
     out = set()

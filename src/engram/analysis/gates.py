@@ -17,7 +17,7 @@ import torch
 
 from ..persist import atomic_write_bytes
 from ..tokenizer import load_tokenizer
-from ..training.data import eval_windows, load_split
+from ..training.data import eval_windows, load_manifest, load_split
 from .experiments import frequent_ngram_mask
 from .runs import read_run_file
 
@@ -135,7 +135,7 @@ def terminal(tokens: list[str], gates: dict) -> str:
 
 def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 32) -> dict:
     """Mean gate on frequent-n-gram completions vs function words over the val split."""
-    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    manifest = load_manifest(data_dir)
     tok = load_tokenizer(manifest["tokenizer_file"])
     windows = eval_windows(load_split(data_dir, "val"), seq_len, max_windows)
     ent = frequent_ngram_mask(np.asarray(load_split(data_dir, "train")), windows)

@@ -47,7 +47,8 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
     """Train `preset` into `run_dir` with `seed` (unless it finished; resuming a checkpointed one) and
     return `{"seed", "run_dir", **summary.json, "metrics"}`. `label` prefixes the progress line."""
     from ..training.checkpoint import checkpoints
-    from ..training.train import read_metrics, train
+    from ..training.run import read_metrics
+    from ..training.train import train
 
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():

@@ -31,7 +31,7 @@ def cmd_train(args) -> int:
     # settings fail here, before transformers is imported and before N workers start
     tcfg = train_config(args.preset, overrides, args.max_steps, world=args.nproc)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from ..distributed.launch import launch
+        from ..training.launch import launch
 
         return launch(sys.argv[1:], args.nproc, args.data, tcfg.tokenizer)
     from ..training.train import train

@@ -1,6 +1,8 @@
-"""Training: the trainer in units (`train.py`), `engram adapt` runs on the same loop (`adapt.py`), the
-optimizers (`optim.py`: lazy row Adam for tables), atomic checkpoints loadable at any world size
-(`checkpoint.py`), corpora, token files and the resumable batcher (`data.py`), and the presets.
+"""Training: one run in units (`run.py`: run dir, table placement, batcher, loop, checkpoints, summary), driven by
+`engram train` (`train.py`: a preset's model) and `engram adapt` (`adapt.py`: a base with an adapter or LoRA), the
+optimizers (`optim.py`: lazy row Adam for tables), atomic checkpoints loadable at any world size (`checkpoint.py`),
+corpora (`corpora.py`), token files and the resumable batcher (`data.py`), the presets, and `--nproc`
+(`launch.py`: relaunch under torchrun).
 
 Nothing in the core (config, tokenizer, hashing, memory, hyper, model) imports from here.
 """

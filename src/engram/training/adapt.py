@@ -11,7 +11,8 @@ Methods (what trains; the base model is loaded from DIR, a `save_pretrained` fol
     full          full fine-tuning of every base weight, no Engram (the reference point).
 `--unfreeze NAME` also trains base modules (e.g. lm_head); they are saved with the adapter.
 
-The run directory works as `engram train`'s (`train.py`): metrics.jsonl, progress bar, evaluation,
+The run is `engram train`'s (`run.py`): the same run directory, metrics.jsonl, progress bar,
+evaluation, table options (`--set table_backend=mmap`, `table_readahead`, `table_init=file`, ...),
 checkpoints (trainable parameters only: the base is read from DIR again on `--resume`), Ctrl-C then
 `--resume`. RUN/final/ holds the adapter (`engram.save_adapter`: Engram weights, LoRA in `lora/`),
 a PEFT folder for `lora`, or a full `save_pretrained` model for `full`; load it with
@@ -21,7 +22,6 @@ a PEFT folder for `lora`, or a full `save_pretrained` model for `full`; load it 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
@@ -30,10 +30,9 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.parallel import DistContext
-from ..persist import write_manifest
-from ..persist import atomic_write_bytes, replace_dir, temp_dir_for
-from .checkpoint import CheckpointError, durable_tables
-from .data import Batcher, eval_windows, load_manifest, load_split, prepare
+from ..persist import new_dir, write_json
+from .data import eval_windows, load_split, prepare
+from .run import building, evaluate, execute, finish_build, open_run
 
 METHODS = ("engram", "lora", "lora+engram", "full")
 # Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
@@ -102,12 +101,24 @@ def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
     final = run_dir / "final"
     if method in ("engram", "lora+engram"):
         return save_adapter(model, final)
-    tmp = temp_dir_for(final)
-    model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
-    if method == "full":
-        shutil.copy(tok_file, tmp / "tokenizer.json")
-    write_manifest(tmp)  # checksums of every file, written last (`engram verify`)
-    return replace_dir(tmp, final)
+    with new_dir(final) as tmp:  # checksums of every file, written last (`engram verify`)
+        model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
+        if method == "full":
+            shutil.copy(tok_file, tmp / "tokenizer.json")
+    return final
+
+
+def _method(method: str, lora_rank: int | None) -> tuple[str, int | None]:
+    """(method, LoRA rank) as they run: LoRA methods get rank 8 by default, `--lora-rank` adds LoRA to engram."""
+    if method not in METHODS:
+        raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if "lora" in method and not lora_rank:
+        lora_rank = 8
+    if lora_rank and "lora" not in method:
+        method = "lora+engram" if method == "engram" else method
+        if method == "full":
+            raise ConfigError("--lora-rank with --method full: full fine-tuning trains every weight already")
+    return method, lora_rank
 
 
 def build(base, data, out, method: str = "engram", layers=None, lora_rank: int | None = None,
@@ -118,18 +129,8 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     `lora_targets`: PEFT's `target_modules` ("all-linear", or names such as ["q_proj", "v_proj"]); None: PEFT's
     default for the architecture (q_proj and v_proj for Llama)."""
     from .. import adapters as ad
-    from ..tables import offload_tables, table_file
-    from .optim import build_optimizers, split_params
-    from .train import Run, setup_run
 
-    if method not in METHODS:
-        raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    if "lora" in method and not lora_rank:
-        lora_rank = 8
-    if lora_rank and "lora" not in method:
-        method = "lora+engram" if method == "engram" else method
-        if method == "full":
-            raise ConfigError("--lora-rank with --method full: full fine-tuning trains every weight already")
+    method, lora_rank = _method(method, lora_rank)
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise ConfigError("engram adapt runs in one process (use --device cuda for a GPU)")
     unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
@@ -144,7 +145,8 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     layer_ids = _layers(layers, len(ad.find_layers(model)[1])) if "engram" in method else []
     torch.manual_seed(tcfg.seed)
     if "engram" in method:
-        ad.attach(model, layer_ids, tokenizer=tok_file, verbose=False, **(engram_options or {}))
+        with building(tcfg):  # (table_init=file: the tables are created as files, never in RAM)
+            ad.attach(model, layer_ids, tokenizer=tok_file, verbose=False, **(engram_options or {}))
     if method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -158,37 +160,19 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
         raise ConfigError("--lora-targets needs LoRA (--method lora or lora+engram)")
     if lora_rank:
         model = ad.add_lora(model, rank=lora_rank, target_modules=lora_targets)
-    data_dir = prepare(data, str(tok_file.resolve()), progress=progress)
-    manifest = load_manifest(data_dir)
     tcfg = dataclasses.replace(tcfg, tokenizer=str(tok_file.resolve()))
     run_json = {"kind": "adapt", "base": str(Path(base).resolve()), "method": method, "layers": layer_ids,
                 "lora_rank": lora_rank, "unfreeze": list(unfreeze or []), "engram_options": engram_options or {},
-                "lora_targets": lora_targets, "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
-    run_dir = setup_run(out, run_json, resume, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options",
-                                                "lora_targets"))
-
-    model.train()
-    run = Run(tcfg, run_dir, manifest, data_dir, None, ddp, progress=progress, only_trainable=method != "full")
-    run.model = run.step_model = model
-    counts = ad.trainable_summary(model)
-    run.n_params, run.n_table = counts["total"], counts["engram_table"]
-    run.counts = counts
-    if tcfg.table_backend == "mmap" and "engram" in method:
-        table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run_dir / "tables"
-        if resume and not all(table_file(table_dir, i).is_file() for i in layer_ids):
-            raise CheckpointError(f"--resume: table files missing under {table_dir}")
-        offload_tables(model, "mmap", table_dir, cache_bytes=int(tcfg.table_cache_mb * 2**20), trainable=True,
-                       overwrite=not resume)
-    run.tables = durable_tables(model)
-    if not resume:
-        for table in run.tables.values():
-            table.commit(0)
-    run.opts = build_optimizers(model, tcfg.lr, tcfg.weight_decay, tcfg.table_lr_mult)
-    run.dense_params = [p for _, p in split_params(model)[0]]
-    run.batcher = Batcher(load_split(data_dir, "train"), tcfg.seq_len, tcfg.batch_size, seed=tcfg.seed)
-    run.val = eval_windows(load_split(data_dir, "val"), tcfg.seq_len, tcfg.eval_max_windows)
-    run.write_final = lambda m: _write_final(m, run_dir, method, tok_file)
-    return run
+                "lora_targets": lora_targets}
+    run = open_run(tcfg, data, out, run_json, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options",
+                                               "lora_targets"), resume, ddp, progress)
+    run.model = model.train()
+    run.only_trainable, run.feed_hashes = method != "full", False  # the adapter hashes in its own forward
+    run.counts = ad.trainable_summary(model)
+    run.n_params, run.n_table = run.counts["total"], run.counts["engram_table"]
+    run.write_final = lambda m: _write_final(m, run.run_dir, method, tok_file)
+    adapter = ad.adapter_of(model)
+    return finish_build(run, resume, adapter.mapping if adapter is not None else None)
 
 
 def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None, lora_rank: int | None = None,
@@ -201,33 +185,23 @@ def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None
     `extra_eval` {name: data sources}: after training, also report the validation loss on those corpora
     (the retrofit experiment measures forgetting on the base's own corpus this way).
     """
-    from .train import finish, log_start, loop, restore
-
     run = build(base, data, out, method, layers, lora_rank, unfreeze, engram_options, max_steps, overrides, resume,
                 device, progress, lora_targets)
-    step = restore(run) if resume else 0
-    c = run.counts
-    if run.progress:
-        print(f"adapt ({json.loads((run.run_dir / 'run.json').read_text())['method']}): "
-              f"{c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in Engram tables, "
-              f"{c['engram_dense'] / 1e6:.3f}M Engram dense, {c['base_trainable'] / 1e6:.3f}M base) of "
-              f"{c['total'] / 1e6:.2f}M; train {run.manifest['splits']['train']['tokens']:,} tokens, "
-              f"device {run.ddp.device}")
-    if step == 0:
-        log_start(run)
-    summary = finish(run, *loop(run, step, stop_after))
+    c, how = run.counts, _method(method, lora_rank)[0]
+    summary = execute(run, resume, stop_after, lambda r: (
+        f"adapt ({how}): {c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in "
+        f"Engram tables, {c['engram_dense'] / 1e6:.3f}M Engram dense, {c['base_trainable'] / 1e6:.3f}M base) of "
+        f"{c['total'] / 1e6:.2f}M; train {r.manifest['splits']['train']['tokens']:,} tokens, device {r.ddp.device}"))
     if "final" in summary:
         summary["trainable"] = c
         if extra_eval:
             summary["extra_eval"] = {name: evaluate_on(run.model, srcs, run.tcfg) for name, srcs in extra_eval.items()}
-        atomic_write_bytes(run.run_dir / "summary.json", json.dumps(summary, indent=1).encode())
+        write_json(run.run_dir / "summary.json", summary)
     return summary
 
 
 def evaluate_on(model, sources, tcfg: TrainConfig) -> float:
     """Validation loss of `model` on the val split of `sources`, tokenized with the run's tokenizer."""
-    from .train import evaluate
-
     d = prepare(sources, tcfg.tokenizer, progress=False)
     windows = eval_windows(load_split(d, "val"), tcfg.seq_len, tcfg.eval_max_windows)
     dev = next(model.parameters()).device

