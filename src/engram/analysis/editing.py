@@ -37,7 +37,7 @@ from ..editing import Fact, applied, edit_facts
 from ..persist import atomic_write_bytes, decode_json_bytes, write_json, write_jsonl
 from ..training.data import text_windows
 from ..utils import environment
-from .runs import difference, read_result, read_run_file, seed_stats
+from .runs import difference, publish, read_result, read_run_file, seed_stats
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",
              "lune", "mor", "kess", "ril", "vor", "ash", "fen", "ulm", "orn", "yse", "brae", "cind", "harl", "ost"]
@@ -410,14 +410,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
                "n_facts": n_facts, "seeds": seeds, "ft_steps": ft_steps, "kl_weight": KL_WEIGHT,
                "methods": table, "tests": tests, "by_relation": by_rel, "runs": per, "environments": [environment()]}
-    write_json(root / "summary.json", summary)
-    md = markdown(summary)
-    atomic_write_bytes(root / "summary.md", md.encode())
-    plot(summary, root / "plot.png")
-    if record is not None:
-        write_json(Path(record) / "edit.json", summary)
-    print(md)
-    return summary
+    return publish(summary, root, record, "edit.json", markdown, plot)
 
 
 LABELS = {"efficacy_counterfactual": "efficacy (counterfactual)", "efficacy_new": "efficacy (new entity)",

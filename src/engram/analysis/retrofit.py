@@ -35,7 +35,7 @@ import torch
 from ..persist import atomic_write_bytes, new_dir, read_jsonl, write_json
 from ..training.checkpoint import checkpoints
 from ..utils import environment
-from .runs import ExperimentError, difference, read_result, read_run_file, seed_stats
+from .runs import ExperimentError, difference, publish, read_result, read_run_file, seed_stats
 
 DOMAIN = ["wordnet"]
 GENERAL = ["shakespeare", "kjv"]  # the base's pretraining corpus: forgetting is measured on its val split
@@ -207,14 +207,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "chosen": table, "pareto_front": front,
                "matched": matched, "match_tol": MATCH_TOL,
                "vs": ref, "tests": tests, "runs": runs, "environments": envs or [environment()]}
-    write_json(root / "summary.json", summary)
-    md = markdown(summary)
-    atomic_write_bytes(root / "summary.md", md.encode())
-    plot(summary, root / "plot.png")
-    if record is not None:
-        write_json(Path(record) / "retrofit.json", summary)
-    print(md)
-    return summary
+    return publish(summary, root, record, "retrofit.json", markdown, plot)
 
 
 def _fmt(s: dict, sign: bool = False) -> str:

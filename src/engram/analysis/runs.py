@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from ..errors import EngramError
-from ..persist import read_json
+from ..persist import atomic_write_bytes, read_json, write_json
 
 
 class ExperimentError(EngramError, ValueError):
@@ -25,6 +25,20 @@ def read_result(path: Path, what: str, delete: Path | None = None, expect: type 
 def read_run_file(run_dir: Path, name: str = "run.json") -> dict:
     """`run_dir/name` of a training run (`run.json`: its settings, `summary.json`: its results)."""
     return read_result(Path(run_dir) / name, "run file", delete=run_dir)
+
+
+def publish(summary: dict, root: Path, record, name: str, markdown, plot) -> dict:
+    """Write an experiment's `summary.json`, `summary.md` (`markdown(summary)`) and `plot.png` (`plot(summary,
+    path)`) under `root`, copy the summary to `record/name` when recording (`--record docs/results`), print the
+    table and return the summary."""
+    write_json(root / "summary.json", summary)
+    md = markdown(summary)
+    atomic_write_bytes(root / "summary.md", md.encode())
+    plot(summary, root / "plot.png")
+    if record is not None:
+        write_json(Path(record) / name, summary)
+    print(md)
+    return summary
 
 
 def seed_stats(xs: list[float]) -> dict:
