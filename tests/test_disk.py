@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from engram._numba import LazyKernels
 from engram.tables import TableError, disk, write_table_file
 from engram.tables.blocks import PAGE, write_block_sums
 from engram.tables.disk import DiskTable
@@ -19,7 +20,7 @@ def reader(request, monkeypatch):
         if disk._READER.get() is None:
             pytest.skip("numba not installed")
     else:
-        monkeypatch.setattr(disk, "_READER", disk.LazyKernels(lambda: None))
+        monkeypatch.setattr(disk, "_READER", LazyKernels(lambda: None))
     return request.param
 
 
