@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 import engram  # noqa: E402
-from engram.analysis.editing import make_facts  # noqa: E402
+from engram.analysis.facts import make_facts  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.editing import (  # noqa: E402
     EditError,
@@ -263,7 +263,7 @@ class SyllableTokenizer:
         self.vocab = {}
 
     def _pieces(self, word):
-        from engram.analysis.editing import SYLLABLES
+        from engram.analysis.facts import SYLLABLES
 
         core, out = word.strip().lower(), []
         while core:
@@ -283,7 +283,7 @@ class SyllableTokenizer:
 
 
 def test_generator_keeps_only_addressable_facts():
-    from engram.analysis.editing import _trigger_ngrams
+    from engram.analysis.facts import _trigger_ngrams
 
     tok = SyllableTokenizer()
     facts = make_facts(50, seed=0, tokenizer=tok)
@@ -343,6 +343,7 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     """The counterfactual/new-entity experiment on the tiny model: every method measured on every metric,
     per-seed files written, the fact sets seeded, neighbours never among the edited subjects."""
     from engram.analysis import editing as ed
+    from engram.analysis.facts import fact_sets
 
     root, corpus = run
     facts = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEF" for rel, o in
@@ -350,8 +351,8 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     facts.append(("LandG", "capital", " Paris"))  # not known: never edited, never a neighbour
     monkeypatch.setattr(ed, "world_facts", lambda: facts)
     monkeypatch.setattr(ed, "known_facts", lambda model, tok, fs: [f for f in fs if f[0] != "LandG"])
-    fs = ed.fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
-    assert fs == ed.fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
+    fs = fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
+    assert fs == fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
     edited_subjects = {f.prompt for f in fs["counterfactual"]}
     assert len(fs["counterfactual"]) == 3 and len(fs["new"]) == 3
     assert all(f.target != o for f, o in zip(fs["counterfactual"], fs["counterfactual_true"]))
