@@ -23,8 +23,8 @@ def engram_layers(model) -> dict:
     return layers
 
 
-def hash_mapping(model):
-    """The `NgramHashMapping` of `model`'s Engram layers."""
+def mapping_of(model):
+    """The `NgramHashMapping` of `model`'s Engram layers (`layer.hash_mapping` of its first one)."""
     for m in model.modules():
         if isinstance(m, Engram):
             return m.hash_mapping
