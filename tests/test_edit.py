@@ -26,6 +26,7 @@ from engram.editing import (  # noqa: E402
     locality,
     read_facts,
 )
+from engram.hashing import identity_digest  # noqa: E402
 from engram.persist import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
@@ -154,6 +155,11 @@ def test_overlay_round_trip_and_refusals(tmp_path, run, edited):
     with pytest.raises(EditError, match="another checkpoint"):
         apply_overlay(other, d)
     bad = Overlay(overlay.rows, overlay.values, {**overlay.meta, "hash_spec_sha256": "0" * 64})
+    with pytest.raises(EditError, match="another hash manifest"):
+        apply_overlay(fresh, bad)
+    # an overlay made under another hash_mode (same constants, other rows) is refused too
+    shuffled = {**mapping_of(fresh).spec(include_lookup_table=False), "hash_mode": "shuffled"}
+    bad = Overlay(overlay.rows, overlay.values, {**overlay.meta, "hash_spec_sha256": identity_digest(shuffled)})
     with pytest.raises(EditError, match="another hash manifest"):
         apply_overlay(fresh, bad)
     raw = bytearray((d / "overlay.safetensors").read_bytes())

@@ -26,9 +26,10 @@ def _build():
     fm = {"contract", "nnan", "ninf", "nsz"}
 
     def make(flavor):  # flavor (0 parallel, 1 serial) is a closure cell: numba's disk cache keeps the two apart
-        def kernel(x, pad, starts, mult, p, c32, c48, inv, off, out):  # pragma: no cover - compiled
-            # x (B, T) ids; starts (B, T) bool: True where a document starts (n-grams do not reach back past
-            # it: those positions read `pad`, as positions before the sequence do), or (0, 0): none; mult (L, N) int64;
+        def kernel(x, pad, ends, mult, p, c32, c48, inv, off, out):  # pragma: no cover - compiled
+            # x (B, T) ids; ends (B, T) bool: True where a document ends (n-grams after it do not reach back
+            # across it: those positions read `pad`, as positions before the sequence do), or (0, 0): none;
+            # mult (L, N) int64;
             # p, c32 = 2^32 mod p, c48 = 2^48 mod p, inv = 1/p, off (L, O, H) float64 (off: added to each
             # head's row); out (L, B, T, O*H). Work goes in chunks of one sequence's tokens; inside a chunk
             # every loop runs over tokens, so the arithmetic is SIMD, then a tile is transposed into `out`.
@@ -36,7 +37,7 @@ def _build():
             L, N = mult.shape
             O, H = p.shape[1], p.shape[2]
             chunk = 128  # tokens: the tile (O*H x chunk float64) stays in L1
-            masked = starts.shape[0] > 0
+            masked = ends.shape[0] > 0
             per_row = (T + chunk - 1) // chunk
             for job in prange(B * per_row):
                 b = job // per_row
@@ -51,11 +52,11 @@ def _build():
                 s = 0
                 if masked:
                     s = t0
-                    while s > 0 and t0 - s < N - 1 and not starts[b, s]:
+                    while s > 0 and t0 - s < N - 1 and not ends[b, s - 1]:
                         s -= 1
                 for i in range(n):
                     t = t0 + i
-                    if masked and i > 0 and starts[b, t]:
+                    if masked and i > 0 and ends[b, t - 1]:
                         s = t
                     start[i] = s
                 for l in range(L):
@@ -106,16 +107,16 @@ def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, ...]:
     return p, ((1 << 32) % primes).astype(np.float64), ((1 << 48) % primes).astype(np.float64), 1.0 / p
 
 
-_NO_STARTS = np.zeros((0, 0), dtype=np.bool_)
+_NO_ENDS = np.zeros((0, 0), dtype=np.bool_)
 
 
 def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray,
-              starts: np.ndarray | None = None, offsets: np.ndarray | None = None) -> None:
+              ends: np.ndarray | None = None, offsets: np.ndarray | None = None) -> None:
     """Fill `out` (L, B, T, O*H) (int64 or int32) with per-head rows; `consts` from `kernel_constants`
     (primes <= MAX_PRIME).
 
-    `starts` (B, T) bool: True where a document starts (n-grams at and after it read `pad` for the positions
-    before it: an EOS reset, a DEAD position), or None.
+    `ends` (B, T) bool: True where a document ends (the n-grams after it read `pad` from there back: an EOS
+    reset, the positions before and at a DEAD one), or None.
     `offsets` (L, O, H) float64: added to each head's row (its place in the layer's concatenated table), or None.
     """
     p, c32, c48, inv = consts
@@ -125,5 +126,5 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
         offsets = np.zeros_like(p)
     with _lock:
         fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad),
-           _NO_STARTS if starts is None else np.ascontiguousarray(starts, dtype=np.bool_), mult, p, c32, c48, inv,
+           _NO_ENDS if ends is None else np.ascontiguousarray(ends, dtype=np.bool_), mult, p, c32, c48, inv,
            offsets, out)

@@ -8,7 +8,7 @@ For every Engram layer, n-gram order n = 2..N and head k, position t gets
 over (compressed) ids x (constants from the family: `families.py`). An n-gram never reaches back past
 its document's start: positions before the sequence, before the token after a `reset_id` (EOS), and at
 or before a DEAD position (`hash(..., dead=mask)`: an image span, say) read the pad id instead. All three
-are one mechanism: a per-position "a document starts here" mask (`_starts`), with a DEAD position's own
+are one mechanism: a per-position "a document ends here" mask (`_ends`), with a DEAD position's own
 id read as the pad.
 
 Bit-identical to the reference `NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
@@ -97,7 +97,7 @@ class NgramHashMapping:
             raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         self.family, self.backend = family, backend
         self.max_prime = family.max_prime
-        self._np_index_dtype = torch.empty(0, dtype=family.index_dtype).numpy().dtype
+        self._np_index_dtype = torch.empty(0, dtype=family.index_dtype, device="cpu").numpy().dtype  # (meta ctx)
         self._device_cache: dict[Any, tuple] = {}
         self._lock = threading.Lock()
 
@@ -109,7 +109,8 @@ class NgramHashMapping:
         return self
 
     @classmethod
-    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
+    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None
+                    ) -> "NgramHashMapping":
         return cls.for_family(DeepSeekFamily.from_config(cfg, compressed_tokenizer))
 
     # The family's constants under the reference's attribute names.
@@ -152,7 +153,7 @@ class NgramHashMapping:
         if key not in self._device_cache:
             lut = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
             mult = torch.tensor(np.stack([self.layer_multipliers[l] for l in self.layer_ids]), device=device)
-            primes = torch.tensor([self.vocab_size_across_layers[l] for l in self.layer_ids], dtype=torch.int64, device=device)
+            primes = torch.tensor([self.vocab_size_across_layers[lid] for lid in self.layer_ids], device=device)
             L, O, H = primes.shape
             p64 = primes.to(torch.float64).view(L, O, H, 1)
             c64 = torch.remainder(torch.full_like(primes, 1 << 32), primes).to(torch.float64).view(L, O, H, 1)
@@ -162,7 +163,8 @@ class NgramHashMapping:
     def validate(self, input_ids) -> None:
         """Raise `HashInputError` unless `input_ids` is a 2-D integer array of ids in [0, len(tokenizer))."""
         if isinstance(input_ids, torch.Tensor):
-            dtype_ok = not (input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool)
+            dt = input_ids.dtype
+            dtype_ok = not (dt.is_floating_point or dt.is_complex or dt == torch.bool)
             dtype_name = str(input_ids.dtype)
         elif isinstance(input_ids, np.ndarray):
             dtype_ok = np.issubdtype(input_ids.dtype, np.integer)
@@ -173,7 +175,8 @@ class NgramHashMapping:
                 "wrap lists with np.array(...)"
             )
         if not dtype_ok:
-            raise HashInputError(f"input_ids must hold integer token ids, got dtype {dtype_name}; cast with .long() / .astype(np.int64)")
+            raise HashInputError(f"input_ids must hold integer token ids, got dtype {dtype_name}; cast with .long() / "
+                                 ".astype(np.int64)")
         if input_ids.ndim != 2:
             raise HashInputError(
                 f"input_ids must be 2-D [batch, seq_len], got {input_ids.ndim}-D shape {tuple(input_ids.shape)}; "
@@ -195,38 +198,37 @@ class NgramHashMapping:
                        else "was the text tokenized with a different tokenizer?")
                 )
 
-    def _dead(self, dead, shape, what: str = "dead") -> torch.Tensor | None:
-        """A DEAD mask as a CPU bool tensor of `shape` (B, T), or None (no mask, or no DEAD position)."""
+    def _dead(self, dead, shape, what: str = "dead") -> np.ndarray | None:
+        """A DEAD mask (bool tensor or array) as a numpy bool array of `shape` (B, T), or None (no mask, or no
+        DEAD position)."""
         if dead is None:
             return None
-        d = torch.as_tensor(dead)
-        if d.dtype != torch.bool or tuple(d.shape) != tuple(shape):
+        d = dead.detach().cpu().numpy() if isinstance(dead, torch.Tensor) else np.asarray(dead)
+        if d.dtype != np.bool_ or tuple(d.shape) != tuple(shape):
             raise HashInputError(f"{what} must be a bool tensor of shape {list(shape)} (True at DEAD positions), got "
-                                 f"{d.dtype} {list(d.shape)}")
-        return d.cpu() if bool(d.any()) else None
+                                 f"{dead.dtype} {list(d.shape)}")
+        return d if d.any() else None
 
-    def _starts(self, input_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, T) bool: True where a document starts (n-grams there and after read the pad before it), or None.
+    def _ends(self, raw: np.ndarray, dead: np.ndarray | None) -> np.ndarray | None:
+        """(B, T) bool: True where a document ends (n-grams after it read the pad from there back), or None.
 
-        A document starts after each `reset_id` (EOS), and at and after each DEAD position (whose own id is
-        then read as the pad, `_compressed`): EOS resets and DEAD masks are one mechanism.
+        A document ends at each `reset_id` (EOS), and just before and at each DEAD position (whose own id is
+        read as the pad): EOS resets and DEAD masks are one mechanism, per-position resets.
         """
-        starts = None
-        if self.reset_id is not None:
-            starts = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-            torch.eq(input_ids[:, :-1], self.reset_id, out=starts[:, 1:])
+        reset = self.family.reset_id
+        ends = None if reset is None else raw == reset
         if dead is not None:
-            d = dead.to(input_ids.device)
-            d = torch.cat([d[:, :1], d[:, 1:] | d[:, :-1]], dim=1)  # at and after each DEAD position
-            starts = d if starts is None else starts | d
-        return starts
+            d = dead.copy()
+            d[:, :-1] |= dead[:, 1:]  # before and at each DEAD position
+            ends = d if ends is None else ends | d
+        return ends
 
-    def hash_tensor(self, input_ids: torch.Tensor, offsets: bool = False, dead: torch.Tensor | None = None
+    def hash_tensor(self, input_ids: torch.Tensor, offsets: bool = False, dead: np.ndarray | None = None
                     ) -> torch.Tensor:
         """Hash a validated int tensor `[B, T]` -> `index_dtype` `[L, B, T, (N-1)*K]` (ablation modes applied).
 
         `offsets=True`: rows of each layer's concatenated table (each head's offset added), else per-head rows.
-        `dead`: a checked (B, T) bool mask of DEAD positions (`_dead`), or None.
+        `dead`: a checked (B, T) numpy bool mask of DEAD positions (`_dead`), or None.
         """
         if self.hash_mode == "constant":
             L, H = len(self.layer_ids), (self.max_ngram_size - 1) * self.n_head_per_ngram
@@ -238,7 +240,8 @@ class NgramHashMapping:
             offsets = offsets and not added
         if offsets:
             out = out + self._offset_tensor(out.device).view(len(self.layer_ids), 1, 1, -1)
-        return out.to(self.index_dtype)
+        dtype = self.family.index_dtype
+        return out if out.dtype == dtype else out.to(dtype)
 
     def _offset_tensor(self, device) -> torch.Tensor:
         """(L, H) int64: every layer's head offsets."""
@@ -255,7 +258,7 @@ class NgramHashMapping:
         primes = torch.tensor([self.head_sizes(lid) for lid in self.layer_ids], device=rows.device).view(L, 1, 1, H)
         return torch.remainder(rows + key, primes)
 
-    def _hash_ngram(self, input_ids: torch.Tensor, offsets: bool = False, dead: torch.Tensor | None = None
+    def _hash_ngram(self, input_ids: torch.Tensor, offsets: bool = False, dead: np.ndarray | None = None
                     ) -> tuple[torch.Tensor, bool]:
         """Hash a validated int tensor `[B, T]` -> (`[L, B, T, (N-1)*K]`, whether offsets were added),
         all layers at once.
@@ -264,15 +267,17 @@ class NgramHashMapping:
         it adds the head offsets itself when asked (`offsets`) and writes `index_dtype`. Otherwise (and on
         GPU) a vectorized torch path computes the same per-head integers (int64).
         """
-        starts = self._starts(input_ids, dead)
+        ends = None
+        if self.family.reset_id is not None or dead is not None:  # (found on the host)
+            ends = self._ends(input_ids.cpu().numpy(), dead)
         if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
             if not _fasthash.available():
                 if self.backend == "numba":
                     raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
             elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
-                return self._hash_numba(input_ids, offsets, starts, dead), offsets
+                return self._hash_numba(input_ids, offsets, ends, dead), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
-            return self._hash_torch(input_ids, starts, dead), False
+            return self._hash_torch(input_ids, ends, dead), False
 
     def _numba_constants(self) -> tuple:
         """(multipliers (L, N), kernel constants, (L, O, H), head offsets (L, O, H) float64), built once."""
@@ -283,22 +288,19 @@ class NgramHashMapping:
             self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
         return self._device_cache[("numba",)]
 
-    def _compressed(self, raw: np.ndarray, dead: torch.Tensor | None) -> np.ndarray:
-        """(B, T) int64 x: the compressed ids of `raw`, a DEAD position's read as the pad."""
-        x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
-        return x if dead is None else np.where(dead.numpy(), self.pad_id, x)
-
-    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool, starts: torch.Tensor | None,
-                    dead: torch.Tensor | None) -> torch.Tensor:
+    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool, ends: np.ndarray | None,
+                    dead: np.ndarray | None) -> torch.Tensor:
         mult, consts, (L, O, H), off = self._numba_constants()
         B, T = input_ids.shape
-        x = self._compressed(input_ids.numpy(), dead)
+        raw = input_ids.numpy()
+        x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
+        if dead is not None:
+            x = np.where(dead, self.pad_id, x)  # a DEAD position's own id reads the pad
         out = np.empty((L, B, T, O * H), dtype=self._np_index_dtype)
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out, None if starts is None else starts.numpy(),
-                            off if offsets else None)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, ends, off if offsets else None)
         return torch.from_numpy(out)
 
-    def _hash_torch(self, input_ids: torch.Tensor, starts: torch.Tensor | None, dead: torch.Tensor | None
+    def _hash_torch(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
                     ) -> torch.Tensor:
         lut, mult, primes, p64, c64 = self._tensors(input_ids.device)
         L, O, H = primes.shape
@@ -306,13 +308,14 @@ class NgramHashMapping:
         N = self.max_ngram_size
         x = lut[input_ids.long()]  # (B, T) compressed
         if dead is not None:
-            x = torch.where(dead.to(x.device), self.pad_id, x)  # a DEAD position's own id reads the pad
-        if starts is None:
+            x = torch.where(torch.from_numpy(dead).to(x.device), self.pad_id, x)  # a DEAD position's own id: the pad
+        if ends is None:
             padded = torch.nn.functional.pad(x, (N - 1, 0), value=self.pad_id)
             shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
         else:  # n-grams do not reach back past their document's start: those positions read the pad id
             pos = torch.arange(T, device=x.device)
-            since = pos - torch.where(starts, pos, 0).cummax(dim=1).values  # (B, T) tokens since the start
+            last = torch.where(torch.from_numpy(ends).to(x.device), pos, -1).cummax(dim=1).values  # last end <= t
+            since = pos - torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1) - 1  # (B, T): tokens since the start
             shifts = [x.reshape(B * T)] + [
                 torch.where(since >= k, x[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
         mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=x.device)  # (L, O, 1, BT)
@@ -376,10 +379,10 @@ class NgramHashMapping:
         d = None
         if dead is not None or history_dead is not None:
             hd, nd = self._dead(history_dead, history.shape, "history_dead"), self._dead(dead, input_ids.shape)
-            d = torch.cat([torch.zeros(tuple(history.shape), dtype=torch.bool) if hd is None else hd,
-                           torch.zeros(tuple(input_ids.shape), dtype=torch.bool) if nd is None else nd], dim=1)
+            d = np.concatenate([np.zeros(tuple(history.shape), dtype=np.bool_) if hd is None else hd,
+                                np.zeros(tuple(input_ids.shape), dtype=np.bool_) if nd is None else nd], axis=1)
         if isinstance(input_ids, torch.Tensor):
-            ids = torch.cat([torch.as_tensor(history).to(input_ids.device), input_ids], dim=1)
+            ids = torch.cat([torch.as_tensor(history, device=input_ids.device), input_ids], dim=1)
         else:
             ids = np.concatenate([np.asarray(history), input_ids], axis=1)
         full = self.hash(ids, offsets, d)
@@ -409,7 +412,8 @@ class NgramHashMapping:
     def from_spec(cls, spec_or_path, tokenizer_name_or_path=None) -> "NgramHashMapping":
         """Build a mapping from an `engram spec` manifest of any family, refusing a tokenizer that does not match it."""
         if isinstance(spec_or_path, (str, os.PathLike)):
-            spec = read_json(spec_or_path, "hash spec", f"write one with `engram spec --out {spec_or_path}`", ConfigError)
+            spec = read_json(spec_or_path, "hash spec", f"write one with `engram spec --out {spec_or_path}`",
+                             ConfigError)
         else:
             spec = spec_or_path
         if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:

@@ -179,7 +179,8 @@ class DeepSeekFamily(HashFamily):
         self.moduli = head_moduli(self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram)
 
     @classmethod
-    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None) -> "DeepSeekFamily":
+    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None
+                    ) -> "DeepSeekFamily":
         return cls(cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram, cfg.n_head_per_ngram,
                    cfg.layer_ids, cfg.tokenizer_name_or_path, cfg.pad_id, cfg.seed,
                    compressed_tokenizer=compressed_tokenizer, compress=cfg.compress_tokenizer, hash_mode=cfg.hash_mode)
@@ -213,7 +214,8 @@ class DeepSeekFamily(HashFamily):
                 f"but {ct.tokenizer_file} has {ct.tokenizer_sha256[:16]}...; pass the tokenizer the spec was made with"
             )
         if ct.lookup_sha256 != spec["lookup_table_sha256"]:
-            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
+            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the "
+                              "spec's")
         return cls(spec["engram_vocab_size"], spec["max_ngram_size"], spec["n_embed_per_ngram"],
                    spec["n_head_per_ngram"], spec["layer_ids"], None, spec["pad_id"], spec["seed"],
                    compressed_tokenizer=ct, compress=spec.get("compress_tokenizer", True),
