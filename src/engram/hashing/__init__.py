@@ -6,11 +6,12 @@
 - `identity.py`: what decides which row an n-gram reads, read off a family's manifest (`SPEC_FILE`):
   `spec_identity`, `identity_digest`, `check_identity`, `check_digest`. Models, adapters, overlays and
   checkpoints compare exactly this.
+- `inputs.py`: what the engine accepts (`validate_ids`, `dead_mask`; `HashInputError`).
 - `engine.py`: `NgramHashMapping`, the one engine for every family (validation, the fused kernel or the
   torch path, EOS resets and DEAD masks as per-position document starts); `get_hash_mapping(cfg)`.
 """
 
-from .engine import HashInputError, NgramHashMapping, get_hash_mapping
+from .engine import NgramHashMapping, get_hash_mapping
 from .families import (
     FAMILIES,
     HASH_MODES,
@@ -33,6 +34,7 @@ from .identity import (
     legacy_identity_digest,
     spec_identity,
 )
+from .inputs import HashInputError
 
 __all__ = ["FAMILIES", "HASH_MODES", "IDENTITY_KEYS", "PRIME_1", "SPEC_FILE", "SPEC_FORMAT", "DeepSeekFamily",
            "HashFamily", "HashInputError", "NgramHashMapping", "check_digest", "check_identity", "family_class",

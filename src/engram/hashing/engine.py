@@ -39,23 +39,15 @@ import torch
 
 from .. import _fasthash
 from ..config import ConfigError, EngramConfig
-from ..errors import EngramError
 from ..persist import atomic_write_bytes, read_json
 from ..tokenizer import CompressedTokenizer, RawIds
 from .families import DeepSeekFamily, HashFamily, family_class
 from .identity import SPEC_FORMAT, check_identity, identity_digest, spec_identity
-
-
-class HashInputError(EngramError, ValueError):
-    """Input ids have the wrong type, shape or values; the message names the first problem."""
+from .inputs import dead_mask, validate_ids
 
 
 def _from_family(attr: str, doc: str = ""):
     return property(lambda self: getattr(self.family, attr), doc=doc or f"The family's `{attr}`.")
-
-
-def _first_bad(mask: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
 class NgramHashMapping:
@@ -162,52 +154,7 @@ class NgramHashMapping:
 
     def validate(self, input_ids) -> None:
         """Raise `HashInputError` unless `input_ids` is a 2-D integer array of ids in [0, len(tokenizer))."""
-        if isinstance(input_ids, torch.Tensor):
-            dt = input_ids.dtype
-            dtype_ok = not (dt.is_floating_point or dt.is_complex or dt == torch.bool)
-            dtype_name = str(input_ids.dtype)
-        elif isinstance(input_ids, np.ndarray):
-            dtype_ok = np.issubdtype(input_ids.dtype, np.integer)
-            dtype_name = str(input_ids.dtype)
-        else:
-            raise HashInputError(
-                f"input_ids must be a numpy array or torch tensor of shape [B, T], got {type(input_ids).__name__}; "
-                "wrap lists with np.array(...)"
-            )
-        if not dtype_ok:
-            raise HashInputError(f"input_ids must hold integer token ids, got dtype {dtype_name}; cast with .long() / "
-                                 ".astype(np.int64)")
-        if input_ids.ndim != 2:
-            raise HashInputError(
-                f"input_ids must be 2-D [batch, seq_len], got {input_ids.ndim}-D shape {tuple(input_ids.shape)}; "
-                "add a batch dimension with x[None] / x.unsqueeze(0)"
-            )
-        if input_ids.numel() if isinstance(input_ids, torch.Tensor) else input_ids.size:
-            if isinstance(input_ids, torch.Tensor):
-                lo, hi = (int(v) for v in torch.aminmax(input_ids))  # one pass
-            else:
-                lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.raw_vocab_size:
-                arr = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids
-                bad = (arr < 0) | (arr >= self.raw_vocab_size)
-                pos = _first_bad(bad)
-                raise HashInputError(
-                    f"token id {int(arr[pos])} at position {pos} is outside [0, {self.raw_vocab_size}) for this "
-                    f"tokenizer ({getattr(self.compressed_tokenizer.tokenizer_file, 'name', 'in memory')}); "
-                    + ("negative ids are not allowed: pad with the pad id instead" if arr[pos] < 0
-                       else "was the text tokenized with a different tokenizer?")
-                )
-
-    def _dead(self, dead, shape, what: str = "dead") -> np.ndarray | None:
-        """A DEAD mask (bool tensor or array) as a numpy bool array of `shape` (B, T), or None (no mask, or no
-        DEAD position)."""
-        if dead is None:
-            return None
-        d = dead.detach().cpu().numpy() if isinstance(dead, torch.Tensor) else np.asarray(dead)
-        if d.dtype != np.bool_ or tuple(d.shape) != tuple(shape):
-            raise HashInputError(f"{what} must be a bool tensor of shape {list(shape)} (True at DEAD positions), got "
-                                 f"{dead.dtype} {list(d.shape)}")
-        return d if d.any() else None
+        validate_ids(input_ids, self.raw_vocab_size, self.compressed_tokenizer)
 
     def _ends(self, raw: np.ndarray, dead: np.ndarray | None) -> np.ndarray | None:
         """(B, T) bool: True where a document ends (n-grams after it read the pad from there back), or None.
@@ -360,7 +307,7 @@ class NgramHashMapping:
         self.validate(input_ids)
         as_numpy = not isinstance(input_ids, torch.Tensor)
         t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
-        out = self.hash_tensor(t, offsets, self._dead(dead, t.shape))
+        out = self.hash_tensor(t, offsets, dead_mask(dead, t.shape))
         if as_numpy:
             out = out.numpy()
         return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
@@ -378,7 +325,7 @@ class NgramHashMapping:
         T = input_ids.shape[1]
         d = None
         if dead is not None or history_dead is not None:
-            hd, nd = self._dead(history_dead, history.shape, "history_dead"), self._dead(dead, input_ids.shape)
+            hd, nd = dead_mask(history_dead, history.shape, "history_dead"), dead_mask(dead, input_ids.shape)
             d = np.concatenate([np.zeros(tuple(history.shape), dtype=np.bool_) if hd is None else hd,
                                 np.zeros(tuple(input_ids.shape), dtype=np.bool_) if nd is None else nd], axis=1)
         if isinstance(input_ids, torch.Tensor):
