@@ -115,7 +115,7 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     """Fill `out` (L, B, T, O*H) (int64 or int32) with per-head rows; `consts` from `kernel_constants`
     (primes <= MAX_PRIME).
 
-    `ends` (B, T) bool: True where a document ends (the n-grams after it read `pad` from there back: an EOS
+    `ends` (B, T) bool, C-contiguous: True where a document ends (the n-grams after it read `pad` from there back: an EOS
     reset, the positions before and at a DEAD one), or None.
     `offsets` (L, O, H) float64: added to each head's row (its place in the layer's concatenated table), or None.
     """
@@ -126,5 +126,5 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
         offsets = np.zeros_like(p)
     with _lock:
         fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad),
-           _NO_ENDS if ends is None else np.ascontiguousarray(ends, dtype=np.bool_), mult, p, c32, c48, inv,
+           _NO_ENDS if ends is None else ends, mult, p, c32, c48, inv,
            offsets, out)

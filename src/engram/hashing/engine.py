@@ -214,15 +214,17 @@ class NgramHashMapping:
         it adds the head offsets itself when asked (`offsets`) and writes `index_dtype`. Otherwise (and on
         GPU) a vectorized torch path computes the same per-head integers (int64).
         """
+        cpu = input_ids.device.type == "cpu"
+        raw = input_ids.numpy() if cpu else None
         ends = None
         if self.family.reset_id is not None or dead is not None:  # (found on the host)
-            ends = self._ends(input_ids.cpu().numpy(), dead)
-        if input_ids.device.type == "cpu" and self.backend in ("auto", "numba"):
+            ends = self._ends(raw if cpu else input_ids.cpu().numpy(), dead)
+        if cpu and self.backend in ("auto", "numba"):
             if not _fasthash.available():
                 if self.backend == "numba":
                     raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
             elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
-                return self._hash_numba(input_ids, offsets, ends, dead), offsets
+                return self._hash_numba(raw, offsets, ends, dead), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
             return self._hash_torch(input_ids, ends, dead), False
 
@@ -235,11 +237,11 @@ class NgramHashMapping:
             self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
         return self._device_cache[("numba",)]
 
-    def _hash_numba(self, input_ids: torch.Tensor, offsets: bool, ends: np.ndarray | None,
+    def _hash_numba(self, raw: np.ndarray, offsets: bool, ends: np.ndarray | None,
                     dead: np.ndarray | None) -> torch.Tensor:
+        """The fused kernel over the ids `raw` (B, T) (numpy view of a CPU tensor)."""
         mult, consts, (L, O, H), off = self._numba_constants()
-        B, T = input_ids.shape
-        raw = input_ids.numpy()
+        B, T = raw.shape
         x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
         if dead is not None:
             x = np.where(dead, self.pad_id, x)  # a DEAD position's own id reads the pad
