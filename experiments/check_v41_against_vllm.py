@@ -9,7 +9,7 @@ A one-off conformance check, not a test (the tests use an oracle of our own and 
 It takes `_hash_ids_kernel` from vLLM's source file (nothing else of vLLM is imported), launches it as vLLM's
 `EngramHashes.forward` does without the slot cache (the V2 runner: history from `lookback_token_ids`), over
 random batches of requests that start mid-sequence, with random DEAD masks in the chunks and in the
-lookback windows, and compares every int32 hash id with `V41HashMapping.hash_continuation`.
+lookback windows, and compares every int32 hash id with `hash_continuation` of `deepseek_v41.hash_mapping`.
 (The module's `_fused_engram_post_wkv_kernel` does not run under Triton 3's interpreter here: it loads with
 a 0-d boolean mask, which the interpreter refuses; the module is checked against a float64 oracle only.)
 """
@@ -101,7 +101,8 @@ def main():
         row = 0
         for ids, dead, S, h, hd in requests:
             k = min(N - 1, S)
-            ours = m.hash_continuation(ids[None], h[None, S - k:], dead=dead[None], history_dead=hd[None, S - k:])
+            ours = m.hash_continuation(ids[None], h[None, S - k:], offsets=True, dead=dead[None],
+                                       history_dead=hd[None, S - k:])
             for li, lid in enumerate(m.layer_ids):
                 theirs = got[row:row + len(ids), li]
                 assert torch.equal(ours[lid][0], theirs), (trial, lid, ours[lid][0][:3], theirs[:3])

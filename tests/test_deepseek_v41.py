@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from engram import _fasthash
 from engram.config import ConfigError
+from engram.hashing import HashInputError
 from engram.integrations import deepseek_v41 as v41
 from engram.tables.base import TableError
 from engram.tables.quant import dequantize_ue8m0, quantize_ue8m0, ue8m0_to_float
@@ -77,30 +79,32 @@ def oracle_hash(cfg, lut, ids, dead):
     return out
 
 
+BACKENDS = ["torch"] + (["numba"] if _fasthash.available() else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed):
+def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed, backend):
+    """The one engine, on the fused kernel and on the torch path: DEAD positions are per-position resets."""
     g = np.random.default_rng(seed)
     ct = CompressedTokenizer(tok)
     cfg = config(tok, engram_max_ngram_size=int(g.integers(2, 5)), engram_n_heads=int(g.integers(1, 4)),
                  engram_vocab_size=int(g.integers(40, 400)), engram_layer_ids=sorted(g.choice(10, 2, replace=False).tolist()),
                  engram_num_embeddings=[5000, 5000], engram_pad_token_id=int(g.integers(0, 50)))
-    m = v41.hash_mapping(cfg, ct)
+    m = v41.hash_mapping(cfg, ct, backend=backend)
     ids = g.integers(0, ct.raw_vocab_size, size=(3, 17))
     dead = g.random((3, 17)) < 0.2
+    dead[0, :2] = dead[1, -1] = True  # a DEAD first and last position
     want = oracle_hash(cfg, ct.lookup_table, ids.tolist(), dead.tolist())
-    got = m.hash(torch.from_numpy(ids), dead=torch.from_numpy(dead))
+    got = m.hash(torch.from_numpy(ids), offsets=True, dead=torch.from_numpy(dead))
     for lid in cfg["engram_layer_ids"]:
         assert got[lid].dtype == torch.int32 and torch.equal(got[lid].long(), torch.from_numpy(want[lid]))
     clean = oracle_hash(cfg, ct.lookup_table, ids.tolist(), np.zeros_like(dead).tolist())
-    fast = m.hash(ids)  # no DEAD: the engine's kernel, numpy in -> numpy out
-    slow = m._hash_dead(torch.from_numpy(ids), torch.zeros(3, 17, dtype=torch.bool), True)
-    for i, lid in enumerate(cfg["engram_layer_ids"]):
+    fast = m.hash(ids, offsets=True)  # no DEAD: numpy in -> numpy out
+    per_head = m.hash(ids, dead=np.zeros_like(dead))  # an all-False mask: no DEAD position
+    for lid in cfg["engram_layer_ids"]:
         assert np.array_equal(fast[lid], clean[lid]) and fast[lid].dtype == np.int32
-        assert torch.equal(slow[i], torch.from_numpy(clean[lid]))
-    if m._fused():  # with DEAD positions: the fused kernel (resets) and the int64 torch path agree
-        dt = torch.from_numpy(dead)
-        fused, exact = m._hash_dead_fused(torch.from_numpy(ids), dt, True), m._hash_dead(torch.from_numpy(ids), dt, True)
-        assert torch.equal(fused, exact)
+        assert np.array_equal(per_head[lid] + np.array(m.head_offsets(lid), dtype=np.int32), clean[lid])
 
 
 def test_chunked_prefill_and_decode_equal_one_pass(tok):
@@ -109,15 +113,16 @@ def test_chunked_prefill_and_decode_equal_one_pass(tok):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, ct.raw_vocab_size, (2, 30), generator=g)
     dead = torch.rand(2, 30, generator=g) < 0.15
-    whole = m.hash(ids, dead=dead)
+    whole = m.hash(ids, offsets=True, dead=dead)
     N1 = 3
     for cut in (1, 7, 29):  # a chunk, then the rest with the N-1 ids before it as history
-        first = m.hash(ids[:, :cut], dead=dead[:, :cut])
+        first = m.hash(ids[:, :cut], offsets=True, dead=dead[:, :cut])
         h0 = max(0, cut - N1)
-        rest = m.hash_continuation(ids[:, cut:], ids[:, h0:cut], dead=dead[:, cut:], history_dead=dead[:, h0:cut])
+        rest = m.hash_continuation(ids[:, cut:], ids[:, h0:cut], offsets=True, dead=dead[:, cut:],
+                                   history_dead=dead[:, h0:cut])
         for lid in whole:
             assert torch.equal(torch.cat([first[lid], rest[lid]], 1), whole[lid])
-    steps = [m.hash_continuation(ids[:, t:t + 1], ids[:, max(0, t - N1):t], dead=dead[:, t:t + 1],
+    steps = [m.hash_continuation(ids[:, t:t + 1], ids[:, max(0, t - N1):t], offsets=True, dead=dead[:, t:t + 1],
                                  history_dead=dead[:, max(0, t - N1):t]) for t in range(30)]  # decode
     for lid in whole:
         assert torch.equal(torch.cat([s[lid] for s in steps], 1), whole[lid])
@@ -133,13 +138,13 @@ def test_hash_manifest_round_trip_and_errors(tok, tmp_path):
     ids = torch.randint(0, ct.raw_vocab_size, (2, 9))
     dead = torch.zeros(2, 9, dtype=torch.bool)
     dead[0, 4] = True
-    assert isinstance(again, v41.V41HashMapping) and again.family.name == "deepseek_v41"
+    assert type(again) is NgramHashMapping and again.family.name == "deepseek_v41" and again.index_dtype == torch.int32
     assert all(torch.equal(again.hash(ids, dead=dead)[k], m.hash(ids, dead=dead)[k]) for k in (1, 3))
     with pytest.raises(ConfigError, match="engram_compressed_vocab_size is 7"):
         v41.hash_mapping(config(tok, engram_compressed_vocab_size=7), ct)
     with pytest.raises(ConfigError, match="not a DeepSeek-V4.1 Engram config"):
         v41.hash_mapping({"model_type": "llama"}, ct)
-    with pytest.raises(ConfigError, match="bool tensor of shape"):
+    with pytest.raises(HashInputError, match="bool tensor of shape"):
         m.hash(ids, dead=torch.zeros(2, 8, dtype=torch.bool))
 
 
@@ -303,7 +308,7 @@ def test_synthetic_checkpoint_gives_identical_outputs_from_every_tier(tok, tmp_p
             assert sum("no block checksums" in str(w.message) for w in caught) == 2  # one per layer, in place
         if "dir" in kw:  # the checked copy: one packed 64 + 2 byte row per table row, block sums beside it
             assert all((kw["dir"] / f"engram_v41_L{lid}.safetensors.blocks").is_file() for lid in (1, 3))
-        hash_ids = mem.mapping.hash(ids, dead=dead)
+        hash_ids = mem.mapping.hash(ids, offsets=True, dead=dead)
         torch.manual_seed(1)
         h = torch.randn(2, 12, 2, 32).to(torch.bfloat16)
         outs[(backend, "dir" in kw)] = {lid: mem.layers[lid](h, hash_ids[lid], mask=~dead) for lid in (1, 3)}

@@ -22,10 +22,11 @@ from engram.editing import (  # noqa: E402
     edit_facts,
     edit_report,
     edit_rows,
-    hash_mapping,
+    mapping_of,
     locality,
     read_facts,
 )
+from engram.hashing import identity_digest  # noqa: E402
 from engram.persist import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
@@ -86,7 +87,7 @@ def test_edit_moves_only_overlay_rows_toward_targets(run):
 
 def test_edit_rows_are_the_trigger_ngrams_of_the_highest_order(edited):
     model, tok, _ = edited
-    mapping, fact = hash_mapping(model), FACTS[1]
+    mapping, fact = mapping_of(model), FACTS[1]
     p, t = (tok.encode(x, add_special_tokens=False).ids for x in (fact.prompt, fact.target))
     h = mapping.hash(np.array([p + t]))
     lid = mapping.layer_ids[0]
@@ -108,7 +109,7 @@ def test_collision_set_is_exact_and_nothing_outside_it_changes(run, edited):
     coll = collision_set(model, overlay, windows, tok)
     mask = coll["mask"]
     # brute force: hash every window alone, test each head's row against the edited rows
-    mapping = hash_mapping(model)
+    mapping = mapping_of(model)
     lid = mapping.layer_ids[0]
     edited_rows = set(overlay.rows[lid].tolist())
     offsets = mapping.head_offsets(lid)
@@ -154,6 +155,11 @@ def test_overlay_round_trip_and_refusals(tmp_path, run, edited):
     with pytest.raises(EditError, match="another checkpoint"):
         apply_overlay(other, d)
     bad = Overlay(overlay.rows, overlay.values, {**overlay.meta, "hash_spec_sha256": "0" * 64})
+    with pytest.raises(EditError, match="another hash manifest"):
+        apply_overlay(fresh, bad)
+    # an overlay made under another hash_mode (same constants, other rows) is refused too
+    shuffled = {**mapping_of(fresh).spec(include_lookup_table=False), "hash_mode": "shuffled"}
+    bad = Overlay(overlay.rows, overlay.values, {**overlay.meta, "hash_spec_sha256": identity_digest(shuffled)})
     with pytest.raises(EditError, match="another hash manifest"):
         apply_overlay(fresh, bad)
     raw = bytearray((d / "overlay.safetensors").read_bytes())
@@ -252,7 +258,7 @@ def test_conflicts_and_addressable_facts(edited):
     assert ids[0][-3:] == ids[1][-3:] and ids[0] != ids[1]
     found = conflicts(model, tok, clash)
     assert [c["facts"] for c in found] == [[0, 1]] and found[0]["tokens"] == [" the", " dog"]
-    assert engram.editing.shared_rows(model, tok, clash) == hash_mapping(model).n_head_per_ngram
+    assert engram.editing.shared_rows(model, tok, clash) == mapping_of(model).n_head_per_ngram
     assert conflicts(model, tok, [Fact("the cat sat on", " the"), Fact("the cat sat on", " the")]) == []  # same target
 
 

@@ -180,3 +180,78 @@ def test_offsets_follow_the_ablation_modes(default_mapping, mode):
     got, rows = m.hash(ids), m.hash(ids, offsets=True)
     for lid in m.layer_ids:
         assert np.array_equal(rows[lid], got[lid] + np.array(m.head_offsets(lid)))
+
+
+# ---------------------------------------------------------------- hash identity: hash_mode is part of it
+def test_hash_mode_is_part_of_the_hash_identity(default_mapping):
+    """A manifest saved under "shuffled" or "constant" must not pass an "ngram" model's check (nor the reverse):
+    the modes address other rows with the same constants. A manifest without the key means "ngram"."""
+    from engram.hashing import spec_identity
+
+    ct = default_mapping.compressed_tokenizer
+    modes = {mode: NgramHashMapping([50, 61], 3, 16, 2, [0, 3], None, 2, 7, compressed_tokenizer=ct, hash_mode=mode)
+             for mode in ("ngram", "shuffled", "constant")}
+    for mine, m in modes.items():
+        for saved, other in modes.items():
+            if mine == saved:
+                m.check_spec(other.spec(include_lookup_table=False))
+            else:
+                with pytest.raises(ConfigError, match=f"saved under hash_mode '{saved}'"):
+                    m.check_spec(other.spec(include_lookup_table=False))
+    old = {k: v for k, v in modes["shuffled"].spec(include_lookup_table=False).items() if k != "hash_mode"}
+    assert spec_identity(old)["hash_mode"] == "ngram"
+    modes["ngram"].check_spec(old)
+    with pytest.raises(ConfigError, match="saved under hash_mode 'ngram'"):
+        modes["shuffled"].check_spec(old)
+
+
+def test_identity_digests_old_and_new(default_mapping):
+    """Overlays record a digest. An "ngram" digest is the one engram always wrote (old overlays keep loading);
+    another mode's differs; a digest from before hash_mode counted is refused on a non-"ngram" model."""
+    import hashlib
+
+    from engram.hashing import check_digest, identity_digest, legacy_identity_digest
+
+    ct = default_mapping.compressed_tokenizer
+    spec = {mode: NgramHashMapping([50, 61], 3, 16, 2, [0, 3], None, 2, 7, compressed_tokenizer=ct,
+                                   hash_mode=mode).spec(include_lookup_table=False) for mode in ("ngram", "shuffled")}
+    old_keys = ("family", "lookup_table_sha256", "compressed_pad_id", "layers")  # the identity before hash_mode
+    old = {m: hashlib.sha256(json.dumps({k: s.get(k) for k in old_keys}, sort_keys=True).encode()).hexdigest()
+           for m, s in spec.items()}
+    assert old["ngram"] == old["shuffled"]  # the bug: the old digest cannot tell the modes apart
+    assert identity_digest(spec["ngram"]) == old["ngram"] != identity_digest(spec["shuffled"])
+    for m in spec:
+        check_digest(spec[m], identity_digest(spec[m]), "ov", "fix")
+    check_digest(spec["ngram"], old["ngram"], "ov", "fix")
+    check_digest(spec["ngram"], legacy_identity_digest(spec["ngram"]), "ov", "fix")
+    with pytest.raises(ConfigError, match="another hash manifest.*; re-edit"):
+        check_digest(spec["ngram"], identity_digest(spec["shuffled"]), "ov", "re-edit")
+    with pytest.raises(ConfigError, match="another hash manifest"):
+        check_digest(spec["shuffled"], identity_digest(spec["ngram"]) + "0", "ov", "re-edit")
+    for digest in (old["shuffled"], legacy_identity_digest(spec["shuffled"])):
+        with pytest.raises(ConfigError, match="cannot be proven to match this model's hash_mode 'shuffled'; re-edit"):
+            check_digest(spec["shuffled"], digest, "ov", "re-edit")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_positions_and_resets_are_one_mechanism(default_mapping, backend):
+    """Any family takes a DEAD mask: a DEAD position reads the pad, and n-grams after it stop there, as at a
+    sequence start; hashing around a DEAD position equals hashing the pieces as separate sequences."""
+    m = get_hash_mapping(EngramConfig())
+    ids = np.random.default_rng(5).integers(0, m.raw_vocab_size, size=(2, 12))
+    dead = np.zeros((2, 12), dtype=bool)
+    dead[0, 4] = dead[1, 0] = dead[1, 11] = True
+    m.backend = backend
+    try:
+        got = m.hash(ids, dead=dead)
+        pad_rows = m.hash(np.full((1, 1), m.raw_pad_id))  # the all-pad n-grams
+        for lid in m.layer_ids:
+            left, right = m.hash(ids[:1, :4])[lid], m.hash(ids[:1, 5:])[lid]
+            assert np.array_equal(got[lid][0, :4], left[0]) and np.array_equal(got[lid][0, 5:], right[0])
+            assert np.array_equal(got[lid][0, 4], pad_rows[lid][0, 0])
+            assert np.array_equal(got[lid][1, 1:11], m.hash(ids[1:, 1:11])[lid][0])
+            cont = m.hash_continuation(torch.from_numpy(ids[:, 6:]), torch.from_numpy(ids[:, 4:6]),
+                                       dead=torch.from_numpy(dead[:, 6:]), history_dead=torch.from_numpy(dead[:, 4:6]))
+            assert np.array_equal(cont[lid].numpy(), got[lid][:, 6:])
+    finally:
+        m.backend = "auto"

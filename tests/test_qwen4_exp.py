@@ -11,7 +11,7 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextCo
 
 from engram.config import ConfigError  # noqa: E402
 from engram.hashing import NgramHashMapping  # noqa: E402
-from engram.integrations.qwen4_exp import hash_mapping, transformers_hashing  # noqa: E402
+from engram.integrations.qwen4_exp import Qwen4ExpFamily, hash_mapping, transformers_hashing  # noqa: E402
 
 
 def config(**kw):
@@ -85,7 +85,7 @@ def test_bad_configs_are_one_line():
     with pytest.raises(ConfigError, match="no n-gram table"):
         hash_mapping(config(ple_layer_ids=[]))
     with pytest.raises(ConfigError, match="EOS id"):
-        NgramHashMapping.qwen4_exp(1000, 3, 2, [1], 5003, 0, eos_token_id=5000)
+        Qwen4ExpFamily(1000, 3, 2, [1], 5003, 0, eos_token_id=5000)
     with pytest.raises(ConfigError, match="not a qwen4_exp config"):
         from transformers import LlamaConfig
 

@@ -2,7 +2,7 @@
 
 One parallel pass over tokens computes every layer's n-gram mixes and every head's row with
 an exact float64 split-modulo (`mix = hi * 2^48 + mid * 2^32 + lo`, one floor-division per
-head; see `hashing.py`); numba is imported on first use only, so `import engram` stays light.
+head; see `hashing/engine.py`); numba is imported on first use only, so `import engram` stays light.
 Compiled kernels are cached on disk by numba (`cache=True`).
 """
 
@@ -26,9 +26,10 @@ def _build():
     fm = {"contract", "nnan", "ninf", "nsz"}
 
     def make(flavor):  # flavor (0 parallel, 1 serial) is a closure cell: numba's disk cache keeps the two apart
-        def kernel(x, pad, reset, mult, p, c32, c48, inv, off, out):  # pragma: no cover - compiled
-            # x (B, T) ids; reset: the id that ends a document (n-grams do not reach back across it: those
-            # positions read `pad`, as positions before the sequence do), -1 for none; mult (L, N) int64;
+        def kernel(x, pad, ends, mult, p, c32, c48, inv, off, out):  # pragma: no cover - compiled
+            # x (B, T) ids; ends (B, T) bool: True where a document ends (n-grams after it do not reach back
+            # across it: those positions read `pad`, as positions before the sequence do), or (0, 0): none;
+            # mult (L, N) int64;
             # p, c32 = 2^32 mod p, c48 = 2^48 mod p, inv = 1/p, off (L, O, H) float64 (off: added to each
             # head's row); out (L, B, T, O*H). Work goes in chunks of one sequence's tokens; inside a chunk
             # every loop runs over tokens, so the arithmetic is SIMD, then a tile is transposed into `out`.
@@ -36,6 +37,7 @@ def _build():
             L, N = mult.shape
             O, H = p.shape[1], p.shape[2]
             chunk = 128  # tokens: the tile (O*H x chunk float64) stays in L1
+            masked = ends.shape[0] > 0
             per_row = (T + chunk - 1) // chunk
             for job in prange(B * per_row):
                 b = job // per_row
@@ -48,13 +50,13 @@ def _build():
                 # each token's document start, looking back at most N-1 (only t - k >= start for k < N matters):
                 # found for the chunk's first token, then carried forward
                 s = 0
-                if reset >= 0:
+                if masked:
                     s = t0
-                    while s > 0 and t0 - s < N - 1 and x[b, s - 1] != reset:
+                    while s > 0 and t0 - s < N - 1 and not ends[b, s - 1]:
                         s -= 1
                 for i in range(n):
                     t = t0 + i
-                    if reset >= 0 and i > 0 and x[b, t - 1] == reset:
+                    if masked and i > 0 and ends[b, t - 1]:
                         s = t
                     start[i] = s
                 for l in range(L):
@@ -105,12 +107,16 @@ def kernel_constants(primes: np.ndarray) -> tuple[np.ndarray, ...]:
     return p, ((1 << 32) % primes).astype(np.float64), ((1 << 48) % primes).astype(np.float64), 1.0 / p
 
 
+_NO_ENDS = np.zeros((0, 0), dtype=np.bool_)
+
+
 def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.ndarray,
-              reset: int | None = None, offsets: np.ndarray | None = None) -> None:
+              ends: np.ndarray | None = None, offsets: np.ndarray | None = None) -> None:
     """Fill `out` (L, B, T, O*H) (int64 or int32) with per-head rows; `consts` from `kernel_constants`
     (primes <= MAX_PRIME).
 
-    `reset`: the id that ends a document (the n-grams of the next token do not reach back across it), or None.
+    `ends` (B, T) bool, C-contiguous: True where a document ends (the n-grams after it read `pad` from there back: an EOS
+    reset, the positions before and at a DEAD one), or None.
     `offsets` (L, O, H) float64: added to each head's row (its place in the layer's concatenated table), or None.
     """
     p, c32, c48, inv = consts
@@ -119,5 +125,6 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     if offsets is None:
         offsets = np.zeros_like(p)
     with _lock:
-        fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad), np.int64(-1 if reset is None else reset), mult,
-           p, c32, c48, inv, offsets, out)
+        fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad),
+           _NO_ENDS if ends is None else ends, mult, p, c32, c48, inv,
+           offsets, out)

@@ -35,7 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import EngramCache, NgramHistory, with_ngram_history  # noqa: F401  (public here too)
 from .config import ConfigError
-from .hashing import get_hash_mapping
+from .hashing import SPEC_FILE, get_hash_mapping
 from .hyper import HyperConnection
 from .persist import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
@@ -43,7 +43,6 @@ from .model_config import EngramLMConfig
 from .persist import read_json, recover_dir
 from .tokenizer import load_tokenizer
 
-SPEC_FILE = "engram_hash_spec.json"
 
 # transformers 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to
 # `cache`; the supported range (>= 5.0) has either. Decided once here, never in a class body.

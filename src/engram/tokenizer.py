@@ -149,6 +149,16 @@ def build_lookup_table(tokenizer) -> np.ndarray:
     return table
 
 
+def lookup_table_bytes(table: np.ndarray) -> bytes:
+    """A lookup table as little-endian int32 bytes: what the hash manifest embeds and its digest covers."""
+    return table.astype("<i4").tobytes()
+
+
+def lookup_sha256(table: np.ndarray) -> str:
+    """sha256 of `lookup_table_bytes(table)`: the manifest's `lookup_table_sha256`, the adapters' vocab digest."""
+    return sha256_bytes(lookup_table_bytes(table))
+
+
 def _load_cached(path: Path, n: int) -> np.ndarray | None:
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -212,7 +222,7 @@ class CompressedTokenizer:
     @property
     def lookup_sha256(self) -> str:
         """sha256 of the lookup table as little-endian int32 bytes (the `engram spec` field)."""
-        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+        return lookup_sha256(self.lookup_table)
 
     @property
     def vocab_size(self) -> int:
@@ -265,7 +275,7 @@ class RawIds:
 
     @property
     def lookup_sha256(self) -> str:
-        return sha256_bytes(self.lookup_table.astype("<i4").tobytes())
+        return lookup_sha256(self.lookup_table)
 
     def __len__(self) -> int:
         return self.num_new_token

@@ -1,16 +1,28 @@
 """What an adapter needs to know about a base model: where its decoder layers are, its hidden size, its
-tokenizer's compression, its pad id, and the fingerprint that tells one base from another."""
+tokenizer's compression, its pad id; and the two digests that tell one model from another, both stored in
+saved folders and read back as they were always computed:
+
+- `base_fingerprint` (adapters, `engram_adapter.json` "base"): the architecture config, the vocabulary and a
+  bfloat16-rounded sample of the input embedding; cheap on a large base, the same in any load dtype, and
+  comparable field by field (`_fingerprint_mismatch` names what differs).
+- `model_digest` (overlays, `overlay.json` "base_digest"): every dense weight in full plus a sample of each
+  Engram table's rows; exact, since an overlay's rows were optimized against precisely those weights.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..errors import EngramError
-from ..tokenizer import CompressedTokenizer, TokenizerError
+from ..memory import is_table_key
 from ..persist import sha256_bytes
+from ..tables.base import find_tables
+from ..tables.overlay import OverlayTable
+from ..tokenizer import CompressedTokenizer, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 # where decoder families keep their layers (Llama/Qwen/Mistral/Gemma, OPT, GPT-2/GPT-J, GPT-NeoX/Pythia, Falcon, MPT)
@@ -130,6 +142,32 @@ def base_fingerprint(model: nn.Module, ct: CompressedTokenizer) -> dict:
     return {"config": {k: cfg[k] for k in _FINGERPRINT_KEYS if k in cfg},
             "vocab": {"size": ct.vocab_size, "lookup_sha256": ct.lookup_sha256},
             "embedding": {"shape": list(emb.shape), "sample_sha256": sha256_bytes(sample.numpy().tobytes())}}
+
+
+def _base_rows(mhe) -> torch.Tensor:
+    """Every `step`-th row of an Engram layer's base table (overlays bypassed), float32: the digest's sample."""
+    n = mhe.num_rows
+    ids = torch.arange(0, n, max(1, n // 4096), dtype=torch.long)
+    base = mhe.table
+    while isinstance(base, OverlayTable):
+        base = base.base
+    with torch.no_grad():
+        return (mhe if base is None else base).lookup(ids).float()
+
+
+def model_digest(model: nn.Module) -> str:
+    """sha256 of a model's weights as an overlay depends on them: every dense weight in full, and 4,096
+    rows spread over each Engram table (read through its table, so any backend gives the same digest)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if is_table_key(name) or not torch.is_floating_point(t):
+            continue
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    for lid, mhe in sorted({mhe.layer_id: mhe for _, mhe in find_tables(model)}.items()):
+        h.update(f"table{lid}:{mhe.num_rows}x{mhe.dim}".encode())
+        h.update(_base_rows(mhe).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _fingerprint_mismatch(saved: dict, now: dict) -> str | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from ..hashing import SPEC_FILE
 from ..persist import (
     atomic_write_bytes,
     new_dir,
@@ -31,7 +32,6 @@ FORMAT = "engram-adapter/1"
 CONFIG_FILE = "engram_adapter.json"
 WEIGHTS_FILE = "engram_adapter.safetensors"
 BASE_MODULES_FILE = "base_modules.safetensors"
-SPEC_FILE = "engram_hash_spec.json"
 LORA_DIR = "lora"
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..adapters.introspect import generation_pad_id
-from .digests import engram_layers, frozen, hash_mapping, model_digest, spec_digest
+from .digests import engram_layers, frozen, mapping_of, model_digest, spec_digest
 from .facts import EditError, Fact, _encode
 from ..tables.overlay import overlays_of, push_overlay
 from .overlay import Overlay, _restore_tables
@@ -51,7 +51,7 @@ def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", 
     and `next`: the token each of those positions must predict (-1 for prompt positions under "all")."""
     if positions not in POSITIONS:
         raise EditError(f"positions must be 'trigger' or 'all', got {positions!r}")
-    mapping = hash_mapping(model)
+    mapping = mapping_of(model)
     layers = engram_layers(model)
     cols = _order_columns(mapping, orders)
     out = []
@@ -131,7 +131,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     if not 0.5 < target_prob < 1:
         raise EditError(f"target_prob must lie in (0.5, 1), got {target_prob}: above 0.5 a token is the argmax")
     layers = engram_layers(model)
-    mapping = hash_mapping(model)
+    mapping = mapping_of(model)
     seqs = _sequences(tokenizer, facts)
     rows = edit_rows(model, tokenizer, facts, positions, orders)
     ids = _batch([p + t for p, t in seqs], generation_pad_id(model))

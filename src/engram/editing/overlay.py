@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..hashing import identity_digest, legacy_identity_digest
+from ..hashing import check_digest
 from ..persist import (
     IntegrityError,
     atomic_write_bytes,
@@ -20,7 +20,7 @@ from ..persist import (
     write_json,
 )
 from ..tables.overlay import push_overlay, restore_table
-from .digests import engram_layers, hash_mapping, model_digest
+from .digests import engram_layers, mapping_of, model_digest
 from .facts import EditError
 
 FORMAT = "engram-overlay/1"
@@ -94,11 +94,9 @@ def check_overlay(model, overlay: Overlay, where: str = "overlay", digest: str |
     `digest`: `model_digest(model)` when the caller checks several overlays against one model.
     """
     where = overlay.meta.get("path", where)
-    mapping = hash_mapping(model)
-    spec = mapping.spec(include_lookup_table=False)  # overlays written before 0.2 recorded the legacy digest
-    if overlay.meta.get("hash_spec_sha256") not in (identity_digest(spec), legacy_identity_digest(spec)):
-        raise EditError(f"{where} was made for another hash manifest (tokenizer or hash constants differ): its "
-                        "row ids would address other n-grams; apply it to the model it was made for")
+    mapping = mapping_of(model)
+    check_digest(mapping.spec(include_lookup_table=False), overlay.meta.get("hash_spec_sha256"), where,
+                 "apply it to the model it was made for, or re-run engram edit on this model", EditError)
     if overlay.meta.get("base_digest") != (digest or model_digest(model)):
         raise EditError(f"{where} was made for another checkpoint (the model's weights differ from the ones it was "
                         f"optimized on: {overlay.meta.get('base', '?')}); re-run engram edit on this model")

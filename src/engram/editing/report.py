@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .digests import engram_layers, hash_mapping
+from .digests import engram_layers, mapping_of
 from .facts import Fact, _encode
 from ..adapters.introspect import generation_pad_id
 from .optimize import _target_logprobs, conflicts, shared_rows
@@ -45,7 +45,7 @@ def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay) -> list[d
 
 def table_rows_read(model, windows: np.ndarray, chunk: int = 64) -> dict[int, torch.Tensor]:
     """{layer: (W, T, H) table row ids} the model reads for each position of `windows` (hash + head offsets)."""
-    mapping, layers = hash_mapping(model), engram_layers(model)
+    mapping, layers = mapping_of(model), engram_layers(model)
     out: dict[int, list] = {lid: [] for lid in layers}
     for i in range(0, len(windows), chunk):
         hashed = mapping.hash(np.asarray(windows[i:i + chunk], dtype=np.int64))
@@ -59,7 +59,7 @@ def collision_set(model, overlay: Overlay, windows: np.ndarray, tokenizer=None, 
 
     Returns `mask` (W, T) bool, the count, and the most frequent colliding n-grams (layer, order, text).
     """
-    mapping = hash_mapping(model)
+    mapping = mapping_of(model)
     K = mapping.n_head_per_ngram
     read = table_rows_read(model, windows)
     mask = torch.zeros(windows.shape, dtype=torch.bool)

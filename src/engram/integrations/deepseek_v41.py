@@ -4,7 +4,7 @@ Studying or serving DeepSeek's memory needs none of its backbone: `load` reads o
 a checkpoint folder (config.json, tokenizer.json, the safetensors index and the shards it names).
 
     mem = load("path/to/DeepSeek-V4.1-Flash", backend="disk")      # "ram" | "mmap" | "disk"
-    ids = mem.mapping.hash(input_ids)                                # {layer: (B, T, (N-1)*H) int32}, offsets added
+    ids = mem.mapping.hash(input_ids, offsets=True)                  # {layer: (B, T, (N-1)*H) int32}: table rows
     hidden = mem.layers[layer](hidden, ids[layer], mask=None)        # (B, T, G, D) -> (B, T, G, D)
 
 What was read off vLLM 0.32's port of DeepSeek's `inference/engram.py` (and checked against it, see
@@ -31,7 +31,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -94,6 +93,7 @@ class DeepSeekV41Family(HashFamily):
     """DeepSeek-V4.1's hash family: the reference's, with seed 0 and `engram_vocab_size` for every order."""
 
     name = "deepseek_v41"
+    index_dtype = torch.int32  # the released model's hash ids
     formula = ("x = lookup_table[token_id]; positions t<0, and every position at or before the nearest DEAD one an "
                "n-gram reaches, read compressed_pad_id; mix = XOR_{k<n} (x_{t-k} * multipliers[k]) in int64; head j of "
                "order n: row = mix mod head_moduli[n-2][j] + head_offsets[(n-2)*n_heads + j] (int32)")
@@ -138,126 +138,17 @@ class DeepSeekV41Family(HashFamily):
         return cls(cfg, ct)
 
 
-def _as_mask(dead, shape, what: str) -> torch.Tensor | None:
-    if dead is None:
-        return None
-    d = torch.as_tensor(dead)
-    if d.dtype != torch.bool or tuple(d.shape) != tuple(shape):
-        raise ConfigError(f"{what} must be a bool tensor of shape {list(shape)} (True at DEAD positions), got "
-                          f"{d.dtype} {list(d.shape)}")
-    return d.cpu()
-
-
-class V41HashMapping(NgramHashMapping):
-    """The hashing engine for `DeepSeekV41Family`, with DEAD masks; hash ids int32 with offsets added.
-
-    The fused kernel hashes (DEAD positions as document resets, `_hash_dead_fused`); without numba the engine's
-    torch path, and with DEAD positions an exact int64 torch path (each n-gram reads the pad from the first
-    DEAD position it reaches backwards, `_hash_dead`)."""
-
-    def hash(self, input_ids, offsets: bool = True, dead=None) -> dict:
-        """`{layer_id: (B, T, (N-1)*H) int32}` (numpy in, numpy out; torch in, torch out). `dead` (B, T) bool."""
-        self.validate(input_ids)
-        as_numpy = not isinstance(input_ids, torch.Tensor)
-        t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
-        d = _as_mask(dead, t.shape, "dead")
-        if d is None or not bool(d.any()):
-            out = self.hash_tensor(t.cpu(), offsets)  # (L, B, T, H) int64
-        elif self._fused():
-            out = self._hash_dead_fused(t.cpu().long(), d, offsets)
-        else:
-            out = self._hash_dead(t.cpu().long(), d, offsets)
-        out = out.to(torch.int32)
-        if as_numpy:
-            out = out.numpy()
-        else:
-            out = out.to(t.device)
-        return {lid: out[i] for i, lid in enumerate(self.layer_ids)}
-
-    def hash_continuation(self, input_ids, history_ids=None, offsets: bool = True, dead=None,
-                          history_dead=None) -> dict:
-        """Hash ids of new tokens (B, T) whose n-grams reach into `history_ids` (B, S): the ids just before them
-        (prefill in chunks, decoding). Give the last N-1 ids, or all of them when fewer exist (before those the
-        sequence starts: the pad). `history_dead` (B, S) marks DEAD history positions."""
-        if history_ids is None or history_ids.shape[1] == 0:
-            return self.hash(input_ids, offsets, dead)
-        T = input_ids.shape[1]
-        hist = torch.as_tensor(history_ids)
-        ids = torch.cat([hist.to(torch.as_tensor(input_ids).device), torch.as_tensor(input_ids)], dim=1)
-        d = None
-        if dead is not None or history_dead is not None:
-            hd = _as_mask(history_dead, hist.shape, "history_dead") if history_dead is not None else \
-                torch.zeros(hist.shape, dtype=torch.bool)
-            nd = _as_mask(dead, input_ids.shape, "dead") if dead is not None else \
-                torch.zeros(tuple(input_ids.shape), dtype=torch.bool)
-            d = torch.cat([hd, nd], dim=1)
-        full = self.hash(ids if isinstance(input_ids, torch.Tensor) else ids.numpy(), offsets, d)
-        return {k: v[:, -T:] for k, v in full.items()}
-
-    def _fused(self) -> bool:
-        from .. import _fasthash
-
-        return self.backend in ("auto", "numba") and _fasthash.available() and self.max_prime <= _fasthash.MAX_PRIME
-
-    def _hash_dead_fused(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
-        """The fused kernel with DEAD positions as document resets: a DEAD position's id becomes a sentinel the
-        kernel treats as a document end (n-grams after it read the pad from it back, as DEAD requires); the
-        DEAD position's own n-grams (all pad) are then set from the all-pad n-gram's rows."""
-        from .. import _fasthash
-
-        mult, consts, (L, O, H), off = self._numba_constants()
-        sentinel = self.compressed_tokenizer.compressed_vocab_size  # no real compressed id
-        x = self.compressed_tokenizer.lookup_table[ids.numpy()]  # (B, T)
-        x[dead.numpy()] = sentinel
-        out = np.empty((L, *x.shape, O * H), dtype=np.int64)
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out, sentinel, off if offsets else None)
-        key = ("v41 all-pad rows", offsets)  # (L, H): the rows of the n-grams of pads only, hashed once
-        if key not in self._device_cache:
-            pads = np.empty((L, 1, 1, O * H), dtype=np.int64)
-            _fasthash.hash_into(np.full((1, 1), self.pad_id, dtype=np.int64), self.pad_id, mult, consts, pads, None,
-                                off if offsets else None)
-            self._device_cache[key] = pads[:, 0, 0]
-        out[:, dead.numpy()] = self._device_cache[key][:, None, :]
-        return torch.from_numpy(out)
-
-    def _hash_dead(self, ids: torch.Tensor, dead: torch.Tensor, offsets: bool) -> torch.Tensor:
-        """(L, B, T, H) int64 row ids with DEAD blocking, by exact int64 arithmetic (mixes are non-negative)."""
-        B, T = ids.shape
-        N, pad = self.max_ngram_size, self.pad_id
-        x = torch.from_numpy(self.compressed_tokenizer.lookup_table)[ids]  # (B, T) compressed
-        blocked = torch.zeros(B, T, dtype=torch.bool)
-        vals = []
-        for k in range(N):  # the value each n-gram reads k positions back
-            xk = torch.full((B, T), pad, dtype=torch.long)
-            dk = torch.ones(B, T, dtype=torch.bool)  # before the sequence start: blocked
-            xk[:, k:], dk[:, k:] = x[:, :T - k], dead[:, :T - k]
-            blocked |= dk
-            vals.append(torch.where(blocked, pad, xk))
-        L, H = len(self.layer_ids), (N - 1) * self.n_head_per_ngram
-        out = torch.empty(L, B, T, H, dtype=torch.long)
-        for li, lid in enumerate(self.layer_ids):
-            m = [int(v) for v in self.layer_multipliers[lid]]
-            mix = vals[0] * m[0]
-            off = self.head_offsets(lid) if offsets else [0] * H
-            for k in range(1, N):
-                mix = torch.bitwise_xor(mix, vals[k] * m[k])
-                for j, p in enumerate(self.vocab_size_across_layers[lid][k - 1]):
-                    col = (k - 1) * self.n_head_per_ngram + j
-                    out[li, :, :, col] = torch.remainder(mix, p) + off[col]
-        return out
-
-
-DeepSeekV41Family.mapping_class = V41HashMapping  # NgramHashMapping.from_spec builds this engine for the family
-
-
-def hash_mapping(config, tokenizer, backend: str = "auto") -> V41HashMapping:
+def hash_mapping(config, tokenizer, backend: str = "auto") -> NgramHashMapping:
     """The V4.1 hashing of a config (`config.json` path, dict or `V41Config`) and the model's tokenizer
-    (`tokenizer.json`, its folder, a tokenizer object or a `CompressedTokenizer`)."""
+    (`tokenizer.json`, its folder, a tokenizer object or a `CompressedTokenizer`): the engine over
+    `DeepSeekV41Family`. Its ids are int32; pass `offsets=True` for the table's rows and `dead=` for DEAD masks:
+    `hash(ids, offsets=True, dead=mask)`, `hash_continuation(new, history, offsets=True, dead=..., history_dead=...)`.
+    """
     cfg = config if isinstance(config, V41Config) else V41Config.from_dict(
         read_json(config, "config.json", "pass the checkpoint folder's config.json", ConfigError)
         if isinstance(config, (str, Path)) else config)
     ct = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer(tokenizer)
-    return V41HashMapping.for_family(DeepSeekV41Family(cfg, ct), backend)
+    return NgramHashMapping.for_family(DeepSeekV41Family(cfg, ct), backend)
 
 
 # ------------------------------------------------------------------------------------------ the module
@@ -386,7 +277,7 @@ class _Tensor:
 
 
 class V41Memory:
-    """What `load` returns: `.config` (V41Config), `.mapping` (V41HashMapping), `.layers[layer_id]` (V41Engram,
+    """What `load` returns: `.config` (V41Config), `.mapping` (the `NgramHashMapping` of `hash_mapping`), `.layers[layer_id]` (V41Engram,
     each with its `.table`), `.backend`. `close()` releases files and read threads."""
 
     def __init__(self, config, mapping, layers, backend):
@@ -514,5 +405,5 @@ def _open_file(f: Path, backend: str, dtype, name: str, disk_kwargs) -> BlockFp8
                                                                    dtypes=QUANT_NP_DTYPES)[1])
 
 
-__all__ = ["DeepSeekV41Family", "V41Config", "V41Engram", "V41HashMapping", "V41Memory", "dequantize_linear",
+__all__ = ["DeepSeekV41Family", "V41Config", "V41Engram", "V41Memory", "dequantize_linear",
            "hash_mapping", "load"]

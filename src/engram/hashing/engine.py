@@ -1,0 +1,385 @@
+"""The hashing engine: token ids -> per-head row indices into the Engram tables, for every hash family.
+
+For every Engram layer, n-gram order n = 2..N and head k, position t gets
+
+    mix_n(t) = (x_t * m_0) XOR (x_{t-1} * m_1) XOR ... XOR (x_{t-n+1} * m_{n-1})   (wrapping int64)
+    row      = mix_n(t) mod p_{n,k}                                              (floor modulo)
+
+over (compressed) ids x (constants from the family: `families.py`). An n-gram never reaches back past
+its document's start: positions before the sequence, before the token after a `reset_id` (EOS), and at
+or before a DEAD position (`hash(..., dead=mask)`: an image span, say) read the pad id instead. All three
+are one mechanism: a per-position "a document ends here" mask (`_ends`), with a DEAD position's own
+id read as the pad.
+
+Bit-identical to the reference `NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
+
+Speed: the reference spends most of its time in one int64 modulo per head. We split each
+mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, so that
+`mix mod p = ((hi mod p) * (2^32 mod p) + lo) mod p`; for p <= 2^26 the bracket is an integer
+below 2^53, exact in float64, and float64 floor-divisions (corrected by one p where rounding
+lands on the wrong side) finish the job: that is the torch path (GPU, or CPU without numba).
+On CPU a fused numba kernel (`engram-torch[fast]`, `_fasthash.py`) does all heads of all layers in
+one parallel pass with a three-way split, `mix = hi * 2^48 + mid * 2^32 + lo`, that needs a
+single floor-division per head, SIMD across tokens, optionally adding the head offsets
+(`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
+`torch.remainder`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _fasthash
+from ..config import ConfigError, EngramConfig
+from ..persist import atomic_write_bytes, read_json
+from ..tokenizer import CompressedTokenizer, RawIds
+from .families import DeepSeekFamily, HashFamily, family_class
+from .identity import SPEC_FORMAT, check_identity, identity_digest, spec_identity
+from .inputs import dead_mask, validate_ids
+
+
+def _from_family(attr: str, doc: str = ""):
+    return property(lambda self: getattr(self.family, attr), doc=doc or f"The family's `{attr}`.")
+
+
+class NgramHashMapping:
+    """The hashing engine: validates ids, dispatches to the fused kernel or the torch path, for any family.
+
+    `NgramHashMapping(engram_vocab_size, ..., seed)` keeps the reference's constructor and attributes
+    (`layer_multipliers`, `vocab_size_across_layers`, `compressed_tokenizer`, `pad_id`,
+    `tokenizer_vocab_size`) and hashes the `DeepSeekFamily`; `NgramHashMapping.for_family(f)` any other
+    (each integration's `hash_mapping(config, ...)` builds its family and returns this engine over it).
+
+        m = NgramHashMapping.for_family(family)
+        rows = m.hash(ids, offsets=True, dead=None)            # {layer_id: (B, T, H)} rows of the layer's table
+        rows = m.hash_continuation(new, history, offsets=True)  # the rows of `new` (B, T) after `history` (B, S)
+    """
+
+    def __init__(
+        self,
+        engram_vocab_size,
+        max_ngram_size,
+        n_embed_per_ngram,
+        n_head_per_ngram,
+        layer_ids,
+        tokenizer_name_or_path=None,
+        pad_id=2,
+        seed=0,
+        *,
+        compressed_tokenizer: CompressedTokenizer | None = None,
+        backend: str = "auto",
+        compress: bool = True,
+        hash_mode: str = "ngram",
+    ):
+        family = DeepSeekFamily(engram_vocab_size, max_ngram_size, n_embed_per_ngram, n_head_per_ngram, layer_ids,
+                                tokenizer_name_or_path, pad_id, seed, compressed_tokenizer=compressed_tokenizer,
+                                compress=compress, hash_mode=hash_mode)
+        self._bind(family, backend)
+
+    def _bind(self, family: HashFamily, backend: str) -> None:
+        if backend not in ("auto", "numba", "torch"):
+            raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        self.family, self.backend = family, backend
+        self.max_prime = family.max_prime
+        self._np_index_dtype = torch.empty(0, dtype=family.index_dtype, device="cpu").numpy().dtype  # (meta ctx)
+        self._device_cache: dict[Any, tuple] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_family(cls, family: HashFamily, backend: str = "auto") -> "NgramHashMapping":
+        """The engine over any `HashFamily`."""
+        self = cls.__new__(cls)
+        self._bind(family, backend)
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None
+                    ) -> "NgramHashMapping":
+        return cls.for_family(DeepSeekFamily.from_config(cfg, compressed_tokenizer))
+
+    # The family's constants under the reference's attribute names.
+    layer_ids = _from_family("layer_ids")
+    max_ngram_size = _from_family("max_ngram_size")
+    n_head_per_ngram = _from_family("n_head_per_ngram")
+    n_embed_per_ngram = property(lambda self: getattr(self.family, "n_embed_per_ngram", None))
+    vocab_size_per_ngram = property(lambda self: getattr(self.family, "vocab_size_per_ngram", None))
+    seed = _from_family("seed")
+    compressed_tokenizer = _from_family("compressed_tokenizer")
+    compress = property(lambda self: getattr(self.family, "compress", False))
+    hash_mode = _from_family("hash_mode")
+    pad_id = _from_family("pad_id", "The pad's compressed id (what positions before the start read).")
+    raw_pad_id = _from_family("raw_pad_id", "The pad's token id.")
+    reset_id = _from_family("reset_id")
+    index_dtype = _from_family("index_dtype", "dtype of the row ids `hash` returns (int64; int32 for some families).")
+    layer_multipliers = _from_family("multipliers", "`{layer_id: int64 [max_ngram_size]}` (reference name).")
+    vocab_size_across_layers = _from_family("moduli", "`{layer_id: [[p] * heads] * orders}` (reference name).")
+    raw_vocab_size = _from_family("raw_vocab_size", "Token ids accepted: [0, raw_vocab_size).")
+    compressed_vocab_size = _from_family("compressed_vocab_size", "Distinct compressed ids.")
+    tokenizer_vocab_size = compressed_vocab_size  # the reference's name for the compressed size
+
+    @property
+    def tokenizer_len(self) -> int:
+        """Deprecated alias of `raw_vocab_size`."""
+        warnings.warn("NgramHashMapping.tokenizer_len is deprecated: use raw_vocab_size", DeprecationWarning, 2)
+        return self.raw_vocab_size
+
+    def head_sizes(self, layer_id: int) -> list[int]:
+        """Flat list of the layer's per-head table sizes, in hash-column order."""
+        return self.family.head_sizes(layer_id)
+
+    def head_offsets(self, layer_id: int) -> list[int]:
+        """Row offset of each head inside the layer's concatenated table."""
+        return self.family.head_offsets(layer_id)
+
+    # ------------------------------------------------------------------ hashing
+    def _tensors(self, device: torch.device):
+        key = ("tensors", str(device))
+        if key not in self._device_cache:
+            lut = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
+            mult = torch.tensor(np.stack([self.layer_multipliers[l] for l in self.layer_ids]), device=device)
+            primes = torch.tensor([self.vocab_size_across_layers[lid] for lid in self.layer_ids], device=device)
+            L, O, H = primes.shape
+            p64 = primes.to(torch.float64).view(L, O, H, 1)
+            c64 = torch.remainder(torch.full_like(primes, 1 << 32), primes).to(torch.float64).view(L, O, H, 1)
+            self._device_cache[key] = (lut, mult, primes, p64, c64)
+        return self._device_cache[key]
+
+    def validate(self, input_ids) -> None:
+        """Raise `HashInputError` unless `input_ids` is a 2-D integer array of ids in [0, len(tokenizer))."""
+        validate_ids(input_ids, self.raw_vocab_size, self.compressed_tokenizer)
+
+    def _ends(self, raw: np.ndarray, dead: np.ndarray | None) -> np.ndarray | None:
+        """(B, T) bool: True where a document ends (n-grams after it read the pad from there back), or None.
+
+        A document ends at each `reset_id` (EOS), and just before and at each DEAD position (whose own id is
+        read as the pad): EOS resets and DEAD masks are one mechanism, per-position resets.
+        """
+        reset = self.family.reset_id
+        ends = None if reset is None else raw == reset
+        if dead is not None:
+            d = dead.copy()
+            d[:, :-1] |= dead[:, 1:]  # before and at each DEAD position
+            ends = d if ends is None else ends | d
+        return ends
+
+    def hash_tensor(self, input_ids: torch.Tensor, offsets: bool = False, dead: np.ndarray | None = None
+                    ) -> torch.Tensor:
+        """Hash a validated int tensor `[B, T]` -> `index_dtype` `[L, B, T, (N-1)*K]` (ablation modes applied).
+
+        `offsets=True`: rows of each layer's concatenated table (each head's offset added), else per-head rows.
+        `dead`: a checked (B, T) numpy bool mask of DEAD positions (`_dead`), or None.
+        """
+        if self.hash_mode == "constant":
+            L, H = len(self.layer_ids), (self.max_ngram_size - 1) * self.n_head_per_ngram
+            out = torch.zeros(L, *input_ids.shape, H, dtype=torch.int64, device=input_ids.device)
+        elif self.hash_mode == "shuffled":
+            out = self._shuffle(self._hash_ngram(input_ids, dead=dead)[0])
+        else:
+            out, added = self._hash_ngram(input_ids, offsets, dead)
+            offsets = offsets and not added
+        if offsets:
+            out = out + self._offset_tensor(out.device).view(len(self.layer_ids), 1, 1, -1)
+        dtype = self.family.index_dtype
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def _offset_tensor(self, device) -> torch.Tensor:
+        """(L, H) int64: every layer's head offsets."""
+        key = ("offsets", str(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = torch.tensor([self.head_offsets(lid) for lid in self.layer_ids], device=device)
+        return self._device_cache[key]
+
+    def _shuffle(self, rows: torch.Tensor) -> torch.Tensor:
+        """Ablation: re-key every lookup by a fixed random key of its position (no n-gram identity)."""
+        L, B, T, H = rows.shape
+        g = torch.Generator().manual_seed(self.seed + 12345)
+        key = torch.randint(0, 1 << 40, (T, H), generator=g).to(rows.device)  # (T, H)
+        primes = torch.tensor([self.head_sizes(lid) for lid in self.layer_ids], device=rows.device).view(L, 1, 1, H)
+        return torch.remainder(rows + key, primes)
+
+    def _hash_ngram(self, input_ids: torch.Tensor, offsets: bool = False, dead: np.ndarray | None = None
+                    ) -> tuple[torch.Tensor, bool]:
+        """Hash a validated int tensor `[B, T]` -> (`[L, B, T, (N-1)*K]`, whether offsets were added),
+        all layers at once.
+
+        CPU tensors use the fused numba kernel when numba is installed (`pip install engram-torch[fast]`);
+        it adds the head offsets itself when asked (`offsets`) and writes `index_dtype`. Otherwise (and on
+        GPU) a vectorized torch path computes the same per-head integers (int64).
+        """
+        cpu = input_ids.device.type == "cpu"
+        raw = input_ids.numpy() if cpu else None
+        ends = None
+        if self.family.reset_id is not None or dead is not None:  # (found on the host)
+            ends = self._ends(raw if cpu else input_ids.cpu().numpy(), dead)
+        if cpu and self.backend in ("auto", "numba"):
+            if not _fasthash.available():
+                if self.backend == "numba":
+                    raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
+            elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
+                return self._hash_numba(raw, offsets, ends, dead), offsets
+        with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
+            return self._hash_torch(input_ids, ends, dead), False
+
+    def _numba_constants(self) -> tuple:
+        """(multipliers (L, N), kernel constants, (L, O, H), head offsets (L, O, H) float64), built once."""
+        if ("numba",) not in self._device_cache:
+            P = np.array([self.vocab_size_across_layers[lid] for lid in self.layer_ids], dtype=np.int64)
+            mult = np.stack([self.layer_multipliers[lid] for lid in self.layer_ids]).astype(np.int64)
+            off = np.array([self.head_offsets(lid) for lid in self.layer_ids], dtype=np.float64).reshape(P.shape)
+            self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
+        return self._device_cache[("numba",)]
+
+    def _hash_numba(self, raw: np.ndarray, offsets: bool, ends: np.ndarray | None,
+                    dead: np.ndarray | None) -> torch.Tensor:
+        """The fused kernel over the ids `raw` (B, T) (numpy view of a CPU tensor)."""
+        mult, consts, (L, O, H), off = self._numba_constants()
+        B, T = raw.shape
+        x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
+        if dead is not None:
+            x = np.where(dead, self.pad_id, x)  # a DEAD position's own id reads the pad
+        out = np.empty((L, B, T, O * H), dtype=self._np_index_dtype)
+        _fasthash.hash_into(x, self.pad_id, mult, consts, out, ends, off if offsets else None)
+        return torch.from_numpy(out)
+
+    def _hash_torch(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
+                    ) -> torch.Tensor:
+        lut, mult, primes, p64, c64 = self._tensors(input_ids.device)
+        L, O, H = primes.shape
+        B, T = input_ids.shape
+        N = self.max_ngram_size
+        x = lut[input_ids.long()]  # (B, T) compressed
+        if dead is not None:
+            x = torch.where(torch.from_numpy(dead).to(x.device), self.pad_id, x)  # a DEAD position's own id: the pad
+        if ends is None:
+            padded = torch.nn.functional.pad(x, (N - 1, 0), value=self.pad_id)
+            shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
+        else:  # n-grams do not reach back past their document's start: those positions read the pad id
+            pos = torch.arange(T, device=x.device)
+            last = torch.where(torch.from_numpy(ends).to(x.device), pos, -1).cummax(dim=1).values  # last end <= t
+            since = pos - torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1) - 1  # (B, T): tokens since the start
+            shifts = [x.reshape(B * T)] + [
+                torch.where(since >= k, x[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
+        mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=x.device)  # (L, O, 1, BT)
+        for li in range(L):
+            mix = shifts[0] * mult[li, 0]
+            for k in range(1, N):
+                mix = torch.bitwise_xor(mix, shifts[k] * mult[li, k])
+                mixes[li, k - 1, 0] = mix
+        # Heads-outer layout keeps every kernel contiguous along BT; one transposing copy at the end.
+        # Intermediates live in a reused workspace: fresh 8 MB buffers cost more in page faults than the math.
+        ws_key = ("ws", str(x.device), B * T)
+        if ws_key not in self._device_cache:
+            self._device_cache = {k: v for k, v in self._device_cache.items() if k[0] != "ws"}
+            f64 = dict(dtype=torch.float64, device=x.device)
+            self._device_cache[ws_key] = (torch.empty(L, O, 1, B * T, **f64), torch.empty(L, O, 1, B * T, **f64),
+                                          torch.empty(L, O, H, B * T, **f64), torch.empty(L, O, H, B * T, **f64))
+        hi, lo, r, q = self._device_cache[ws_key]
+        if self.max_prime <= (1 << 26):
+            hi.copy_(mixes >> 32)
+            lo.copy_(mixes & 0xFFFFFFFF)
+            if self.max_prime > (1 << 21):
+                hi = torch.remainder(hi, p64)  # reduce first so hi * c stays below 2^53
+            torch.addcmul(lo, hi, c64, out=r)  # (L, O, H, BT): hi * (2^32 mod p) + lo, exact
+            torch.div(r, p64, out=q).floor_()  # exact: correctly rounded a/b floors right for |a| < 2^53
+            r.addcmul_(q, p64, value=-1)
+        else:
+            r = torch.remainder(mixes, primes.view(L, O, H, 1))
+        out = torch.empty(L, B * T, O * H, dtype=torch.int64, device=x.device)
+        out.copy_(r.view(L, O * H, B * T).transpose(1, 2))
+        return out.view(L, B, T, O * H)
+
+    def hash(self, input_ids, offsets: bool = False, dead=None) -> dict:
+        """Row indices of every head: `{layer_id: [B, T, (N-1)*K]}` of the family's `index_dtype`.
+
+        Accepts a numpy array (returns numpy, like the reference) or a torch tensor on any
+        device (returns torch on the same device). Indices are per head (no offsets added), or with
+        `offsets=True` rows of the layer's concatenated table (`head_offsets` added: what a table
+        gathers, and what transformers' `Qwen4ExpTextNGramEmbedding` and DeepSeek-V4.1 compute), in the same
+        pass. `dead` (B, T) bool: DEAD positions (an image span, say); every n-gram that reaches one reads
+        the pad from there back, as before the sequence start.
+        """
+        self.validate(input_ids)
+        as_numpy = not isinstance(input_ids, torch.Tensor)
+        t = torch.from_numpy(np.ascontiguousarray(input_ids)) if as_numpy else input_ids
+        out = self.hash_tensor(t, offsets, dead_mask(dead, t.shape))
+        if as_numpy:
+            out = out.numpy()
+        return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
+
+    def hash_continuation(self, input_ids, history=None, offsets: bool = False, dead=None, history_dead=None) -> dict:
+        """Hash ids of new tokens whose n-grams reach back into earlier ones: `{layer_id: (B, T, H)}`.
+
+        `history` (B, S) holds the ids just before `input_ids` (B, T): the last N-1 of them, or all when
+        fewer exist (decoding with a KV cache, prefill in chunks: `model.EngramCache` keeps them); the
+        result covers the T new positions only. `offsets` and `dead` as in `hash`; `history_dead` (B, S)
+        marks DEAD history positions.
+        """
+        if history is None or history.shape[1] == 0:
+            return self.hash(input_ids, offsets, dead)
+        T = input_ids.shape[1]
+        d = None
+        if dead is not None or history_dead is not None:
+            hd, nd = dead_mask(history_dead, history.shape, "history_dead"), dead_mask(dead, input_ids.shape)
+            d = np.concatenate([np.zeros(tuple(history.shape), dtype=np.bool_) if hd is None else hd,
+                                np.zeros(tuple(input_ids.shape), dtype=np.bool_) if nd is None else nd], axis=1)
+        if isinstance(input_ids, torch.Tensor):
+            ids = torch.cat([torch.as_tensor(history, device=input_ids.device), input_ids], dim=1)
+        else:
+            ids = np.concatenate([np.asarray(history), input_ids], axis=1)
+        full = self.hash(ids, offsets, d)
+        return {k: v[:, -T:] for k, v in full.items()}
+
+    # ------------------------------------------------------------------ manifest
+    def spec(self, include_lookup_table: bool = True) -> dict:
+        """The family's self-describing manifest: everything another runtime needs to hash identically."""
+        return self.family.spec(include_lookup_table)
+
+    def spec_identity(self) -> dict:
+        """What decides which row an n-gram reads (`hashing.spec_identity` of this mapping's manifest)."""
+        return spec_identity(self.spec(include_lookup_table=False))
+
+    def spec_digest(self) -> str:
+        """sha256 of `spec_identity()` (what overlays record)."""
+        return identity_digest(self.spec(include_lookup_table=False))
+
+    def check_spec(self, spec: dict, what: str = "hash manifest", error: type[Exception] = ConfigError) -> None:
+        """Refuse a manifest that hashes differently from this mapping (family, lookup table, pad, layers)."""
+        check_identity(self.spec(include_lookup_table=False), spec, what, error)
+
+    def save_spec(self, path, include_lookup_table: bool = True) -> None:
+        atomic_write_bytes(Path(path), (json.dumps(self.spec(include_lookup_table), indent=1) + "\n").encode("utf-8"))
+
+    @classmethod
+    def from_spec(cls, spec_or_path, tokenizer_name_or_path=None) -> "NgramHashMapping":
+        """Build a mapping from an `engram spec` manifest of any family, refusing a tokenizer that does not match it."""
+        if isinstance(spec_or_path, (str, os.PathLike)):
+            spec = read_json(spec_or_path, "hash spec", f"write one with `engram spec --out {spec_or_path}`",
+                             ConfigError)
+        else:
+            spec = spec_or_path
+        if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
+            raise ConfigError(f"not an Engram hash spec (expected format {SPEC_FORMAT!r})")
+        family = family_class(spec.get("family", "deepseek")).from_spec(spec, tokenizer_name_or_path)
+        m = cls.for_family(family)
+        m.check_spec(spec, "hash spec")
+        return m
+
+
+_MAPPING_CACHE: dict[str, NgramHashMapping] = {}
+
+
+def get_hash_mapping(cfg: EngramConfig) -> NgramHashMapping:
+    """One shared `NgramHashMapping` per hashing-relevant config (building one costs a tokenizer load)."""
+    key = json.dumps([cfg.tokenizer_name_or_path, cfg.engram_vocab_size, cfg.max_ngram_size, cfg.n_embed_per_ngram,
+                      cfg.n_head_per_ngram, cfg.layer_ids, cfg.pad_id, cfg.seed, cfg.compress_tokenizer, cfg.hash_mode])
+    if key not in _MAPPING_CACHE:
+        _MAPPING_CACHE[key] = NgramHashMapping.from_config(cfg)
+    return _MAPPING_CACHE[key]
