@@ -174,7 +174,40 @@ def _load_cached(path: Path, n: int) -> np.ndarray | None:
     return table
 
 
-class CompressedTokenizer:
+class _IdMap:
+    """What every token id -> compressed id map offers: `lookup_table` (int64, one entry per token id) and
+    `num_new_token` (distinct compressed ids) are set by the subclass."""
+
+    lookup_table: np.ndarray
+    num_new_token: int
+
+    @property
+    def lookup_sha256(self) -> str:
+        """sha256 of the lookup table as little-endian int32 bytes (the `engram spec` field)."""
+        return lookup_sha256(self.lookup_table)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this map accepts: the tokenizer's vocabulary (with added tokens)."""
+        return len(self.lookup_table)
+
+    @property
+    def raw_vocab_size(self) -> int:
+        """Token ids accepted: [0, raw_vocab_size) (what `vocab_size` returns)."""
+        return self.vocab_size
+
+    @property
+    def compressed_vocab_size(self) -> int:
+        """Distinct compressed ids (the reference's `num_new_token`, and `len()`)."""
+        return self.num_new_token
+
+    def __len__(self) -> int:
+        """The compressed vocabulary size, as the reference's `__len__` (98,627 for DeepSeek-V3): code that
+        derives hashing constants from `len(compressed_tokenizer)` gets the reference's multipliers."""
+        return self.num_new_token
+
+
+class CompressedTokenizer(_IdMap):
     """Token id -> compressed id map for any `tokenizers` tokenizer (reference-compatible).
 
     >>> ct = CompressedTokenizer()          # DeepSeek-V3, offline
@@ -219,31 +252,6 @@ class CompressedTokenizer:
         ct.num_new_token = base.vocab_size
         return ct
 
-    @property
-    def lookup_sha256(self) -> str:
-        """sha256 of the lookup table as little-endian int32 bytes (the `engram spec` field)."""
-        return lookup_sha256(self.lookup_table)
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids this map accepts: the tokenizer's vocabulary (with added tokens)."""
-        return len(self.lookup_table)
-
-    @property
-    def raw_vocab_size(self) -> int:
-        """Token ids accepted: [0, raw_vocab_size) (what `vocab_size` returns)."""
-        return self.vocab_size
-
-    @property
-    def compressed_vocab_size(self) -> int:
-        """Distinct compressed ids (the reference's `num_new_token`, and `len()`)."""
-        return self.num_new_token
-
-    def __len__(self) -> int:
-        """The compressed vocabulary size, as the reference's `__len__` (98,627 for DeepSeek-V3): code that
-        derives hashing constants from `len(compressed_tokenizer)` gets the reference's multipliers."""
-        return self.num_new_token
-
     def __call__(self, input_ids):
         """Compress ids (numpy array or nested lists) -> int64 numpy array of the same shape.
 
@@ -259,7 +267,7 @@ class CompressedTokenizer:
 BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1 in every tokenizer `train_bpe` makes
 
 
-class RawIds:
+class RawIds(_IdMap):
     """The identity "compression" of families that hash raw token ids (qwen4_exp): ids in [0, vocab_size)."""
 
     tokenizer_file = None
@@ -268,17 +276,6 @@ class RawIds:
     def __init__(self, vocab_size: int):
         self.lookup_table = np.arange(vocab_size, dtype=np.int64)
         self.num_new_token = vocab_size
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.lookup_table)
-
-    @property
-    def lookup_sha256(self) -> str:
-        return lookup_sha256(self.lookup_table)
-
-    def __len__(self) -> int:
-        return self.num_new_token
 
     def __call__(self, input_ids):
         return np.asarray(input_ids, dtype=np.int64).copy()

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..hashing import PRIME_1, HashFamily, NgramHashMapping
+from ..persist import read_json
 from ..tokenizer import RawIds
 
 # ------------------------------------------------------------------------------------------ the hash family
@@ -228,7 +229,6 @@ def _ple_layers(model):
 
 def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
     """[(file, key, rows)] of decoder layer `layer_idx`'s n-gram table shards in a safetensors checkpoint, in order."""
-    import json
     import re
     from pathlib import Path
 
@@ -237,7 +237,8 @@ def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
     d = Path(checkpoint)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        wm = read_json(index, "safetensors index", "re-download the checkpoint", ConfigError).get("weight_map", {})
+        files = sorted(set(wm.values()))
     else:
         files = [f.name for f in sorted(d.glob("*.safetensors"))]
     if not files:
