@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import os
 import warnings
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .base import Table, TableError, find_tables, install, uninstall
-from .blocks import BlockVerifier, UnverifiedTableWarning, write_block_sums, write_sums
+from .blocks import BlockVerifier, UnverifiedTableWarning, block_crc, write_block_sums, write_sums
 from .files import map_tensor, new_table_file, table_file
 from .files import read_header as _read_header
 from .journal import UndoJournal
@@ -198,7 +197,7 @@ class MmapTable(Table):
             sums = np.array(self.blocks.sums, dtype="<u4")  # (a writable copy)
             bb = self.blocks.block_bytes
             for b in dirty:
-                sums[b] = zlib.crc32(self.blocks.data[b * bb: (b + 1) * bb])
+                sums[b] = block_crc(self.blocks.data[b * bb: (b + 1) * bb])
             self.blocks.sums = sums
             write_sums(self.path, sums, bb)
             self._dirty.zero_()

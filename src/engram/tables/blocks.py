@@ -85,6 +85,12 @@ def header_id(path) -> tuple[int, str]:
         return 8 + n, sha256_bytes(f.read(n))[:32]
 
 
+def block_crc(data, start: int = 0) -> int:
+    """The sum of one block's bytes (crc32, zlib's), continuing from `start` when fed in pieces: the one
+    definition every writer and checker uses (the GIL-free disk reader calls the same zlib function)."""
+    return zlib.crc32(data, start)
+
+
 class BlockCrc:
     """crc32 per `block_bytes` of a byte stream fed in pieces of any size (`update`), `finish()` -> uint32 array."""
 
@@ -95,7 +101,7 @@ class BlockCrc:
         mv, pos = memoryview(data).cast("B"), 0
         while pos < len(mv):
             take = min(self.block_bytes - self.fill, len(mv) - pos)
-            self.cur = zlib.crc32(mv[pos:pos + take], self.cur)
+            self.cur = block_crc(mv[pos:pos + take], self.cur)
             self.fill += take
             pos += take
             if self.fill == self.block_bytes:
@@ -215,7 +221,7 @@ class BlockVerifier:
 
     def _verify(self, b: int, data, row_bytes: int = 0, tensor_offset: int = 0) -> None:
         """Compare block `b`'s bytes `data` with its sum: mark it checked, or raise naming its rows."""
-        if zlib.crc32(data) != int(self.sums[b]):
+        if block_crc(data) != int(self.sums[b]):
             self.fail(b, row_bytes, tensor_offset)
         with self._lock:
             if not self.ok_np[b]:
