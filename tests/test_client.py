@@ -180,19 +180,6 @@ def test_parse_and_align():
     assert inside == [False, True, True, True, False] and ends == [False, False, False, True, False]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from test_train import make_corpus
-
-    from engram.training.train import train
-
-    d = tmp_path_factory.mktemp("api_run")
-    corpus = make_corpus(d / "corpus")
-    train("tiny", data=[str(corpus)], out=d / "run", max_steps=3, progress=False)
-    return d / "run"
-
-
 @pytest.mark.parametrize("mode", ["ok", "badjson"])
 def test_crosscheck_table_and_json(server, tiny_run, mode):
     args = ["crosscheck", "Only Alexander the Great could tame Bucephalus", "--checkpoint", str(tiny_run),

@@ -6,8 +6,6 @@ engram write goes through) and every call after it raise: a dead process runs no
 """
 
 import json
-import os
-import shutil
 import warnings
 from types import SimpleNamespace
 

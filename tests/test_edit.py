@@ -2,6 +2,7 @@
 every table backend, stack in order, refuse another model, and the CLI fails in one line."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -32,19 +33,18 @@ from engram.model import load_model  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402
 from engram.training.data import text_windows  # noqa: E402
-from engram.training.train import train  # noqa: E402
 
 FACTS = [Fact("the cat sat on", " the dog", ["a cat sat on"], ["It rained. the cat sat on"]),
          Fact("Line 5: the king", " ran"), Fact("the dog ran to the mat", " cat")]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tiny_run, tmp_path_factory):
+    """A copy of the session's tiny trained run (`ROOT/run`, corpus `ROOT/c.txt`): these tests write beside it."""
     root = tmp_path_factory.mktemp("edit")
-    corpus = root / "c.txt"
-    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400)))
-    train("tiny", data=[str(corpus)], out=root / "run", max_steps=10, progress=False)
-    return root, corpus
+    shutil.copytree(tiny_run, root / "run")
+    shutil.copy(tiny_run.parent / "c.txt", root / "c.txt")
+    return root, root / "c.txt"
 
 
 @pytest.fixture(scope="module")

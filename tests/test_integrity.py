@@ -1,6 +1,7 @@
 """Saved models carry a checksum manifest: corrupt or truncated files are one-line errors, never wrong numbers."""
 
 import json
+import shutil
 
 import pytest
 
@@ -8,16 +9,15 @@ pytest.importorskip("transformers")
 
 from engram.cli import main  # noqa: E402
 from engram.persist import MANIFEST, IntegrityError, verify_manifest  # noqa: E402
-from engram.training.train import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tiny_run, tmp_path_factory):
+    """A copy of the session's tiny trained run and its corpus (these tests damage files in it)."""
     root = tmp_path_factory.mktemp("integrity")
-    corpus = root / "c.txt"
-    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran.\n" for i in range(400)))
-    train("tiny", data=[str(corpus)], out=root / "run", max_steps=4, progress=False)
-    return root / "run", corpus
+    shutil.copytree(tiny_run, root / "run")
+    shutil.copy(tiny_run.parent / "c.txt", root / "c.txt")
+    return root / "run", root / "c.txt"
 
 
 def cli(capsys, *args):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,15 +52,12 @@ def start(args, env=None):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_run, tmp_path_factory):
     from engram.editing import Fact, edit_facts
     from engram.model import load_model
-    from engram.training.train import train
 
     root = tmp_path_factory.mktemp("serve")
-    corpus = root / "c.txt"
-    corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400)))
-    train("tiny", data=[str(corpus)], out=root / "run", max_steps=10, progress=False)
+    shutil.copytree(tiny_run, root / "run")  # the session's tiny trained run
     model, tok = load_model(root / "run")
     edit_facts(model, tok, [Fact("the cat sat on", " the king of Braeethdor")], steps=40,
                progress=False).save(root / "fact")
