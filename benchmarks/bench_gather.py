@@ -23,8 +23,6 @@ from _timing import timeit  # noqa: E402
 from engram.tables import InRamTable, MmapTable, write_table_file
 
 
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4_000_000)

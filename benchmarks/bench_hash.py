@@ -15,13 +15,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import timeit  # noqa: E402
 from _reference import reference_hash  # noqa: E402
+from _timing import timeit  # noqa: E402
 
-from engram import EngramConfig, get_hash_mapping  # noqa: E402
-from engram import _fasthash  # noqa: E402
-
-
+from engram import EngramConfig, _fasthash, get_hash_mapping  # noqa: E402
 
 
 def main():

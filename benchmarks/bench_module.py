@@ -17,12 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import timeit  # noqa: E402
 from _reference import RefEngram  # noqa: E402
+from _timing import timeit  # noqa: E402
 
 from engram import BackBoneConfig, Engram, EngramConfig  # noqa: E402
-
-
 
 
 def main():

@@ -46,7 +46,6 @@ from bench_disk import compile_readers, evict, fio_read  # noqa: E402
 from engram.tables import write_table_file  # noqa: E402
 from engram.tables.disk import DiskTable  # noqa: E402
 
-
 # access patterns for the device limit: (name, fio arguments); rows/s = reads/s, one row per read
 PATTERNS = [
     ("4k direct, psync x32", ["--bs=4k", "--direct=1", "--ioengine=psync", "--numjobs=32", "--iodepth=1"]),
@@ -327,9 +326,9 @@ def adapter_child(side: str, kind: str, steps: int, seed: int) -> dict:
 
 def adapters(args) -> dict:
     import subprocess
+    from importlib.metadata import version
 
     import engram_peft  # noqa: F401  (fail here, not in a child, if the peer is missing)
-    from importlib.metadata import version
 
     runs = []
     for r in range(args.rounds):

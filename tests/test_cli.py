@@ -8,8 +8,6 @@ from conftest import run_cli as run
 from engram import BackBoneConfig, EngramConfig, save_config
 
 
-
-
 @pytest.fixture
 def tiny_config(tmp_path):
     p = tmp_path / "engram_config.json"

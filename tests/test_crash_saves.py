@@ -6,8 +6,6 @@ engram write goes through) and every call after it raise: a dead process runs no
 """
 
 import json
-import os
-import shutil
 import warnings
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ import torch.distributed as dist
 pytest.importorskip("safetensors")
 
 from conftest import Crash
+
 from engram import persist
 from engram.distributed import ShardedTable, load_sharded, save_sharded
 from engram.distributed.sharded import shard_range

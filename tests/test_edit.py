@@ -22,13 +22,13 @@ from engram.editing import (  # noqa: E402
     edit_facts,
     edit_report,
     edit_rows,
-    mapping_of,
     locality,
+    mapping_of,
     read_facts,
 )
 from engram.hashing import identity_digest  # noqa: E402
-from engram.persist import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
+from engram.persist import IntegrityError  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402
 from engram.training.data import text_windows  # noqa: E402

@@ -37,12 +37,10 @@ from .cache import EngramCache, NgramHistory, with_ngram_history  # noqa: F401  
 from .config import ConfigError
 from .hashing import SPEC_FILE, get_hash_mapping
 from .hyper import HyperConnection
-from .persist import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
 from .model_config import EngramLMConfig
-from .persist import read_json, recover_dir
+from .persist import IntegrityError, read_json, recover_dir, verify_manifest, write_manifest
 from .tokenizer import load_tokenizer
-
 
 # transformers 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to
 # `cache`; the supported range (>= 5.0) has either. Decided once here, never in a class body.

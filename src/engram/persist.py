@@ -31,8 +31,8 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .errors import EngramError
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EngramError
 from .config import DEFAULT_TOKENIZER
+from .errors import EngramError
 from .persist import atomic_write_bytes, sha256_bytes, sha256_file
 from .utils import cache_dir
 

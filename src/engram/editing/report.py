@@ -8,9 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..adapters.introspect import generation_pad_id
 from .digests import engram_layers, mapping_of
 from .facts import Fact, _encode
-from ..adapters.introspect import generation_pad_id
 from .optimize import _target_logprobs, conflicts, shared_rows
 from .overlay import Overlay, applied
 
