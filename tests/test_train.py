@@ -118,7 +118,7 @@ def test_batcher_resume_and_prefetch_give_same_batches():
     for i in range(12):
         assert torch.equal(b.next()[0], seq[i])
     c = Batcher(tokens, 16, 4, seed=3, prefetch=True)
-    for i in range(12):
+    for _ in range(12):
         c.next()
     d = Batcher(tokens, 16, 4, seed=3)
     d.load_state_dict(c.consumed_state())
@@ -248,7 +248,7 @@ def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = [c.name for c in (tmp_path / "run" / "checkpoints").glob("step_*")]
-    assert done and "step_%06d" % steps not in done, "the kill must land before the run ended"
+    assert done and f"step_{steps:06d}" not in done, "the kill must land before the run ended"
     r = subprocess.run(args + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _losses(tmp_path / "run") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)

@@ -198,7 +198,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             envs.append(env)
         r["environment"] = envs.index(env) if env is not None else None
     summary = {"experiment": "retrofit", "date": datetime.date.today().isoformat(),
-               "command": "engram experiment retrofit --seeds %d --record docs/results" % seeds,
+               "command": f"engram experiment retrofit --seeds {seeds} --record docs/results",
                "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
                "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "seeds": seeds,
@@ -283,7 +283,7 @@ def plot(s: dict, path: Path) -> None:
         ax.errorbar(ch["forgetting"]["mean"], ch["domain_val"]["mean"], xerr=ch["forgetting"]["std"],
                     yerr=ch["domain_val"]["std"], fmt="s", color=c, capsize=3, ms=7,
                     label=f"{m} chosen lr {ch['lr']:g} (mean ± sd, n={ch['domain_val']['n']})")
-    for k, p in enumerate(s.get("matched", [])):
+    for p in s.get("matched", []):
         for q in (p["a"], p["b"]):
             ax.errorbar(q["forgetting"]["mean"], q["domain_val"]["mean"], xerr=q["forgetting"]["std"],
                         yerr=q["domain_val"]["std"], fmt="D", color=COLORS.get(q["method"]), mfc="none", capsize=3, ms=8,

@@ -187,7 +187,7 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     with atomic_file(path) as f, bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for name, dtype, shape, chunks in entries:
+        for name, _dtype, _shape, chunks in entries:
             written = 0
             for c in chunks:
                 b = c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if c.numel() else b""
