@@ -1,6 +1,7 @@
 """A real language model hosting Engram: attention (RoPE, GQA, KV cache), SwiGLU or DeepSeekMoE FFN, mHC.
 
-    ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks -> mean over streams -> norm -> lm_head
+    ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks
+        -> mean over streams -> norm -> lm_head
 
 Block (0-based index i; Engram at `engram.layer_ids`, added before attention as in the paper):
     x = x + Engram_i(x, rows_i)[0]           (B, T, G, D), gates per stream; rows_i (B, T, H, d) from the
@@ -434,7 +435,8 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if model.model.mapping is not None:
             if not spec_path.is_file():
                 raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
-            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError), str(d))
+            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError),
+                                           str(d))
         return model
 
 

@@ -144,7 +144,8 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
     def zeros():
         for s in range(0, num_rows, chunk_rows):
             yield torch.zeros(min(chunk_rows, num_rows - s), dim)
-    return [("exp_avg", torch.float32, (num_rows, dim), zeros()), ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
+    return [("exp_avg", torch.float32, (num_rows, dim), zeros()),
+            ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
 
 
 def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
