@@ -240,7 +240,8 @@ def test_facts_file_errors_and_generator(tmp_path, run):
     _, tok = load_model(root / "run")
     for line, msg in [('{"prompt": "", "target": " x"}', "'prompt' is missing or empty"),
                       ('{"prompt": "a", "target": "   "}', "'target' is missing or empty"),
-                      ('{"prompt": "a"}', "'target' is missing"), ('{"prompt": "a", "target": "b", "x": 1}', "unknown keys"),
+                      ('{"prompt": "a"}', "'target' is missing"),
+                      ('{"prompt": "a", "target": "b", "x": 1}', "unknown keys"),
                       ("not json", "not JSON"), ('{"prompt": "a", "target": "b", "paraphrases": "c"}', "list of")]:
         f = tmp_path / "f.jsonl"
         f.write_text(line + "\n")

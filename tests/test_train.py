@@ -66,7 +66,8 @@ def test_schedule_warmup_then_cosine():
 
 # ---------------------------------------------------------------------------- data
 def test_strip_gutenberg():
-    t = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense"
+    t = ("header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n"
+         "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense")
     assert strip_gutenberg(t) == "body text\n"
     assert strip_gutenberg("plain\n") == "plain\n"
 
@@ -399,11 +400,13 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys)
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "run"), "already holds a run"),
         (("train", "--preset", "nope", "--out", "y"), "unknown preset"),
         (("eval", "--checkpoint", "nowhere"), "no model here"),
-        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"), "unknown training setting"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"),
+         "unknown training setting"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "3"), "does not divide"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "0"), "at least 1"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "lr=abc"), "expected a float"),
-        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"), "needs table_backend"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"),
+         "needs table_backend"),
     ]:
         monkeypatch.chdir(tmp_path)
         code = main(list(args))
