@@ -44,7 +44,8 @@ class RefShortConv(nn.Module):
     def __init__(self, hidden_size, kernel_size, dilation, hc_mult, norm_eps=1e-5):
         super().__init__()
         C = hidden_size * hc_mult
-        self.conv = nn.Conv1d(C, C, kernel_size, groups=C, bias=False, padding=(kernel_size - 1) * dilation, dilation=dilation)
+        self.conv = nn.Conv1d(C, C, kernel_size, groups=C, bias=False, padding=(kernel_size - 1) * dilation,
+                              dilation=dilation)
         self.norms = nn.ModuleList([nn.RMSNorm(hidden_size, eps=norm_eps) for _ in range(hc_mult)])
 
     def forward(self, x):

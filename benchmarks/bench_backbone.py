@@ -52,7 +52,8 @@ def main():
     mhc_overhead = statistics.mean([t[(4, eng)] / t[(1, eng)] - 1 for eng in (False, True)])
     print(json.dumps({"bench": "backbone", "engram_overhead": round(engram_overhead, 3),
                       "mhc_overhead": round(mhc_overhead, 3),
-                      "step_s": {f"hc{hc}_{'engram' if eng else 'noengram'}": round(v, 4) for (hc, eng), v in t.items()}}))
+                      "step_s": {f"hc{hc}_{'engram' if eng else 'noengram'}": round(v, 4)
+                                 for (hc, eng), v in t.items()}}))
 
 
 if __name__ == "__main__":

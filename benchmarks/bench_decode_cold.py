@@ -99,7 +99,7 @@ def main():
         warm_up = torch.randint(2, cfg.vocab_size, (8,), generator=g)  # first calls compile and allocate
         decode(ram, warm_up.view(1, -1), warm_up, prefetch=False)
         decode(disk_model(), warm_up.view(1, -1), warm_up, prefetch=True)
-        for rnd in range(args.rounds):
+        for _ in range(args.rounds):
             prompt = torch.randint(2, cfg.vocab_size, (1, 16), generator=g)
             seq = torch.randint(2, cfg.vocab_size, (args.new_tokens,), generator=g)
             res["ram"].append(decode(ram, prompt, seq, prefetch=False))

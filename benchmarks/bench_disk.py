@@ -215,7 +215,8 @@ def main():
            "cold_mmap_vs_device": round(med["mmap"] / limit, 3),
            "cold_unchecked_vs_device": round(med["disk unchecked"] / limit, 3),
            "small_cold_gather_ms": {k: round(v * 1e3, 3) for k, v in small.items()},
-           "warm_vs_ram": round(warm["ram"] / warm["disk"], 3), "warm_mmap_vs_ram": round(warm["ram"] / warm["mmap"], 3)}
+           "warm_vs_ram": round(warm["ram"] / warm["disk"], 3),
+           "warm_mmap_vs_ram": round(warm["ram"] / warm["mmap"], 3)}
     print(json.dumps(out))
 
 

@@ -2,7 +2,8 @@
 
 Table: `--rows` x 64 fp32 (default 4M rows = 1 GiB), gathers of 65,536 rows, uniform and Zipf(1.1)
 row ids. `index_select` allocates its output each call; the in-RAM backend gathers into a
-preallocated buffer (`gather(rows, out=buf)`). The memory-mapped file is written first, so its pages are in the page cache (warm).
+preallocated buffer (`gather(rows, out=buf)`). The memory-mapped file is written first, so its pages
+are in the page cache (warm).
 Prints a table, then one JSON line (`inram_vs_index_select`, `mmap_cached_vs_inram`, ...).
 
     python benchmarks/bench_gather.py [--rows 4000000] [--cache-mb 64]
@@ -21,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import timeit  # noqa: E402
 
 from engram.tables import InRamTable, MmapTable, write_table_file
-
-
 
 
 def main():

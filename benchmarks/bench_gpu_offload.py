@@ -56,7 +56,8 @@ def main():
     ntok = batches[0].numel()
     print(f"on-device tables: {ntok / t_dev:,.0f} tok/s; pinned-host + prefetch: {ntok / t_host:,.0f} tok/s; "
           f"max |logit diff| {float((out - ref).abs().max()):.2e}")
-    print(json.dumps({"bench": "gpu_offload", "device": torch.cuda.get_device_name(), "tok_s_device": round(ntok / t_dev),
+    print(json.dumps({"bench": "gpu_offload", "device": torch.cuda.get_device_name(),
+                      "tok_s_device": round(ntok / t_dev),
                       "tok_s_host_prefetch": round(ntok / t_host), "throughput_ratio": round(t_dev / t_host, 4)}))
 
 

@@ -15,13 +15,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import timeit  # noqa: E402
 from _reference import reference_hash  # noqa: E402
+from _timing import timeit  # noqa: E402
 
-from engram import EngramConfig, get_hash_mapping  # noqa: E402
-from engram import _fasthash  # noqa: E402
-
-
+from engram import EngramConfig, _fasthash, get_hash_mapping  # noqa: E402
 
 
 def main():
@@ -47,7 +44,8 @@ def main():
         rows.append((f"engram ({be})", t, same))
         results[be] = (t, same)
     m.backend = "auto"
-    print(f"hash: B={args.batch} T={args.seq}, layers {m.layer_ids}, {16} heads/layer, torch threads {torch.get_num_threads()}")
+    print(f"hash: B={args.batch} T={args.seq}, layers {m.layer_ids}, {16} heads/layer, "
+          f"torch threads {torch.get_num_threads()}")
     print(f"{'implementation':<32} {'ms':>8} {'Mtok/s':>8} {'speedup':>8} {'identical':>9}")
     for name, t, same in rows:
         print(f"{name:<32} {t * 1e3:>8.2f} {ntok / t / 1e6:>8.2f} {t_ref / t:>8.2f} {str(same):>9}")

@@ -17,12 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import timeit  # noqa: E402
 from _reference import RefEngram  # noqa: E402
+from _timing import timeit  # noqa: E402
 
 from engram import BackBoneConfig, Engram, EngramConfig  # noqa: E402
-
-
 
 
 def main():
@@ -40,7 +38,8 @@ def main():
     with torch.no_grad():  # same weights on both sides
         ref.embedding.weight.copy_(ours.multi_head_embedding.embedding.weight)
         D, G = bcfg.hidden_size, bcfg.hc_mult
-        ref.value_proj.weight.copy_(ours.kv_proj.weight[:D]); ref.value_proj.bias.copy_(ours.kv_proj.bias[:D])
+        ref.value_proj.weight.copy_(ours.kv_proj.weight[:D])
+        ref.value_proj.bias.copy_(ours.kv_proj.bias[:D])
         for i in range(G):
             ref.key_projs[i].weight.copy_(ours.kv_proj.weight[(i + 1) * D:(i + 2) * D])
             ref.key_projs[i].bias.copy_(ours.kv_proj.bias[(i + 1) * D:(i + 2) * D])

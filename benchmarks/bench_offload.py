@@ -43,8 +43,8 @@ def main():
     zipf = 1.0 / torch.arange(1, 8191, dtype=torch.float64) ** 1.1
 
     def draw():
-        return [torch.multinomial(zipf, args.batch * args.seq, replacement=True, generator=g).view(args.batch, args.seq) + 2
-                for _ in range(args.batches)]
+        return [torch.multinomial(zipf, args.batch * args.seq, replacement=True, generator=g)
+                .view(args.batch, args.seq) + 2 for _ in range(args.batches)]
 
     def run(m, batches, prefetch=None):
         ts = []

@@ -15,14 +15,16 @@ a cold round (`posix_fadvise(DONTNEED)`, resident fraction from `mincore`), then
 reader (`IoUringPageReader.read_pages` of the 4 KiB pages holding the rows, then cut out), with the
 device's limit in the same run: the best random reads/s of several access patterns by fio (4 KiB and
 16 KiB direct reads, psync x32 and io_uring at depths 8-128, buffered reads with and without
-read-ahead, `PATTERNS`; and the whole file read sequentially, which wins when the rows are dense). The bytes returned are compared for equality.
+read-ahead, `PATTERNS`; and the whole file read sequentially, which wins when the rows are dense). The
+bytes returned are compared for equality.
 
 Adapters: the same random Llama and Qwen3 bases (hidden 256, 4 layers, the `exp` preset's BPE-4096
 Shakespeare tokenizer), the same Engram table (2 orders x 4 heads x ~10k rows x 32 dims at layer 1, one
 stream, zero-initialized conv), the same Shakespeare batches (8 x 128 tokens), steps, base LR (table at 5x),
 no weight decay, the base frozen: `engram.attach` + `build_optimizers` vs `engram_peft.get_engram_model`
 + its `create_optimizer` (SparseAdam rows). Each (side, base) runs in its own child process, alternating,
-`--rounds` times, round r with seed r (the base's weights, the batches, the adapter's init): step time (median after 3 warm-up steps), peak RSS, train loss over the last 10 steps
+`--rounds` times, round r with seed r (the base's weights, the batches, the adapter's init): step time
+(median after 3 warm-up steps), peak RSS, train loss over the last 10 steps
 and val loss after `--steps`, max |logit change| at attach, adapter files' bytes, and max |logit
 difference| after a save/load round trip into a fresh base. Prints a table and one JSON line.
 """
@@ -46,14 +48,14 @@ from bench_disk import compile_readers, evict, fio_read  # noqa: E402
 from engram.tables import write_table_file  # noqa: E402
 from engram.tables.disk import DiskTable  # noqa: E402
 
-
 # access patterns for the device limit: (name, fio arguments); rows/s = reads/s, one row per read
 PATTERNS = [
     ("4k direct, psync x32", ["--bs=4k", "--direct=1", "--ioengine=psync", "--numjobs=32", "--iodepth=1"]),
     ("4k direct, io_uring qd8", ["--bs=4k", "--direct=1", "--ioengine=io_uring", "--numjobs=1", "--iodepth=8"]),
     ("4k direct, io_uring qd32", ["--bs=4k", "--direct=1", "--ioengine=io_uring", "--numjobs=1", "--iodepth=32"]),
     ("4k direct, io_uring qd128", ["--bs=4k", "--direct=1", "--ioengine=io_uring", "--numjobs=1", "--iodepth=128"]),
-    ("4k direct, io_uring qd32 x4 jobs", ["--bs=4k", "--direct=1", "--ioengine=io_uring", "--numjobs=4", "--iodepth=32"]),
+    ("4k direct, io_uring qd32 x4 jobs",
+     ["--bs=4k", "--direct=1", "--ioengine=io_uring", "--numjobs=4", "--iodepth=32"]),
     ("16k direct, io_uring qd32", ["--bs=16k", "--direct=1", "--ioengine=io_uring", "--numjobs=1", "--iodepth=32"]),
     ("4k buffered, no read-ahead, psync x32", ["--bs=4k", "--direct=0", "--fadvise_hint=1", "--ioengine=psync",
                                                 "--numjobs=32", "--iodepth=1"]),
@@ -202,7 +204,8 @@ def disk(args) -> dict:
                   f"{med['engramdb_cold']:,.0f} ({r['cold_ratio']:.2f}x) vs io_uring pages "
                   f"{med['engramdb_iouring_cold']:,.0f} ({r['cold_ratio_iouring']:.2f}x); warm ids/s "
                   f"{med['engram_warm']:,.0f} vs {med['engramdb_warm']:,.0f} ({r['warm_ratio']:.2f}x) vs "
-                  f"{med['engramdb_iouring_warm']:,.0f} ({r['warm_ratio_iouring']:.2f}x); bytes identical; resident after "
+                  f"{med['engramdb_iouring_warm']:,.0f} ({r['warm_ratio_iouring']:.2f}x); bytes identical; "
+                  "resident after "
                   "eviction " + ("n/a" if r["max_resident"] is None else f"{r['max_resident']:.1%}"))
             for name, v in fio.items():
                 print(f"    device, {name}: {v:,.0f} rows/s")
@@ -319,7 +322,8 @@ def adapter_child(side: str, kind: str, steps: int, seed: int) -> dict:
             roundtrip = (again(input_ids=probe).logits - trained).abs().max().item()
     finally:
         shutil.rmtree(tmp)
-    return {"side": side, "base": kind, "seed": seed, "step_s": statistics.median(times[3:]), "train_loss_last10": statistics.fmean(losses[-10:]),
+    return {"side": side, "base": kind, "seed": seed, "step_s": statistics.median(times[3:]),
+            "train_loss_last10": statistics.fmean(losses[-10:]),
             "val_loss": val_loss, "exact_at_attach": exact, "trainable": trainable, "adapter_bytes": size,
             "save_s": save_s, "load_s": load_s, "roundtrip_max_diff": roundtrip,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -327,16 +331,16 @@ def adapter_child(side: str, kind: str, steps: int, seed: int) -> dict:
 
 def adapters(args) -> dict:
     import subprocess
+    from importlib.metadata import version
 
     import engram_peft  # noqa: F401  (fail here, not in a child, if the peer is missing)
-    from importlib.metadata import version
 
     runs = []
     for r in range(args.rounds):
         for kind in ("llama", "qwen3"):
             for side in (("engram", "peft") if r % 2 == 0 else ("peft", "engram")):  # alternate who goes first
-                p = subprocess.run([sys.executable, __file__, "--child", side, kind, str(r), "--steps", str(args.steps)],
-                                   capture_output=True, text=True)
+                p = subprocess.run([sys.executable, __file__, "--child", side, kind, str(r),
+                                    "--steps", str(args.steps)], capture_output=True, text=True)
                 if p.returncode:
                     raise SystemExit(f"{side} on {kind} failed:\n{p.stderr[-3000:]}")
                 runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -348,25 +352,32 @@ def adapters(args) -> dict:
 
     out = {"engram_peft": version("engram-peft"), "steps": args.steps, "rounds": args.rounds, "runs": runs, "bases": {},
            "environment": environment()}
-    print("\n| base | engram / engram-peft step time | val loss engram vs peft (mean ± sd) | exact at attach (max |dlogit|) | "
-          "adapter bytes | round trip max |dlogit| | peak RSS MiB |\n|---|---|---|---|---|---|---|")
+    print("\n| base | engram / engram-peft step time | val loss engram vs peft (mean ± sd) | "
+          "exact at attach (max |dlogit|) | adapter bytes | round trip max |dlogit| | peak RSS MiB |"
+          "\n|---|---|---|---|---|---|---|")
     for kind in ("llama", "qwen3"):
         e = [x for x in runs if x["base"] == kind and x["side"] == "engram"]
         p = [x for x in runs if x["base"] == kind and x["side"] == "peft"]
         ratios = [a["step_s"] / b["step_s"] for a, b in zip(e, p)]
         b = {"step_ratio": [round(x, 3) for x in ratios],
-             "val_loss": {"engram": seed_stats([x["val_loss"] for x in e]), "peft": seed_stats([x["val_loss"] for x in p])},
-             "exact_at_attach": {"engram": max(x["exact_at_attach"] for x in e), "peft": max(x["exact_at_attach"] for x in p)},
+             "val_loss": {"engram": seed_stats([x["val_loss"] for x in e]),
+                          "peft": seed_stats([x["val_loss"] for x in p])},
+             "exact_at_attach": {"engram": max(x["exact_at_attach"] for x in e),
+                                 "peft": max(x["exact_at_attach"] for x in p)},
              "adapter_bytes": {"engram": e[0]["adapter_bytes"], "peft": p[0]["adapter_bytes"]},
-             "roundtrip": {"engram": max(x["roundtrip_max_diff"] for x in e), "peft": max(x["roundtrip_max_diff"] for x in p)},
-             "peak_rss_mib": {"engram": max(x["peak_rss_mib"] for x in e), "peft": max(x["peak_rss_mib"] for x in p)},
+             "roundtrip": {"engram": max(x["roundtrip_max_diff"] for x in e),
+                           "peft": max(x["roundtrip_max_diff"] for x in p)},
+             "peak_rss_mib": {"engram": max(x["peak_rss_mib"] for x in e),
+                              "peft": max(x["peak_rss_mib"] for x in p)},
              "trainable": {"engram": e[0]["trainable"], "peft": p[0]["trainable"]}}
         b["val_loss"]["engram - peft"] = difference(b["val_loss"]["peft"], b["val_loss"]["engram"])
         out["bases"][kind] = b
         ve, vp, d = b["val_loss"]["engram"], b["val_loss"]["peft"], b["val_loss"]["engram - peft"]
-        print(f"| {kind} | {min(ratios):.2f}-{max(ratios):.2f}x | {ve['mean']:.4f} ± {ve['std']:.4f} vs {vp['mean']:.4f} ± "
-              f"{vp['std']:.4f} (n={ve['n']}; {d['diff']:+.4f} ± {d['se']:.4f} se{', a finding' if d['finding'] else ''}) | {b['exact_at_attach']['engram']:.2g} vs "
-              f"{b['exact_at_attach']['peft']:.2g} | {b['adapter_bytes']['engram']:,} vs {b['adapter_bytes']['peft']:,} | "
+        print(f"| {kind} | {min(ratios):.2f}-{max(ratios):.2f}x | {ve['mean']:.4f} ± {ve['std']:.4f} vs "
+              f"{vp['mean']:.4f} ± {vp['std']:.4f} (n={ve['n']}; {d['diff']:+.4f} ± {d['se']:.4f} se"
+              f"{', a finding' if d['finding'] else ''}) | {b['exact_at_attach']['engram']:.2g} vs "
+              f"{b['exact_at_attach']['peft']:.2g} | {b['adapter_bytes']['engram']:,} vs "
+              f"{b['adapter_bytes']['peft']:,} | "
               f"{b['roundtrip']['engram']:.2g} vs {b['roundtrip']['peft']:.2g} | {b['peak_rss_mib']['engram']:.0f} vs "
               f"{b['peak_rss_mib']['peft']:.0f} |")
     return out

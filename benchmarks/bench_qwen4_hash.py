@@ -2,9 +2,10 @@
 
 The released hashing constants (vocabulary 248,320, trigrams, 8 heads per order, prime base 20,000,000,
 seed 1234, EOS resets) in two shapes: prefill (B x T random ids with an EOS every ~200 tokens) and
-decode (B sequences x 1 new token, the last N-1 ids as history: what every generated token costs). The transformers side runs
-`Qwen4ExpTextNGramEmbedding.forward` with the table replaced by a module that returns the row ids, so
-both sides compute the same integers, head offsets included (checked), and nothing else. Target: >= 4x.
+decode (B sequences x 1 new token, the last N-1 ids as history: what every generated token costs). The
+transformers side runs `Qwen4ExpTextNGramEmbedding.forward` with the table replaced by a module that returns
+the row ids, so both sides compute the same integers, head offsets included (checked), and nothing else.
+Target: >= 4x.
 
 The comparison runs twice: in this process, with glibc's default allocator policy, and in a child
 process whose allocator keeps freed memory (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set high).
@@ -75,7 +76,8 @@ def main():
     kept = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     runs = {"default allocator": mine, "allocator keeps memory": kept}
     print(f"qwen4_exp hashing, 1 layer x 16 heads (primes ~2^24.3), head offsets included, threads "
-          f"{torch.get_num_threads()}; median of {args.repeats} interleaved blocks of back-to-back calls; outputs identical")
+          f"{torch.get_num_threads()}; median of {args.repeats} interleaved blocks of back-to-back calls; "
+          "outputs identical")
     print(f"{'shape':<28} {'allocator':<24} {'engram':>10} {'transformers':>13} {'ratio':>7}")
     ratios = {}
     for label, r in runs.items():

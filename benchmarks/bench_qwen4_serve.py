@@ -97,7 +97,8 @@ def main():
          "ram_over_transformers_decode": med["engram-ram"]["decode"] / med["transformers"]["decode"],
          "mmap_over_ram_decode": med["engram-mmap"]["decode"] / med["engram-ram"]["decode"]}
     print(f"mmap + prefetch / in-RAM prefill: {r['mmap_over_ram_prefill']:.3f}x (target >= 0.97); engram-ram / "
-          f"transformers: prefill {r['ram_over_transformers_prefill']:.2f}x, decode {r['ram_over_transformers_decode']:.2f}x")
+          f"transformers: prefill {r['ram_over_transformers_prefill']:.2f}x, "
+          f"decode {r['ram_over_transformers_decode']:.2f}x")
     print(json.dumps({"bench": "qwen4_serve", **{k: round(v, 3) for k, v in r.items()},
                       "tok_s": {k: {p: round(x, 1) for p, x in v.items()} for k, v in med.items()},
                       "table_gib": round(w.numel() * w.element_size() / 2**30, 2)}))

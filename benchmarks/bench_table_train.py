@@ -45,8 +45,8 @@ def main():
                                                          n_head_per_ngram=4, layer_ids=[1]))
     g = torch.Generator().manual_seed(0)
     zipf = 1.0 / torch.arange(1, 8191, dtype=torch.float64) ** 1.1
-    batches = [torch.multinomial(zipf, args.batch * args.seq, replacement=True, generator=g).view(args.batch, args.seq) + 2
-               for _ in range(args.steps)]
+    batches = [torch.multinomial(zipf, args.batch * args.seq, replacement=True, generator=g)
+               .view(args.batch, args.seq) + 2 for _ in range(args.steps)]
     torch.manual_seed(0)
     init = EngramForCausalLM(cfg).state_dict()
     table_gb = sum(v.numel() for k, v in init.items() if "multi_head_embedding" in k) * 4 / 1e9

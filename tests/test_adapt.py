@@ -1,4 +1,5 @@
-"""`engram adapt` (engram.training.adapt): adapter runs on a tiny saved Llama, resume, eval/sample with --base --adapter."""
+"""`engram adapt` (engram.training.adapt): adapter runs on a tiny saved Llama, resume, eval/sample with --base
+--adapter."""
 
 import json
 import shutil

@@ -86,7 +86,8 @@ def test_run_tiny_resumes(tmp_path):
     cfg = json.loads((root / "moe-E5+engram-seed0" / "final" / "config.json").read_text())
     assert cfg["n_routed_experts"] == 5 and cfg["shared_intermediate_size"] < 32
     mtime = (root / "moe-E6-seed0" / "summary.json").stat().st_mtime_ns
-    s2 = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny", data=corpus)  # finished runs are not retrained
+    # finished runs are not retrained
+    s2 = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny", data=corpus)
     assert (root / "moe-E6-seed0" / "summary.json").stat().st_mtime_ns == mtime
     assert s2["variants"]["moe-E6"]["mean"] == s["variants"]["moe-E6"]["mean"]
 

@@ -35,7 +35,8 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
         assert (tmp_path / "iso" / "engram-seed0" / "summary.json").is_file() and not (root / "block1-seed0").exists()
         from engram.analysis.runs import trained_run
 
-        with pytest.raises(RuntimeError, match="holds a finished run of preset 'tiny', seed 0"):  # not the run asked for
+        # not the run asked for
+        with pytest.raises(RuntimeError, match="holds a finished run of preset 'tiny', seed 0"):
             trained_run(tmp_path / "iso" / "engram-seed0", "x", 1, "tiny", data=[str(corpus)], max_steps=3,
                         progress=False)
     if name == "capacity":

@@ -84,7 +84,8 @@ CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", 
 def test_core_imports_no_storage_distribution_training_adapters_editing_or_cli(module):
     """The flat core reads top to bottom on its own; the packages around it depend on it, never the reverse."""
     forbidden = ("engram.tables", "engram.distributed", "engram.training", "engram.adapters", "engram.editing",
-                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.client", "engram.verify")
+                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.client",
+                 "engram.verify")
     bad = sorted(m for m in _closure(_graph(), module) if m.startswith(forbidden))
     assert not bad, f"{module} reaches {bad}"
 

@@ -8,19 +8,19 @@ from conftest import run_cli as run
 from engram import BackBoneConfig, EngramConfig, save_config
 
 
-
-
 @pytest.fixture
 def tiny_config(tmp_path):
     p = tmp_path / "engram_config.json"
-    save_config(p, EngramConfig(engram_vocab_size=[1009, 1013], n_embed_per_ngram=32, n_head_per_ngram=4, layer_ids=[1]),
+    save_config(p, EngramConfig(engram_vocab_size=[1009, 1013], n_embed_per_ngram=32, n_head_per_ngram=4,
+                                layer_ids=[1]),
                 BackBoneConfig(hidden_size=32, hc_mult=4, vocab_size=129280, num_layers=3))
     return p
 
 
 @pytest.mark.parametrize("mock", [True, False])
 def test_demo_with_small_config(tiny_config, mock):
-    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great", *(["--mock-blocks"] if mock else []))
+    r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great",
+            *(["--mock-blocks"] if mock else []))
     assert r.returncode == 0, r.stderr
     # tokenized as the tutorial's AutoTokenizer does: BOS first, then the 4 text tokens
     assert "Tokens     : ['<｜begin▁of▁sentence｜>', 'Only'" in r.stdout and "BOS" in r.stdout
@@ -58,7 +58,8 @@ def test_spec_writes_manifest(tmp_path, tiny_config):
         (["demo", "--config", "{cfg}"], "{oops", "not valid JSON"),
         (["hash", "x", "--config", "{cfg}"], {"engram": {"layer_ids": [99]}}, "outside [0, 30)"),
         (["demo", "--config", "/nonexistent/engram_config.json"], None, "config file not found"),
-        (["demo", "--text", "", "--mock-blocks", "--config", "{cfg}"], {"backbone": {"hidden_size": 32, "num_layers": 2},
+        (["demo", "--text", "", "--mock-blocks", "--config", "{cfg}"],
+         {"backbone": {"hidden_size": 32, "num_layers": 2},
           "engram": {"layer_ids": [1], "engram_vocab_size": [1009, 1013]}}, "--text is empty after tokenization"),
         (["spec", "--out", "x.json", "--config", "{cfg}"], {"engram": {"tokenizer_name_or_path": "/no/such/dir"}},
          "tokenizer not found"),

@@ -82,8 +82,9 @@ def server():
 
 def run(args, env_extra=None, cwd=None, mode="ok"):
     Stub.mode = mode
-    env = {k: v for k, v in os.environ.items() if k not in ("ENGRAM_API_KEY", "OPENAI_API_KEY", "TAOTOKEN_API_KEY",
-                                                           "ENGRAM_BASE_URL", "ENGRAM_MODEL") and "proxy" not in k.lower()}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ENGRAM_API_KEY", "OPENAI_API_KEY", "TAOTOKEN_API_KEY", "ENGRAM_BASE_URL", "ENGRAM_MODEL")
+           and "proxy" not in k.lower()}
     env.update({"ENGRAM_MODEL": "good-model", "NO_PROXY": "127.0.0.1,localhost"})
     env.update(env_extra or {})
     r = run_cli(*args, env=env, cwd=cwd, timeout=120)

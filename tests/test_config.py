@@ -8,8 +8,8 @@ from engram import BackBoneConfig, ConfigError, EngramConfig, load_config, save_
 def test_defaults_match_tutorial():
     e, b = EngramConfig(), BackBoneConfig()
     assert e.engram_vocab_size == [129280 * 5] * 2
-    assert (e.max_ngram_size, e.n_embed_per_ngram, e.n_head_per_ngram, e.layer_ids, e.pad_id, e.seed, e.kernel_size) == (
-        3, 512, 8, [1, 15], 2, 0, 4)
+    assert (e.max_ngram_size, e.n_embed_per_ngram, e.n_head_per_ngram, e.layer_ids, e.pad_id, e.seed,
+            e.kernel_size) == (3, 512, 8, [1, 15], 2, 0, 4)
     assert e.tokenizer_name_or_path == "deepseek-ai/DeepSeek-V3"
     assert (b.hidden_size, b.hc_mult, b.vocab_size, b.num_layers) == (1024, 4, 129280, 30)
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 pytest.importorskip("safetensors")
 
 from conftest import Crash
+
 from engram import persist
 from engram.distributed import ShardedTable, load_sharded, save_sharded
 from engram.distributed.sharded import shard_range

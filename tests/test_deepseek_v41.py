@@ -89,7 +89,8 @@ def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed
     g = np.random.default_rng(seed)
     ct = CompressedTokenizer(tok)
     cfg = config(tok, engram_max_ngram_size=int(g.integers(2, 5)), engram_n_heads=int(g.integers(1, 4)),
-                 engram_vocab_size=int(g.integers(40, 400)), engram_layer_ids=sorted(g.choice(10, 2, replace=False).tolist()),
+                 engram_vocab_size=int(g.integers(40, 400)),
+                 engram_layer_ids=sorted(g.choice(10, 2, replace=False).tolist()),
                  engram_num_embeddings=[5000, 5000], engram_pad_token_id=int(g.integers(0, 50)))
     m = v41.hash_mapping(cfg, ct, backend=backend)
     ids = g.integers(0, ct.raw_vocab_size, size=(3, 17))
@@ -175,12 +176,13 @@ def test_dequantization_of_every_code_and_every_scale_byte():
     full = dequantize_ue8m0(rows[:, :256], torch.full((256, 8), 127, dtype=torch.uint8), torch.float32)[0]
     assert [v for v in full.tolist() if v == v] == [v for v in want_codes if v == v]  # scale 1.0: the codes
     bf = dequantize_ue8m0(rows[:3], scales[120:123].view(3, 1).repeat(1, 8))  # served as bfloat16
-    assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got[120:123].to(torch.bfloat16).view(torch.int16))
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16),
+                                                      got[120:123].to(torch.bfloat16).view(torch.int16))
     from engram.tables.quant import _dequantize_ue8m0_torch
 
     g = torch.Generator().manual_seed(0)
-    rc, rs = torch.randint(0, 256, (300, 128), dtype=torch.uint8, generator=g), torch.randint(0, 256, (300, 4),
-                                                                                               dtype=torch.uint8, generator=g)
+    rc, rs = (torch.randint(0, 256, (300, 128), dtype=torch.uint8, generator=g),
+              torch.randint(0, 256, (300, 4), dtype=torch.uint8, generator=g))
     for dt, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):  # fused loop (numba) == torch ops
         assert torch.equal(dequantize_ue8m0(rc, rs, dt).view(bits), _dequantize_ue8m0_torch(rc, rs, dt).view(bits))
     w = torch.randn(10, 64)

@@ -15,7 +15,8 @@ from engram.tables.files import read_header
 
 @pytest.fixture(params=["compiled", "python"])
 def reader(request, monkeypatch):
-    """Cold rows read by the GIL-free compiled loop (engram-torch[fast]) or the Python loop that stands in without numba."""
+    """Cold rows read by the GIL-free compiled loop (engram-torch[fast]) or the Python loop that stands in without
+    numba."""
     if request.param == "compiled":
         if disk._READER.get() is None:
             pytest.skip("numba not installed")

@@ -23,13 +23,13 @@ from engram.editing import (  # noqa: E402
     edit_facts,
     edit_report,
     edit_rows,
-    mapping_of,
     locality,
+    mapping_of,
     read_facts,
 )
 from engram.hashing import identity_digest  # noqa: E402
-from engram.persist import IntegrityError  # noqa: E402
 from engram.model import load_model  # noqa: E402
+from engram.persist import IntegrityError  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402
 from engram.training.data import text_windows  # noqa: E402
@@ -240,7 +240,8 @@ def test_facts_file_errors_and_generator(tmp_path, run):
     _, tok = load_model(root / "run")
     for line, msg in [('{"prompt": "", "target": " x"}', "'prompt' is missing or empty"),
                       ('{"prompt": "a", "target": "   "}', "'target' is missing or empty"),
-                      ('{"prompt": "a"}', "'target' is missing"), ('{"prompt": "a", "target": "b", "x": 1}', "unknown keys"),
+                      ('{"prompt": "a"}', "'target' is missing"),
+                      ('{"prompt": "a", "target": "b", "x": 1}', "unknown keys"),
                       ("not json", "not JSON"), ('{"prompt": "a", "target": "b", "paraphrases": "c"}', "list of")]:
         f = tmp_path / "f.jsonl"
         f.write_text(line + "\n")

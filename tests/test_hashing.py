@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, get_hash_mapping
-from engram import _fasthash
+from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, _fasthash, get_hash_mapping
 
 BACKENDS = ["torch"] + (["numba"] if _fasthash.available() else [])
 INT64 = 1 << 64

@@ -151,7 +151,8 @@ def plain_forward(m, h, ids):
     value = e @ W[:D].T + b[:D]
     gates = []
     for i in range(G):
-        k = torch.nn.functional.rms_norm(e @ W[(i + 1) * D:(i + 2) * D].T + b[(i + 1) * D:(i + 2) * D], (D,), m.key_norm_weight[i])
+        k = torch.nn.functional.rms_norm(e @ W[(i + 1) * D:(i + 2) * D].T + b[(i + 1) * D:(i + 2) * D], (D,),
+                                         m.key_norm_weight[i])
         q = torch.nn.functional.rms_norm(h[:, :, i], (D,), m.query_norm_weight[i])
         g = (k * q).sum(-1) / D ** 0.5
         gates.append((g.abs().clamp_min(1e-6).sqrt() * g.sign()).sigmoid())

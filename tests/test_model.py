@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import engram  # noqa: E402,F401  (registers the Auto classes)
 from engram import ConfigError  # noqa: E402
-from engram.training import presets  # noqa: E402
 from engram.hyper import HyperConnection  # noqa: E402
 from engram.memory import ShortConv  # noqa: E402
 from engram.model import CACHE_FIELD, EngramForCausalLM, MoE, update_expert_bias  # noqa: E402
+from engram.training import presets  # noqa: E402
 
 
 def make(**kw):

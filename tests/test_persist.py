@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import Crash
+
 from engram import persist
 from engram.persist import read_json, recover_dir, replace_dir
 
@@ -216,8 +216,8 @@ def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_p
     """Checkpoints and adapters listed their digests in state.json / engram_adapter.json before 0.2."""
     import engram
     from engram.adapters import read_adapter_config
-    from engram.training.checkpoint import CheckpointError, read_checkpoint
     from engram.persist import sha256_file
+    from engram.training.checkpoint import CheckpointError, read_checkpoint
 
     def to_legacy(d, meta_name):
         (d / "engram_manifest.json").unlink()

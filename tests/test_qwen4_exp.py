@@ -98,7 +98,8 @@ def test_manifest_records_the_family_and_refuses_another(tmp_path):
     m.save_spec(tmp_path / "spec.json")
     again = NgramHashMapping.from_spec(tmp_path / "spec.json")
     ids = ids_with_eos(config(), 2, 16, 3)
-    assert again.family.name == "qwen4_exp" and all(torch.equal(again.hash(ids)[l], m.hash(ids)[l]) for l in m.layer_ids)
+    assert again.family.name == "qwen4_exp" and all(torch.equal(again.hash(ids)[l], m.hash(ids)[l])
+                                                    for l in m.layer_ids)
     other = hash_mapping(config(seed=5)).spec()
     with pytest.raises(ConfigError, match="mismatch on 'layers'"):
         m.check_spec(other)

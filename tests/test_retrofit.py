@@ -34,7 +34,8 @@ def test_retrofit_sweep_on_a_tiny_base(tmp_path):
     s = rf.run(tmp_path / "out", seeds=2, max_steps=3, pretrain_steps=3, progress=False, record=tmp_path / "rec",
                methods=methods, domain=[str(domain)], general=[str(general)], base_shape=base, tokenizer="bpe:300")
     assert len([r for r in s["runs"] if r["seed"] == 0]) == 4  # the sweep; then seed 1 at each chosen lr
-    extra = {(p[k]["method"], p[k]["lr"]) for p in s["matched"] for k in "ab"} - {(m, c["lr"]) for m, c in s["chosen"].items()}
+    extra = ({(p[k]["method"], p[k]["lr"]) for p in s["matched"] for k in "ab"}
+             - {(m, c["lr"]) for m, c in s["chosen"].items()})
     assert len(s["runs"]) == 4 + 3 + len(extra)
     assert all(p["a"]["domain_val"]["n"] == 2 for p in s["matched"])
     assert all(s["chosen"][m]["domain_val"]["n"] == 2 for m in methods)

@@ -252,7 +252,8 @@ def test_tables_created_as_files_never_live_in_ram(tmp_path):
         offload_tables(m, "ram", trainable=True)
     tables = offload_tables(m, "mmap", tmp_path / "b", trainable=True, init_seed=7)
     tb = next(iter(tables.values()))
-    assert tb.num_rows == mhe.num_rows and abs(float(tb.weight.mean())) < 0.05 and abs(float(tb.weight.std()) - 1) < 0.05
+    assert (tb.num_rows == mhe.num_rows and abs(float(tb.weight.mean())) < 0.05
+            and abs(float(tb.weight.std()) - 1) < 0.05)
     again = MmapTable(create_table_file(tmp_path / "c.safetensors", tb.num_rows, tb.dim, seed=7 + 1))
     assert torch.equal(again.weight, tb.weight)  # seed + layer id: the same rows again
     tb.commit(0)

@@ -66,7 +66,8 @@ def test_schedule_warmup_then_cosine():
 
 # ---------------------------------------------------------------------------- data
 def test_strip_gutenberg():
-    t = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense"
+    t = ("header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n"
+         "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicense")
     assert strip_gutenberg(t) == "body text\n"
     assert strip_gutenberg("plain\n") == "plain\n"
 
@@ -118,7 +119,7 @@ def test_batcher_resume_and_prefetch_give_same_batches():
     for i in range(12):
         assert torch.equal(b.next()[0], seq[i])
     c = Batcher(tokens, 16, 4, seed=3, prefetch=True)
-    for i in range(12):
+    for _ in range(12):
         c.next()
     d = Batcher(tokens, 16, 4, seed=3)
     d.load_state_dict(c.consumed_state())
@@ -248,7 +249,7 @@ def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = [c.name for c in (tmp_path / "run" / "checkpoints").glob("step_*")]
-    assert done and "step_%06d" % steps not in done, "the kill must land before the run ended"
+    assert done and f"step_{steps:06d}" not in done, "the kill must land before the run ended"
     r = subprocess.run(args + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _losses(tmp_path / "run") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
@@ -399,11 +400,13 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys)
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "run"), "already holds a run"),
         (("train", "--preset", "nope", "--out", "y"), "unknown preset"),
         (("eval", "--checkpoint", "nowhere"), "no model here"),
-        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"), "unknown training setting"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "bogus=1"),
+         "unknown training setting"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "3"), "does not divide"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "0"), "at least 1"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "lr=abc"), "expected a float"),
-        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"), "needs table_backend"),
+        (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"),
+         "needs table_backend"),
     ]:
         monkeypatch.chdir(tmp_path)
         code = main(list(args))

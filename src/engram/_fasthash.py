@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels, lock as _lock
+from ._numba import LazyKernels
+from ._numba import lock as _lock
 
 
 def available() -> bool:
@@ -115,8 +116,8 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     """Fill `out` (L, B, T, O*H) (int64 or int32) with per-head rows; `consts` from `kernel_constants`
     (primes <= MAX_PRIME).
 
-    `ends` (B, T) bool, C-contiguous: True where a document ends (the n-grams after it read `pad` from there back: an EOS
-    reset, the positions before and at a DEAD one), or None.
+    `ends` (B, T) bool, C-contiguous: True where a document ends (the n-grams after it read `pad` from there back:
+    an EOS reset, the positions before and at a DEAD one), or None.
     `offsets` (L, O, H) float64: added to each head's row (its place in the layer's concatenated table), or None.
     """
     p, c32, c48, inv = consts

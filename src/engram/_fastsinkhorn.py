@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels, lock as _lock
+from ._numba import LazyKernels
+from ._numba import lock as _lock
 
 
 def available() -> bool:

@@ -192,7 +192,8 @@ class TrainConfig:
     table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
     table_cache_mb: float = 0.0  # mmap: hot-row cache size
     table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
-    table_init: str = "model"  # mmap: model (init in RAM, then written: same run as param) | file (streamed, never in RAM)
+    # mmap: model (init in RAM, then written: same run as param) | file (streamed, never in RAM)
+    table_init: str = "model"
     table_readahead: bool = True  # mmap: read and journal the next batch's rows on the data pipeline's thread (for
     # files colder than the page cache; with a warm one it costs a few percent here: --set table_readahead=false)
     dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)

@@ -113,7 +113,8 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
             logits, gates, hash_ids = out.logits, out.gates, model.model.mapping.hash(input_ids)
     t2 = time.perf_counter()
     return {
-        "mock_blocks": mock_blocks, "blocks": blocks, "tokens": tokens, "bos_token": prepended[1] if prepended else None,
+        "mock_blocks": mock_blocks, "blocks": blocks, "tokens": tokens,
+        "bos_token": prepended[1] if prepended else None,
         "input_shape": list(input_ids.shape), "output_shape": list(logits.shape),
         "layers": {lid: {"hash_shape": list(hash_ids[lid].shape), "gate_min": float(gates[lid].min()),
                          "gate_max": float(gates[lid].max()), "gate_mean": float(gates[lid].mean())}

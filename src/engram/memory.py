@@ -226,8 +226,8 @@ class Engram(nn.Module):
         delta, gate = layer(hidden, rows)
     """
 
-    def __init__(self, layer_id: int, engram_cfg: EngramConfig | None = None, backbone_cfg: BackBoneConfig | None = None,
-                 hash_mapping: NgramHashMapping | None = None):
+    def __init__(self, layer_id: int, engram_cfg: EngramConfig | None = None,
+                 backbone_cfg: BackBoneConfig | None = None, hash_mapping: NgramHashMapping | None = None):
         super().__init__()
         engram_cfg = engram_cfg or EngramConfig()
         backbone_cfg = backbone_cfg or BackBoneConfig()
@@ -263,7 +263,8 @@ class Engram(nn.Module):
         stands alone (training, a full forward)."""
         B, T, G, D = hidden_states.shape
         if G != self.hc_mult or D != self.hidden_size:
-            raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), got {tuple(hidden_states.shape)}")
+            raise ValueError(f"hidden_states must be (B, T, {self.hc_mult}, {self.hidden_size}), "
+                             f"got {tuple(hidden_states.shape)}")
         if rows.shape[:2] != (B, T) or rows.dim() != 4:
             raise ValueError(f"rows must be (B={B}, T={T}, H, d) table rows for these hidden states, got "
                              f"{tuple(rows.shape)}; look them up with layer.multi_head_embedding(hash_ids)")

@@ -1,6 +1,7 @@
 """A real language model hosting Engram: attention (RoPE, GQA, KV cache), SwiGLU or DeepSeekMoE FFN, mHC.
 
-    ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks -> mean over streams -> norm -> lm_head
+    ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks
+        -> mean over streams -> norm -> lm_head
 
 Block (0-based index i; Engram at `engram.layer_ids`, added before attention as in the paper):
     x = x + Engram_i(x, rows_i)[0]           (B, T, G, D), gates per stream; rows_i (B, T, H, d) from the
@@ -37,12 +38,10 @@ from .cache import EngramCache, NgramHistory, with_ngram_history  # noqa: F401  
 from .config import ConfigError
 from .hashing import SPEC_FILE, get_hash_mapping
 from .hyper import HyperConnection
-from .persist import IntegrityError, verify_manifest, write_manifest
 from .memory import Engram, ShortConv
 from .model_config import EngramLMConfig
-from .persist import read_json, recover_dir
+from .persist import IntegrityError, read_json, recover_dir, verify_manifest, write_manifest
 from .tokenizer import load_tokenizer
-
 
 # transformers 5.24 renamed the KV-cache field of model outputs and generate() kwargs from `past_key_values` to
 # `cache`; the supported range (>= 5.0) has either. Decided once here, never in a class body.
@@ -436,7 +435,8 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if model.model.mapping is not None:
             if not spec_path.is_file():
                 raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
-            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError), str(d))
+            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError),
+                                           str(d))
         return model
 
 

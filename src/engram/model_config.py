@@ -37,7 +37,8 @@ class EngramLMConfig(PretrainedConfig):
         self.shared_intermediate_size = (self.moe_intermediate_size * n_shared_experts
                                          if shared_intermediate_size is None else shared_intermediate_size)
         self.hc_mult, self.sinkhorn_iters = hc_mult, sinkhorn_iters
-        self.rope_theta, self.max_position_embeddings, self.rms_norm_eps = rope_theta, max_position_embeddings, rms_norm_eps
+        self.rope_theta, self.max_position_embeddings, self.rms_norm_eps = (rope_theta, max_position_embeddings,
+                                                                            rms_norm_eps)
         self.use_engram = use_engram
         ecfg = engram if isinstance(engram, EngramConfig) else EngramConfig.from_dict(engram or {})
         self.engram = ecfg.to_dict()
@@ -55,7 +56,8 @@ class EngramLMConfig(PretrainedConfig):
 
     def validate_sizes(self) -> None:
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must divide "
+                              f"hidden_size ({self.hidden_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                               f"({self.num_attention_heads})")

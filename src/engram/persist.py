@@ -31,8 +31,8 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .errors import EngramError
 
@@ -288,7 +288,8 @@ def verify_manifest(directory, fix: str = "re-download it or save it again") -> 
             raise IntegrityError(f"{p} is missing; {fix}")
         size = p.stat().st_size
         if size != e["bytes"]:
-            raise IntegrityError(f"{p} is truncated or padded ({size:,} bytes, the manifest says {e['bytes']:,}); {fix}")
+            raise IntegrityError(f"{p} is truncated or padded ({size:,} bytes, the manifest says "
+                                 f"{e['bytes']:,}); {fix}")
         if sha256_file(p) != e["sha256"]:
             raise IntegrityError(f"{p} is corrupt (sha256 differs from the manifest); {fix}")
     return True

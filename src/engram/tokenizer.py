@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EngramError
 from .config import DEFAULT_TOKENIZER
+from .errors import EngramError
 from .persist import atomic_write_bytes, sha256_bytes, sha256_file
 from .utils import cache_dir
 
@@ -58,7 +58,8 @@ def resolve_tokenizer_file(tokenizer_name_or_path: str | os.PathLike | None) -> 
     if not p.is_file():
         raise TokenizerError(
             f"tokenizer not found: {tokenizer_name_or_path!s} is neither a tokenizer.json file nor a folder "
-            f"holding one (hub names other than {DEFAULT_TOKENIZER!r} are not fetched; download the files and pass the path)"
+            f"holding one (hub names other than {DEFAULT_TOKENIZER!r} are not fetched; download the files and pass "
+            "the path)"
         )
     return p
 
@@ -247,7 +248,8 @@ class CompressedTokenizer(_IdMap):
     def identity(cls, base: "CompressedTokenizer") -> "CompressedTokenizer":
         """Ablation: no compression; every token id of `base`'s tokenizer is its own compressed id."""
         ct = cls.__new__(cls)
-        ct.tokenizer_file, ct.tokenizer, ct.tokenizer_sha256 = base.tokenizer_file, base.tokenizer, base.tokenizer_sha256
+        ct.tokenizer_file, ct.tokenizer, ct.tokenizer_sha256 = (base.tokenizer_file, base.tokenizer,
+                                                                 base.tokenizer_sha256)
         ct.lookup_table = np.arange(base.vocab_size, dtype=np.int64)
         ct.num_new_token = base.vocab_size
         return ct

@@ -43,7 +43,8 @@ def verify_path(path) -> list[tuple[str, str, str]]:
     elif (p / "state.json").is_file():
         from .training.checkpoint import read_checkpoint
 
-        check(f"checkpoint {p}", lambda: read_checkpoint(p), "resume from the previous checkpoint (--resume falls back)")
+        check(f"checkpoint {p}", lambda: read_checkpoint(p),
+              "resume from the previous checkpoint (--resume falls back)")
     elif (p / MANIFEST).is_file() or (p / "config.json").is_file():
         check(f"model {p}", lambda: verify_manifest(p), "")
     if (p / "final").is_dir():

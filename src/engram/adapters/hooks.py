@@ -26,7 +26,8 @@ class EngramAdapter(nn.Module):
                  layers_path: str, fingerprint: dict):
         super().__init__()
         self.config, self.mapping, self.layers_path, self.fingerprint = cfg, mapping, layers_path, fingerprint
-        bb = BackBoneConfig(hidden_size=hidden_size, hc_mult=1, vocab_size=mapping.raw_vocab_size, num_layers=num_layers)
+        bb = BackBoneConfig(hidden_size=hidden_size, hc_mult=1, vocab_size=mapping.raw_vocab_size,
+                            num_layers=num_layers)
         self.layers = nn.ModuleDict({str(i): Engram(i, cfg, bb, mapping) for i in cfg.layer_ids})
         D = hidden_size
         with torch.no_grad():

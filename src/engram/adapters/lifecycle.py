@@ -45,7 +45,8 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     ids = list(layer_ids) if not isinstance(layer_ids, int) else [layer_ids]
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(layers)]
     if not ids or bad:
-        raise AdapterError(f"layer_ids {bad or ids} out of range: {path} has {len(layers)} layers (0..{len(layers) - 1})")
+        raise AdapterError(f"layer_ids {bad or ids} out of range: {path} has {len(layers)} layers "
+                           f"(0..{len(layers) - 1})")
     ct = compressed_tokenizer(tokenizer, target)
     _check_vocab(ct, target)
     D = _hidden_size(target)

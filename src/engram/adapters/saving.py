@@ -132,6 +132,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
         try:
             from peft import PeftModel
         except ImportError:
-            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' (or pass lora=False)") from None
+            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' "
+                               "(or pass lora=False)") from None
         model = PeftModel.from_pretrained(target, str(d / LORA_DIR))
     return model

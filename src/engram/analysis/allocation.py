@@ -326,7 +326,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     names = [v.name for v in vs]
     unknown = sorted(set(only or ()) - set(names))
     if unknown:
-        raise ConfigError(f"unknown allocation variant(s) {', '.join(unknown)}; the {scale} plan has {', '.join(names)}")
+        raise ConfigError(f"unknown allocation variant(s) {', '.join(unknown)}; "
+                          f"the {scale} plan has {', '.join(names)}")
     results: dict[str, list[dict]] = {v.name: [] for v in vs}
     for seed in range(seeds):
         for v in vs:
@@ -367,7 +368,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
         from .report import record_experiment
 
         rec_table = {v.name: table[v.name] | {"rho": v.rho, "params": v.accounting["total"],
-                                              "activated": v.accounting["activated"], "table_params": v.accounting["table"]}
+                                              "activated": v.accounting["activated"],
+                                              "table_params": v.accounting["table"]}
                      for v in vs}
         record_experiment(Path(record) / "allocation.json",
                           {"experiment": "allocation", "preset": sc.preset, "seeds": seeds, "variants": rec_table},
@@ -393,8 +395,8 @@ def accounting_markdown(vs: list[Variant]) -> str:
         fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
         tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
         share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
-        lines.append(f"| {v.name} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | {a['activated']:,}{share} | "
-                     f"{a['table']:,} | {fl} | {tpr} |")
+        lines.append(f"| {v.name} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
+                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
     return "\n".join(lines) + "\n"
 
 

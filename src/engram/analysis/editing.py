@@ -88,7 +88,8 @@ def measure(model, tok, fs: dict, windows, val_before: float) -> dict:
     rels = fs.get("counterfactual_relation") or []
     out["by_relation"] = {rel: {
         "efficacy": _share(model, tok, [(f.prompt, f.target) for f, r in zip(fs["counterfactual"], rels) if r == rel]),
-        "specificity": _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"] if x.get("relation") == rel]),
+        "specificity": _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]
+                                           if x.get("relation") == rel]),
     } for rel in dict.fromkeys(rels)}
     out["val_change"] = evaluate(model, windows, 16, torch.device("cpu")) - val_before
     return out
@@ -238,7 +239,8 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                                                  progress=progress)
                     res = measure(tuned, tok, fs, windows, val_before) | info_ft
                 n = len(fs["counterfactual"])
-                res["efficacy_all"] = (res["efficacy_counterfactual"] * n + res["efficacy_new"] * len(fs["new"])) / len(facts)
+                res["efficacy_all"] = ((res["efficacy_counterfactual"] * n + res["efficacy_new"] * len(fs["new"]))
+                                       / len(facts))
                 res |= {"seed": seed, "facts": {"counterfactual": n, "new": len(fs["new"]),
                                                 "neighbours": len(fs["neighbours"])}}
                 write_json(f, res)
@@ -268,7 +270,8 @@ LABELS = {"efficacy_counterfactual": "efficacy (counterfactual)", "efficacy_new"
 def markdown(s: dict) -> str:
     head = "| method | " + " | ".join(LABELS[k] for k in METRICS) + " | steps |"
     lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
-             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); val loss before {s['val_before']:.4f}. "
+             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); "
+             f"val loss before {s['val_before']:.4f}. "
              f"{s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set. Every cell: mean ± sample sd "
              f"over n={s['seeds']} fact sets; vs the edit: the verdict on the difference, a finding only beyond "
              "2 se (each difference ± se is in the record's `tests`).", "",
@@ -287,7 +290,8 @@ def markdown(s: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps:.0f} |")
     if s.get("by_relation"):
         rels = list(next(iter(s["by_relation"].values())))
-        lines += ["", f"Counterfactuals by relation (mean ± sd over n={s['seeds']} fact sets): efficacy / specificity.", "",
+        lines += ["", f"Counterfactuals by relation (mean ± sd over n={s['seeds']} fact sets): "
+                      "efficacy / specificity.", "",
                   "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
         for m, t in s["by_relation"].items():
             lines.append(f"| {m} | " + " | ".join(

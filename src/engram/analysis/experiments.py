@@ -130,7 +130,8 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     elif name == "design":
         table = design_table(results)
     else:
-        table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
+        table = {v: seed_stats([r["val_loss"] for r in rs])
+                 | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
     summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
     write_json(root / "summary.json", summary)
@@ -159,7 +160,8 @@ def design_table(results: dict) -> dict:
         set_table_format(model, "fp8_ue8m0")
         with torch.no_grad():
             fp8.append(evaluate(model, windows, info["train"]["batch_size"], torch.device("cpu")))
-    table = {v: seed_stats([r["val_loss"] for r in rs]) | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
+    table = {v: seed_stats([r["val_loss"] for r in rs])
+             | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
              for v, rs in results.items()}
     table["v41, fp8_ue8m0 rows"] = seed_stats(fp8) | {"params": table["v41"]["params"],
                                                       "table_params": table["v41"]["table_params"]}
@@ -187,7 +189,8 @@ def frequent_ngram_mask(train_tokens: np.ndarray, tokens: np.ndarray, min_count:
 
 def sensitivity(runs: list[dict], data=None) -> dict:
     """Per-token val losses with Engram on and suppressed, split by token category."""
-    per = {"frequent n-gram completions": {"on": [], "off": [], "n": 0}, "all other tokens": {"on": [], "off": [], "n": 0}}
+    per = {"frequent n-gram completions": {"on": [], "off": [], "n": 0},
+           "all other tokens": {"on": [], "off": [], "n": 0}}
     for r in runs:
         run_dir = Path(r["run_dir"])
         info = read_run_file(run_dir)

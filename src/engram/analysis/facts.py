@@ -52,7 +52,7 @@ def make_facts(n: int = 50, seed: int = 0, tokenizer=None, order: int = 3) -> li
     names: set[str] = set()
     facts: list[Fact] = []
     seen: set[tuple] = set()
-    for attempt in range(200 * n):
+    for _ in range(200 * n):
         if len(facts) == n:
             break
         e = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()

@@ -78,7 +78,8 @@ def save_html(tokens: list[str], gates: dict, path: Path, title: str = "Engram g
         detail = {lab: round(float(M[r, t]), 4) for r, lab in enumerate(labels)}
         alpha = float(mean[t])
         spans.append(
-            f'<span class="tok" style="background: rgba(220,40,40,{alpha:.3f})" data-gates=\'{html.escape(json.dumps(detail))}\' '
+            f'<span class="tok" style="background: rgba(220,40,40,{alpha:.3f})" '
+            f'data-gates=\'{html.escape(json.dumps(detail))}\' '
             f'title="{html.escape(" ".join(f"{k}={v:.3f}" for k, v in detail.items()))}">'
             f"{html.escape(tok).replace(' ', '&nbsp;') or '&#8203;'}</span>")
     page = f"""<!doctype html>

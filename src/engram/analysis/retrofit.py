@@ -87,7 +87,8 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
         with new_dir(init) as tmp:  # a killed save never leaves a config.json without its weights
             model.save_pretrained(tmp)
             atomic_write_bytes(tmp / "tokenizer.json", tok.read_bytes())
-    _say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) "
+    _say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, "
+                   f"hidden {shape['hidden_size']}) "
                    f"on {' + '.join(general or ['shakespeare'])} -> {run}")
     adapt(init, data=general, out=run, method="full", max_steps=max_steps or PRETRAIN["max_steps"],
           overrides=PRETRAIN["overrides"], resume=bool(checkpoints(run)), progress=progress)
@@ -135,7 +136,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     root = Path(out) / "retrofit"
     root.mkdir(parents=True, exist_ok=True)
     base = pretrained_base(root, pretrain_steps, progress, base_shape, tokenizer, general)
-    tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"], "tokenizer": str((base / "tokenizer.json").resolve())})
+    tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"],
+                          "tokenizer": str((base / "tokenizer.json").resolve())})
     before_file = root / "base_eval.json"
     if not before_file.is_file():
         model, _ = load_base(base)
@@ -185,7 +187,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     at = {m: [r for r in runs if r["method"] == m and r["lr"] == chosen[m]] for m in methods}
     table = {m: {"lr": chosen[m], "domain_val": seed_stats([r["domain_val"] for r in rs]),
                  "forgetting": seed_stats([r["forgetting"] for r in rs]),
-                 "step_ms": seed_stats([r["step_ms"] for r in rs]), "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
+                 "step_ms": seed_stats([r["step_ms"] for r in rs]),
+                 "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
                  "trainable": rs[0]["trainable"]} for m, rs in at.items()}
     front = [(sweep[i]["method"], sweep[i]["lr"]) for i in pareto(sweep)]
     ref = "engram" if "engram" in table else next(iter(table))
@@ -198,7 +201,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             envs.append(env)
         r["environment"] = envs.index(env) if env is not None else None
     summary = {"experiment": "retrofit", "date": datetime.date.today().isoformat(),
-               "command": "engram experiment retrofit --seeds %d --record docs/results" % seeds,
+               "command": f"engram experiment retrofit --seeds {seeds} --record docs/results",
                "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
                "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "seeds": seeds,
@@ -239,12 +242,12 @@ def markdown(s: dict) -> str:
             x = t[k]
             return f"{x['diff']:+.4f} ± {x['se']:.4f}" + (" (finding)" if x["finding"] else " (no difference)")
         tr = r["trainable"]
-        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} | {_fmt(r['forgetting'], True)} | {d('domain_val')} | "
-                     f"{d('forgetting')} | {tr['engram_dense'] + tr['base_trainable']:,} | {tr['engram_table']:,} | "
-                     f"{r['step_ms']['mean']:.0f} | {r['peak_rss_mib']['mean']:.0f} |")
+        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} | {_fmt(r['forgetting'], True)} | "
+                     f"{d('domain_val')} | {d('forgetting')} | {tr['engram_dense'] + tr['base_trainable']:,} | "
+                     f"{tr['engram_table']:,} | {r['step_ms']['mean']:.0f} | {r['peak_rss_mib']['mean']:.0f} |")
     if s.get("matched"):
-        lines += ["", f"Matched pairs (sweep points of two methods within {s['match_tol']} nats of domain loss at seed 0, "
-                      "trained at every seed; B - A ± se):", "",
+        lines += ["", f"Matched pairs (sweep points of two methods within {s['match_tol']} nats of domain loss "
+                      "at seed 0, trained at every seed; B - A ± se):", "",
                   "| A | B | domain A | domain B | forgetting A | forgetting B | domain B - A | forgetting B - A |",
                   "|---|---|---|---|---|---|---|---|"]
         for p in s["matched"]:
@@ -283,10 +286,11 @@ def plot(s: dict, path: Path) -> None:
         ax.errorbar(ch["forgetting"]["mean"], ch["domain_val"]["mean"], xerr=ch["forgetting"]["std"],
                     yerr=ch["domain_val"]["std"], fmt="s", color=c, capsize=3, ms=7,
                     label=f"{m} chosen lr {ch['lr']:g} (mean ± sd, n={ch['domain_val']['n']})")
-    for k, p in enumerate(s.get("matched", [])):
+    for p in s.get("matched", []):
         for q in (p["a"], p["b"]):
             ax.errorbar(q["forgetting"]["mean"], q["domain_val"]["mean"], xerr=q["forgetting"]["std"],
-                        yerr=q["domain_val"]["std"], fmt="D", color=COLORS.get(q["method"]), mfc="none", capsize=3, ms=8,
+                        yerr=q["domain_val"]["std"], fmt="D", color=COLORS.get(q["method"]), mfc="none", capsize=3,
+                        ms=8,
                         label=f"matched pair: {q['method']} lr {q['lr']:g} (n={q['domain_val']['n']})")
     idx = pareto(sweep)
     ax.plot([sweep[i]["forgetting"] for i in idx], [sweep[i]["domain_val"] for i in idx], "k--", lw=1,

@@ -111,5 +111,6 @@ def report(data: list[str] | None, tokenizer: str, sizes: list[int]) -> dict:
     m = load_manifest(d)
     ct = CompressedTokenizer(m["tokenizer_file"])
     comp = ct(np.asarray(load_split(d, "train"), dtype=np.int64))
-    return {"tokenizer_file": m["tokenizer_file"], "compression": compression_report(ct, load_tokenizer(m["tokenizer_file"])),
+    return {"tokenizer_file": m["tokenizer_file"],
+            "compression": compression_report(ct, load_tokenizer(m["tokenizer_file"])),
             "train_tokens": len(comp), "row_usage": row_usage(comp, sizes), "zipf": zipf(comp)}

@@ -45,7 +45,8 @@ class _ShardedLookup(torch.autograd.Function):
         send_l, recv_l = send.tolist(), recv.tolist()
         req = _a2a(send_rows, send_l, recv_l, group)  # rows others want from me
         local = req - lo
-        vals = local_table.gather(local) if local_table is not None else weight.index_select(0, local)  # (sum(recv), dim)
+        # the rows asked of me, (sum(recv), dim)
+        vals = local_table.gather(local) if local_table is not None else weight.index_select(0, local)
         back = _a2a(vals, recv_l, send_l, group)  # my rows, in owner-sorted order
         out = torch.empty_like(back)
         out.index_copy_(0, order, back)
@@ -87,7 +88,8 @@ class ShardedTable(torch.nn.Module, Table):
                  grad_scale: float = 1.0, local_table: Table | None = None, init_std: float = 1.0):
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+            raise RuntimeError("ShardedTable needs torch.distributed.init_process_group(...) first "
+                               "(e.g. under torchrun)")
         self.group, self.grad_scale = group, grad_scale  # grad_scale 1/world: rank losses are means, DDP averages
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_rows, self.dim = num_rows, dim

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from ..adapters.introspect import generation_pad_id
+from ..tables.overlay import overlays_of, push_overlay
 from .digests import engram_layers, frozen, mapping_of, model_digest, spec_digest
 from .facts import EditError, Fact, _encode
-from ..tables.overlay import overlays_of, push_overlay
 from .overlay import Overlay, _restore_tables
 
 

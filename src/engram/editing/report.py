@@ -8,9 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..adapters.introspect import generation_pad_id
 from .digests import engram_layers, mapping_of
 from .facts import Fact, _encode
-from ..adapters.introspect import generation_pad_id
 from .optimize import _target_logprobs, conflicts, shared_rows
 from .overlay import Overlay, applied
 
@@ -160,15 +160,18 @@ def print_report(report: dict, file=None) -> None:
         return "n/a" if x is None else f"{x:.0%}"
 
     print(f"efficacy: greedy produces the target for {pct(s['greedy_after'])} of {s['facts']} facts (before "
-          f"{pct(s['greedy_before'])}); mean target probability {s['p_target_before']:.4f} -> {s['p_target_after']:.4f}",
+          f"{pct(s['greedy_before'])}); mean target probability {s['p_target_before']:.4f} -> "
+          f"{s['p_target_after']:.4f}",
           file=file)
     print(f"generalization: paraphrases {pct(s['paraphrases_greedy_after'])} of {s['paraphrases_count']}, "
           f"in a passage {pct(s['passages_greedy_after'])} of {s['passages_count']}", file=file)
     if report["conflicts"]:
-        pairs = "; ".join(f"{pf[a]['prompt']!r} / {pf[b]['prompt']!r}" for a, b in (c["facts"] for c in report["conflicts"][:3]))
-        print(f"conflicts: {s['facts_in_conflict']} facts end in the same n-gram as a fact with another target, so they "
-              f"share rows and cannot all be served ({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); put the "
-              "entity within the prompt's last n-gram", file=file)
+        pairs = "; ".join(f"{pf[a]['prompt']!r} / {pf[b]['prompt']!r}"
+                          for a, b in (c["facts"] for c in report["conflicts"][:3]))
+        print(f"conflicts: {s['facts_in_conflict']} facts end in the same n-gram as a fact with another target, "
+              f"so they share rows and cannot all be served "
+              f"({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); "
+              "put the entity within the prompt's last n-gram", file=file)
     print(f"rows changed: {s['rows_changed']:,} ({s['rows_per_fact']:.1f} per fact); edit took "
           f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps", file=file)
     print(f"collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "

@@ -103,9 +103,11 @@ class DeepSeekV41Family(HashFamily):
         if ct.compressed_vocab_size != cfg.compressed_vocab_size:
             raise ConfigError(f"the tokenizer compresses to {ct.compressed_vocab_size:,} ids but the config's "
                               f"engram_compressed_vocab_size is {cfg.compressed_vocab_size:,}: not this model's "
-                              "tokenizer (hash multipliers derive from that size); pass the checkpoint's tokenizer.json")
+                              "tokenizer (hash multipliers derive from that size); "
+                              "pass the checkpoint's tokenizer.json")
         if not 0 <= cfg.pad_token_id < ct.raw_vocab_size:
-            raise ConfigError(f"engram_pad_token_id {cfg.pad_token_id} is outside the tokenizer's [0, {ct.raw_vocab_size})")
+            raise ConfigError(f"engram_pad_token_id {cfg.pad_token_id} is outside the tokenizer's "
+                              f"[0, {ct.raw_vocab_size})")
         self.cfg = cfg
         self.layer_ids, self.max_ngram_size, self.n_head_per_ngram = cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads
         self.seed, self.compressed_tokenizer = 0, ct
@@ -131,7 +133,8 @@ class DeepSeekV41Family(HashFamily):
     def from_spec(cls, spec: dict, tokenizer=None) -> "DeepSeekV41Family":
         ct = CompressedTokenizer(tokenizer)
         if ct.lookup_sha256 != spec["lookup_table_sha256"]:
-            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the spec's")
+            raise ConfigError("lookup table mismatch: the compression built from this tokenizer differs from the "
+                              "spec's")
         cfg = V41Config(spec["layer_ids"], spec["num_embeddings"], spec["max_ngram_size"], spec["n_head_per_ngram"],
                         spec["head_dim"], spec["engram_vocab_size"], spec["compressed_vocab_size"], spec["pad_id"],
                         spec["hidden_size"], spec["hc_mult"], spec["rms_norm_eps"])
@@ -159,7 +162,8 @@ def dequantize_linear(weight: torch.Tensor, scale: torch.Tensor | None, dtype=to
         return weight.to(dtype)
     w = weight.view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
     o, i = w.shape
-    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)) and tuple(scale.shape) == (o, i // 32):
+    if (scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+            and tuple(scale.shape) == (o, i // 32)):
         s = ue8m0_to_float(scale).repeat_interleave(32, dim=1)
     elif scale.dtype == torch.float32 and tuple(scale.shape) == (math.ceil(o / 128), math.ceil(i / 128)):
         s = scale.repeat_interleave(128, dim=0)[:o].repeat_interleave(128, dim=1)[:, :i]
@@ -189,7 +193,8 @@ class V41Engram(nn.Module):
         if self.table is None:
             raise TableError(f"Engram layer {self.layer_id} has no table: pass rows, or load() a checkpoint")
         if hash_ids.dtype.is_floating_point or hash_ids.dim() != 3:
-            raise ConfigError(f"hash ids must be an integer tensor (B, T, H), got {hash_ids.dtype} {list(hash_ids.shape)}")
+            raise ConfigError(f"hash ids must be an integer tensor (B, T, H), got {hash_ids.dtype} "
+                              f"{list(hash_ids.shape)}")
         flat = hash_ids.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.table.num_rows):
             raise ConfigError(f"hash ids must lie in [0, {self.table.num_rows}) (offsets added): got "
@@ -207,7 +212,8 @@ class V41Engram(nn.Module):
         return self.gate_and_add(hidden, kv, mask)
 
     def gate_and_add(self, hidden: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Steps 3-4 (what the released `_fused_engram_post_wkv_kernel` does): hidden (B, T, G, D), kv (B, T, (G+1)*D)."""
+        """Steps 3-4 (what the released `_fused_engram_post_wkv_kernel` does): hidden (B, T, G, D),
+        kv (B, T, (G+1)*D)."""
         G, D = self.cfg.hc_mult, self.cfg.hidden_size
         B, T = hidden.shape[:2]
         f = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -251,8 +257,8 @@ class _Tensor:
         from ..tables.files import read_header
 
         if key not in weight_map:
-            raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index); a DeepSeek-V4.1 Engram layer needs "
-                              "embed.weight, embed.scale, wkv.weight, q_weight and k_weight")
+            raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index); a DeepSeek-V4.1 Engram layer "
+                              "needs embed.weight, embed.scale, wkv.weight, q_weight and k_weight")
         self.key, self.path = key, d / weight_map[key]
         self.n, meta, self.size = read_header(self.path, required=())
         if key not in meta:
@@ -277,8 +283,8 @@ class _Tensor:
 
 
 class V41Memory:
-    """What `load` returns: `.config` (V41Config), `.mapping` (the `NgramHashMapping` of `hash_mapping`), `.layers[layer_id]` (V41Engram,
-    each with its `.table`), `.backend`. `close()` releases files and read threads."""
+    """What `load` returns: `.config` (V41Config), `.mapping` (the `NgramHashMapping` of `hash_mapping`),
+    `.layers[layer_id]` (V41Engram, each with its `.table`), `.backend`. `close()` releases files and read threads."""
 
     def __init__(self, config, mapping, layers, backend):
         self.config, self.mapping, self.layers, self.backend = config, mapping, layers, backend
@@ -330,9 +336,9 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
                 "k_weight": ((cfg.hc_mult, cfg.hidden_size), ("BF16", "F32"))}
         for k, (shape, dtypes) in want.items():
             if t[k].shape != shape or t[k].info["dtype"] not in dtypes:
-                raise ConfigError(f"{t[k].path}: {t[k].key} is {t[k].info['dtype']} {list(t[k].shape)}, a DeepSeek-V4.1 "
-                                  f"Engram layer needs {'/'.join(dtypes)} {list(shape)} (config: {rows:,} rows, "
-                                  f"head_dim {cfg.head_dim})")
+                raise ConfigError(f"{t[k].path}: {t[k].key} is {t[k].info['dtype']} {list(t[k].shape)}, "
+                                  f"a DeepSeek-V4.1 Engram layer needs {'/'.join(dtypes)} {list(shape)} "
+                                  f"(config: {rows:,} rows, head_dim {cfg.head_dim})")
         plan[lid] = t
     layers, opened = {}, []
     try:

@@ -270,7 +270,8 @@ def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: i
         dtype, width = sl.get_dtype(), sl.get_shape()[1]
     tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
     if tdt is None or width != dim:
-        raise ConfigError(f"{checkpoint}: n-gram table rows are {dtype} x {width}; the config needs float rows of {dim}")
+        raise ConfigError(f"{checkpoint}: n-gram table rows are {dtype} x {width}; "
+                          f"the config needs float rows of {dim}")
 
     def rows(lo: int, hi: int):
         start = 0
@@ -321,8 +322,8 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
         padded = math.ceil(used / cfg.make_ngram_vocab_size_divisible_by) * cfg.make_ngram_vocab_size_divisible_by
         w, dim = orig.ngram_embedding.weight.detach(), orig.ngram_embedding.embedding_dim
         if list(orig.head_vocab_sizes) != mapping.head_sizes(lid):
-            raise ConfigError(f"layer {i}: the model's heads {orig.head_vocab_sizes[:3]}... differ from the hashing its "
-                              "config derives")
+            raise ConfigError(f"layer {i}: the model's heads {orig.head_vocab_sizes[:3]}... differ from the hashing "
+                              "its config derives")
         if checkpoint is None:
             if w.shape[0] != padded:
                 raise ConfigError(f"layer {i}: the model's n-gram table has {w.shape[0]:,} rows, its config needs "

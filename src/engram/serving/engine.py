@@ -175,7 +175,8 @@ class Engine:
                 self._decode(job)
             except Exception as e:  # a failure ends this request, never the server
                 self.counts["failed"] += 1
-                job.emit({"type": "error", "message": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+                job.emit({"type": "error",
+                          "message": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             finally:
                 self.busy.clear()
 

@@ -151,7 +151,8 @@ class MmapTable(Table):
 
     def _snapshot(self, rows: torch.Tensor) -> tuple:
         """The rows' current weight and moments: what the journal keeps to undo their write."""
-        return self.weight.index_select(0, rows), self.exp_avg.index_select(0, rows), self.exp_avg_sq.index_select(0, rows)
+        return (self.weight.index_select(0, rows), self.exp_avg.index_select(0, rows),
+                self.exp_avg_sq.index_select(0, rows))
 
     def end_write(self, rows):
         if self._dirty is not None:  # blocks we changed: trusted, and re-summed at the next commit

@@ -316,7 +316,7 @@ class DiskTable(Table):
             read = self._read_rows_fast if _READER.get() is not None else self._read_rows
             if _READER.get() is not None and len(u) >= self.inline_below:
                 self._read_ranges_fast(u, raw)
-            elif len(u) < self.inline_below:  # a few cold rows: the calling thread reads a share, one pool thread the rest
+            elif len(u) < self.inline_below:  # a few cold rows: this thread reads a share, one pool thread the rest
                 parts = np.array_split(np.arange(len(u)), min(len(u), SMALL_SPLIT))
                 others = [self.pool.submit(read, u, raw, p) for p in parts[1:]]
                 read(u, raw, parts[0])
@@ -334,8 +334,8 @@ class DiskTable(Table):
         return out.copy_(vals) if out is not None else vals
 
     def stats(self) -> dict:
-        return {"reads": self.reads, "ranges": self.ranges, "warm_rows": self.warm_rows, "queue_depth": self.queue_depth,
-                "direct": self.direct}
+        return {"reads": self.reads, "ranges": self.ranges, "warm_rows": self.warm_rows,
+                "queue_depth": self.queue_depth, "direct": self.direct}
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -144,7 +144,8 @@ def _zero_moments(num_rows: int, dim: int, chunk_rows: int) -> list:
     def zeros():
         for s in range(0, num_rows, chunk_rows):
             yield torch.zeros(min(chunk_rows, num_rows - s), dim)
-    return [("exp_avg", torch.float32, (num_rows, dim), zeros()), ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
+    return [("exp_avg", torch.float32, (num_rows, dim), zeros()),
+            ("exp_avg_sq", torch.float32, (num_rows, dim), zeros())]
 
 
 def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | None = None,
@@ -187,7 +188,7 @@ def write_safetensors(path: str | os.PathLike, entries: list, metadata: dict | N
     with atomic_file(path) as f, bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for name, dtype, shape, chunks in entries:
+        for name, _dtype, _shape, chunks in entries:
             written = 0
             for c in chunks:
                 b = c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if c.numel() else b""

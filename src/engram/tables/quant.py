@@ -254,8 +254,8 @@ class BlockFp8Table(Table):
             n, w = shape(packed)
             d = w * UE8M0_BLOCK // (UE8M0_BLOCK + 1)
             if len(shape(packed)) != 2 or d % UE8M0_BLOCK or d + d // UE8M0_BLOCK != w:
-                raise TableError(f"{name}: packed rows of width {w} are not d + d/{UE8M0_BLOCK} bytes for a d divisible "
-                                 f"by {UE8M0_BLOCK}")
+                raise TableError(f"{name}: packed rows of width {w} are not d + d/{UE8M0_BLOCK} bytes for a d "
+                                 f"divisible by {UE8M0_BLOCK}")
             self.num_rows, self.dim = n, d
         else:
             cs, ss = shape(codes), shape(scales)

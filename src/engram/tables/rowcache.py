@@ -26,10 +26,12 @@ class RowCache:
         self.hits = self.misses = 0
 
     def gather(self, rows: torch.Tensor, source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`source[rows]` (rows (R,) int64 -> (R, dim)), hits from the cache, misses read from `source` and installed."""
+        """`source[rows]` (rows (R,) int64 -> (R, dim)): hits from the cache, misses read from `source` and
+        installed."""
         if self.slots == 0:
             self.misses += rows.numel()
-            return torch.index_select(source, 0, rows, out=out) if out is not None else torch.index_select(source, 0, rows)
+            return (torch.index_select(source, 0, rows, out=out) if out is not None
+                    else torch.index_select(source, 0, rows))
         slot = rows % self.slots
         hit = self.tags.index_select(0, slot) == rows
         hit_idx = hit.nonzero().squeeze(1)

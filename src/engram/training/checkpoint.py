@@ -8,8 +8,8 @@
         tables/<module>/shard_<rank>.safetensors   a sharded run's table rows + moments, with row ranges
 
 A checkpoint is written to a temp folder and moved into place with `persist.replace_dir`; a
-truncated or corrupt one is detected by its manifest. Nothing is unpickled: tensors are safetensors, metadata is JSON. Tables
-kept in memory-mapped files are not copied: the files are flushed before the checkpoint commits
+truncated or corrupt one is detected by its manifest. Nothing is unpickled: tensors are safetensors, metadata is
+JSON. Tables kept in memory-mapped files are not copied: the files are flushed before the checkpoint commits
 and their undo journals restart at its step (`engram.tables.MmapTable.commit`).
 """
 
@@ -95,8 +95,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opts: dict, batcher_state: 
     """Write checkpoint `step` into a temp folder and rename it into place.
 
     Tables that keep their own rows (`durable_tables`) are flushed before the checkpoint is
-    committed and start their undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run (`ddp`
-    with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
+    committed and start their undo journal at `step` after it (`engram.tables.MmapTable.commit`). In a sharded run
+    (`ddp` with world > 1, every rank calls this) each rank writes its table rows and their Adam moments
     to `tables/<module>/shard_<rank>.safetensors` with their global row range, rank 0 writes the
     dense weights and optimizer, so the checkpoint loads at any world size. `only_trainable`: the weights
     file holds only the parameters that train (an adapter run: not the frozen base).
@@ -200,7 +200,8 @@ def load_checkpoint(path: Path, model, opts: dict, ddp=None, only_trainable: boo
                                       f"missing {sorted(want - set(sd))[:3]}, unexpected {sorted(set(sd) - want)[:3]}")
             model.load_state_dict(sd, strict=False)
             _load_optim(opts, tensors, state["optim"])
-        elif "sharded_tables" not in state and not any(isinstance(m.table, ShardedTable) for _, m in find_tables(model)):
+        elif ("sharded_tables" not in state
+              and not any(isinstance(m.table, ShardedTable) for _, m in find_tables(model))):
             load_model(model, str(path / "model.safetensors"))
             _load_optim(opts, tensors, state["optim"])
         else:

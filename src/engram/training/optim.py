@@ -100,7 +100,8 @@ class LazyRowAdam(torch.optim.Optimizer):
                     # sum repeated rows and update them in one pass, in place
                     step_size = _step_size(group["lr"], b1, b2, step)
                     n = g._nnz()
-                    _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
+                    _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(),
+                                               state["exp_avg_sq"].numpy(),
                                                g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
                                                b1, b2, step_size, group["eps"], gsum=self._buffers(p, n)[0].numpy())
                     continue

@@ -4,8 +4,8 @@ training settings, in one registry (`PRESETS`) that the CLI, the trainer and the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..config import ConfigError, TrainConfig
 
