@@ -16,8 +16,8 @@ from ..config import TABLE_DTYPES, TRAIN_TABLE_BACKENDS
 from ..editing.optimize import POSITIONS
 from ..tables.backends import BACKENDS as SERVE_TABLE_BACKENDS
 from ..tables.quant import TABLE_FORMATS
-from ..training.adapt import METHODS
 from ..training.data import SPLITS
+from ..training.presets import ADAPT_METHODS as METHODS
 from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
 __all__ = ["ALLOCATION_SCALES", "BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",

@@ -32,9 +32,9 @@ from ..config import ConfigError, TrainConfig
 from ..distributed.parallel import DistContext
 from ..persist import new_dir, write_json
 from .data import eval_windows, load_split, prepare
+from .presets import ADAPT_METHODS
 from .run import building, evaluate, execute, finish_build, open_run
 
-METHODS = ("engram", "lora", "lora+engram", "full")
 # Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
 ADAPT_TRAIN = TrainConfig(tokenizer="base", seq_len=256, batch_size=8, max_steps=500, lr=1e-3, warmup_steps=30,
                           weight_decay=0.0, eval_max_windows=64, ckpt_every=100)
@@ -110,8 +110,8 @@ def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
 
 def _method(method: str, lora_rank: int | None) -> tuple[str, int | None]:
     """(method, LoRA rank) as they run: LoRA methods get rank 8 by default, `--lora-rank` adds LoRA to engram."""
-    if method not in METHODS:
-        raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method not in ADAPT_METHODS:
+        raise ConfigError(f"--method must be one of {', '.join(ADAPT_METHODS)}, got {method!r}")
     if "lora" in method and not lora_rank:
         lora_rank = 8
     if lora_rank and "lora" not in method:

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, TrainConfig
 
+# What `engram adapt --method` trains on a pretrained base (training/adapt.py).
+ADAPT_METHODS = ("engram", "lora", "lora+engram", "full")
+
 
 def tiny(**overrides):
     """Tests: hidden 32, 2 layers, 4 streams, small tables; a forward takes milliseconds on CPU."""
