@@ -64,11 +64,15 @@ def cmd_serve(args) -> int:
         if name in overlays:
             raise ValueError(f"--overlay {name} given twice")
         overlays[name] = d
+    for flag in ("max_body_bytes", "read_timeout", "shutdown_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.table_backend != "ram" and not args.table_dir:
         raise ValueError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
     engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
                          args.table_dir, args.name, args.chat_template)
-    serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None)
+    serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None,
+          max_body=args.max_body_bytes, read_timeout=args.read_timeout, shutdown_timeout=args.shutdown_timeout)
     return 0
 
 
@@ -149,6 +153,12 @@ def add_commands(sub) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default $ENGRAM_API_KEY; none: open)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="largest request body taken; larger ones get 413 (default 1 MiB)")
+    sv.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds a client gets to send a request's headers, and again its body (default 30; 408)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
     sv.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("ask", help="one chat completion through an OpenAI-compatible API (checks the channel)",

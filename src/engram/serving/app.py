@@ -3,8 +3,11 @@
 Routes: `GET /v1/models` (the model and `MODEL+OVERLAY` for every loaded overlay), `POST /v1/completions`,
 `POST /v1/chat/completions` (where the tokenizer has a chat template), both streaming (SSE) on `stream: true`;
 `temperature`, `top_p`, `max_tokens`, `stop`, `seed`. With an API key (`--api-key` or `ENGRAM_API_KEY`)
-every request without `Authorization: Bearer KEY` gets 401. Bad input is a 4xx with OpenAI's error JSON
-(`{"error": {"message", "type", "param", "code"}}`) and the server lives on.
+every request without `Authorization: Bearer KEY` gets 401. Bodies are validated against the pydantic models of
+`schema.py`; every refusal (400, 401, 404, 405, 408, 413, 422) is OpenAI's error JSON
+(`{"error": {"message", "type", "param", "code"}}`) and the server lives on. `limits.py` bounds the body's size
+and read time; a prompt longer than the context could hold is refused before it is tokenized, and tokenizing
+runs off the event loop, so `/health` answers while a big request is refused.
 
 transformers' own `transformers serve` loads hub models by name into its own generation loop; it has no
 place for engram's table backends or a per-request overlay, so this is a small FastAPI app instead.
@@ -17,56 +20,67 @@ import json
 import time
 
 from fastapi import FastAPI, Request  # (module level: FastAPI reads the handlers' annotations from here)
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from .engine import Engine, Job, ServeError
+from .limits import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, BodyError, Guard, HeadDeadline
+from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, openai_error
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-def _error(status: int, message: str, code: str, param: str | None = None):
-    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+DISCONNECT_POLL = 0.1  # seconds between two looks at a non-streaming request's connection
 
 
-def _number(body: dict, key: str, default, lo=None, hi=None, kind=float):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise ServeError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}", 400,
-                         "invalid_value", key)
-    v = kind(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ServeError(f"{key} must lie in [{lo}, {hi}], got {v}", 400, "invalid_value", key)
-    return v
+def _validation_error(request: Request, e: RequestValidationError):
+    """FastAPI's validation errors as one OpenAI error: the first problem, naming the field (`param`)."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())[1:]]  # (loc[0] is "body")
+    if err.get("type") == "json_invalid":
+        return openai_error(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', '')})",
+                            "invalid_json")
+    if not loc:
+        kind = request.headers.get("content-type", "")
+        why = (f"it was sent as {kind!r}: send Content-Type: application/json" if "json" not in kind else
+               "it must be a JSON object")
+        return openai_error(400, f"the request body is not a JSON object of this route's fields ({why})",
+                            "invalid_json")
+    got = err.get("input")
+    got = repr(got[:40]) + "..." if isinstance(got, str) and len(got) > 40 else repr(got)
+    got = got if len(got) <= 60 else got[:60] + "..."
+    return openai_error(400, f"{'.'.join(loc)}: {err.get('msg')}" + ("" if err.get("type") == "missing" else
+                                                                     f" (got {got})"), err.get("type"), loc[0])
 
 
-def _stops(body: dict) -> list[str]:
-    s = body.get("stop")
-    if s is None:
-        return []
-    if isinstance(s, str):
-        return [s]
-    if isinstance(s, list) and all(isinstance(x, str) for x in s) and len(s) <= 4:
-        return [x for x in s if x]
-    raise ServeError("stop must be a string or a list of up to 4 strings", 400, "invalid_value", "stop")
+def _http_error(request: Request, e: HTTPException):
+    """Starlette's own errors (404 no such route, 405 wrong method, body errors) in OpenAI's shape."""
+    if isinstance(e, BodyError):
+        return openai_error(e.status_code, e.detail, e.code, headers={"connection": "close"} if e.status_code == 408
+                            else None)
+    if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not read the body as JSON
+        cause = e.__cause__
+        why = ("it is not valid UTF-8" if isinstance(cause, UnicodeDecodeError) else
+               f"{type(cause).__name__}: {str(cause)[:200]}")
+        return openai_error(400, f"the request body is not valid JSON ({why})", "invalid_json")
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+    detail = {404: f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
+                   "POST /v1/completions, POST /v1/chat/completions, GET /health",
+              405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+    return openai_error(e.status_code, detail, code, headers=getattr(e, "headers", None))
 
 
-def create_app(engine: Engine, api_key: str | None = None):
+def create_app(engine: Engine, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
+               read_timeout: float = DEFAULT_READ_TIMEOUT):
+    """The FastAPI app over `engine`, behind `Guard` (API key, body size and read time)."""
     app = FastAPI(title="engram", description="OpenAI-compatible server for Engram models")
     app.state.engine = engine
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key "
-                          "or ENGRAM_API_KEY)", "invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body, read_timeout=read_timeout)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
 
     @app.exception_handler(ServeError)
     async def serve_error(request, e: ServeError):
-        return _error(e.status, str(e), e.code, e.param)
+        return openai_error(e.status, str(e), e.code, e.param)
 
     @app.get("/health")
     async def health():
@@ -77,39 +91,39 @@ def create_app(engine: Engine, api_key: str | None = None):
         return {"object": "list", "data": [{"id": m, "object": "model", "created": engine.created, "owned_by": "engram"}
                                            for m in engine.model_ids()]}
 
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ServeError(f"the request body is not valid JSON ({e})", 400, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ServeError("the request body must be a JSON object", 400, "invalid_json")
-        return body
+    def job_settings(body: CompletionRequest | ChatRequest) -> dict:
+        bad = body.unimplemented()
+        if bad:
+            raise ServeError(f"{', '.join(bad)}: not implemented by engram serve (one greedy or sampled choice, "
+                             "no logprobs, echo, penalties or tools); leave them out", 400, "unsupported_parameter",
+                             bad[0])
+        max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) or DEFAULT_MAX_TOKENS
+        return dict(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [])
 
-    def job_settings(body: dict) -> dict:
-        return dict(max_tokens=_number(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, engine.max_context, int),
-                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-                    seed=_number(body, "seed", None, kind=int), stop=_stops(body))
-
-    async def run(request: Request, body: dict, prompt: str, chat: bool):
-        overlay = engine.resolve(body.get("model"))
+    async def run(request: Request, body: CompletionRequest | ChatRequest, prompt: str | list[dict], chat: bool):
+        """Check, tokenize (off the event loop), queue the job, and answer it: streamed, or whole once done."""
+        overlay = engine.resolve(body.model)
         settings = job_settings(body)
-        ids = engine.encode(prompt)
+        if chat:
+            engine.check_chars(" " * sum(len(m["content"]) for m in prompt), "messages")  # (before rendering)
+            prompt = await run_in_threadpool(engine.render_chat, prompt)
+        engine.check_chars(prompt, "messages" if chat else "prompt")
+        ids = await run_in_threadpool(engine.encode, prompt)
         engine.check(ids, settings["max_tokens"])
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(ids=ids, overlay=overlay, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   **settings)
         engine.submit(job)
-        created, model = int(time.time()), body.get("model")
+        created, model = int(time.time()), body.model
         kind = "chat.completion" if chat else "text_completion"
         cid = ("chatcmpl-" if chat else "cmpl-") + job.id
 
         def usage(n):
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
-        if body.get("stream"):
+        if body.stream:
             async def sse():
                 try:
                     if chat:
@@ -138,15 +152,14 @@ def create_app(engine: Engine, api_key: str | None = None):
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         text, reason, n = "", None, 0
-        try:
+        try:  # (a client that goes away is noticed within DISCONNECT_POLL s, and its job cancelled, queued or not)
             while True:
                 get = asyncio.ensure_future(events.get())
                 while not get.done():
-                    await asyncio.wait([get], timeout=0.25)
+                    await asyncio.wait([get], timeout=DISCONNECT_POLL)
                     if not get.done() and await request.is_disconnected():
                         get.cancel()
-                        job.cancelled.set()
-                        return _error(499, "client closed the request", "client_closed")
+                        return openai_error(499, "client closed the request", "client_closed")
                 ev = get.result()
                 if ev["type"] == "delta":
                     text += ev["text"]
@@ -154,33 +167,24 @@ def create_app(engine: Engine, api_key: str | None = None):
                     reason, n = ev["finish_reason"], ev["completion_tokens"]
                     break
                 else:
-                    return _error(500, ev["message"], "generation_failed")
-        finally:
+                    return openai_error(500, ev["message"], "generation_failed")
+        finally:  # (also when the task is cancelled: shutdown's timeout)
             job.cancelled.set()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if chat
                   else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
         return {"id": cid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage(n)}
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await body_of(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ServeError("prompt must be a string (one prompt per request)", 400, "invalid_value", "prompt")
-        return await run(request, body, prompt, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(request, body, body.prompt[0], chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await body_of(request)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                for m in msgs):
-            raise ServeError("messages must be a non-empty list of {role, content} objects", 400, "invalid_value",
-                             "messages")
-        return await run(request, body, engine.render_chat(msgs), chat=True)
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await run(request, body, [{"role": m.role, "content": m.content} for m in body.messages], chat=True)
+
+    @app.exception_handler(Exception)
+    async def failed(request, e: Exception):  # (a bug: still OpenAI's shape, and the server lives on)
+        return openai_error(500, f"internal error: {type(e).__name__}: {str(e)[:200]}", "internal_error")
 
     return app
 
@@ -190,12 +194,16 @@ def _sse(obj: dict) -> str:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "warning") -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight requests finish first (uvicorn's graceful shutdown)."""
+          log_level: str = "warning", max_body: int = DEFAULT_MAX_BODY, read_timeout: float = DEFAULT_READ_TIMEOUT,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Run the server until SIGINT/SIGTERM. Then it stops accepting, closes idle connections, lets the requests in
+    flight finish for up to `shutdown_timeout` s, cancels what is left (their decodes stop) and exits 0."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine, api_key), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=None)
+    config = uvicorn.Config(create_app(engine, api_key, max_body, read_timeout), host=host, port=port,
+                            log_level=log_level, http=HeadDeadline, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=shutdown_timeout)
+    config.engram_read_timeout = read_timeout  # (HeadDeadline's deadline for a request's head)
     server = uvicorn.Server(config)
     print(f"engram serve: {', '.join(engine.model_ids())} on http://{host}:{port}/v1"
           + (" (API key required)" if api_key else ""), flush=True)

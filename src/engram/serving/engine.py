@@ -5,7 +5,11 @@ request is on the tables only while that request decodes: no other request ever 
 answer equals the same request sent alone (greedy decoding is deterministic; sampling is seeded per
 request). On 2 CPU cores the model's own kernels use the cores; interleaving requests would not add
 throughput here (`benchmarks/bench_serve.py` measures it). A request whose client went away is
-cancelled between two tokens.
+cancelled between two tokens, or before it starts if it is still queued.
+
+The engine also bounds what one request costs before any model work: a prompt longer (in characters) than the
+context could hold is refused before it is tokenized (`check_chars`), and chat messages that would forge another
+turn in the rendered prompt are refused (`render_chat`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 
 from ..errors import EngramError
 from ..persist import read_json
+
+GREEDY_BELOW = 1e-4  # a temperature under this decodes greedily (sampling's limit as T -> 0; 1e-300 would overflow)
 
 
 class ServeError(EngramError, ValueError):
@@ -59,7 +65,9 @@ class _Streamer:
         if self.first:  # generate() hands the prompt over first
             self.first = False
             return
-        self.ids.extend(int(v) for v in value.reshape(-1).tolist())
+        new = value.reshape(-1).tolist()
+        self.ids.extend(int(v) for v in new)
+        self.engine.counts["tokens"] += len(new)
         self.text = self.engine.decode(self.ids)
         cut = _first_stop(self.text, self.job.stop)
         if cut is not None:
@@ -108,10 +116,16 @@ class Engine:
         self.chat_template = chat_template
         cfg = getattr(model, "config", None)
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 0) or 4096)
+        # no token is longer than the vocabulary's longest string (byte-level BPE: one character per byte), so a
+        # prompt of more characters than this cannot fit the context, and is refused without tokenizing it
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") else 64
+        self.max_prompt_chars = self.max_context * max(longest, 1)
+        self.specials = _special_texts(tokenizer)
+        self._template = None  # (compiled on first use)
         self.pad_id = generation_pad_id(model)
         self.jobs: queue.Queue = queue.Queue()
         self.busy = threading.Event()  # a job is decoding
-        self.counts = {"done": 0, "cancelled": 0, "failed": 0}
+        self.counts = {"done": 0, "cancelled": 0, "failed": 0, "tokens": 0}  # tokens: decoded, all requests
         self.created = int(time.time())
         self._worker = threading.Thread(target=self._run, name="engram-serve", daemon=True)
         self._worker.start()
@@ -140,14 +154,50 @@ class Engine:
         return self.tokenizer.decode(ids)
 
     def render_chat(self, messages: list[dict]) -> str:
+        """The prompt for `messages` ({role, content}, roles already from the fixed set), by the chat template
+        (a sandboxed Jinja environment, as transformers renders them). Refused (400): a message holding one of
+        the tokenizer's special tokens as text, or, with `--chat-template plain`, a line that starts like a turn
+        (`assistant: ...`): either would let a client forge a turn the model reads as another speaker's."""
         if not self.chat_template:
             raise ServeError("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
                              "use /v1/completions with a prompt", 400, "no_chat_template")
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                          bos_token="", eos_token="")
+        for i, m in enumerate(messages):
+            for key in ("role", "content"):
+                special = next((t for t in self.specials if t in m[key]), None)
+                if special:
+                    raise ServeError(f"messages[{i}].{key} holds the special token {special!r} as text, which would "
+                                     "forge a turn in the prompt; remove it", 400, "invalid_value", f"messages.{i}")
+            if self.chat_template == PLAIN_CHAT_TEMPLATE:
+                for line in m["content"].splitlines()[1:]:
+                    head = line.lstrip().partition(":")[0].lower()
+                    if ":" in line and head in PLAIN_ROLES:
+                        raise ServeError(f"messages[{i}].content has a line starting {head + ':'!r}, which the plain "
+                                         "chat template would read as another turn; rephrase or indent it", 400,
+                                         "invalid_value", f"messages.{i}.content")
+        if self._template is None:
+            def refuse(message):
+                raise ServeError(f"the chat template refused these messages: {message}", 400, "invalid_value",
+                                 "messages")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = refuse
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        except jinja2.TemplateError as e:
+            raise ServeError(f"the chat template could not render these messages ({type(e).__name__}: {e})", 400,
+                             "invalid_value", "messages") from None
+
+    def check_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse a prompt with more characters than the context could hold, before tokenizing it (a 50 MB
+        prompt would otherwise cost seconds of CPU and gigabytes of memory to count its tokens)."""
+        if len(text) > self.max_prompt_chars:
+            raise ServeError(f"the prompt has {len(text):,} characters; this model's context is {self.max_context:,} "
+                             f"tokens, at most {self.max_prompt_chars:,} characters", 400, "context_length_exceeded",
+                             param)
 
     def check(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -190,7 +240,7 @@ class Engine:
             job.emit({"type": "done", "finish_reason": "cancelled", "completion_tokens": 0})
             return
         streamer = _Streamer(self, job)
-        greedy = job.temperature <= 0
+        greedy = job.temperature < GREEDY_BELOW or job.top_p <= 0  # (both limits of sampling are the argmax)
         ctx = nullcontext()
         if job.overlay is not None:
             from ..editing import applied
@@ -214,6 +264,7 @@ class Engine:
 
 
 # `--chat-template plain`: for models trained without one (engram's own): "role: content" lines, then "assistant:"
+PLAIN_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # (what a line must not start with)
 PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -267,6 +318,16 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
             check_overlay(model, o, where=f"--overlay {oname}={d}", digest=digest)
             loaded[oname] = o
     return Engine(model, tok, name, loaded, template)
+
+
+def _special_texts(tokenizer) -> list[str]:
+    """The text of the tokenizer's special tokens (`<|im_start|>`, ...): typed into a message, they would be
+    tokenized as the real token."""
+    try:
+        added = tokenizer.get_added_tokens_decoder().values()
+    except AttributeError:
+        return []
+    return [t.content for t in added if getattr(t, "special", False) and t.content]
 
 
 def _chat_template(d: Path) -> str | None:

@@ -1,0 +1,115 @@
+"""Bounds on what one connection can make `engram serve` do: the API key, the body's size and read time (an ASGI
+middleware in front of every route), and the time a connection may take to send a request's head (uvicorn's h11
+protocol with a deadline).
+
+Without them a client could hold the server with a 50 MB body (read, parsed and tokenized on the event loop), or
+with headers and half a body that never finishes (no route answers it, and shutdown waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .schema import openai_error
+
+DEFAULT_MAX_BODY = 1 << 20  # bytes: a prompt of ~1M characters; a model's whole context is rarely a tenth of it
+DEFAULT_READ_TIMEOUT = 30.0  # seconds to send a request's head, and again its body
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+class BodyError(HTTPException):
+    """The body is over the size limit (413) or was not all sent in time (408); FastAPI re-raises HTTPException
+    from the body read, so the app's handler answers it in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(status, message)
+        self.code = code
+
+
+class Guard:
+    """ASGI middleware: 401 without the API key (compared in constant time), 413 for a Content-Length over
+    `max_body` bytes and again while a body without one streams past it, 408 when the body is not all in
+    `read_timeout` seconds after its head."""
+
+    def __init__(self, app, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT):
+        self.app, self.max_body, self.read_timeout = app, int(max_body), float(read_timeout)
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await openai_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the "
+                                      "server's --api-key or ENGRAM_API_KEY)", "invalid_api_key")(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:  # (h11 has already refused most bad values)
+            return await openai_error(413, self.too_large(length.decode("latin-1")), "request_too_large")(
+                scope, receive, send)
+        return await self.app(scope, self.limited(receive), send)
+
+    def too_large(self, n) -> str:
+        n = f"{n:,}" if isinstance(n, int) else n
+        return (f"the request body has {n} bytes or more; this server takes at most {self.max_body:,} "
+                "(engram serve --max-body-bytes)")
+
+    def limited(self, receive):
+        """`receive`, counting the body's bytes and keeping its deadline; once the body is in, `receive` itself
+        (waiting for a disconnect must not time out)."""
+        state = {"n": 0, "done": False, "deadline": time.monotonic() + self.read_timeout}
+
+        async def wrapped():
+            if state["done"]:
+                return await receive()
+            left = state["deadline"] - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise BodyError(408, f"the request body did not arrive within {self.read_timeout:g} s "
+                                "(engram serve --read-timeout)", "request_timeout") from None
+            if message["type"] != "http.request":
+                state["done"] = True
+                return message
+            state["n"] += len(message.get("body", b""))
+            if state["n"] > self.max_body:
+                raise BodyError(413, self.too_large(state["n"]), "request_too_large")
+            state["done"] = not message.get("more_body", False)
+            return message
+
+        return wrapped
+
+
+class HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
+    `config.engram_read_timeout` seconds of connecting or of its previous response (uvicorn itself waits forever
+    for a first request, and for the rest of a body it did not read after answering 413)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(getattr(self.config, "engram_read_timeout", DEFAULT_READ_TIMEOUT),
+                                                   self._expired)
+
+    def _expired(self) -> None:
+        waiting = self.cycle is None or self.cycle.response_complete  # (not inside a request: no head yet)
+        if waiting and not self.transport.is_closing():
+            self.transport.close()

@@ -1,0 +1,120 @@
+"""The OpenAI request bodies `engram serve` accepts (pydantic models FastAPI validates every request against) and
+OpenAI's error body, the one shape every refusal takes.
+
+Strict on purpose: a value of the wrong JSON type is refused, never coerced (`"stream": "false"` is not false,
+`true` is not 1, `5.0` is not a token count); numbers are finite and within OpenAI's ranges; seeds fit int64;
+stop strings are non-empty; text is valid Unicode (a lone surrogate such as `"\\ud800"` is refused); chat roles
+come from a fixed set. Fields the server does not implement (`n` > 1, `logprobs`, `echo`, `best_of`, `tools`,
+...) are refused by name (`unimplemented`) rather than silently ignored; other unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic_core import PydanticCustomError
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = ("system", "developer", "user", "assistant")  # (no "tool": tools are not implemented)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def openai_error(status: int, message: str, code: str | None, param: str | None = None,
+                 headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+    kind = ("authentication_error" if status == 401 else "not_found_error" if status == 404 else
+            "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def _unicode(s: str) -> str:
+    """Refuse a lone surrogate (`"\\ud800"` in JSON, or the raw bytes ED A0 80): not Unicode, no tokenizer takes it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_unicode", "the text is not valid Unicode: it has a lone surrogate "
+                                  "{char} at position {pos}", {"char": repr(s[e.start]), "pos": e.start}) from None
+    return s
+
+
+def _listed(v):
+    return [v] if isinstance(v, str) else v
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+Number = Annotated[float, Field(allow_inf_nan=False)]  # (strict: an int is a number, a bool is not)
+Stops = Annotated[list[Annotated[Text, Field(min_length=1)]], BeforeValidator(_listed), Field(max_length=4)]
+
+
+class _Sampling(BaseModel):
+    """What both routes share: the model id and the sampling settings."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Text
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # (the context bounds it, checked with the prompt)
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None  # 0 (or below 1e-4): greedy
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1])] | None = None
+    stop: Stops | None = None
+    stream: StrictBool | None = None
+    stream_options: dict | None = None  # ({"include_usage": true}: the last chunk carries usage anyway)
+    user: Text | None = None
+    # accepted at their do-nothing values only (`unimplemented` names the others)
+    n: StrictInt | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: dict | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    response_format: dict | None = None
+
+    def unimplemented(self) -> list[str]:
+        """The fields this request sets to something `engram serve` does not do (each would change the answer)."""
+        bad = {"n": self.n not in (None, 1), "logprobs": self.logprobs not in (None, False),
+               "top_logprobs": self.top_logprobs not in (None, 0), "logit_bias": bool(self.logit_bias),
+               "presence_penalty": self.presence_penalty not in (None, 0),
+               "frequency_penalty": self.frequency_penalty not in (None, 0),
+               "response_format": (self.response_format or {"type": "text"}).get("type") != "text"}
+        return [k for k, v in bad.items() if v]
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: one text prompt (a string, or a list holding one string)."""
+
+    prompt: Annotated[list[Text], BeforeValidator(_listed), Field(min_length=1, max_length=1)]
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
+
+    def unimplemented(self) -> list[str]:
+        return super().unimplemented() + [k for k, v in {"echo": bool(self.echo), "best_of": self.best_of not in
+                                                         (None, 1), "suffix": bool(self.suffix)}.items() if v]
+
+
+class Message(BaseModel):
+    """One chat turn: a role from a fixed set, and text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal[ROLES]
+    content: Text
+    name: Text | None = None
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions: a conversation, rendered by the model's chat template."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # (newer clients' name for max_tokens)
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+
+    def unimplemented(self) -> list[str]:
+        return super().unimplemented() + [k for k in ("tools", "tool_choice", "functions", "function_call")
+                                          if getattr(self, k) not in (None, [], "none")]
