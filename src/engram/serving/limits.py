@@ -50,7 +50,8 @@ class Guard:
                                       "server's --api-key or ENGRAM_API_KEY)", "invalid_api_key")(scope, receive, send)
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body:  # (h11 has already refused most bad values)
-            return await openai_error(413, self.too_large(length.decode("latin-1")), "request_too_large")(
+            n = int(length) if length.isdigit() else length.decode("latin-1")
+            return await openai_error(413, self.too_large(n), "request_too_large")(
                 scope, receive, send)
         return await self.app(scope, self.limited(receive), send)
 

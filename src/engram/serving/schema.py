@@ -46,7 +46,8 @@ def _listed(v):
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
 Number = Annotated[float, Field(allow_inf_nan=False)]  # (strict: an int is a number, a bool is not)
-Stops = Annotated[list[Annotated[Text, Field(min_length=1)]], BeforeValidator(_listed), Field(max_length=4)]
+Stops = Annotated[list[Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)]], BeforeValidator(_listed),
+                  Field(max_length=4)]
 
 
 class _Sampling(BaseModel):
