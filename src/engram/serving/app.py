@@ -168,6 +168,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = DEFAU
                     break
                 else:
                     return openai_error(500, ev["message"], "generation_failed")
+        except asyncio.CancelledError:  # SIGTERM, and --shutdown-timeout has passed: say so, in OpenAI's shape
+            return openai_error(503, "the server is shutting down and stopped this request (engram serve "
+                                "--shutdown-timeout); send it again when it is back", "server_shutting_down")
         finally:  # (also when the task is cancelled: shutdown's timeout)
             job.cancelled.set()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if chat
