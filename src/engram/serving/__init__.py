@@ -1,7 +1,8 @@
 """`engram serve`: Engram models over the OpenAI API, with fact overlays chosen per request.
 
 `engine.py` holds the model, the named overlays and the worker that decodes requests one at a time;
-`app.py` is the FastAPI app (routes, streaming, auth, errors) and `serve()`. Needs `engram-torch[serve]`.
+`app.py` is the FastAPI app (routes, streaming, errors) and `serve()`; `schema.py` the request bodies (pydantic)
+and OpenAI's error body; `limits.py` the API key, body size and read-time bounds. Needs `engram-torch[serve]`.
 """
 
 from .engine import Engine, Job, ServeError, load_engine

@@ -106,9 +106,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = DEFAU
         overlay = engine.resolve(body.model)
         settings = job_settings(body)
         if chat:
-            engine.check_chars(" " * sum(len(m["content"]) for m in prompt), "messages")  # (before rendering)
+            engine.check_chars(sum(len(m["content"]) for m in prompt), "messages")  # (before rendering)
             prompt = await run_in_threadpool(engine.render_chat, prompt)
-        engine.check_chars(prompt, "messages" if chat else "prompt")
+        engine.check_chars(len(prompt), "messages" if chat else "prompt")
         ids = await run_in_threadpool(engine.encode, prompt)
         engine.check(ids, settings["max_tokens"])
         loop = asyncio.get_running_loop()

@@ -191,11 +191,11 @@ class Engine:
             raise ServeError(f"the chat template could not render these messages ({type(e).__name__}: {e})", 400,
                              "invalid_value", "messages") from None
 
-    def check_chars(self, text: str, param: str = "prompt") -> None:
-        """Refuse a prompt with more characters than the context could hold, before tokenizing it (a 50 MB
+    def check_chars(self, n: int, param: str = "prompt") -> None:
+        """Refuse a prompt of `n` characters if the context cannot hold them, before tokenizing it (a 50 MB
         prompt would otherwise cost seconds of CPU and gigabytes of memory to count its tokens)."""
-        if len(text) > self.max_prompt_chars:
-            raise ServeError(f"the prompt has {len(text):,} characters; this model's context is {self.max_context:,} "
+        if n > self.max_prompt_chars:
+            raise ServeError(f"the prompt has {n:,} characters; this model's context is {self.max_context:,} "
                              f"tokens, at most {self.max_prompt_chars:,} characters", 400, "context_length_exceeded",
                              param)
 

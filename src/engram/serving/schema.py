@@ -24,8 +24,7 @@ INT64 = (-(2**63), 2**63 - 1)
 def openai_error(status: int, message: str, code: str | None, param: str | None = None,
                  headers: dict | None = None) -> JSONResponse:
     """OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
-    kind = ("authentication_error" if status == 401 else "not_found_error" if status == 404 else
-            "invalid_request_error" if status < 500 else "server_error")
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
