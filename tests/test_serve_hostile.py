@@ -109,6 +109,9 @@ CASES = {
                                           "prompt", "invalid_unicode"),
     "content lone surrogate": (CHAT, chat(messages=[{"role": "user", "content": "a\udfff"}]), None, 400, "messages",
                                "invalid_unicode"),
+    "content lone surrogate (raw bytes)": (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                           b'"a\xed\xa0\x80"}]}', None, 400, "messages", "invalid_unicode"),
+    "a 3 MB unknown field": (C, completion(junk="x" * 3_000_000), None, 413, None, "request_too_large"),
     "role lone surrogate": (CHAT, chat(messages=[{"role": "user\ud800", "content": "a"}]), None, 400, "messages",
                             None),
     "not UTF-8": (C, b'{"model": "tiny", "prompt": "the \xff\xfe"}', None, 400, None, "invalid_json"),
@@ -288,7 +291,7 @@ def test_sigterm_exits_within_the_shutdown_timeout_whatever_clients_do(server):
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 0
-    assert time.time() - t0 < SHUTDOWN_TIMEOUT + 1.0, time.time() - t0
+    assert time.time() - t0 < SHUTDOWN_TIMEOUT + 1.5, time.time() - t0  # (+ signal, teardown on busy cores)
     long.join(timeout=30)
     half.close()
     silent.close()
