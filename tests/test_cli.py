@@ -170,7 +170,8 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
                   "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
     argv, env = vllm_command(args)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(argv[3::2], argv[4::2]))
+    flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--") and not argv[i + 1].startswith("--")}
+    assert "--enforce-eager" in argv and flags["--dtype"] == "float32"
     assert flags["--model"] == str(run / "final") and flags["--served-model-name"] == "run"
     assert flags["--port"] == "9001" and flags["--api-key"] == "k" and flags["--max-model-len"] == "512"
     assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {
