@@ -215,7 +215,7 @@ class EngramForCausalLM(nn.Module):
         n_all = input_ids.shape[0]
         view = self._step_view(input_ids, positions) if self.engram_layers else None
         n = view.n if view is not None else n_all
-        on = bool(self.engram_layers) and self.options.scale != 0
+        on = bool(self.engram_layers) and self.options.scale != 0 and n > 0
         hash_ids = self._hash_ids(input_ids[:n], view) if on else None
         x = self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1)  # (n_all, G, D)
         for layer in self.model.layers:

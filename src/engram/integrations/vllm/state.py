@@ -92,10 +92,11 @@ class SlotState:
         """Store this step's (value (n, D), gate (n, G)) of Engram layer `layer` at the tokens' slots."""
         if layer not in self.conv:
             self.conv[layer] = (value.new_zeros(0, value.shape[-1]), gate.new_zeros(0, gate.shape[-1]))
-        val, g = self.conv[layer]
+        val, g = self.conv[layer]  # on the values' device (the ids stay on the host, where hashing runs)
         need = int(v.slots.max()) + 1 if v.n else 0
         val, g = self._grow(val, need), self._grow(g, need)
-        val[v.slots], g[v.slots] = value.detach(), gate.detach()
+        slots = v.slots.to(val.device)
+        val[slots], g[slots] = value.detach(), gate.detach()
         self.conv[layer] = (val, g)
 
     def conv_history(self, layer: int, v: StepView, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,5 +107,5 @@ class SlotState:
         need = int(slots.max()) + 1 if slots.numel() else 0
         val, g = self._grow(val, need), self._grow(g, need)
         self.conv[layer] = (val, g)
-        keep = valid.unsqueeze(-1)
+        slots, keep = slots.to(val.device), valid.unsqueeze(-1).to(val.device)
         return val[slots] * keep, g[slots] * keep
