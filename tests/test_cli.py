@@ -177,6 +177,8 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
     assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {
         "engram_table_tier": "mmap", "engram_table_dir": str(tmp_path / "t"), "engram_table_format": "int8",
         "engram_overlay": [str(tmp_path / "ov")]}
+    plain = vllm_command(parse(["serve", str(run), "--engine", "vllm", "--chat-template", "plain"]))[0]
+    assert "assistant:" in plain[plain.index("--chat-template") + 1]
     with pytest.raises(VllmLaunchError, match="per request"):
         vllm_command(parse(["serve", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))
     with pytest.raises(VllmLaunchError, match="needs --table-dir"):

@@ -87,7 +87,11 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         argv += ["--api-key", key]
     if overrides:
         argv += ["--hf-overrides", json.dumps(overrides)]
-    if args.chat_template and args.chat_template != "plain":
+    if args.chat_template == "plain":  # engram's own template, passed inline (vLLM takes a file or the text)
+        from ...serving.engine import PLAIN_CHAT_TEMPLATE
+
+        argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    elif args.chat_template:
         argv += ["--chat-template", args.chat_template]
     tp = args.tensor_parallel_size
     env = dict(os.environ)

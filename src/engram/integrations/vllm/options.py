@@ -46,6 +46,9 @@ def table_options(hf_config) -> TableOptions:
     if not isinstance(getattr(hf_config, "engram", None), dict):
         raise ConfigError("config.engram must be the saved Engram config (a JSON object); set table options with "
                           f"the flat --hf-overrides keys {', '.join(KEYS)}, never a dict under 'engram'")
+    if hf_config.engram.get("hash_mode") == "shuffled":
+        raise ConfigError("hash_mode 'shuffled' (an ablation) keys each lookup by its position inside one hash call; "
+                          "vLLM hashes step by step and cannot reproduce it: serve this model with engram serve")
     o = TableOptions(tier=getattr(hf_config, "engram_table_tier", None) or "ram",
                      directory=getattr(hf_config, "engram_table_dir", None) or None,
                      format=getattr(hf_config, "engram_table_format", None) or None,
