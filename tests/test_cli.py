@@ -154,3 +154,45 @@ def test_any_engram_error_is_one_line(monkeypatch, capsys):
     assert main(["spec", "--out", "x.json"]) == 2
     err = capsys.readouterr().err
     assert err == "engram: error: the spec cannot be written: fix this\n"
+
+
+def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
+    """`engram serve --engine vllm`: engram's options become vLLM's server flags (no vLLM needed to check)."""
+    from engram.cli import build_parser
+    from engram.integrations.vllm.launcher import VllmLaunchError, vllm_command
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    monkeypatch.delenv("ENGRAM_API_KEY", raising=False)
+    parse = build_parser().parse_args
+    args = parse(["serve", str(run), "--engine", "vllm", "--port", "9001", "--api-key", "k", "--table-backend", "mmap",
+                  "--table-dir", str(tmp_path / "t"), "--table-format", "int8", "--overlay", str(tmp_path / "ov"),
+                  "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
+    argv, env = vllm_command(args)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--") and not argv[i + 1].startswith("--")}
+    assert "--enforce-eager" in argv and flags["--dtype"] == "float32"
+    assert flags["--model"] == str(run / "final") and flags["--served-model-name"] == "run"
+    assert flags["--port"] == "9001" and flags["--api-key"] == "k" and flags["--max-model-len"] == "512"
+    assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {
+        "engram_table_tier": "mmap", "engram_table_dir": str(tmp_path / "t"), "engram_table_format": "int8",
+        "engram_overlay": [str(tmp_path / "ov")]}
+    plain = vllm_command(parse(["serve", str(run), "--engine", "vllm", "--chat-template", "plain"]))[0]
+    assert "assistant:" in plain[plain.index("--chat-template") + 1]
+    with pytest.raises(VllmLaunchError, match="per request"):
+        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))
+    with pytest.raises(VllmLaunchError, match="needs --table-dir"):
+        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--table-backend", "disk"]))
+
+
+def test_serve_engine_vllm_without_vllm_is_one_line(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from engram.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["serve", str(tmp_path), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs vLLM: pip install vllm" in err

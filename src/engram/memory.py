@@ -268,6 +268,25 @@ class Engram(nn.Module):
         if rows.shape[:2] != (B, T) or rows.dim() != 4:
             raise ValueError(f"rows must be (B={B}, T={T}, H, d) table rows for these hidden states, got "
                              f"{tuple(rows.shape)}; look them up with layer.multi_head_embedding(hash_ids)")
+        value, gate = self.gated_value(hidden_states, rows)  # (B, T, D), (B, T, G)
+        # 4. gated value per branch                                                 (B, T, G, D)
+        v = gate.unsqueeze(-1) * value.unsqueeze(2)
+        if not self.use_short_conv:  # ablation: no short conv
+            return v, gate
+        # 5. delta = v + ShortConv(v)                                               (B, T, G, D)
+        past = None
+        if state is not None:  # decoding: the conv's taps reach back into positions of earlier calls
+            past = state.get("conv")
+            keep = self.short_conv.lookback
+            tail = v if past is None else torch.cat([past, v], dim=1)
+            state["conv"] = tail[:, max(0, tail.shape[1] - keep):].detach()
+        return self.short_conv(v, past).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
+
+    def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-3 of `forward`: (value (B, T, D), gate (B, T, G)); the gated value is `gate[..., None] *
+        value[:, :, None]`. Apart so that a server keeping per-position state (engram.integrations.vllm) stores
+        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does."""
+        B, T, G, D = hidden_states.shape
         # 1. retrieved memory e_t: the heads' rows concatenated                     (B, T, E)
         e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
         # 2. value and per-branch keys, one fused projection                        (B, T, (Gk+1)*D)
@@ -285,18 +304,7 @@ class Engram(nn.Module):
             gate = gate.sigmoid().expand(B, T, G)
         else:  # ablation: no gate
             gate = hidden_states.new_ones(B, T, G)
-        # 4. gated value per branch                                                 (B, T, G, D)
-        v = gate.unsqueeze(-1) * value.unsqueeze(2)
-        if not self.use_short_conv:  # ablation: no short conv
-            return v, gate
-        # 5. delta = v + ShortConv(v)                                               (B, T, G, D)
-        past = None
-        if state is not None:  # decoding: the conv's taps reach back into positions of earlier calls
-            past = state.get("conv")
-            keep = self.short_conv.lookback
-            tail = v if past is None else torch.cat([past, v], dim=1)
-            state["conv"] = tail[:, max(0, tail.shape[1] - keep):].detach()
-        return self.short_conv(v, past).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
+        return value, gate
 
     @torch.no_grad()
     def load_reference_state_dict(self, sd: dict) -> None:

