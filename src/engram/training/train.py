@@ -9,7 +9,8 @@ One run directory holds everything:
     DIR/metrics.jsonl      one JSON object per step: step, train_loss, lr, tok_s (+ val_loss on eval steps)
     DIR/checkpoints/step_NNNNNN/   model.safetensors, optim.safetensors, state.json (with file hashes)
     DIR/loss.png           loss curves (matplotlib, if installed)
-    DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable) and
+    DIR/final/             save_pretrained output + tokenizer.json and tokenizer_config.json (its EOS;
+                           AutoModelForCausalLM/AutoTokenizer-loadable) and
                            engram_manifest.json (size + sha256 of every file, verified on load)
 
 Checkpoints (`checkpoint.py`) are written to a temp folder and renamed, with every file's sha256
