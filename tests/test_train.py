@@ -136,6 +136,24 @@ def test_save_final_names_engrams_eos_for_transformers_and_vllm(corpus, tmp_path
     assert load_model(final)[0].generation_config.eos_token_id == m["eos_id"]
 
 
+def test_tokenizer_files_name_no_eos_where_the_tokenizer_has_none(tmp_path):
+    """A tokenizer without an end-of-text token: `prepare` still ends documents with id 0, but the saved folder
+    names no EOS (an ordinary token 0 must not end generation); a special id 0 is named."""
+    from tokenizers import Tokenizer, models
+
+    from engram.tokenizer import write_tokenizer_files
+
+    for special, eos in ((False, None), (True, 0)):
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        if special:
+            tok.add_special_tokens(["a"])
+        tok.save(str(tmp_path / "t.json"))
+        (tmp_path / str(special)).mkdir()
+        assert write_tokenizer_files(tmp_path / str(special), tmp_path / "t.json", 1) == eos
+        cfg = json.loads((tmp_path / str(special) / "tokenizer_config.json").read_text())
+        assert cfg.get("eos_token") == (None if eos is None else "a") and cfg["pad_token"] == "b"
+
+
 def test_batcher_resume_and_prefetch_give_same_batches():
     tokens = np.arange(10_000, dtype=np.uint32)
     a = Batcher(tokens, 16, 4, seed=3, prefetch=True)
