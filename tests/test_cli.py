@@ -156,7 +156,7 @@ def test_any_engram_error_is_one_line(monkeypatch, capsys):
     assert err == "engram: error: the spec cannot be written: fix this\n"
 
 
-def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
+def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch, capsys):
     """`engram serve --engine vllm`: engram's options become vLLM's server flags (no vLLM needed to check)."""
     from engram.cli import build_parser
     from engram.integrations.vllm.launcher import VllmLaunchError, vllm_command
@@ -170,6 +170,7 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
                   "--table-dir", str(tmp_path / "t"), "--table-format", "int8", "--overlay", str(tmp_path / "ov"),
                   "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
     argv, env = vllm_command(args)
+    assert "no tokenizer_config.json" in capsys.readouterr().err  # an older folder: vLLM will know no EOS
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--") and not argv[i + 1].startswith("--")}
     assert "--enforce-eager" in argv and flags["--dtype"] == "float32"
@@ -178,7 +179,9 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch):
     assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {
         "engram_table_tier": "mmap", "engram_table_dir": str(tmp_path / "t"), "engram_table_format": "int8",
         "engram_overlay": [str(tmp_path / "ov")]}
+    (run / "final" / "tokenizer_config.json").write_text("{}")
     plain = vllm_command(parse(["serve", str(run), "--engine", "vllm", "--chat-template", "plain"]))[0]
+    assert "tokenizer_config" not in capsys.readouterr().err
     assert "assistant:" in plain[plain.index("--chat-template") + 1]
     with pytest.raises(VllmLaunchError, match="per request"):
         vllm_command(parse(["serve", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))

@@ -111,6 +111,49 @@ def test_prepare_writes_uint32_tokens_and_manifest(corpus, tmp_path):
     assert prepare([str(corpus)], "bpe:300", out_root=tmp_path, progress=False) == d  # cached
 
 
+def test_save_final_names_engrams_eos_for_transformers_and_vllm(corpus, tmp_path):
+    """RUN/final carries tokenizer_config.json (EOS = the id `prepare` ends documents with; no chat template) and
+    generation_config.json's eos_token_id: transformers, vLLM and engram's own decoding all stop there."""
+    from transformers import AutoTokenizer
+
+    from engram.model import EngramForCausalLM, load_model
+    from engram.persist import verify_manifest
+    from engram.serving.engine import _chat_template
+    from engram.training import presets
+    from engram.training.train import save_final
+
+    m = load_manifest(prepare([str(corpus)], "bpe:300", out_root=tmp_path, progress=False))
+    assert m["eos_id"] == 0
+    model = EngramForCausalLM(presets.model_for("tiny", m["vocab_size"], m["pad_id"], m["tokenizer_file"]))
+    final = save_final(model, tmp_path / "run", m)
+    verify_manifest(final)  # the checksum manifest covers the new file
+    cfg = json.loads((final / "tokenizer_config.json").read_text())
+    assert cfg["eos_token"] == "<|endoftext|>" and cfg["pad_token"] == "<|pad|>" and "bos_token" not in cfg
+    assert _chat_template(final) is None  # `engram serve` keeps its --chat-template rules
+    tok = AutoTokenizer.from_pretrained(final)
+    assert (tok.eos_token_id, tok.pad_token_id) == (m["eos_id"], m["pad_id"])
+    assert tok("the king")["input_ids"] == load_model(final)[1].encode("the king").ids  # no BOS/EOS added
+    assert load_model(final)[0].generation_config.eos_token_id == m["eos_id"]
+
+
+def test_tokenizer_files_name_no_eos_where_the_tokenizer_has_none(tmp_path):
+    """A tokenizer without an end-of-text token: `prepare` still ends documents with id 0, but the saved folder
+    names no EOS (an ordinary token 0 must not end generation); a special id 0 is named."""
+    from tokenizers import Tokenizer, models
+
+    from engram.tokenizer import write_tokenizer_files
+
+    for special, eos in ((False, None), (True, 0)):
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        if special:
+            tok.add_special_tokens(["a"])
+        tok.save(str(tmp_path / "t.json"))
+        (tmp_path / str(special)).mkdir()
+        assert write_tokenizer_files(tmp_path / str(special), tmp_path / "t.json", 1) == eos
+        cfg = json.loads((tmp_path / str(special) / "tokenizer_config.json").read_text())
+        assert cfg.get("eos_token") == (None if eos is None else "a") and cfg["pad_token"] == "b"
+
+
 def test_batcher_resume_and_prefetch_give_same_batches():
     tokens = np.arange(10_000, dtype=np.uint32)
     a = Batcher(tokens, 16, 4, seed=3, prefetch=True)

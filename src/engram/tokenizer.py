@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import DEFAULT_TOKENIZER
 from .errors import EngramError
-from .persist import atomic_write_bytes, sha256_bytes, sha256_file
+from .persist import atomic_write_bytes, sha256_bytes, sha256_file, write_json
 from .utils import cache_dir
 
 _SENTINEL = "\ue000"
@@ -267,6 +267,40 @@ class CompressedTokenizer(_IdMap):
 
 
 BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1 in every tokenizer `train_bpe` makes
+EOS_TOKENS = ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")  # DeepSeek-V3's, engram BPE's, SentencePiece's
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def eos_token_id(tokenizer) -> int:
+    """The end-of-text id of a `tokenizers` tokenizer: the first of `EOS_TOKENS` it has, else 0.
+
+    One home for EOS: `prepare` ends every document with it (so a trained model ends text with it), and a
+    saved model folder names it (`write_tokenizer_files`), so transformers, vLLM and engram stop there."""
+    return next((i for i in map(tokenizer.token_to_id, EOS_TOKENS) if i is not None), 0)
+
+
+def write_tokenizer_files(folder, tokenizer_file, pad_id: int | None = None) -> int | None:
+    """`tokenizer.json` (a copy of `tokenizer_file`) and a `tokenizer_config.json` naming its EOS (and pad) in the
+    model folder `folder`; returns the EOS id (for generation_config.json), None where it names none.
+
+    The config is what `transformers.AutoTokenizer` and vLLM read for special tokens (tokenizer.json alone names
+    none, and vLLM then never stops at EOS); it has no chat template, so `engram serve` keeps its
+    `--chat-template` rules. No BOS: engram never adds one (documents are encoded without special tokens).
+    A tokenizer with none of `EOS_TOKENS` gets an EOS only where its id 0 is a special token (an ordinary
+    token 0 would end generation mid-text)."""
+    atomic_write_bytes(Path(folder) / "tokenizer.json", Path(tokenizer_file).read_bytes())
+    tok = load_tokenizer(Path(folder) / "tokenizer.json")
+    eos = eos_token_id(tok)
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if tok.id_to_token(eos) in EOS_TOKENS or tok.id_to_token(eos) in special:
+        config["eos_token"] = tok.id_to_token(eos)
+    else:
+        eos = None
+    if pad_id is not None and tok.id_to_token(pad_id) is not None:
+        config["pad_token"] = tok.id_to_token(pad_id)
+    write_json(Path(folder) / TOKENIZER_CONFIG, config)
+    return eos
 
 
 class RawIds(_IdMap):

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.parallel import DistContext
-from ..persist import new_dir, write_json
+from ..persist import atomic_write_bytes, new_dir, write_json
+from ..tokenizer import TOKENIZER_CONFIG, write_tokenizer_files
 from .data import eval_windows, load_split, prepare
 from .presets import ADAPT_METHODS
 from .run import building, evaluate, execute, finish_build, open_run
@@ -102,9 +102,14 @@ def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
     if method in ("engram", "lora+engram"):
         return save_adapter(model, final)
     with new_dir(final) as tmp:  # checksums of every file, written last (`engram verify`)
+        if method == "full":  # the tokenizer and its EOS (generation stops there, as in `save_final`) ...
+            eos = write_tokenizer_files(tmp, tok_file, model.config.pad_token_id)
+            own = Path(tok_file).parent / TOKENIZER_CONFIG
+            if own.is_file():  # ... unless the base has its own tokenizer config (its EOS, chat template)
+                atomic_write_bytes(tmp / TOKENIZER_CONFIG, own.read_bytes())
+            elif model.generation_config.eos_token_id is None:
+                model.generation_config.eos_token_id = eos
         model.save_pretrained(str(tmp))  # lora: the PEFT adapter folder; full: the whole model
-        if method == "full":
-            shutil.copy(tok_file, tmp / "tokenizer.json")
     return final
 
 

@@ -37,6 +37,7 @@ from ..persist import (
 )
 from ..tokenizer import (
     BPE_SPECIAL_TOKENS,
+    eos_token_id,
     load_tokenizer,
     resolve_tokenizer_file,
     train_bpe,
@@ -122,14 +123,13 @@ def _tokenizer(spec: str, splits: dict[str, list[Document]], tmp: Path, out: Pat
         except ValueError:
             raise DataError(f"tokenizer spec {spec!r}: expected bpe:N with N an integer") from None
         path = train_bpe((d.text for d in splits["train"]), vocab, tmp / "tokenizer.json", progress=progress)
-        final, tok, eos_id, pad_id = out.resolve() / "tokenizer.json", load_tokenizer(path), 0, 1
-        assert tok.token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
+        final, tok, pad_id = out.resolve() / "tokenizer.json", load_tokenizer(path), 1
+        assert tok.token_to_id(BPE_SPECIAL_TOKENS[0]) == 0 and tok.token_to_id(BPE_SPECIAL_TOKENS[1]) == 1
     else:
         path = final = Path(resolve_tokenizer_file(None if spec == "deepseek" else spec)).resolve()
         tok = load_tokenizer(path)
-        eos_id = next((tok.token_to_id(s) for s in ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")
-                       if tok.token_to_id(s) is not None), 0)
         pad_id = 2 if spec == "deepseek" else (tok.token_to_id("<|pad|>") or 0)
+    eos_id = eos_token_id(tok)  # (0 for engram's BPE: `<|endoftext|>`)
     return tok, {"tokenizer_file": str(final), "tokenizer_sha256": sha256_file(path),
                  "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_id": eos_id, "pad_id": pad_id}
 

@@ -9,7 +9,8 @@ One run directory holds everything:
     DIR/metrics.jsonl      one JSON object per step: step, train_loss, lr, tok_s (+ val_loss on eval steps)
     DIR/checkpoints/step_NNNNNN/   model.safetensors, optim.safetensors, state.json (with file hashes)
     DIR/loss.png           loss curves (matplotlib, if installed)
-    DIR/final/             save_pretrained output + tokenizer.json (AutoModelForCausalLM-loadable) and
+    DIR/final/             save_pretrained output + tokenizer.json and tokenizer_config.json (its EOS;
+                           AutoModelForCausalLM/AutoTokenizer-loadable) and
                            engram_manifest.json (size + sha256 of every file, verified on load)
 
 Checkpoints (`checkpoint.py`) are written to a temp folder and renamed, with every file's sha256
@@ -21,7 +22,6 @@ biases, the data position and the RNG, so the loss curve continues exactly.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from ..model import EngramForCausalLM
 from ..persist import new_dir
 from ..tables import installed_tables, table_entries, write_safetensors
 from ..tables.base import find_tables
+from ..tokenizer import write_tokenizer_files
 from . import presets
 from .data import text_windows
 from .run import building, evaluate, execute, finish_build, open_run
@@ -57,9 +58,12 @@ def evaluate_text(model, tokenizer, data: list[str] | None = None, split: str = 
 
 
 def save_final(model, run_dir: Path, manifest: dict) -> Path:
-    """The trained model as RUN/final: save_pretrained + tokenizer.json, checksummed, swapped in whole."""
+    """The trained model as RUN/final: save_pretrained + tokenizer.json and tokenizer_config.json (its EOS, which
+    generation_config.json gets too: generation stops there), checksummed, swapped in whole."""
     final = run_dir / "final"
     with new_dir(final) as tmp:  # the manifest comes last: after the tables and the tokenizer
+        model.generation_config.eos_token_id = write_tokenizer_files(tmp, manifest["tokenizer_file"],
+                                                                     model.config.pad_token_id)
         old = dict(model.config.engram)
         model.config.engram = {**old, "tokenizer_name_or_path": "tokenizer.json"}
         try:
@@ -73,7 +77,6 @@ def save_final(model, run_dir: Path, manifest: dict) -> Path:
             with safe_open(str(f), framework="pt") as st:
                 meta, small = st.metadata(), {k: st.get_tensor(k) for k in st.keys()}
             write_safetensors(f, table_entries(model, small, where=f"save_final: {f}"), meta)
-        shutil.copy(manifest["tokenizer_file"], tmp / "tokenizer.json")
     return final
 
 

