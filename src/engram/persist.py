@@ -130,10 +130,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temp_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
 def temp_dir_for(final) -> Path:
     """A fresh, empty sibling folder to write `final`'s new contents into (a leftover one is removed)."""
-    final = Path(final)
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = _temp_path(Path(final))
     if tmp.exists():
         _remove_tree(tmp)
     tmp.mkdir(parents=True)
@@ -166,6 +169,28 @@ def new_dir(final, manifest: bool = True, info: dict | None = None, exclude=()) 
     except BaseException:
         _remove_tree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def new_dir_shared(final, lead: bool, barrier, manifest: bool = True, info: dict | None = None) -> Iterator[Path]:
+    """`new_dir` written by several processes at once (the ranks of a sharded save); every one of them enters it.
+
+    Each process gets the same temp folder and writes its own files into it; `lead` (exactly one process)
+    makes it, and once `barrier()` says every process's files are in, writes the manifest and swaps the
+    folder in (`replace_dir`), so a crash at any step leaves `final` old or new, complete. On return the
+    new folder is in place for every process.
+    """
+    final = Path(final)
+    if lead:
+        with new_dir(final, manifest=manifest, info=info) as tmp:
+            barrier()  # the temp folder exists
+            yield tmp
+            barrier()  # every process's files are in
+    else:
+        barrier()
+        yield _temp_path(final)  # the folder `temp_dir_for(final)` made on the lead
+        barrier()
+    barrier()  # swapped in
 
 
 def recover_dir(final) -> None:
@@ -212,12 +237,18 @@ def read_json(path, what: str, fix: str, error: type[Exception] = ValueError, ex
     p = Path(path)
     if not p.is_file():
         raise error(f"{what} not found: {p} ({fix})")
+    return decode_json_bytes(p.read_bytes(), f"{what} {p}", fix, error, expect)
+
+
+def decode_json_bytes(raw: bytes, what: str, fix: str, error: type[Exception] = ValueError, expect: type = dict):
+    """The JSON value in `raw`, a header inside one of engram's binary files (a safetensors header, the block
+    sums' header), or `error` in one line: "`what` is corrupt (not valid JSON: ...); `fix`"."""
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{what} {p} is corrupt (not valid JSON: {e}); {fix}") from None
+        obj = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise error(f"{what} is corrupt (not valid JSON: {str(e).splitlines()[0]}); {fix}") from None
     if expect is not None and not isinstance(obj, expect):
-        raise error(f"{what} {p} is corrupt (a JSON {expect.__name__} was expected, found {type(obj).__name__}); {fix}")
+        raise error(f"{what} is corrupt (a JSON {expect.__name__} was expected, found {type(obj).__name__}); {fix}")
     return obj
 
 
@@ -312,41 +343,3 @@ def verify_saved(directory, legacy: dict | None, what: str, fix: str, error: typ
         verify_manifest(d, fix)
     except IntegrityError as e:
         raise error(f"{what} truncated or corrupt: {e}") from None
-
-
-# ------------------------------------------------------------------------------------------ added for issue 33
-# (helper wip-persist: JSON headers inside engram's binary formats, and folders written by several processes)
-
-
-def decode_json_bytes(raw: bytes, what: str, fix: str, error: type[Exception] = ValueError, expect: type = dict):
-    """The JSON value in `raw`, a header inside one of engram's binary files (a safetensors header, the block
-    sums' header), or `error` in one line: "`what` is corrupt (not valid JSON: ...); `fix`"."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise error(f"{what} is corrupt (not valid JSON: {str(e).splitlines()[0]}); {fix}") from None
-    if expect is not None and not isinstance(obj, expect):
-        raise error(f"{what} is corrupt (a JSON {expect.__name__} was expected, found {type(obj).__name__}); {fix}")
-    return obj
-
-
-@contextlib.contextmanager
-def new_dir_shared(final, lead: bool, barrier, manifest: bool = True, info: dict | None = None) -> Iterator[Path]:
-    """`new_dir` written by several processes at once (the ranks of a sharded save); every one of them enters it.
-
-    Each process gets the same temp folder and writes its own files into it; `lead` (exactly one process)
-    makes it, and once `barrier()` says every process's files are in, writes the manifest and swaps the
-    folder in (`replace_dir`), so a crash at any step leaves `final` old or new, complete. On return the
-    new folder is in place for every process.
-    """
-    final = Path(final)
-    if lead:
-        with new_dir(final, manifest=manifest, info=info) as tmp:
-            barrier()  # the temp folder exists
-            yield tmp
-            barrier()  # every process's files are in
-    else:
-        barrier()
-        yield final.with_name(f".{final.name}.tmp")  # the folder `temp_dir_for(final)` made on the lead
-        barrier()
-    barrier()  # swapped in
