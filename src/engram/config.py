@@ -20,6 +20,10 @@ from .persist import read_json, write_json
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 TABLE_DTYPES = ("float32", "bfloat16", "float16")  # EngramConfig.table_dtype: how the tables are stored
 TRAIN_TABLE_BACKENDS = ("param", "mmap")  # TrainConfig.table_backend: where the tables live while training
+# `engram serve`'s bounds per connection (serving/limits.py applies them; the CLI's defaults, without importing it)
+SERVE_MAX_BODY = 1 << 20  # bytes: a prompt of ~1M characters; a model's whole context is rarely a tenth of it
+SERVE_READ_TIMEOUT = 30.0  # seconds to send a request's head, and again its body
+SERVE_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 class ConfigError(EngramError, ValueError):

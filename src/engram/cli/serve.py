@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from . import options
 
 
@@ -167,11 +168,11 @@ def add_commands(sub) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default $ENGRAM_API_KEY; none: open)")
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+    sv.add_argument("--max-body-bytes", type=int, default=SERVE_MAX_BODY,
                     help="largest request body taken; larger ones get 413 (default 1 MiB)")
-    sv.add_argument("--read-timeout", type=float, default=30.0,
+    sv.add_argument("--read-timeout", type=float, default=SERVE_READ_TIMEOUT,
                     help="seconds a client gets to send a request's headers, and again its body (default 30; 408)")
-    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+    sv.add_argument("--shutdown-timeout", type=float, default=SERVE_SHUTDOWN_TIMEOUT,
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
     sv.add_argument("--engine", default="engram", choices=("engram", "vllm"),
                     help="engram: this process, one request at a time, overlays per request; vllm: vLLM's OpenAI "

@@ -25,8 +25,9 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from .engine import Engine, Job, ServeError
-from .limits import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, BodyError, Guard, HeadDeadline
+from .limits import BodyError, Guard, HeadDeadline
 from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, openai_error
 
 DISCONNECT_POLL = 0.1  # seconds between two looks at a non-streaming request's connection
@@ -69,8 +70,8 @@ def _http_error(request: Request, e: HTTPException):
     return openai_error(e.status_code, detail, code, headers=getattr(e, "headers", None))
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               read_timeout: float = DEFAULT_READ_TIMEOUT):
+def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE_MAX_BODY,
+               read_timeout: float = SERVE_READ_TIMEOUT):
     """The FastAPI app over `engine`, behind `Guard` (API key, body size and read time)."""
     app = FastAPI(title="engram", description="OpenAI-compatible server for Engram models")
     app.state.engine = engine
@@ -197,8 +198,8 @@ def _sse(obj: dict) -> str:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "warning", max_body: int = DEFAULT_MAX_BODY, read_timeout: float = DEFAULT_READ_TIMEOUT,
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+          log_level: str = "warning", max_body: int = SERVE_MAX_BODY, read_timeout: float = SERVE_READ_TIMEOUT,
+          shutdown_timeout: float = SERVE_SHUTDOWN_TIMEOUT) -> None:
     """Run the server until SIGINT/SIGTERM. Then it stops accepting, closes idle connections, lets the requests in
     flight finish for up to `shutdown_timeout` s, cancels what is left (their decodes stop) and exits 0."""
     import uvicorn

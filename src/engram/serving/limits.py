@@ -15,11 +15,8 @@ import time
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT
 from .schema import openai_error
-
-DEFAULT_MAX_BODY = 1 << 20  # bytes: a prompt of ~1M characters; a model's whole context is rarely a tenth of it
-DEFAULT_READ_TIMEOUT = 30.0  # seconds to send a request's head, and again its body
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 class BodyError(HTTPException):
@@ -36,8 +33,8 @@ class Guard:
     `max_body` bytes and again while a body without one streams past it, 408 when the body is not all in
     `read_timeout` seconds after its head."""
 
-    def __init__(self, app, api_key: str | None, max_body: int = DEFAULT_MAX_BODY,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT):
+    def __init__(self, app, api_key: str | None, max_body: int = SERVE_MAX_BODY,
+                 read_timeout: float = SERVE_READ_TIMEOUT):
         self.app, self.max_body, self.read_timeout = app, int(max_body), float(read_timeout)
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -107,7 +104,7 @@ class HeadDeadline(H11Protocol):
     def _arm(self) -> None:
         if getattr(self, "_head_deadline", None) is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(getattr(self.config, "engram_read_timeout", DEFAULT_READ_TIMEOUT),
+        self._head_deadline = self.loop.call_later(getattr(self.config, "engram_read_timeout", SERVE_READ_TIMEOUT),
                                                    self._expired)
 
     def _expired(self) -> None:
