@@ -139,12 +139,19 @@ def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[i
     return tables
 
 
+def check_table_format(fmt: str) -> None:
+    """`TableError` in one line unless `set_table_format` serves `fmt` (`TABLE_FORMATS`)."""
+    if fmt not in TABLE_FORMATS:
+        raise TableError(f"table format must be one of {TABLE_FORMATS}, got {fmt!r}")
+
+
 def set_table_format(model, fmt: str) -> dict:
     """Serve `model`'s Engram tables as `fmt`: "float32" (as they are), "bfloat16" (cast, in RAM), "int8" or "fp8"
     (`quantize_tables`, dequantized to float32 after each gather), or "fp8_ue8m0" (DeepSeek-V4.1's rows: a scale
     byte per 32 values). Returns {layer_id: bytes per row}."""
     from .backends import InRamTable
 
+    check_table_format(fmt)
     if fmt == "float32":
         return {mhe.layer_id: mhe.dim * 4 for _, mhe in find_tables(model)}
     if fmt == "bfloat16":
@@ -353,6 +360,6 @@ def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mm
     return table
 
 
-__all__ = ["BlockFp8Table", "FORMATS", "TABLE_FORMATS", "QuantTable", "UE8M0_BLOCK", "dequantize",
+__all__ = ["BlockFp8Table", "FORMATS", "TABLE_FORMATS", "check_table_format", "QuantTable", "UE8M0_BLOCK", "dequantize",
            "dequantize_ue8m0", "pack_ue8m0_rows", "quantize_ue8m0", "ue8m0_to_float", "open_quant_file",
            "quant_error", "quantize_rows", "quantize_tables", "set_table_format", "write_quant_file"]

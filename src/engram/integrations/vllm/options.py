@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...config import ConfigError
-from ...tables.base import TableError
 
 KEYS = ("engram_table_tier", "engram_table_dir", "engram_table_format", "engram_overlay", "engram_scale")
 
@@ -41,7 +40,7 @@ def table_options(hf_config) -> TableOptions:
     import torch.nn as nn
 
     from ...tables.backends import offload_tables
-    from ...tables.quant import TABLE_FORMATS
+    from ...tables.quant import check_table_format
 
     if not isinstance(getattr(hf_config, "engram", None), dict):
         raise ConfigError("config.engram must be the saved Engram config (a JSON object); set table options with "
@@ -56,8 +55,8 @@ def table_options(hf_config) -> TableOptions:
     ov = getattr(hf_config, "engram_overlay", None) or []
     o.overlays = [ov] if isinstance(ov, str) else list(ov)
     offload_tables(nn.Module(), o.tier, o.directory)  # engram's own check of tier and folder (no tables: no work)
-    if o.format is not None and o.format not in TABLE_FORMATS:
-        raise TableError(f"table format must be one of {TABLE_FORMATS}, got {o.format!r}")
+    if o.format is not None:
+        check_table_format(o.format)  # engram's own check (set_table_format's)
     if isinstance(o.scale, bool) or not isinstance(o.scale, (int, float)) or o.scale not in (0, 1):
         raise ConfigError(f"engram_scale must be 1 (Engram on) or 0 (off), got {o.scale!r}")
     return o
