@@ -269,18 +269,26 @@ class Engram(nn.Module):
             raise ValueError(f"rows must be (B={B}, T={T}, H, d) table rows for these hidden states, got "
                              f"{tuple(rows.shape)}; look them up with layer.multi_head_embedding(hash_ids)")
         value, gate = self.gated_value(hidden_states, rows)  # (B, T, D), (B, T, G)
-        # 4. gated value per branch                                                 (B, T, G, D)
-        v = gate.unsqueeze(-1) * value.unsqueeze(2)
-        if not self.use_short_conv:  # ablation: no short conv
-            return v, gate
-        # 5. delta = v + ShortConv(v)                                               (B, T, G, D)
+        v = self.branch_value(value, gate)  # 4.                                    (B, T, G, D)
         past = None
-        if state is not None:  # decoding: the conv's taps reach back into positions of earlier calls
+        if state is not None and self.use_short_conv:  # decoding: the conv's taps reach back into earlier calls
             past = state.get("conv")
             keep = self.short_conv.lookback
             tail = v if past is None else torch.cat([past, v], dim=1)
             state["conv"] = tail[:, max(0, tail.shape[1] - keep):].detach()
-        return self.short_conv(v, past).add_(v), gate  # conv output is a fresh buffer no backward needs: add in place
+        return self.mix(v, past), gate  # 5.
+
+    @staticmethod
+    def branch_value(value: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Step 4 of `forward`: the gated value per branch, value (..., D) x gate (..., G) -> (..., G, D)."""
+        return gate.unsqueeze(-1) * value.unsqueeze(-2)
+
+    def mix(self, v: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 5 of `forward`: delta = v + ShortConv(v), (B, T, G, D) -> (B, T, G, D); `past` (B, S, G, D): the
+        gated values of the S positions before v (incremental decoding). Without the conv (ablation) delta = v."""
+        if not self.use_short_conv:
+            return v
+        return self.short_conv(v, past).add_(v)  # the conv output is a fresh buffer no backward needs: add in place
 
     def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-3 of `forward`: (value (B, T, D), gate (B, T, G)); the gated value is `gate[..., None] *

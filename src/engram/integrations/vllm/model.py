@@ -199,15 +199,12 @@ class EngramForCausalLM(nn.Module):
         eng = layer.engram
         rows = eng.multi_head_embedding(hash_ids[layer.idx]).unsqueeze(1)  # (n, 1, H, d)
         value, gate = eng.gated_value(x.unsqueeze(1), rows)  # (n, 1, D), (n, 1, G)
-        v = gate.unsqueeze(-1) * value.unsqueeze(2)  # (n, 1, G, D), as Engram.forward
-        if not eng.use_short_conv:
-            return v[:, 0]
         past = None
-        if view is not None:
+        if eng.use_short_conv and view is not None:  # the conv's taps read earlier positions' kept (value, gate)
             self.state.write_conv(layer.idx, view, value[:, 0], gate[:, 0])
             hv, hg = self.state.conv_history(layer.idx, view, eng.short_conv.lookback)
-            past = hg.unsqueeze(-1) * hv.unsqueeze(2)  # (n, lookback, G, D)
-        return eng.short_conv(v, past).add_(v)[:, 0]
+            past = eng.branch_value(hv, hg)  # (n, lookback, G, D)
+        return eng.mix(eng.branch_value(value, gate), past)[:, 0]  # as Engram.forward steps 4-5
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if input_ids is None:
