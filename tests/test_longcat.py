@@ -178,6 +178,19 @@ def test_the_engines_disagree_only_at_an_eos_position():
     assert lc.hash_mapping(c0, "sglang").hash(z, offsets=True)[0][0].tolist() == sglang_ids(c0, z[0].tolist(), 0)
 
 
+@pytest.mark.parametrize("V, ratio, k, n", [(131072, 78, 4, 4), (163840, 100.567, 4, 5)])
+def test_ids_at_full_scale_constants(V, ratio, k, n):
+    """Vocabularies and table sizes of the released scale (tables of 10-16.5M rows, 122-263M rows in all): the
+    64-bit sums stay exact, ids near the top of the vocabulary included."""
+    cfg = config(vocab_size=V, ngram_vocab_size_ratio=ratio, emb_split_num=k, emb_neighbor_num=n, eos_token_id=2)
+    g = np.random.default_rng(7)
+    ids = sequence(g, V, 2, 40)
+    ids[5:9] = [V - 1, V - 2, V - 1, V - 3]
+    assert lc.hash_mapping(cfg).hash(torch.tensor([ids]), offsets=True)[0][0].tolist() == VllmState(cfg).step(ids)
+    got = lc.hash_mapping(cfg, "sglang").hash(torch.tensor([ids]), offsets=True)[0][0].tolist()
+    assert got == sglang_ids(cfg, ids, 0)
+
+
 def test_layout_float_ratio_spec_round_trip_and_family_registry(tmp_path):
     cfg = config(vocab_size=41, ngram_vocab_size_ratio=2.5, emb_split_num=2, emb_neighbor_num=4)
     m = lc.hash_mapping(cfg)
