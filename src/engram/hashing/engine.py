@@ -288,7 +288,7 @@ class NgramHashMapping:
 
     def _hash_torch(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
                     ) -> torch.Tensor:
-        lut, mult, primes, p64, c64 = self._tensors(input_ids.device)
+        _, mult, primes, p64, c64 = self._tensors(input_ids.device)
         L, O, H = primes.shape
         B, T = input_ids.shape
         N = self.max_ngram_size
