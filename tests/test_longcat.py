@@ -436,8 +436,10 @@ def test_checkpoint_rows_and_embedding_from_every_tier(tmp_path):
         assert torch.equal(outs[-1], mem.embedding(ids, h))
         mem.close()
     assert outs[0].dtype == torch.bfloat16 and all(torch.equal(o, outs[0]) for o in outs)
-    # float32: within 1e-5 of the float64 oracle
-    mem = lc.load(d, "ram", dtype=torch.float32)
+    # float32 (the config's torch_dtype): within 1e-5 of the float64 oracle
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
+    mem = lc.load(d, "ram")
+    assert mem.embedding.dtype == torch.float32
     h = mem.mapping.hash_continuation(ids, hist, offsets=True)[0]
     want = oracle_embedding(c, t, ids, h)
     assert (mem.embedding(ids, h).double() - want).abs().max() < 1e-5

@@ -303,7 +303,7 @@ class LongCatMemory:
         self.table.close()
 
 
-def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat16, eos_rule: str = "vllm",
+def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None, eos_rule: str = "vllm",
          **disk_kwargs) -> LongCatMemory:
     """LongCat's n-gram embedding from a checkpoint folder, without its backbone.
 
@@ -314,7 +314,8 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
     layout, 4 KiB block checksums; page-aligned for "disk") and read that, each block checked on its first read
     (the released shards carry no sums; `disk_kwargs` then go to `DiskTable` or `MmapTable`, e.g. `cache_bytes`).
     The word embedding and projections are read into RAM ("ram") or
-    mapped. Everything is checked before any table opens: keys, shapes, dtypes, shard sizes.
+    mapped. `dtype`: what the embedding computes in; None: the config's `torch_dtype` (or `dtype`), else
+    bfloat16, as vLLM chooses. Everything is checked before any table opens: keys, shapes, dtypes, shard sizes.
     """
     from ..tables.backends import InRamTable
     from .deepseek_v41 import _Tensor, _weight_map
@@ -324,7 +325,13 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
     d = Path(path)
     if not d.is_dir():
         raise ConfigError(f"{d}: no such checkpoint folder")
-    cfg = read_config(d / "config.json")
+    raw = read_json(d / "config.json", "config.json", "pass a LongCat checkpoint folder", ConfigError)
+    cfg = LongCatConfig.from_config(raw, str(d / "config.json"))
+    if dtype is None:
+        name = _field(raw, "torch_dtype", "dtype")
+        dtype = getattr(torch, str(name), None) if name is not None else torch.bfloat16
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ConfigError(f"{d / 'config.json'}: torch_dtype {name!r} is not a float dtype; pass dtype=")
     mapping = hash_mapping(cfg, eos_rule)
     wm = _weight_map(d)
     E, D, H = cfg.num_embedders, cfg.emb_dim, cfg.hidden_size
