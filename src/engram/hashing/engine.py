@@ -9,7 +9,11 @@ over (compressed) ids x (constants from the family: `families.py`). An n-gram ne
 its document's start: positions before the sequence, before the token after a `reset_id` (EOS), and at
 or before a DEAD position (`hash(..., dead=mask)`: an image span, say) read the pad id instead. All three
 are one mechanism: a per-position "a document ends here" mask (`_ends`), with a DEAD position's own
-id read as the pad.
+id read as the pad. A family whose reset id also reads the pad at its own position (`reset_reads_pad`:
+vLLM's LongCat negates EOS ids, so an EOS is an empty n-gram) has its resets folded into the DEAD mask.
+
+A family with another mix than the XOR one (`HashFamily.mix_rows`: LongCat's sums of powers of the
+vocabulary) gets the same per-position windows (pads and resets applied) and mixes them itself.
 
 Bit-identical to the reference `NgramHashMapping` (checked against `golden/hash_default.json` in the tests).
 
@@ -143,7 +147,7 @@ class NgramHashMapping:
     def _tensors(self, device: torch.device):
         key = ("tensors", str(device))
         if key not in self._device_cache:
-            lut = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
+            lut = self._lut(device)
             mult = torch.tensor(np.stack([self.layer_multipliers[l] for l in self.layer_ids]), device=device)
             primes = torch.tensor([self.vocab_size_across_layers[lid] for lid in self.layer_ids], device=device)
             L, O, H = primes.shape
@@ -217,8 +221,15 @@ class NgramHashMapping:
         cpu = input_ids.device.type == "cpu"
         raw = input_ids.numpy() if cpu else None
         ends = None
+        if self.family.reset_id is not None and self.family.reset_reads_pad:  # a reset is a DEAD position
+            resets = (raw if cpu else input_ids.cpu().numpy()) == self.family.reset_id
+            dead = resets if dead is None else dead | resets
         if self.family.reset_id is not None or dead is not None:  # (found on the host)
             ends = self._ends(raw if cpu else input_ids.cpu().numpy(), dead)
+        if self.family.own_mix:  # the family mixes the windows itself (no fused kernel)
+            B, T = input_ids.shape
+            rows = self.family.mix_rows(self._windows(input_ids, ends, dead))  # (L, B*T, H)
+            return rows.view(len(self.layer_ids), B, T, -1), False
         if cpu and self.backend in ("auto", "numba"):
             if not _fasthash.available():
                 if self.backend == "numba":
@@ -249,10 +260,11 @@ class NgramHashMapping:
         _fasthash.hash_into(x, self.pad_id, mult, consts, out, ends, off if offsets else None)
         return torch.from_numpy(out)
 
-    def _hash_torch(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
-                    ) -> torch.Tensor:
-        lut, mult, primes, p64, c64 = self._tensors(input_ids.device)
-        L, O, H = primes.shape
+    def _windows(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
+                 ) -> list[torch.Tensor]:
+        """N tensors (B*T,) int64: [k] holds x_{t-k} at every position t, or the pad where that position lies
+        before the sequence, before its document's start or at a DEAD position."""
+        lut = self._lut(input_ids.device)
         B, T = input_ids.shape
         N = self.max_ngram_size
         x = lut[input_ids.long()]  # (B, T) compressed
@@ -260,14 +272,29 @@ class NgramHashMapping:
             x = torch.where(torch.from_numpy(dead).to(x.device), self.pad_id, x)  # a DEAD position's own id: the pad
         if ends is None:
             padded = torch.nn.functional.pad(x, (N - 1, 0), value=self.pad_id)
-            shifts = [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
-        else:  # n-grams do not reach back past their document's start: those positions read the pad id
-            pos = torch.arange(T, device=x.device)
-            last = torch.where(torch.from_numpy(ends).to(x.device), pos, -1).cummax(dim=1).values  # last end <= t
-            since = pos - torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1) - 1  # (B, T): tokens since the start
-            shifts = [x.reshape(B * T)] + [
-                torch.where(since >= k, x[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
-        mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=x.device)  # (L, O, 1, BT)
+            return [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
+        # n-grams do not reach back past their document's start: those positions read the pad id
+        pos = torch.arange(T, device=x.device)
+        last = torch.where(torch.from_numpy(ends).to(x.device), pos, -1).cummax(dim=1).values  # last end <= t
+        since = pos - torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1) - 1  # (B, T): tokens since the start
+        return [x.reshape(B * T)] + [
+            torch.where(since >= k, x[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
+
+    def _lut(self, device: torch.device) -> torch.Tensor:
+        key = ("lut", str(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = torch.from_numpy(self.compressed_tokenizer.lookup_table).to(device)
+        return self._device_cache[key]
+
+    def _hash_torch(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
+                    ) -> torch.Tensor:
+        _, mult, primes, p64, c64 = self._tensors(input_ids.device)
+        L, O, H = primes.shape
+        B, T = input_ids.shape
+        N = self.max_ngram_size
+        shifts = self._windows(input_ids, ends, dead)
+        dev = input_ids.device
+        mixes = torch.empty(L, O, 1, B * T, dtype=torch.int64, device=dev)  # (L, O, 1, BT)
         for li in range(L):
             mix = shifts[0] * mult[li, 0]
             for k in range(1, N):
@@ -275,10 +302,10 @@ class NgramHashMapping:
                 mixes[li, k - 1, 0] = mix
         # Heads-outer layout keeps every kernel contiguous along BT; one transposing copy at the end.
         # Intermediates live in a reused workspace: fresh 8 MB buffers cost more in page faults than the math.
-        ws_key = ("ws", str(x.device), B * T)
+        ws_key = ("ws", str(dev), B * T)
         if ws_key not in self._device_cache:
             self._device_cache = {k: v for k, v in self._device_cache.items() if k[0] != "ws"}
-            f64 = dict(dtype=torch.float64, device=x.device)
+            f64 = dict(dtype=torch.float64, device=dev)
             self._device_cache[ws_key] = (torch.empty(L, O, 1, B * T, **f64), torch.empty(L, O, 1, B * T, **f64),
                                           torch.empty(L, O, H, B * T, **f64), torch.empty(L, O, H, B * T, **f64))
         hi, lo, r, q = self._device_cache[ws_key]
@@ -292,7 +319,7 @@ class NgramHashMapping:
             r.addcmul_(q, p64, value=-1)
         else:
             r = torch.remainder(mixes, primes.view(L, O, H, 1))
-        out = torch.empty(L, B * T, O * H, dtype=torch.int64, device=x.device)
+        out = torch.empty(L, B * T, O * H, dtype=torch.int64, device=dev)
         out.copy_(r.view(L, O * H, B * T).transpose(1, 2))
         return out.view(L, B, T, O * H)
 

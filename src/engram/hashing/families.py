@@ -4,9 +4,11 @@ A `HashFamily` holds the compression (token id -> x), the pad, the multipliers m
 whether an id (EOS) starts a new document, and the dtype of the row ids it hands out. `DeepSeekFamily`
 is the reference demo's (multipliers from `numpy.random.default_rng(seed + 10007 * layer_id)`, distinct
 primes across heads, orders and layers); other families live beside their integration
-(`integrations/qwen4_exp.py`, `integrations/deepseek_v41.py`) and are found by their manifest name
-(`family_class`), imported only when asked for. Every family is hashed by the one engine,
-`engine.NgramHashMapping`.
+(`integrations/qwen4_exp.py`, `integrations/deepseek_v41.py`, `integrations/longcat.py`) and are found by
+their manifest name (`family_class`), imported only when asked for. Every family is hashed by the one
+engine, `engine.NgramHashMapping`: the XOR-of-products mix reduced modulo each head's size, or, for a
+family with `own_mix` (LongCat's sums of token ids times powers of the vocabulary), the family's own
+`mix_rows` over the same per-position windows.
 """
 
 from __future__ import annotations
@@ -83,13 +85,26 @@ class HashFamily:
     Class attributes: `name` (the manifest's "family"), `formula`, `index_dtype` (the dtype of the row ids
     `hash` returns: int64, or int32 where a released model hands out int32 ids).
     Subclasses give `config_spec()` (their constants, for the manifest) and `from_spec(spec, tokenizer)`.
+
+    Two optional departures from the reference's scheme (both off by default):
+      `reset_reads_pad`: the reset id's own position reads the pad too, as a DEAD position does (an EOS
+      is then an empty n-gram: vLLM's LongCat negates EOS ids in its token table);
+      `own_mix`: the family mixes each position's window itself: `mix_rows(windows)` takes the N tensors
+      (B*T,) of x_{t-k} (the pad where position t-k lies before the document's start) and returns the
+      per-head rows (L, B*T, H) int64, offsets not added.
     """
 
     name: ClassVar[str] = ""
     formula: ClassVar[str] = ""
     index_dtype: ClassVar[torch.dtype] = torch.int64
     reset_id: int | None = None
+    reset_reads_pad: bool = False
+    own_mix: ClassVar[bool] = False
     hash_mode: str = "ngram"
+
+    def mix_rows(self, windows: list[torch.Tensor]) -> torch.Tensor:
+        """(L, B*T, H) int64 per-head rows from the N windows (B*T,) (families with `own_mix` only)."""
+        raise NotImplementedError
 
     # ---- derived layout
     @property
@@ -227,6 +242,7 @@ FAMILIES: dict[str, str] = {
     "deepseek": "engram.hashing.families:DeepSeekFamily",
     "qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily",
     "deepseek_v41": "engram.integrations.deepseek_v41:DeepSeekV41Family",
+    "longcat": "engram.integrations.longcat:LongCatFamily",
 }
 
 
