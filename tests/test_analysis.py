@@ -116,3 +116,26 @@ def test_gates_html_renders_in_headless_chromium(corpus, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-500:]
     assert 'class="tok"' in r.stdout and "hover a token" in r.stdout
+
+
+@pytest.mark.slow  # two tiny sweeps: ~20 s alone, over a minute on a shared machine
+def test_allocation_adds_seeds_to_a_committed_record(corpus, tmp_path):
+    """`--variants V --seeds N --record DIR` with DIR/allocation.json committed: only V's missing seeds train (in
+    an empty OUT); the other runs come from the record unchanged, environments included."""
+    from engram.analysis import allocation as A
+
+    rec_dir = tmp_path / "rec"
+    A.run(tmp_path / "a", seeds=2, max_steps=2, progress=False, scale="tiny", data=[str(corpus)], record=rec_dir,
+          third_seed=False)
+    before = json.loads((rec_dir / "allocation.json").read_text())
+    A.run(tmp_path / "b", seeds=3, max_steps=2, progress=False, scale="tiny", data=[str(corpus)], record=rec_dir,
+          only=["moe-E5+engram"])
+    after = json.loads((rec_dir / "allocation.json").read_text())
+    trained = sorted(p.name for p in (tmp_path / "b" / "allocation-tiny").iterdir() if p.is_dir())
+    assert trained == ["moe-E5+engram-seed2"]
+    assert after["seeds"]["moe-E5+engram"] == [0, 1, 2] and after["seeds"]["moe-E6"] == [0, 1]
+    for v, r in before["variants"].items():
+        assert after["variants"][v]["values"][:2] == r["values"]
+    assert after["variants"]["moe-E6"] == before["variants"]["moe-E6"]
+    assert len(after["run_environment"]) == sum(len(s) for s in after["seeds"].values())
+    assert after["command"].startswith(before["command"] + "; then ")

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from ..persist import atomic_write_bytes, write_json
-from .runs import difference, read_result
+from .runs import ExperimentError, difference, read_result
 
 # the row every other row of an experiment's table is compared with
 BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
@@ -63,6 +63,27 @@ def experiment_record(summary: dict, results: dict[str, list[dict]], command: st
         rec["curves"] = {v: [[[m["step"], m["val_loss"]] for m in r["metrics"] if "val_loss" in m] for r in rs]
                          for v, rs in results.items()}
     return rec
+
+
+def recorded_runs(path: Path) -> dict[str, list[dict]]:
+    """The runs an existing record `path` holds, as `{variant: [{"seed", "val_loss", "environment",
+    "recorded": True}]}` (`{}` when there is none): a sweep that adds seeds to a committed record trains only
+    the (variant, seed) pairs it lacks and records the others as they were recorded, environments included."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    rec = read_result(path, "experiment record")
+    envs, where = rec.get("environments") or [], rec.get("run_environment") or {}
+    out: dict[str, list[dict]] = {}
+    for v, seeds in (rec.get("seeds") or {}).items():
+        values = rec["variants"][v]["values"]
+        if len(values) != len(seeds):
+            raise ExperimentError(f"{path}: {v} has {len(values)} values for {len(seeds)} seeds; "
+                                  f"delete the file and record the experiment again")
+        out[v] = [{"seed": s, "val_loss": x, "recorded": True,
+                   "environment": envs[where[f"{v}/seed{s}"]] if f"{v}/seed{s}" in where else None}
+                  for s, x in zip(seeds, values)]
+    return out
 
 
 def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
