@@ -122,5 +122,5 @@ def test_describe_says_finding_or_what_could_be_seen():
     r = S.paired(A, B)
     assert S.describe(r, 0.01).endswith(": a finding")
     line = S.describe(r, 0.2)
-    assert "not a finding" in line and f"±{S.min_detectable(r):.3f}" in line and "paired t, n=3" in line
+    assert "not a finding" in line and f"±{S.min_detectable(r):.4f}" in line and "paired t, n=3" in line
     assert S.fmt_p(0.01234) == "0.012" and S.fmt_p(0.004321) == "0.0043" and S.fmt_p(1e-9) == "<1e-6"

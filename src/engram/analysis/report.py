@@ -17,7 +17,8 @@ the results page; `render` fills its placeholders from those files, so every num
     {{value:EXP/KEY.KEY}}   one number of a record (a single measurement: gates, stats), formatted by the
                             Python format spec after `|` (`{{value:gates/mean_gate.entity|.3f}}`)
     {{quoted:SOURCE|TEXT}}  a number that is not ours (the paper's, an earlier session's): "TEXT (quoted: SOURCE)"
-    {{set:TEXT}}            a setting written in prose (an init std, a version), rendered as TEXT
+    {{set:TEXT}}            a setting or a description of the setup written in prose (an init std, a rho, a
+                            corpus size, the test's alpha), rendered as TEXT
     {{env:EXP}}             the environment the experiment's runs recorded
 
 `unsourced_numbers` lists what looks like a measured number (decimals, percentages, ±, "Nx") outside those
@@ -237,7 +238,7 @@ def family_markdown(label: str, rows: list[dict]) -> str:
              "", "| comparison (b - a) | difference ± se | test | p | Holm p | verdict |", "|---|---|---|---|---|---|"]
     for r in rows:
         t = r["test"]
-        verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.3f})"
+        verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
         lines.append(f"| {_short(r['b'], r['a'])} - {_short(r['a'], r['b'])} | {t.diff:+.4f} ± {t.se:.4f} | "
                      f"{t.label} | {sig.fmt_p(t.p)} | {sig.fmt_p(r['p_holm'])} | {verdict} |")
     return "\n".join(lines)
@@ -248,9 +249,12 @@ def _value(recs: dict, arg: str) -> str:
     exp, _, path = ref.partition("/")
     x = recs.get(exp)
     for key in path.split("."):
-        if not isinstance(x, dict) or key not in x:
+        if isinstance(x, list) and key.isdigit() and int(key) < len(x):
+            x = x[int(key)]
+        elif isinstance(x, dict) and key in x:
+            x = x[key]
+        else:
             raise KeyError(f"{ref!r}: no such value in the per-seed files")
-        x = x[key]
     return format(x, spec)
 
 
@@ -315,7 +319,8 @@ def render(template: str, recs: dict[str, dict]) -> str:
 
 
 # what a measured number looks like in prose: a decimal, a percentage, ±, a multiple ("14x")
-_MEASURED = re.compile(r"\d\.\d|\d%|±|\b\d+(\.\d+)?x\b")
+# (not a name's version: V4.1, Qwen2.5)
+_MEASURED = re.compile(r"(?<![\w.])\d+\.\d|(?<![\w.])\d+(\.\d+)?%|±|(?<![\w.])\d+(\.\d+)?x\b")
 
 
 def unsourced_numbers(template: str) -> list[tuple[int, str]]:

@@ -211,4 +211,4 @@ def describe(test: TestResult, p_adjusted: float, alpha: float = ALPHA) -> str:
             f"Holm {fmt_p(p_adjusted)})")
     if is_finding(p_adjusted, alpha):
         return f"{head}: a finding"
-    return f"{head}: not a finding (detectable at {POWER:.0%} power: ±{min_detectable(test, alpha=alpha):.3f})"
+    return f"{head}: not a finding (detectable at {POWER:.0%} power: ±{min_detectable(test, alpha=alpha):.4f})"
