@@ -139,3 +139,19 @@ def test_allocation_adds_seeds_to_a_committed_record(corpus, tmp_path):
     assert after["variants"]["moe-E6"] == before["variants"]["moe-E6"]
     assert len(after["run_environment"]) == sum(len(s) for s in after["seeds"].values())
     assert after["command"].startswith(before["command"] + "; then ")
+
+
+def test_collisions_count_every_ngram_in_a_shared_row():
+    """§7's measure: 3 n-grams in row 5, 2 in row 9, 1 alone in row 7 -> 5 of 6 share their row (the old
+    (distinct - rows used) / distinct said 3 of 6)."""
+    import numpy as np
+
+    from engram.analysis.stats import row_usage, shared_rows
+
+    assert shared_rows(np.array([5, 5, 5, 7, 9, 9])) == (3, 5 / 6)
+    assert shared_rows(np.array([1, 2, 3])) == (3, 0.0)
+    # uniform hashing of n distinct n-grams into p rows: 1 - exp(-n/p) of them share a row (Poisson occupancy)
+    ids = np.random.default_rng(0).integers(0, 50_000, 400_000)
+    u = [r for r in row_usage(ids, [100_000]) if r["order"] == 3][0]
+    lam = u["distinct_ngrams"] / u["table_rows"]
+    assert u["collision_rate"] == pytest.approx(1 - np.exp(-lam), abs=0.01)
