@@ -390,7 +390,10 @@ def is_model_folder(path) -> bool:
     f = Path(path) / "config.json"
     if not f.is_file():
         return False
-    cfg = read_json(f, "model config", "re-save or re-download the model", ConfigError)
+    try:
+        cfg = read_json(f, "model config", "re-save or re-download the model", ConfigError)
+    except ConfigError:
+        return False  # (unreadable: the loader of engram's own folders checks it against its manifest and says so)
     return isinstance(cfg, dict) and cfg.get("model_type") in ("qwen4_exp", "qwen4_exp_text")
 
 
