@@ -207,8 +207,9 @@ def test_a_mismatched_overlay_is_refused_in_one_line(edited, folder, tmp_path, c
     assert "Traceback" not in err
 
 
-def complete(engine, prompt, n, overlay=None):
-    """One greedy request through the serving engine's queue (as the HTTP app submits it): the text it decodes."""
+def submit(engine, prompt, n, overlay=None):
+    """Queue one greedy request on the serving engine (as the HTTP app submits it); returns a function that waits
+    for it and gives the text it decoded."""
     from engram.serving.engine import Job
 
     events, done = [], threading.Event()
@@ -218,12 +219,15 @@ def complete(engine, prompt, n, overlay=None):
         if ev["type"] in ("done", "error"):
             done.set()
 
-    job = Job(ids=engine.encode(prompt), max_tokens=n, temperature=0.0, top_p=1.0, stop=[], seed=None,
-              overlay=overlay, emit=emit)
-    engine.submit(job)
-    assert done.wait(120)
-    assert events[-1]["type"] == "done", events
-    return "".join(e["text"] for e in events if e["type"] == "delta")
+    engine.submit(Job(ids=engine.encode(prompt), max_tokens=n, temperature=0.0, top_p=1.0, stop=[], seed=None,
+                      overlay=overlay, emit=emit))
+
+    def result():
+        assert done.wait(120)
+        assert events[-1]["type"] == "done", events
+        return "".join(e["text"] for e in events if e["type"] == "delta")
+
+    return result
 
 
 def test_serve_chooses_the_overlay_per_request(edited, folder, tmp_path):
@@ -235,11 +239,12 @@ def test_serve_chooses_the_overlay_per_request(edited, folder, tmp_path):
                          name="qwen")
     try:
         assert engine.model_ids() == ["qwen", "qwen+fact"] and engine.resolve("qwen+fact") == "fact"
-        for f, b in zip(FACTS, before):
+        queued = []  # every request queued at once, alternating: each decodes with its own overlay or none
+        for f, b in zip(FACTS * 2, before * 2):
             n = len(tok.encode(f.target, add_special_tokens=False).ids)
-            for _ in range(2):  # alternating requests: each sees its own overlay or none
-                assert complete(engine, f.prompt, n, "fact") == f.target
-                assert complete(engine, f.prompt, n) == b["generated"] != f.target
+            queued += [(submit(engine, f.prompt, n, "fact"), f.target), (submit(engine, f.prompt, n), b["generated"])]
+        assert [r() for r, _ in queued] == [want for _, want in queued]
+        assert all(b["generated"] != f.target for f, b in zip(FACTS, before))
     finally:
         engine.close()
 
