@@ -16,17 +16,31 @@ def engram_layers(model) -> dict:
     """{layer_id: MultiHeadEmbedding} of every Engram layer in `model` (an engram model or an adapted base)."""
     layers = {mhe.layer_id: mhe for _, mhe in find_tables(model)}
     if not layers:
-        raise EditError("this model has no Engram layers: editing writes Engram table rows "
-                        "(train with Engram, or attach an adapter)")
+        raise _no_layers(model)
     return layers
 
 
+def _no_layers(model) -> EditError:
+    """The one-line error for a model without Engram tables (a Qwen4Exp model whose tables transformers holds:
+    how to serve them with engram)."""
+    if str(getattr(getattr(model, "config", None), "model_type", "")).startswith("qwen4_exp"):
+        return EditError("this Qwen4Exp model's n-gram tables are still transformers' own: serve them with engram "
+                         "first (engram.integrations.qwen4_exp.serve_tables or from_pretrained), then edit")
+    return EditError("this model has no Engram layers: editing writes Engram table rows "
+                     "(train with Engram, or attach an adapter)")
+
+
 def mapping_of(model):
-    """The `NgramHashMapping` of `model`'s Engram layers (`layer.hash_mapping` of its first one)."""
+    """The `NgramHashMapping` of `model`'s Engram layers (`layer.hash_mapping` of its first one), or of a released
+    model's n-gram tables served by engram (`integrations.qwen4_exp.ServedNGramEmbedding.mapping`)."""
+    from ..integrations.qwen4_exp import ServedNGramEmbedding
+
     for m in model.modules():
         if isinstance(m, Engram):
             return m.hash_mapping
-    raise EditError("this model has no Engram layers")
+        if isinstance(m, ServedNGramEmbedding):
+            return m.mapping
+    raise _no_layers(model)
 
 
 def spec_digest(mapping) -> str:

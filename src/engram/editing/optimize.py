@@ -165,7 +165,8 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
             _restore_tables(layers, before)
     seconds = time.perf_counter() - t0
     meta = {
-        "hash_spec_sha256": spec_digest(mapping), "base_digest": model_digest(model),
+        "hash_spec_sha256": spec_digest(mapping), "hash_family": mapping.family.name,
+        "base_digest": model_digest(model),
         "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
         "settings": {"steps": steps, "lr": lr, "positions": positions,
                      "orders": sorted(set(orders)) if orders else [mapping.max_ngram_size], "target_prob": target_prob},

@@ -95,6 +95,11 @@ def check_overlay(model, overlay: Overlay, where: str = "overlay", digest: str |
     """
     where = overlay.meta.get("path", where)
     mapping = mapping_of(model)
+    family = overlay.meta.get("hash_family")  # (overlays written before it was recorded: the digest decides alone)
+    if family is not None and family != mapping.family.name:
+        raise EditError(f"{where} was made for a model hashing with the {family!r} family, this model hashes with "
+                        f"{mapping.family.name!r}: its row ids would address other n-grams; apply it to the model it "
+                        "was made for, or re-run engram edit on this model")
     check_digest(mapping.spec(include_lookup_table=False), overlay.meta.get("hash_spec_sha256"), where,
                  "apply it to the model it was made for, or re-run engram edit on this model", EditError)
     if overlay.meta.get("base_digest") != (digest or model_digest(model)):

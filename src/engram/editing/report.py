@@ -15,6 +15,7 @@ from .optimize import _target_logprobs, conflicts, shared_rows
 from .overlay import Overlay, applied
 
 
+@torch.no_grad()
 def score(model, tokenizer, prompt: str, target: str) -> dict:
     """Target probability after `prompt` (first token, whole target) and whether greedy decoding produces it."""
     p, t = _encode(tokenizer, prompt), _encode(tokenizer, target)

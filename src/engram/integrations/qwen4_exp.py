@@ -204,9 +204,12 @@ class ServedNGramEmbedding(nn.Module):
 
 
 def _state_dict_as_transformers(module, sd, prefix, local_metadata):
+    from ..tables.overlay import overlays_of
+
     for k in [k for k in sd if k.startswith(prefix + "mhe.")]:
         del sd[k]
-    t = module.mhe.table
+    below = overlays_of(module.mhe)  # fact overlays (engram edit) stay out of the checkpoint: it keeps its own rows
+    t = below[0].base if below else module.mhe.table
     sd[prefix + "ngram_embedding.weight"] = torch.cat([t.weight, module.pad_rows.to(t.weight.dtype)])
     return sd
 
@@ -378,6 +381,30 @@ def _attach_prefetch(owner, served: dict, mapping) -> None:
         return None
 
     owner.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def is_model_folder(path) -> bool:
+    """True when `path` is a model folder whose config.json is a Qwen4Exp one (`model_type` qwen4_exp or its text)."""
+    from pathlib import Path
+
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        cfg = read_json(f, "model config", "re-save or re-download the model", ConfigError)
+    except ConfigError:
+        return False  # (unreadable: the loader of engram's own folders checks it against its manifest and says so)
+    return isinstance(cfg, dict) and cfg.get("model_type") in ("qwen4_exp", "qwen4_exp_text")
+
+
+def load_folder(path, backend: str = "ram", dir=None):
+    """(model, tokenizer) of a Qwen4Exp model folder: `from_pretrained` (tables served by engram) and the folder's
+    tokenizer.json. What `engram serve PATH` and `engram edit --checkpoint PATH` load for such a folder."""
+    from pathlib import Path
+
+    from ..tokenizer import load_tokenizer
+
+    return from_pretrained(path, backend, dir), load_tokenizer(Path(path) / "tokenizer.json")
 
 
 def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, **kwargs):

@@ -286,9 +286,10 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
         name = name or Path(adapter or base).name
     else:
         p = Path(path)
-        cfg_file = p / "config.json"
-        if cfg_file.is_file() and "qwen4_exp" in cfg_file.read_text(encoding="utf-8", errors="replace"):
-            model, tok = _load_qwen4(p, table_backend, table_dir)
+        from ..integrations import qwen4_exp
+
+        if qwen4_exp.is_model_folder(p):
+            model, tok = qwen4_exp.load_folder(p, table_backend, table_dir)
         else:
             from ..model import load_model
 
@@ -338,10 +339,3 @@ def _chat_template(d: Path) -> str | None:
     t = read_json(f, "tokenizer config", "re-save or re-download the model, or pass --chat-template plain or a "
                   "Jinja file", ServeError).get("chat_template")
     return t if isinstance(t, str) else None
-
-
-def _load_qwen4(p: Path, backend: str, table_dir):
-    from ..integrations.qwen4_exp import from_pretrained
-    from ..tokenizer import load_tokenizer
-
-    return from_pretrained(p, backend, table_dir), load_tokenizer(p / "tokenizer.json")
