@@ -81,6 +81,10 @@ def header_id(path) -> tuple[int, str]:
         head = f.read(8)
         if len(head) < 8:
             raise TableError(f"{path} is too short to be a table file")
+        if head[:4] == b"GGUF":  # a GGUF table file (`tables.gguf`): bound to its header, data from its data section
+            from .gguf import header_id as gguf_header_id
+
+            return gguf_header_id(path)
         (n,) = struct.unpack("<Q", head)
         return 8 + n, sha256_bytes(f.read(n))[:32]
 
