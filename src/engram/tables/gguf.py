@@ -54,7 +54,7 @@ FIX = "re-download or re-convert the file"
 # ggml tensor types: id -> (name, values per block, bytes per block). The tests check every entry against the
 # gguf package's GGML_QUANT_SIZES and GGMLQuantizationType.
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
               11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
               15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
               19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
@@ -390,22 +390,30 @@ def _disk_table_class():
     from .disk import DiskTable
 
     class GgufDiskTable(DiskTable):
-        """The disk tier over one GGUF tensor: `tensor` is its name; rows as `GgufFile.rows` maps them."""
+        """The disk tier over one GGUF tensor: `tensor` is its name, rows as `GgufFile.rows` maps them (its first
+        `rows` only, when given: a table padded past the rows its heads address)."""
+
+        def __init__(self, path, tensor: str, rows: int | None = None, **kwargs):
+            self._limit = rows
+            super().__init__(path, tensor=tensor, **kwargs)
 
         def _map(self, path, tensor):
             f = GgufFile(path)
             arr, view = f.rows(tensor)
-            return arr, view, f.tensors[tensor].offset
+            return arr[:self._limit], view[:self._limit], f.tensors[tensor].offset
 
     return GgufDiskTable
 
 
-def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None = None, **disk_kwargs) -> GgufTable:
-    """A read-only `GgufTable` over 2-D tensor `name` of GGUF file `gguf` (a path or `GgufFile`), in place.
+def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None = None, rows: int | None = None,
+               **disk_kwargs) -> Table:
+    """A read-only `GgufTable` over 2-D tensor `name` of GGUF file `gguf` (a path or `GgufFile`), in place; its
+    first `rows` rows only when given (a padded table: the rows its hash heads address).
 
     backend "mmap": the rows memory-mapped, each block checked on its first read when the file has block sums
     (`write_gguf` writes them; a llama.cpp file has none: one warning); "disk": read by the cold tier (`DiskTable`:
-    positioned reads, many in flight, `disk_kwargs` such as `queue_depth`, `direct`); "ram": decoded into RAM once.
+    positioned reads, many in flight, `disk_kwargs` such as `queue_depth`, `direct`); "ram": the stored rows
+    copied into RAM (checked once), decoded after each gather like the others.
     `dtype`: what a gather returns (default: the rows' own dtype for F32/F16/BF16, float32 for the others).
     """
     from .blocks import BlockVerifier
@@ -424,19 +432,20 @@ def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None
     label = f"{f.path.name}:{name}"
     if backend not in ("ram", "mmap", "disk"):
         raise GgufError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    if rows is not None and not 0 <= rows <= t.shape[0]:
+        raise GgufError(f"{f.path}: {name!r} has {t.shape[0]:,} rows, {rows:,} are needed; {FIX}")
     if backend == "disk":
-        src = _disk_table_class()(f.path, tensor=name, **disk_kwargs)
+        src = _disk_table_class()(f.path, tensor=name, rows=rows, **disk_kwargs)
         table = GgufTable(src, t.type, t.shape[1], dtype, label)
     else:
         _, view = f.rows(name)
+        view = view[:rows]
         blocks = BlockVerifier.open(f.path)
         table = GgufTable(view, t.type, t.shape[1], dtype, label, blocks, t.offset - f.data_start)
-        if backend == "ram":
-            from .backends import InRamTable
-
+        if backend == "ram":  # the rows as stored (Q8_0 stays ~1 byte a value), copied into RAM and checked once
             if blocks is not None:
-                blocks.check_bytes(t.offset - f.data_start, t.nbytes)
-            return InRamTable(table.weight.clone())
+                blocks.check_bytes(t.offset - f.data_start, table.num_rows * t.row_bytes)
+            table = GgufTable(view.clone(), t.type, t.shape[1], dtype, label)
     table.path = f.path
     return table
 
@@ -488,7 +497,8 @@ def write_gguf(path, arch: str, kv: dict, tensors: list, alignment: int = 4096, 
     path = Path(path)
     if alignment <= 0 or alignment & (alignment - 1):
         raise GgufError(f"alignment must be a power of two, got {alignment}")
-    entries = {"general.architecture": ("STRING", arch), "general.alignment": ("UINT32", alignment), **kv}
+    entries = {"general.architecture": ("STRING", arch), "general.alignment": ("UINT32", alignment),
+               **{k.replace("{arch}", arch): v for k, v in kv.items()}}
     if block_sums:
         entries[ENGRAM_NONCE] = ("STRING", uuid.uuid4().hex)
     plan, rel = [], 0
@@ -496,7 +506,7 @@ def write_gguf(path, arch: str, kv: dict, tensors: list, alignment: int = 4096, 
         if len(ent) == 3:
             name, tname, rows = ent
             shape = tuple(rows.shape)
-            chunks = (rows[s:s + chunk_rows] for s in range(0, shape[0], chunk_rows))
+            chunks = _blocks(rows, chunk_rows)
         else:
             name, tname, shape, chunks = ent
         if tname not in TYPE_IDS:
@@ -542,6 +552,12 @@ def write_gguf(path, arch: str, kv: dict, tensors: list, alignment: int = 4096, 
     return path
 
 
+def _blocks(rows, chunk_rows: int):
+    """Row blocks of a 2-D tensor (bound now: a generator expression in the caller's loop would see its last)."""
+    for s in range(0, rows.shape[0], chunk_rows):
+        yield rows[s:s + chunk_rows]
+
+
 def u64s(values) -> tuple[str, list]:
     """A metadata entry: array of uint64 (what llama.cpp's converters write for hash constants)."""
     return "ARRAY[UINT64]", [int(v) for v in np.asarray(values).reshape(-1)]
@@ -569,6 +585,39 @@ def ple_constants(f: GgufFile) -> dict:
     c["vocab_size"] = _vocab_size(f)
     c["row_dim"] = int(f.key(PLE_KEYS["row_dim"], required=False) or f.tensor(PLE_TABLE).shape[1])
     return c
+
+
+def ple_kv(mapping, layer_id: int, conv_kernel: int, row_dim: int) -> dict:
+    """The `{arch}.ple.*` metadata of PLE layer `layer_id` (1-indexed) of a qwen4_exp `mapping`, typed as llama.cpp's
+    converter writes them (`gguf_writer.add_ple_*`): the layer 0-indexed, u32 sizes, u64 constants."""
+    lid = int(layer_id)
+    kv = {PLE_KEYS["layers"]: ("ARRAY[INT32]", [lid - 1]),
+          PLE_KEYS["ngram_size"]: ("UINT32", mapping.max_ngram_size),
+          PLE_KEYS["heads_per_ngram"]: ("UINT32", mapping.n_head_per_ngram),
+          PLE_KEYS["conv_kernel"]: ("UINT32", int(conv_kernel)),
+          PLE_KEYS["eos_token_id"]: ("UINT32", int(mapping.reset_id)),
+          PLE_KEYS["row_dim"]: ("UINT32", int(row_dim)),
+          PLE_KEYS["layer_multipliers"]: u64s(mapping.layer_multipliers[lid]),
+          PLE_KEYS["head_offsets"]: u64s(mapping.head_offsets(lid)),
+          PLE_KEYS["head_vocab_sizes"]: u64s(mapping.head_sizes(lid)),
+          VOCAB_KEY: ("UINT32", int(mapping.raw_vocab_size))}
+    return kv
+
+
+def engram_kv(mapping, head_dim: int) -> dict:
+    """The `{arch}.engram.*` metadata of a DeepSeek-style `mapping` (DeepSeek-V4.1's, or an engram model's: the
+    constants are stored, not derived), typed as PR #28696's converter writes them: u32 sizes, i32 layer ids and
+    token map, u64 multipliers, primes and offsets flattened in (layer, order, head) order, the compressed pad."""
+    L = mapping.layer_ids
+    return {V41_KEYS["layer_ids"]: ("ARRAY[INT32]", [int(x) for x in L]),
+            V41_KEYS["head_count"]: ("UINT32", mapping.n_head_per_ngram),
+            V41_KEYS["key_length"]: ("UINT32", int(head_dim)),
+            V41_KEYS["max_ngram_size"]: ("UINT32", mapping.max_ngram_size),
+            V41_KEYS["multipliers"]: u64s([mapping.layer_multipliers[lid] for lid in L]),
+            V41_KEYS["primes"]: u64s([mapping.head_sizes(lid) for lid in L]),
+            V41_KEYS["offsets"]: u64s([mapping.head_offsets(lid) for lid in L]),
+            V41_KEYS["token_map"]: ("ARRAY[INT32]", [int(x) for x in mapping.compressed_tokenizer.lookup_table]),
+            V41_KEYS["pad_id"]: ("UINT32", int(mapping.pad_id))}
 
 
 def _vocab_size(f: GgufFile) -> int:
@@ -608,13 +657,14 @@ def v41_constants(f: GgufFile) -> dict:
     return c
 
 
-def check_constants(path, what: str, got: dict, want: dict) -> None:
+def check_constants(path, got: dict, want: dict, source: str = "the family's rules derive from its other keys",
+                    fix: str = "re-convert the file") -> None:
     """One GgufError naming the first hash constant in `got` (read from the file) that differs from `want` (what
-    the family's rules derive from the file's other keys)."""
+    `source` gives)."""
     for k in want:
         if [int(x) for x in np.asarray(got[k]).reshape(-1)] != [int(x) for x in np.asarray(want[k]).reshape(-1)]:
-            raise GgufError(f"{path}: its {what} {k} differ from what the family's rules derive from its other keys "
-                            "(a damaged file, or another model's constants); re-convert the file")
+            raise GgufError(f"{path}: its hash constants {k!r} differ from what {source} (a damaged file, or another "
+                            f"model's constants); {fix}")
 
 
 def prime_base(first_prime: int) -> int:
@@ -627,5 +677,5 @@ def prime_base(first_prime: int) -> int:
 
 __all__ = ["FLOAT_TYPES", "GGML_TYPES", "GgufError", "GgufFile", "GgufTable", "NATIVE_TYPES", "PLE_KEYS",
            "PLE_TABLE", "TYPE_IDS", "V41_KEYS", "V41_TABLE", "V41_TENSORS", "check_constants", "decode_rows",
-           "encode_rows", "header_id", "open_table", "ple_constants", "prime_base", "u64s", "v41_constants",
-           "write_gguf"]
+           "encode_rows", "engram_kv", "header_id", "open_table", "ple_constants", "ple_kv", "prime_base", "u64s",
+           "v41_constants", "write_gguf"]

@@ -1,0 +1,233 @@
+"""GGUF (llama.cpp's format): engram's reader and writer against the gguf package's own GGUFReader/GGUFWriter and
+quantizers, every row type through the ram, mmap and disk tiers, damaged files, and the released models' layouts
+(qwen4exp's `per_layer_token_embd` + `{arch}.ple.*`, DeepSeek-V4.1's `blk.N.engram_embd` + `{arch}.engram.*`)
+loaded from GGUF and from safetensors checkpoints with the same hashing and rows."""
+
+import os
+import re
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from engram.tables.base import TableError  # noqa: E402
+from engram.tables.blocks import UnverifiedTableWarning  # noqa: E402
+from engram.tables.gguf import (  # noqa: E402
+    GGML_TYPES,
+    PLE_KEYS,
+    PLE_TABLE,
+    GgufError,
+    GgufFile,
+    decode_rows,
+    encode_rows,
+    open_table,
+    write_gguf,
+)
+
+Q = gguf.GGMLQuantizationType
+WRITABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_1"]  # engram's writer: native, or gguf.quants' quantizer
+READ_ONLY = ["Q4_K", "Q6_K", "Q3_K", "IQ4_XS", "IQ4_NL", "MXFP4"]  # gguf.quants decodes these, cannot write them
+
+
+def rows_of(type_name, n=300, dim=256, seed=0):
+    """(stored bytes (n, row_bytes) uint8, values (n, dim) float32) of a table in `type_name`: quantized by the gguf
+    package where it can, else random blocks whose float16 scales are made finite (K and IQ types)."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, dim)).astype(np.float32)
+    qt = Q[type_name]
+    try:
+        raw = gguf.quants.quantize(x, qt)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        raw = g.integers(0, 256, (n, dim // block, size), dtype=np.uint8)
+        scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+        if type_name in ("Q4_K", "Q3_K", "Q6_K"):  # d (and dmin) float16 at the block's end (Q3_K, Q6_K) or start
+            at = {"Q4_K": [0, 2], "Q3_K": [size - 2], "Q6_K": [size - 2]}[type_name]
+        else:  # IQ4_XS, IQ4_NL: d first; MXFP4: an e8m0 byte first
+            at = [0] if type_name != "MXFP4" else []
+        for a in at:
+            raw[..., a:a + 2] = scale
+        if type_name == "MXFP4":
+            raw[..., 0] = 120
+        raw = raw.reshape(n, -1)
+    return raw.reshape(n, -1).view(np.uint8), gguf.quants.dequantize(raw, qt).reshape(n, dim).astype(np.float32)
+
+
+def test_type_table_and_value_types_match_the_gguf_package():
+    for i, (name, block, size) in GGML_TYPES.items():
+        assert Q[name] == i and gguf.GGML_QUANT_SIZES[Q[name]] == (block, size), name
+    assert {t.name for t in Q} - {n for n, _, _ in GGML_TYPES.values()} <= {"Q1_0"}  # (newer than this table)
+    from engram.tables.gguf import VALUE_TYPES
+
+    assert {i: n for i, (n, _) in VALUE_TYPES.items()} == {t.value: t.name for t in gguf.GGUFValueType}
+
+
+@pytest.mark.parametrize("type_name", WRITABLE)
+def test_writer_to_gguf_reader_and_back_through_every_tier(type_name, tmp_path):
+    """engram's writer -> gguf.GGUFReader (metadata, shapes, types, bytes decoded by gguf.quants) and -> engram's
+    reader on ram, mmap and disk: the same values; Q8_0 bytes equal the gguf package's quantizer's."""
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((300, 64)).astype(np.float32))
+    kv = {"{arch}.ple.layers": ("ARRAY[INT32]", [0]), "{arch}.ple.layer_multipliers": ("ARRAY[UINT64]", [3, 5 ** 20]),
+          "{arch}.ple.eos_token_id": ("UINT32", 7), "note": ("STRING", "héllo"), "pi": ("FLOAT32", 3.5)}
+    p = write_gguf(tmp_path / "t.gguf", "qwen4exp", kv, [("tab.weight", type_name, x), ("other.weight", "F32", x[:3])])
+    r = gguf.GGUFReader(p)
+    assert r.fields["general.architecture"].contents() == "qwen4exp"
+    assert r.fields["qwen4exp.ple.layer_multipliers"].contents() == [3, 5 ** 20]
+    assert r.fields["qwen4exp.ple.layer_multipliers"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64]
+    assert r.fields["qwen4exp.ple.eos_token_id"].types == [gguf.GGUFValueType.UINT32]
+    assert r.fields["note"].contents() == "héllo" and r.fields["pi"].contents() == 3.5
+    t = {t.name: t for t in r.tensors}["tab.weight"]
+    assert t.tensor_type == Q[type_name] and list(t.shape) == [64, 300]
+    want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(300, 64).astype(np.float32)
+    if type_name in ("Q8_0", "F16", "BF16"):  # the bytes are exactly the gguf package's encoding
+        assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1),
+                              gguf.quants.quantize(x.numpy(), Q[type_name]).view(np.uint8).reshape(-1))
+    f = GgufFile(p)
+    assert f.meta["qwen4exp.ple.layer_multipliers"].tolist() == [3, 5 ** 20]
+    assert f.tensors["tab.weight"].type == type_name
+    assert f.tensors["tab.weight"].offset == int(t.data_offset) and f.data_start == r.data_offset
+    ids = torch.tensor([5, 0, 299, 5, 17])
+    for backend in ("ram", "mmap", "disk"):
+        table = open_table(p, "tab.weight", backend, dtype=torch.float32)
+        assert table.num_rows == 300 and table.dim == 64
+        assert np.array_equal(table.gather(ids).numpy(), want[ids.numpy()])
+        table.close()
+
+
+@pytest.mark.parametrize("type_name", WRITABLE + READ_ONLY)
+def test_gguf_writer_files_read_lazily_from_every_tier_equal_the_eager_decode(type_name, tmp_path):
+    """gguf.GGUFWriter (as llama.cpp's converters write) -> engram's reader: rows read lazily (mmap, and the disk
+    tier's positioned reads, cold then warm) equal gguf.quants' eager decode of the whole tensor."""
+    raw, want = rows_of(type_name)
+    w = gguf.GGUFWriter(tmp_path / "g.gguf", "qwen4exp")
+    w.add_uint32("qwen4exp.ple.ngram_size", 3)
+    w.add_tensor("per_layer_token_embd.weight", raw, raw_dtype=Q[type_name]) if type_name not in ("F32",) else \
+        w.add_tensor("per_layer_token_embd.weight", want)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if type_name == "F16":
+        want = want.astype(np.float16).astype(np.float32)
+    f = GgufFile(tmp_path / "g.gguf")
+    assert f.meta["qwen4exp.ple.ngram_size"] == 3 and f.tensors[PLE_TABLE].shape == (300, 256)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (400,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedTableWarning)  # (a llama.cpp file has no block sums)
+        for backend in ("ram", "mmap", "disk"):
+            t = open_table(f, PLE_TABLE, backend, dtype=torch.float32)
+            for _ in range(2):  # the disk tier: cold reads, then the same rows warm from its mapping
+                assert np.array_equal(t.gather(ids).numpy(), want[ids.numpy()], equal_nan=True), backend
+            assert np.array_equal(t.gather(ids[:5]).numpy(), want[ids[:5].numpy()], equal_nan=True)  # a decode step
+            if backend == "disk":
+                s = t.stats()
+                assert s["reads"] > 0 and s["warm_rows"] > 0 and s["format"] == f"gguf {type_name}"
+            t.close()
+
+
+def test_codecs_match_the_gguf_package_on_every_code():
+    """Q8_0 and Q4_0 decoding of every code under several scales (zero, subnormal, large), and Q8_0 encoding
+    (ggml's roundf: halves away from zero) byte for byte against gguf.quants."""
+    for type_name, block_bytes in (("Q8_0", 34), ("Q4_0", 18)):
+        g = np.random.default_rng(2)
+        raw = g.integers(0, 256, (64, 8, block_bytes), dtype=np.uint8)
+        for i, s in enumerate([0.0, 6e-8, 1.0, -3.5, 60000.0, 2 ** -14, 0.1, -0.0]):
+            raw[:, i, :2] = np.array([s], dtype=np.float16).view(np.uint8)
+        raw[0, :, 2:] = np.arange(256, dtype=np.uint8)[:block_bytes - 2]  # every byte value somewhere
+        raw[1, :, 2:] = np.arange(256, dtype=np.uint8)[-(block_bytes - 2):]
+        raw = raw.reshape(64, -1)
+        want = gguf.quants.dequantize(raw, Q[type_name]).reshape(64, 256)
+        assert np.array_equal(decode_rows(torch.from_numpy(raw), type_name, 256).numpy(), want)
+    x = torch.tensor(np.random.default_rng(3).standard_normal((50, 64)), dtype=torch.float32)
+    x[0, :32] = torch.arange(32) - 15.5  # halves: roundf differs from round-half-even here
+    x[1] = 0
+    for type_name in ("Q8_0", "F16", "BF16", "F32"):
+        assert np.array_equal(encode_rows(x, type_name).numpy().reshape(-1),
+                              gguf.quants.quantize(x.numpy(), Q[type_name]).view(np.uint8).reshape(-1)), type_name
+
+
+# ------------------------------------------------------------------------------------------ damaged files
+def _ple_file(tmp_path, type_name="Q8_0"):
+    x = torch.randn(200, 64)
+    return write_gguf(tmp_path / "d.gguf", "qwen4exp", {"{arch}.ple.ngram_size": ("UINT32", 3)},
+                      [(PLE_TABLE, type_name, x)])
+
+
+def test_damaged_files_are_one_line_errors(tmp_path):
+    p = _ple_file(tmp_path)
+    good = p.read_bytes()
+    f = GgufFile(p)
+
+    def damaged(b: bytes) -> Path:
+        q = tmp_path / "bad.gguf"
+        q.write_bytes(b)
+        return q
+
+    cases = [
+        (good[:len(good) - 5000], r"is truncated: tensor 'per_layer_token_embd.weight' ends at byte"),
+        (good[:40], r"is truncated inside its header"),
+        (b"GGUX" + good[4:], r"is not a GGUF file"),
+        (good.replace(struct.pack("<I", 8) + struct.pack("<Q", f.tensors[PLE_TABLE].offset - f.data_start),
+                      struct.pack("<I", 99) + struct.pack("<Q", f.tensors[PLE_TABLE].offset - f.data_start)),
+         r"unknown ggml row type 99"),
+        (good[:4] + struct.pack("<I", 7) + good[8:], r"GGUF version 7 is not supported"),
+    ]
+    key = b"qwen4exp.ple.ngram_size"
+    at = good.index(key) - 8
+    cases.append((good[:at] + struct.pack("<Q", 1 << 62) + good[at + 8:], r"corrupt header"))
+    for b, msg in cases:
+        with pytest.raises(GgufError, match=msg) as e:
+            open_table(damaged(b), PLE_TABLE, "disk")
+        assert "\n" not in str(e.value)
+    with pytest.raises(GgufError, match=r"has no tensor 'blk.1.engram_embd.weight'"):
+        open_table(p, "blk.1.engram_embd.weight")
+    with pytest.raises(GgufError, match=r"has no metadata key 'qwen4exp.ple.layers'"):
+        f.key(PLE_KEYS["layers"])
+    with pytest.raises(GgufError, match="not found"):
+        GgufFile(tmp_path / "missing.gguf")
+
+
+def test_a_flipped_byte_in_a_written_table_fails_its_block_check_on_first_read(tmp_path):
+    p = _ple_file(tmp_path, "BF16")
+    f = GgufFile(p)
+    b = bytearray(p.read_bytes())
+    b[f.tensors[PLE_TABLE].offset + 128 * 10 + 3] ^= 0xFF  # row 10 (128 bytes a row)
+    with open(p, "r+b") as fh:  # in place: the header (and so the block sums' file id) is unchanged
+        fh.write(bytes(b))
+    for backend in ("mmap", "disk"):
+        t = open_table(p, PLE_TABLE, backend)
+        with pytest.raises(TableError, match="fail their checksum"):
+            t.gather(torch.tensor([10]))
+        t.close()
+    with pytest.raises(TableError, match="fail their checksum"):
+        open_table(p, PLE_TABLE, "ram")
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp's key names
+def test_key_names_and_types_are_llama_cpps():
+    """Against the llama.cpp sources that llama-cpp-python's sdist vendors (set ENGRAM_LLAMA_CPP_SRC to its
+    vendor/llama.cpp folder): every qwen4exp PLE key, the table's tensor name, and the value types its converter
+    writes."""
+    src = os.environ.get("ENGRAM_LLAMA_CPP_SRC")
+    if not src or not (Path(src) / "src" / "llama-arch.cpp").is_file():
+        pytest.skip("set ENGRAM_LLAMA_CPP_SRC to llama-cpp-python's vendor/llama.cpp to check llama.cpp's key names")
+    arch = (Path(src) / "src" / "llama-arch.cpp").read_text()
+    consts = (Path(src) / "gguf-py" / "gguf" / "constants.py").read_text()
+    writer = (Path(src) / "gguf-py" / "gguf" / "gguf_writer.py").read_text()
+    for k, template in PLE_KEYS.items():
+        c_form = template.replace("{arch}", "%s")
+        assert f'"{c_form}"' in arch, k
+        if k != "row_dim":
+            assert f'"{template}"' in consts, k
+    assert '"per_layer_token_embd"' in arch and PLE_TABLE == "per_layer_token_embd.weight"
+    assert "MODEL_ARCH.QWEN4EXP:         \"qwen4exp\"" in consts
+    for k in ("layer_multipliers", "head_offsets", "head_vocab_sizes"):  # u64 arrays, as ple_kv writes them
+        assert re.search(rf"def add_ple_{k}\(.*\n\s+self\._add_u64_array", writer), k
+    for k in ("ngram_size", "heads_per_ngram", "conv_kernel", "eos_token_id"):
+        assert re.search(rf"def add_ple_{k}\(.*\n\s+self\.add_uint32", writer), k
