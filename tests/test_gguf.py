@@ -26,6 +26,7 @@ from engram.tables.gguf import (  # noqa: E402
     decode_rows,
     encode_rows,
     open_table,
+    prime_base,
     write_gguf,
 )
 
@@ -231,3 +232,149 @@ def test_key_names_and_types_are_llama_cpps():
         assert re.search(rf"def add_ple_{k}\(.*\n\s+self\._add_u64_array", writer), k
     for k in ("ngram_size", "heads_per_ngram", "conv_kernel", "eos_token_id"):
         assert re.search(rf"def add_ple_{k}\(.*\n\s+self\.add_uint32", writer), k
+
+
+# ------------------------------------------------------------------------------------------ qwen4exp (llama.cpp)
+def _qwen():
+    pytest.importorskip("transformers")
+    return pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+
+
+def tiny_qwen(seed=0, **kw):
+    """A tiny random Qwen4Exp with one PLE layer (decoder layer 0, linear attention: what llama.cpp takes), rows
+    128 / 4 heads = 32 wide (one Q8_0 block)."""
+    import test_qwen4_exp as tq
+
+    _qwen()
+    return tq.tiny_model(seed, **{**dict(ple_layer_ids=[1], ple_embed_dim=128, split_ngram_parts=2), **kw})
+
+
+def llama_cpp_style_ple_file(path, model, type_name, raw=None):
+    """What llama.cpp's converter (conversion/qwen4exp.py with gguf-py's add_ple_* writers) writes for the table,
+    through gguf.GGUFWriter: keys with the same names and value types, the padded table as one tensor."""
+    from engram.integrations.qwen4_exp import hash_mapping, text_config
+
+    cfg = text_config(model.config)
+    m = hash_mapping(cfg)
+    w = model.model.layers[0].ple.ple_embedding.ngram_embedding.weight.detach()
+    g = gguf.GGUFWriter(path, "qwen4exp")
+    g.add_vocab_size(cfg.vocab_size)
+    g.add_array("qwen4exp.ple.layers", [0])
+    for k, v in (("ngram_size", cfg.ngram_size), ("heads_per_ngram", cfg.heads_per_ngram),
+                 ("conv_kernel", cfg.ple_conv_kernel_size), ("eos_token_id", cfg.eos_token_id)):
+        g.add_uint32(f"qwen4exp.ple.{k}", v)
+    g.add_embedding_length_per_layer_input(w.shape[1])
+    for k, v in (("layer_multipliers", m.layer_multipliers[1]), ("head_offsets", m.head_offsets(1)),
+                 ("head_vocab_sizes", m.head_sizes(1))):
+        g.add_key_value(f"qwen4exp.ple.{k}", [int(x) for x in v], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64)
+    if raw is not None:  # the table's bytes as given (a type gguf cannot quantize)
+        g.add_tensor(PLE_TABLE, raw, raw_dtype=Q[type_name])
+    elif type_name == "F32":
+        g.add_tensor(PLE_TABLE, w.numpy())
+    else:
+        g.add_tensor(PLE_TABLE, gguf.quants.quantize(w.numpy(), Q[type_name]), raw_dtype=Q[type_name])
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return path
+
+
+@pytest.mark.parametrize("writer,backend", [("engram", "ram"), ("engram", "mmap"), ("engram", "disk"),
+                                            ("gguf", "disk")])
+def test_qwen4exp_from_gguf_equals_the_safetensors_checkpoint(writer, backend, tmp_path):
+    """A tiny checkpoint written both ways (save_pretrained; engram's export_gguf or gguf.GGUFWriter as llama.cpp's
+    converter does): the GGUF's hashing is the config's (same identity digest, same row ids), and the model served
+    from the GGUF (ram, mmap, disk) gives transformers' logits and generations; saved back, plain transformers
+    loads it."""
+    mq = _qwen()
+    import test_qwen4_exp as tq
+
+    from engram.hashing import identity_digest
+    from engram.integrations.qwen4_exp import export_gguf, from_pretrained, gguf_hash_mapping, hash_mapping
+
+    ref = tiny_qwen()
+    ref.save_pretrained(tmp_path / "ckpt")
+    p = tmp_path / "t.gguf"
+    export_gguf(ref, p, "F32") if writer == "engram" else llama_cpp_style_ple_file(p, ref, "F32")
+    cfg = ref.config
+    want_map, got_map = hash_mapping(cfg), gguf_hash_mapping(p)
+    assert identity_digest(got_map.family.spec()) == identity_digest(want_map.family.spec())
+    # the spec agrees but for the table-size base, which the file does not store: the smallest base giving its
+    # primes is recorded (5000 for this config's 5003; the released 20,000,000 is recovered exactly)
+    got_spec, want_spec = got_map.family.config_spec(), want_map.family.config_spec()
+    assert (got_spec.pop("prime_base"), want_spec.pop("prime_base")) == (5000, 5003) and got_spec == want_spec
+    assert prime_base(20_000_003) == 20_000_000
+    ids = tq.ids_with_eos(tq.config(), 2, 14, 1, eos_every=5)
+    assert torch.equal(got_map.hash(ids, offsets=True)[1], want_map.hash(ids, offsets=True)[1])
+    with torch.no_grad():
+        want = ref(ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedTableWarning)
+        m = from_pretrained(tmp_path / "ckpt", backend=backend, gguf=p)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    if backend != "disk":
+        return
+    assert torch.equal(m.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0),
+                       ref.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0))
+    m.save_pretrained(tmp_path / "again")  # the table goes back into the checkpoint's shape, padding rows included
+    with torch.no_grad():
+        assert torch.equal(mq.Qwen4ExpForCausalLM.from_pretrained(tmp_path / "again").eval()(ids).logits, want)
+
+
+@pytest.mark.parametrize("type_name", ["F16", "BF16", "Q8_0", "Q4_K"])
+def test_qwen4exp_rows_of_each_row_type_are_the_files_decoded(type_name, tmp_path):
+    """Served from a GGUF of any row type (engram's writer; Q4_K, which gguf cannot quantize, as a K-quant file
+    llama.cpp's quantizer writes, random blocks through gguf.GGUFWriter), a layer's rows are the file's rows as
+    gguf.quants decodes them, on every tier."""
+    from engram.integrations.qwen4_exp import export_gguf, hash_mapping, serve_tables
+
+    kw = {"ple_embed_dim": 1024} if type_name == "Q4_K" else {}  # (rows of 256: one K-quant super-block)
+    ref = tiny_qwen(**kw)
+    p = tmp_path / "t.gguf"
+    if type_name == "Q4_K":
+        n = ref.model.layers[0].ple.ple_embedding.ngram_embedding.weight.shape[0]
+        llama_cpp_style_ple_file(p, ref, "Q4_K", raw=rows_of("Q4_K", n=n, dim=256)[0])
+    else:
+        export_gguf(ref, p, type_name)
+    r = {t.name: t for t in gguf.GGUFReader(p).tensors}[PLE_TABLE]
+    file_rows = gguf.quants.dequantize(r.data, r.tensor_type).reshape(r.shape[::-1].tolist())
+    used = sum(hash_mapping(ref.config).head_sizes(1))
+    for backend in ("ram", "mmap", "disk"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnverifiedTableWarning)
+            m = serve_tables(tiny_qwen(seed=5, **kw), backend=backend, gguf=p, prefetch=False)
+        t = m.model.layers[0].ple.ple_embedding.mhe.table
+        assert t.num_rows == used
+        assert np.array_equal(t.gather(torch.arange(used)).float().numpy(), file_rows[:used]), backend
+        t.close()
+
+
+def test_qwen4exp_gguf_mismatches_are_one_line_and_load_nothing(tmp_path):
+    from engram.config import ConfigError
+    from engram.integrations.qwen4_exp import export_gguf, gguf_hash_mapping, serve_tables
+
+    ref = tiny_qwen()
+    p = export_gguf(ref, tmp_path / "t.gguf", "F32")
+    cfg = tiny_qwen().config
+    cfg.seed = 99  # another hash seed
+    other = _qwen().Qwen4ExpForCausalLM(cfg).eval()
+    q = export_gguf(other, tmp_path / "s99.gguf", "F32")
+    with pytest.raises(GgufError, match=r"hash constants 'multipliers' differ .* seed 1234.*pass seed="):
+        gguf_hash_mapping(q)
+    assert gguf_hash_mapping(q, seed=99).layer_multipliers[1].tolist() == \
+        other.model.layers[0].ple.ple_embedding.layer_multipliers.tolist()
+    m = tiny_qwen(seed=1)
+    before = m.model.layers[0].ple.ple_embedding
+    with pytest.raises(GgufError, match=r"'multipliers' differ from what this model's config derives"):
+        serve_tables(m, backend="disk", gguf=q)
+    assert m.model.layers[0].ple.ple_embedding is before  # nothing half-loaded
+    with pytest.raises(ConfigError, match="2 PLE layers; llama.cpp's qwen4exp GGUF holds one"):
+        export_gguf(tiny_qwen(ple_layer_ids=[1, 3]), tmp_path / "two.gguf")
+    b = p.read_bytes()  # a table shorter than the heads address
+    f = GgufFile(p)
+    assert serve_tables(tiny_qwen(), gguf=p, prefetch=False) is not None
+    with pytest.raises(GgufError, match="is truncated"):
+        (tmp_path / "short.gguf").write_bytes(b[:f.tensors[PLE_TABLE].offset + 100])
+        serve_tables(tiny_qwen(), gguf=tmp_path / "short.gguf")
