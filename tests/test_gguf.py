@@ -378,3 +378,125 @@ def test_qwen4exp_gguf_mismatches_are_one_line_and_load_nothing(tmp_path):
     with pytest.raises(GgufError, match="is truncated"):
         (tmp_path / "short.gguf").write_bytes(b[:f.tensors[PLE_TABLE].offset + 100])
         serve_tables(tiny_qwen(), gguf=tmp_path / "short.gguf")
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4.1 (PR #28696)
+def _v41():
+    import test_deepseek_v41 as tv
+
+    return tv
+
+
+@pytest.fixture(scope="module")
+def v41_ckpt(tmp_path_factory):
+    tv = _v41()
+    d = tmp_path_factory.mktemp("v41")
+    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said THE king." for i in range(300)]
+    from engram.tokenizer import train_bpe
+
+    tok = train_bpe(text, 300, d / "tok.json", progress=False)
+    return tv.write_checkpoint(d / "ckpt", tok)
+
+
+def pr_style_v41_file(path, mem, type_name="Q8_0"):
+    """What PR #28696's converter writes for the Engram part, through gguf.GGUFWriter: `deepseek41.engram.*` keys
+    with its value types (u32 sizes, add_array's i32 layer ids, u64 constants, i32 token map, the compressed pad)
+    and each table requantized from FP8 x ue8m0 to Q8_0 by gguf.quantize."""
+    m = mem.mapping
+    g = gguf.GGUFWriter(path, "deepseek41")
+    g.add_uint32("deepseek41.engram.head_count", m.n_head_per_ngram)
+    g.add_uint32("deepseek41.engram.key_length", mem.config.head_dim)
+    g.add_uint32("deepseek41.engram.max_ngram_size", m.max_ngram_size)
+    g.add_array("deepseek41.engram.layer_ids", list(m.layer_ids))
+    u64 = gguf.GGUFValueType.UINT64
+    for k, v in (("multipliers", [m.layer_multipliers[l] for l in m.layer_ids]),
+                 ("primes", [m.head_sizes(l) for l in m.layer_ids]),
+                 ("offsets", [m.head_offsets(l) for l in m.layer_ids])):
+        g.add_key_value(f"deepseek41.engram.{k}", [int(x) for x in np.asarray(v).reshape(-1)], gguf.GGUFValueType.ARRAY,
+                        u64)
+    g.add_key_value("deepseek41.engram.token_map", [int(x) for x in m.compressed_tokenizer.lookup_table],
+                    gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    g.add_uint32("deepseek41.engram.pad_id", int(m.pad_id))
+    for lid, layer in mem.layers.items():
+        rows = layer.table.gather(torch.arange(layer.table.num_rows)).float().numpy()
+        g.add_tensor(f"blk.{lid}.engram_embd.weight", gguf.quants.quantize(rows, Q[type_name]), raw_dtype=Q[type_name])
+        g.add_tensor(f"blk.{lid}.engram_wkv.weight", layer.wkv.weight.detach().float().numpy())
+        g.add_tensor(f"blk.{lid}.engram_q.weight", layer.q_weight.detach().float().numpy())
+        g.add_tensor(f"blk.{lid}.engram_k.weight", layer.k_weight.detach().float().numpy())
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return path
+
+
+@pytest.mark.parametrize("writer", ["engram", "gguf"])
+def test_v41_from_gguf_equals_the_safetensors_checkpoint(v41_ckpt, writer, tmp_path):
+    """The checkpoint's Engram as GGUF (engram's export_gguf in BF16, which holds FP8 x ue8m0 rows exactly; or
+    Q8_0 through gguf.GGUFWriter as the PR's converter writes it), loaded back on every tier: the same hashing
+    (identity digest, row ids with DEAD masks) and rows (exactly, or the file's Q8_0 rows as gguf decodes them),
+    and for BF16 the same layer outputs."""
+    from engram.hashing import identity_digest
+    from engram.integrations import deepseek_v41 as v41
+
+    ref = v41.load(v41_ckpt, "ram")
+    p = tmp_path / "v41.gguf"
+    v41.export_gguf(ref, p, "BF16") if writer == "engram" else pr_style_v41_file(p, ref)
+    ids = torch.randint(0, ref.mapping.raw_vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    dead = torch.zeros(2, 12, dtype=torch.bool)
+    dead[1, 3:5] = True
+    want_ids = ref.mapping.hash(ids, offsets=True, dead=dead)
+    h = torch.randn(2, 12, 2, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    r = {t.name: t for t in gguf.GGUFReader(p).tensors}
+    for backend in ("ram", "mmap", "disk"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnverifiedTableWarning)
+            mem = v41.load_gguf(p, backend)
+        assert identity_digest(mem.mapping.family.spec()) == identity_digest(ref.mapping.family.spec())
+        got_ids = mem.mapping.hash(ids, offsets=True, dead=dead)
+        for lid in (1, 3):
+            assert torch.equal(got_ids[lid], want_ids[lid])
+            t = r[f"blk.{lid}.engram_embd.weight"]
+            file_rows = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, 64).copy())
+            got = mem.layers[lid].table.gather(torch.arange(2600))
+            assert torch.equal(got, file_rows.to(torch.bfloat16))
+            if writer == "engram":
+                assert torch.equal(got, ref.layers[lid].table.gather(torch.arange(2600)))
+                assert torch.equal(mem.layers[lid](h, got_ids[lid], mask=~dead),
+                                   ref.layers[lid](h, want_ids[lid], mask=~dead))
+        mem.close()
+
+
+def test_v41_gguf_errors_are_one_line_and_open_nothing(v41_ckpt, tmp_path):
+    from engram.integrations import deepseek_v41 as v41
+
+    ref = v41.load(v41_ckpt, "ram")
+    p = v41.export_gguf(ref, tmp_path / "v41.gguf", "Q8_0")
+    f = GgufFile(p)
+    b = p.read_bytes()
+
+    def variant(old: bytes, new: bytes, name: str) -> Path:
+        q = tmp_path / name
+        assert b.count(old) == 1
+        q.write_bytes(b.replace(old, new))
+        return q
+
+    # a wrong key name (same length, so the rest of the header still parses)
+    with pytest.raises(GgufError, match=r"no metadata key 'deepseek41.engram.pad_id'"):
+        v41.load_gguf(variant(b"deepseek41.engram.pad_id", b"deepseek41.engram.pad_ix", "key.gguf"))
+    # a damaged constant: the first multiplier (u64, the array's first element after its type and count)
+    key = b"deepseek41.engram.multipliers"
+    at = b.index(key) + len(key) + 4 + 4 + 8
+    bad = bytearray(b)
+    bad[at] ^= 2
+    (tmp_path / "mult.gguf").write_bytes(bytes(bad))
+    with pytest.raises(GgufError, match=r"hash constants 'multipliers' differ from what the family's rules derive"):
+        v41.load_gguf(tmp_path / "mult.gguf")
+    (tmp_path / "short.gguf").write_bytes(b[:f.tensors["blk.3.engram_embd.weight"].offset + 10])
+    with pytest.raises(GgufError, match=r"is truncated: tensor 'blk.3.engram_embd.weight' ends at"):
+        v41.load_gguf(tmp_path / "short.gguf", "disk")
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    with pytest.raises(GgufError, match=r"has no tensor 'blk.3.engram_q.weight'"):
+        v41.load_gguf(variant(b"blk.3.engram_q.weight", b"blk.3.engram_x.weight", "tensor.gguf"), "disk")
+    if fds is not None:  # checked before any table opened: no file left open (layer 1's table included)
+        assert len(os.listdir("/proc/self/fd")) == fds
