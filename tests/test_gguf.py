@@ -144,7 +144,9 @@ def test_codecs_match_the_gguf_package_on_every_code():
         raw[1, :, 2:] = np.arange(256, dtype=np.uint8)[-(block_bytes - 2):]
         raw = raw.reshape(64, -1)
         want = gguf.quants.dequantize(raw, Q[type_name]).reshape(64, 256)
-        assert np.array_equal(decode_rows(torch.from_numpy(raw), type_name, 256).numpy(), want)
+        assert np.array_equal(decode_rows(torch.from_numpy(raw), type_name, 256).numpy(), want)  # (numba: Q8_0)
+        torch_path = decode_rows(torch.from_numpy(raw), type_name, 256, torch.float64)  # (always the torch ops)
+        assert np.array_equal(torch_path.float().numpy(), want)
     x = torch.tensor(np.random.default_rng(3).standard_normal((50, 64)), dtype=torch.float32)
     x[0, :32] = torch.arange(32) - 15.5  # halves: roundf differs from round-half-even here
     x[1] = 0
