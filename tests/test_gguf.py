@@ -502,3 +502,11 @@ def test_v41_gguf_errors_are_one_line_and_open_nothing(v41_ckpt, tmp_path):
         v41.load_gguf(variant(b"blk.3.engram_q.weight", b"blk.3.engram_x.weight", "tensor.gguf"), "disk")
     if fds is not None:  # checked before any table opened: no file left open (layer 1's table included)
         assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_row_types_the_gguf_package_cannot_write_are_one_line(tmp_path):
+    with pytest.raises(GgufError, match="cannot quantize ggml type Q4_K; write F16, BF16 or Q8_0"):
+        write_gguf(tmp_path / "k.gguf", "x", {}, [("t", "Q4_K", torch.randn(4, 256))])
+    with pytest.raises(GgufError, match="unknown ggml type 'Q9_9'"):
+        write_gguf(tmp_path / "k.gguf", "x", {}, [("t", "Q9_9", torch.randn(4, 256))])
+    assert not (tmp_path / "k.gguf").exists() and not list(tmp_path.iterdir())  # nothing half-written

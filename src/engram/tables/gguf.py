@@ -310,18 +310,23 @@ def decode_rows(raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype 
         qs = b[..., 2:].to(torch.int16)  # (N, blocks, 16): element j in the low nibble, j + 16 in the high one
         q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.float32) - 8
         return (d * q).view(n, dim).to(dtype)
+    out = _gguf_quants("dequantize", raw.numpy(), type_name, "upgrade gguf")  # (N, dim) float32
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(n, dim).to(dtype)
+
+
+def _gguf_quants(fn: str, data: np.ndarray, type_name: str, fix: str) -> np.ndarray:
+    """`gguf.quants.<fn>(data, type)` (quantize or dequantize) for the types not coded here; one GgufError line
+    for an unknown type, a missing gguf package, or a type it cannot do (`fix` says what to do then)."""
     if type_name not in TYPE_IDS:
         raise GgufError(f"unknown ggml row type {type_name!r}")
     try:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+        import gguf.quants
     except ImportError:
-        raise GgufError(f"rows of ggml type {type_name} are decoded by the gguf package: pip install gguf") from None
+        raise GgufError(f"rows of ggml type {type_name} are coded by the gguf package: pip install gguf") from None
     try:
-        out = dequantize(raw.numpy(), GGMLQuantizationType[type_name])  # (N, dim) float32
+        return getattr(gguf.quants, fn)(data, gguf.GGMLQuantizationType[type_name])
     except NotImplementedError:
-        raise GgufError(f"the installed gguf package cannot decode ggml type {type_name}; upgrade gguf") from None
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(n, dim).to(dtype)
+        raise GgufError(f"the installed gguf package cannot {fn} ggml type {type_name}; {fix}") from None
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:
@@ -343,18 +348,7 @@ def encode_rows(x: torch.Tensor, type_name: str) -> torch.Tensor:
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         q = _round_away(b * inv).to(torch.int8)
         return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1).view(n, -1)
-    if type_name not in TYPE_IDS:
-        raise GgufError(f"unknown ggml row type {type_name!r}")
-    try:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize
-    except ImportError:
-        raise GgufError(f"rows of ggml type {type_name} are encoded by the gguf package: pip install gguf") from None
-    try:
-        out = quantize(x.to(torch.float32).contiguous().numpy(), GGMLQuantizationType[type_name])
-    except NotImplementedError:
-        raise GgufError(f"the gguf package cannot write ggml type {type_name} (it only reads it); write F16, "
-                        "BF16 or Q8_0") from None
+    out = _gguf_quants("quantize", x.to(torch.float32).contiguous().numpy(), type_name, "write F16, BF16 or Q8_0")
     return torch.from_numpy(np.ascontiguousarray(out)).view(n, -1)
 
 
