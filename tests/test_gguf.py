@@ -510,3 +510,29 @@ def test_row_types_the_gguf_package_cannot_write_are_one_line(tmp_path):
     with pytest.raises(GgufError, match="unknown ggml type 'Q9_9'"):
         write_gguf(tmp_path / "k.gguf", "x", {}, [("t", "Q9_9", torch.randn(4, 256))])
     assert not (tmp_path / "k.gguf").exists() and not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_block_sums_added_to_a_llama_cpp_file_check_its_reads(tmp_path):
+    """A GGUF without sums (as llama.cpp's converters write it) opens with one warning; `write_block_sums` adds
+    4 KiB sums bound to its header, after which the disk tier checks every block on its first read."""
+    from engram.tables.blocks import write_block_sums
+
+    p = write_gguf(tmp_path / "l.gguf", "qwen4exp", {}, [(PLE_TABLE, "Q8_0", torch.randn(500, 64))], block_sums=False)
+    assert not (tmp_path / "l.gguf.blocks").exists()
+    with pytest.warns(UnverifiedTableWarning, match="no block checksums"):
+        open_table(p, PLE_TABLE, "disk").close()
+    write_block_sums(p, 4096)
+    f = GgufFile(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnverifiedTableWarning)
+        t = open_table(p, PLE_TABLE, "disk")
+    assert t.src.blocks is not None and t.src.blocks.data_offset == f.data_start
+    t.gather(torch.arange(500))
+    t.close()
+    with open(p, "r+b") as fh:
+        fh.seek(f.tensors[PLE_TABLE].offset + 68 * 300)
+        fh.write(b"\xff\xff")
+    t = open_table(p, PLE_TABLE, "disk")
+    with pytest.raises(TableError, match=r"rows 240-301 \(block 4 of 9\) fail their checksum"):
+        t.gather(torch.tensor([300]))
+    t.close()
