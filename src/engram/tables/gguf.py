@@ -42,6 +42,7 @@ import torch
 
 from .._numba import LazyKernels
 from .base import Table, TableError
+from .blocks import HEADER_IDS
 
 
 class GgufError(TableError):
@@ -260,6 +261,9 @@ def header_id(path) -> tuple[int, str]:
     f = GgufFile(path)
     with open(path, "rb") as fh:
         return f.data_start, sha256_bytes(fh.read(f.header_bytes))[:32]
+
+
+HEADER_IDS[MAGIC] = header_id  # block sums of a GGUF file are bound to its header (`tables.blocks.header_id`)
 
 
 # ------------------------------------------------------------------------------------------ row codecs
