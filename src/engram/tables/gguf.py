@@ -154,8 +154,8 @@ class GgufFile:
                 type_id, rel = struct.unpack("<IQ", self._read(12, name))
                 infos.append((name, dims, type_id, rel))
             pos = f.tell()
-        self.alignment = int(self.meta.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+        self.alignment = self.meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(self.alignment, int) or self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise GgufError(f"{path}: general.alignment {self.alignment} is not a power of two; {FIX}")
         self.data_start = -(-pos // self.alignment) * self.alignment
         self.header_bytes = pos
@@ -202,6 +202,8 @@ class GgufFile:
             raise GgufError(f"{self.path}: metadata array {key!r} has element type {et} (corrupt header); {FIX}")
         ename = VALUE_TYPES[et][0]
         if ename == "STRING":
+            if count * 8 > self.size - self._f.tell():  # (each string takes at least its 8-byte length)
+                raise GgufError(f"{self.path}: corrupt header ({count:,} strings in {key!r}); {FIX}")
             return [self._string() for _ in range(count)], f"ARRAY[{ename}]"
         dt = np.dtype(_NP_VALUE[ename])
         return np.frombuffer(self._read(count * dt.itemsize, key), dtype=dt).copy(), f"ARRAY[{ename}]"
