@@ -31,6 +31,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -411,5 +412,104 @@ def _open_file(f: Path, backend: str, dtype, name: str, disk_kwargs) -> BlockFp8
                                                                    dtypes=QUANT_NP_DTYPES)[1])
 
 
+# ------------------------------------------------------------------------------------------ llama.cpp GGUF files
+def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, **disk_kwargs) -> V41Memory:
+    """DeepSeek-V4.1's Engram layers from a llama.cpp GGUF file (`deepseek41`, the layout of llama.cpp PR #28696):
+    tables `blk.{layer}.engram_embd.weight` read in place (`tables.gguf.open_table`: "ram" copies the stored rows
+    into RAM, "mmap" maps them, "disk" reads them by the cold tier; decoded from their row type after each gather),
+    `engram_wkv`, `engram_q`, `engram_k` decoded into the module, and the hashing from the `{arch}.engram.*` keys:
+    the family rebuilt by its rules from the token map, sizes and first table size, whose multipliers, primes and
+    offsets must equal the file's (so hashing is the safetensors checkpoint's, the same identity digest).
+    Everything is checked before any table opens."""
+    from ..tables.gguf import (
+        V41_TABLE,
+        V41_TENSORS,
+        GgufError,
+        GgufFile,
+        check_constants,
+        open_table,
+        prime_base,
+        v41_constants,
+    )
+
+    if backend not in ("ram", "mmap", "disk"):
+        raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    f = GgufFile(path)
+    c = v41_constants(f)
+    lids, lut = c["layer_ids"], c["token_map"]
+    rows = {}
+    for lid in lids:
+        t = f.tensor(V41_TABLE.format(layer=lid))
+        if len(t.shape) != 2 or t.shape[1] != c["head_dim"]:
+            raise GgufError(f"{f.path}: {t.name} has shape {list(t.shape)}, key_length says rows of {c['head_dim']}")
+        rows[lid] = t.shape[0]
+    q = f.tensor(V41_TENSORS["q_weight"].format(layer=lids[0]))
+    if len(q.shape) != 2:
+        raise GgufError(f"{f.path}: {q.name} has shape {list(q.shape)}, (hc_mult, hidden) expected")
+    hc, hidden = q.shape
+    pads = np.flatnonzero(lut == c["pad_id"])
+    if not len(pads):
+        raise GgufError(f"{f.path}: no token maps to the pad id {c['pad_id']} of its token map; re-convert the file")
+    cfg = V41Config(lids, [rows[lid] for lid in lids], c["max_ngram_size"], c["n_heads"], c["head_dim"],
+                    prime_base(c["primes"][lids[0]][0][0]), int(lut.max()) + 1, int(pads[0]), hidden, hc,
+                    float(f.key("{arch}.attention.layer_norm_rms_epsilon", 1e-6, required=False)))
+    ct = CompressedTokenizer.__new__(CompressedTokenizer)  # the file's token map is the compression
+    ct.tokenizer_file = ct.tokenizer = ct.tokenizer_sha256 = None
+    ct.lookup_table, ct.num_new_token = lut, cfg.compressed_vocab_size
+    family = DeepSeekV41Family(cfg, ct)
+    check_constants(f.path, {"multipliers": [c["multipliers"][lid] for lid in lids],
+                             "primes": [c["primes"][lid] for lid in lids],
+                             "offsets": [c["offsets"][lid] for lid in lids]},
+                    {"multipliers": [family.multipliers[lid] for lid in lids],
+                     "primes": [family.moduli[lid] for lid in lids],
+                     "offsets": [family.head_offsets(lid) for lid in lids]})
+    weights = {lid: {k: f.array(name.format(layer=lid)) for k, name in V41_TENSORS.items()} for lid in lids}
+    for lid, w in weights.items():
+        want = {"wkv": (hidden * (hc + 1), cfg.n_hash_cols * cfg.head_dim), "q_weight": (hc, hidden),
+                "k_weight": (hc, hidden)}
+        for k, shape in want.items():
+            if tuple(w[k].shape) != shape:
+                raise GgufError(f"{f.path}: {V41_TENSORS[k].format(layer=lid)} has shape {list(w[k].shape)}, this "
+                                f"file's engram keys need {list(shape)}")
+    layers, opened = {}, []
+    try:
+        for lid in lids:
+            table = open_table(f, V41_TABLE.format(layer=lid), backend, dtype=dtype, **disk_kwargs)
+            opened.append(table)
+            m = V41Engram(lid, cfg, table, dtype=dtype)
+            with torch.no_grad():
+                for k in ("q_weight", "k_weight"):
+                    getattr(m, k).copy_(weights[lid][k].to(dtype))
+                m.wkv.weight.copy_(weights[lid]["wkv"].to(dtype))
+            layers[lid] = m.eval()
+    except BaseException:
+        for table in opened:
+            table.close()
+        raise
+    return V41Memory(cfg, NgramHashMapping.for_family(family), layers, backend)
+
+
+def export_gguf(mem: V41Memory, path, row_type: str = "Q8_0", arch: str = "deepseek41", chunk_rows: int = 1 << 16):
+    """Write `load`'s Engram layers as llama.cpp's `deepseek41` layout (PR #28696): each table as
+    `blk.{layer}.engram_embd.weight` in `row_type` (Q8_0, what the PR's converter writes; BF16 holds FP8 x ue8m0
+    rows exactly), the module's weights as F32, and the `{arch}.engram.*` hash constants
+    (`tables.gguf.write_gguf`: streamed a block of rows at a time, atomic, with block sums)."""
+    from ..tables.gguf import V41_TABLE, V41_TENSORS, engram_kv, write_gguf
+
+    def rows(table):
+        for s in range(0, table.num_rows, chunk_rows):
+            yield table.gather(torch.arange(s, min(s + chunk_rows, table.num_rows))).float()
+
+    tensors = []
+    for lid, m in mem.layers.items():
+        tensors.append((V41_TABLE.format(layer=lid), row_type, (m.table.num_rows, m.table.dim), rows(m.table)))
+        for k, name in V41_TENSORS.items():
+            w = m.wkv.weight if k == "wkv" else getattr(m, k)
+            tensors.append((name.format(layer=lid), "F32", w.detach().float()))
+    kv = {**engram_kv(mem.mapping, mem.config.head_dim),
+          "{arch}.attention.layer_norm_rms_epsilon": ("FLOAT32", mem.config.rms_norm_eps)}
+    return write_gguf(path, arch, kv, tensors)
+
+
 __all__ = ["DeepSeekV41Family", "V41Config", "V41Engram", "V41Memory", "dequantize_linear",
-           "hash_mapping", "load"]
+           "export_gguf", "hash_mapping", "load", "load_gguf"]

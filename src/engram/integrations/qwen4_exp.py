@@ -289,7 +289,7 @@ def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: i
 
 
 def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
-                 checkpoint=None):
+                 checkpoint=None, gguf=None):
     """Serve a loaded Qwen4Exp model's n-gram tables from engram: our kernel hashes, an engram backend holds the rows.
 
     backend "ram": the table tensor is used where it is (no copy); "mmap": each table is written, a block of
@@ -300,7 +300,8 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     while the layers before the first PLE run. Prefill logits and cached `generate()` equal transformers'
     own; `save_pretrained` writes `ngram_embedding.weight` back, so the saved model loads in plain
     transformers. `checkpoint`: take the rows from that checkpoint's `split_ngram_parts` shards, one shard in RAM
-    at a time, instead of from the model's tensor (which may then be empty: see `from_pretrained`).
+    at a time, instead of from the model's tensor (which may then be empty: see `from_pretrained`). `gguf`: read
+    the rows in place from a llama.cpp qwen4exp GGUF file's `per_layer_token_embd` instead (`serve_gguf_table`).
     Returns the model.
     """
     import math
@@ -310,7 +311,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
 
     if backend not in ("ram", "mmap", "disk"):
         raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
-    if backend in ("mmap", "disk") and dir is None:
+    if backend in ("mmap", "disk") and dir is None and gguf is None:
         raise ConfigError(f"serve_tables(backend={backend!r}) needs dir= for the table files")
     mapping = hash_mapping(model.config)
     cfg = text_config(model.config)
@@ -327,6 +328,10 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
         if list(orig.head_vocab_sizes) != mapping.head_sizes(lid):
             raise ConfigError(f"layer {i}: the model's heads {orig.head_vocab_sizes[:3]}... differ from the hashing "
                               "its config derives")
+        if gguf is not None:  # rows read in place from a llama.cpp file, no copy (the dir is not used)
+            table, pad_rows = serve_gguf_table(gguf, mapping, lid, padded, backend, dim)
+            served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, pad_rows)
+            continue
         if checkpoint is None:
             if w.shape[0] != padded:
                 raise ConfigError(f"layer {i}: the model's n-gram table has {w.shape[0]:,} rows, its config needs "
@@ -407,16 +412,18 @@ def load_folder(path, backend: str = "ram", dir=None):
     return from_pretrained(path, backend, dir), load_tokenizer(Path(path) / "tokenizer.json")
 
 
-def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, **kwargs):
+def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, gguf=None,
+                    **kwargs):
     """Load a Qwen4Exp checkpoint with its n-gram tables served by engram, never holding a whole table in RAM
     (backend "mmap"): the backbone loads through transformers with the table left out (its modules get an
     empty table and its `split_ngram_parts` shards are skipped), then `serve_tables(..., checkpoint=path)`
-    streams each table into `dir`, one shard at a time. `kwargs` go to transformers' `from_pretrained`.
+    streams each table into `dir`, one shard at a time. `gguf`: the table is read in place from that llama.cpp
+    GGUF file instead (its shards in `path` are not read). `kwargs` go to transformers' `from_pretrained`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
 
-    if backend in ("mmap", "disk") and dir is None:
+    if backend in ("mmap", "disk") and dir is None and gguf is None:
         raise ConfigError(f"from_pretrained(backend={backend!r}) needs dir= for the table files")
     hash_mapping(AutoConfig.from_pretrained(path))  # a model without n-gram tables is refused before loading
     original = mq.Qwen4ExpTextNGramEmbedding
@@ -433,4 +440,90 @@ def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0
                                                      **kwargs)
     finally:
         mq.Qwen4ExpTextNGramEmbedding = original
-    return serve_tables(model, backend=backend, dir=dir, cache_mb=cache_mb, prefetch=prefetch, checkpoint=path)
+    return serve_tables(model, backend=backend, dir=dir, cache_mb=cache_mb, prefetch=prefetch,
+                        checkpoint=None if gguf is not None else path, gguf=gguf)
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp GGUF files
+
+
+def gguf_hash_mapping(path, seed: int = 1234, ngram_vocab_size_base: int | None = None,
+                      backend: str = "auto") -> NgramHashMapping:
+    """The `qwen4_exp` mapping of a llama.cpp qwen4exp GGUF file, from its `{arch}.ple.*` keys (`tables.gguf`).
+
+    The family is rebuilt by its rules from the file's vocabulary size, n-gram size, heads, EOS id and PLE layer,
+    with `seed` (the checkpoint config's; transformers' default 1234, which the released config leaves out) and
+    `ngram_vocab_size_base` (default: the smallest base whose primes are the file's table sizes); the file's
+    multipliers, table sizes and offsets must then equal the derived ones, so hashing is exactly the
+    safetensors checkpoint's (the same identity digest) and a damaged constant is refused."""
+    from ..tables.gguf import GgufFile, check_constants, ple_constants, prime_base
+
+    f = path if isinstance(path, GgufFile) else GgufFile(path)
+    c = ple_constants(f)
+    lid = c["layer"] + 1  # the file's layer is 0-indexed, ple_layer_ids 1-indexed
+    base = ngram_vocab_size_base or prime_base(c["head_vocab_sizes"][0])
+    family = Qwen4ExpFamily(c["vocab_size"], c["ngram_size"], c["heads_per_ngram"], [lid], base, seed,
+                            c["eos_token_id"])
+    check_constants(f.path, {k: c[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets")},
+                    {"multipliers": family.multipliers[lid], "head_vocab_sizes": family.head_sizes(lid),
+                     "head_offsets": family.head_offsets(lid)},
+                    f"qwen4_exp's rules derive from its other keys with seed {seed}",
+                    "pass seed= (the checkpoint config's) if it is not 1234, else re-convert the file")
+    return NgramHashMapping.for_family(family, backend)
+
+
+def serve_gguf_table(gguf, mapping: NgramHashMapping, lid: int, padded: int, backend: str, dim: int):
+    """(table, pad rows) of PLE layer `lid` read in place from a qwen4exp GGUF file (`tables.gguf.open_table`:
+    "ram" decodes it into RAM, "mmap" maps it, "disk" reads it by the cold tier), after checking that the file's
+    hash constants are `mapping`'s. The rows past those the heads address come back as the pad rows (zeros
+    beyond the file's, up to the checkpoint's `padded`)."""
+    from ..tables.gguf import PLE_TABLE, GgufFile, check_constants, decode_rows, open_table, ple_constants
+
+    f = gguf if isinstance(gguf, GgufFile) else GgufFile(gguf)
+    c = ple_constants(f)
+    if c["layer"] + 1 != lid:
+        raise ConfigError(f"{f.path} holds the n-gram table of decoder layer {c['layer']}, this model's is at "
+                          f"layer {lid - 1}: not this model's file")
+    check_constants(f.path, {k: c[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets")},
+                    {"multipliers": mapping.layer_multipliers[lid], "head_vocab_sizes": mapping.head_sizes(lid),
+                     "head_offsets": mapping.head_offsets(lid)}, "this model's config derives",
+                    "use the GGUF converted from this checkpoint")
+    used = int(sum(mapping.head_sizes(lid)))
+    table = open_table(f, PLE_TABLE, backend, rows=used)
+    if table.dim != dim:
+        table.close()
+        raise ConfigError(f"{f.path}: {PLE_TABLE} rows are {table.dim} wide, this model's are {dim}")
+    n = f.tensors[PLE_TABLE].shape[0]
+    tail = decode_rows(f.rows(PLE_TABLE)[1][used:min(n, padded)], f.tensors[PLE_TABLE].type, dim, table.dtype)
+    pad_rows = torch.cat([tail, torch.zeros(max(0, padded - n), dim, dtype=table.dtype)])
+    return table, pad_rows
+
+
+def export_gguf(model, path, row_type: str = "Q8_0"):
+    """Write a Qwen4Exp model's n-gram table (served by engram or its own) and hash constants as llama.cpp reads
+    them: `per_layer_token_embd.weight` with the checkpoint's padding rows, and the `{arch}.ple.*` keys, under
+    architecture "qwen4exp" (`tables.gguf.write_gguf`: streamed, atomic, with block sums). llama.cpp takes one
+    PLE layer. `row_type`: F32, F16, BF16, Q8_0 or a type the gguf package can quantize."""
+    from ..tables.gguf import PLE_TABLE, ple_kv, write_gguf
+
+    mapping = hash_mapping(model.config)
+    _, ples = _ple_layers(model)
+    if len(ples) != 1:
+        raise ConfigError(f"this model has {len(ples)} PLE layers; llama.cpp's qwen4exp GGUF holds one")
+    i, ple = ples[0]
+    e = ple.ple_embedding
+    if isinstance(e, ServedNGramEmbedding):
+        t, dim = e.mhe.table, e.mhe.embedding_dim
+        n = t.num_rows + e.pad_rows.shape[0]
+
+        def chunks():  # the served rows a block at a time, then the padding rows
+            for s in range(0, t.num_rows, 1 << 16):
+                yield t.gather(torch.arange(s, min(s + (1 << 16), t.num_rows)))
+            yield e.pad_rows.to(t.dtype)
+
+        entry = (PLE_TABLE, row_type, (n, dim), chunks())
+    else:
+        entry = (PLE_TABLE, row_type, e.ngram_embedding.weight.detach())
+        dim = entry[2].shape[1]
+    cfg = text_config(model.config)
+    return write_gguf(path, "qwen4exp", ple_kv(mapping, i + 1, cfg.ple_conv_kernel_size, dim), [entry])

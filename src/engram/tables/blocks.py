@@ -75,13 +75,20 @@ def sidecar(path) -> Path:
     return p.with_name(p.name + SUFFIX)
 
 
+HEADER_IDS: dict = {}  # file magic -> header_id(path) of table files in other formats (b"GGUF": `tables.gguf`)
+
+
 def header_id(path) -> tuple[int, str]:
     """(data offset, sha256 of the safetensors header) of a table file."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise TableError(f"{path} is too short to be a table file")
+        if head[:4] in HEADER_IDS:  # another table file format (a GGUF file: `tables.gguf` registers itself)
+            return HEADER_IDS[head[:4]](path)
         (n,) = struct.unpack("<Q", head)
+        if n > os.path.getsize(path) - 8:  # (not a safetensors header: never read a whole file as one)
+            raise TableError(f"{path}: corrupt header length {n}; not a table file engram knows")
         return 8 + n, sha256_bytes(f.read(n))[:32]
 
 

@@ -101,15 +101,12 @@ class DiskTable(Table):
     inline_below = 16
 
     def __init__(self, path, queue_depth: int = 32, direct: bool = False, tensor: str = "weight"):
-        n, meta, size = _read_header(path, required=(tensor,))
-        info = meta[tensor]
         # the file mapped read-only (checks dtype and size; no page is read until a warm row is gathered from it)
-        arr, self._mapped = map_tensor(path, n, size, tensor, info, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
+        arr, self._mapped, self.offset = self._map(path, tensor)
         self._mapped_bytes = arr.view(np.uint8).reshape(arr.shape[0], -1)  # (N, row bytes), for the compiled path
-        self.num_rows, self.dim = info["shape"]
+        self.num_rows, self.dim = self._mapped.shape
         self.dtype = self._mapped.dtype
         self.row_bytes = self.dim * self._mapped.element_size()
-        self.offset = 8 + n + info["data_offsets"][0]
         self.path, self.queue_depth = path, max(1, int(queue_depth))
         self.direct = False
         self.fd = os.open(path, os.O_RDONLY)
@@ -133,6 +130,13 @@ class DiskTable(Table):
         # leave nothing in the page cache, so then every row is read.
         self._seen = None if self.direct else \
             torch.zeros((self.offset + self.num_rows * self.row_bytes) // PAGE + 2, dtype=torch.bool)
+
+    def _map(self, path, tensor: str):
+        """(numpy memmap, torch view (N, dim), file offset of row 0) of the rows of `tensor` in table file `path`
+        (a safetensors file; `tables.gguf` maps a GGUF file's tensor instead)."""
+        n, meta, size = _read_header(path, required=(tensor,))
+        arr, view = map_tensor(path, n, size, tensor, meta[tensor], dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
+        return arr, view, 8 + n + meta[tensor]["data_offsets"][0]
 
     @property
     def weight(self) -> torch.Tensor:
