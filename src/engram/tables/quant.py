@@ -404,19 +404,19 @@ def _build_nvfp4_kernel():
     import numba
 
     @numba.njit(nogil=True, cache=True)
-    def decode_nvfp4(packed, scales, lut, out):  # out[i, 2j + k] = lut[scales[i, j // 8] * 256 + packed[i, j], k]
+    def decode_nvfp4(packed, scales, lut, out):  # out[i, j] = lut[scales[i, j // 8] * 256 + packed[i, j]]: a pair
         n, w = packed.shape
         for i in range(n):
-            for j in range(w):
-                r = np.int64(scales[i, j // 8]) * 256 + packed[i, j]
-                out[i, 2 * j] = lut[r, 0]
-                out[i, 2 * j + 1] = lut[r, 1]
+            for b in range(w // 8):
+                base = np.int64(scales[i, b]) * 256
+                for j in range(b * 8, b * 8 + 8):
+                    out[i, j] = lut[base + packed[i, j]]
 
     return decode_nvfp4
 
 
 _NVFP4_KERNEL = LazyKernels(_build_nvfp4_kernel)  # optional: copies the same LUT entries as the torch path
-_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # (numba copies dtype bits as ints)
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # (numba copies a value pair's bits as one integer)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale, dtype: torch.dtype = torch.bfloat16,
@@ -432,10 +432,11 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale, d
     lut = _nvfp4_lut(check_global_scale(global_scale, name), dtype)
     p, s = packed.view(torch.uint8), scales.view(torch.uint8)
     kernel = _NVFP4_KERNEL.get() if n else None
-    if kernel is not None:
-        it = _INT_OF[lut.element_size()]
+    if kernel is not None:  # each packed byte's two values copied as one integer of their bits
+        it = _INT_OF[2 * lut.element_size()]
         out = torch.empty(n, 2 * w, dtype=dtype)
-        kernel(p.contiguous().numpy(), s.contiguous().numpy(), lut.view(it).numpy(), out.view(it).numpy())
+        kernel(p.contiguous().numpy(), s.contiguous().numpy(), lut.view(it).view(-1).numpy(),
+               out.view(it).numpy())
         return out
     idx = s.to(torch.int64).repeat_interleave(NVFP4_BLOCK // 2, dim=1) * 256 + p.to(torch.int64)  # (N, d/2)
     return lut.index_select(0, idx.reshape(-1)).view(n, 2 * w)
