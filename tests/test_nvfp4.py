@@ -363,3 +363,63 @@ def test_vllms_reference_quantizer_agrees():
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(64, 160)
     assert g2 == g and torch.equal(q.e2m1_to_float(codes), vals)
     assert torch.equal(q.e4m3_to_float(scales), sc)
+
+
+_TRITON_SCRIPT = '''
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # (vLLM then keeps Triton on a machine without a GPU driver)
+import numpy as np, torch
+import triton.runtime.interpreter as I
+
+# The interpreter evaluates `owned & in_row` (a scalar and a block of booleans) to int64, which its masked loads
+# refuse; the same truth values as booleans, so the kernel itself runs unchanged.
+load, store = I.InterpreterBuilder.create_masked_load, I.InterpreterBuilder.create_masked_store
+I.InterpreterBuilder.create_masked_load = lambda self, p, m, o, *a: load(
+    self, p, I.TensorHandle(m.data.astype(bool), m.dtype), o, *a)
+I.InterpreterBuilder.create_masked_store = lambda self, p, v, m, *a: store(
+    self, p, v, I.TensorHandle(m.data.astype(bool), m.dtype), *a)
+from vllm.models.qwen4_exp.common.ngram_embedding import _lookup_nvfp4_ple_embedding_kernel as kernel
+
+packed = torch.from_numpy(np.tile(np.arange(256, dtype=np.uint8), (256, 1)))
+scales = torch.from_numpy(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 32, axis=1))
+outs = {}
+for i, g in enumerate(float(x) for x in sys.argv[2:]):
+    for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        out = torch.empty(256, 512, dtype=dt)
+        kernel[(256,)](packed, scales, torch.tensor([g]), torch.arange(256), out, 512, 0, 256, BLOCK_D=512)
+        outs[f"{name}_{i}"] = out.view(torch.int32 if dt == torch.float32 else torch.int16).numpy()
+np.savez(sys.argv[1], **outs)
+'''
+
+
+@pytest.mark.vllm
+def test_vllms_triton_lookup_agrees(tmp_path):
+    """vLLM 0.33's own Triton lookup of Qwen4Exp NVFP4 rows (`_lookup_nvfp4_ple_embedding_kernel`), run by
+    Triton's interpreter on the CPU over every code under every scale byte: float32 rows equal ours bit for
+    bit for every global scale (overflow and subnormals included). The interpreter casts float32 to bfloat16
+    by truncation (a GPU rounds to nearest-even, as torch and we do), so its bfloat16 rows are compared with
+    our float32 rows truncated (where those are normal floats): equal, i.e. the only difference is the
+    interpreter's final cast."""
+    import subprocess
+    import sys
+
+    _vllm_nvfp4()
+    pytest.importorskip("triton")
+    script = tmp_path / "run.py"
+    script.write_text(_TRITON_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "out.npz"), *map(repr, GLOBALS)],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = np.load(tmp_path / "out.npz")
+    packed = torch.from_numpy(np.tile(np.arange(256, dtype=np.uint8), (256, 1)))
+    scales = torch.from_numpy(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 32, axis=1))
+    for i, g in enumerate(GLOBALS):
+        ours = dequantize_nvfp4(packed, scales, g, torch.float32)
+        nan = ours.isnan().numpy()
+        bits = ours.view(torch.int32).numpy()
+        assert np.array_equal(got[f"f32_{i}"][~nan], bits[~nan]), g
+        assert np.isnan(got[f"f32_{i}"].view(np.float32)[nan]).all()
+        a = ours.abs().numpy()
+        normal = ~nan & ((a >= np.finfo(np.float32).tiny) | (a == 0))  # (its subnormal conversion differs again)
+        assert np.array_equal(got[f"bf16_{i}"][normal], (bits >> 16).astype(np.int16)[normal]), g
