@@ -139,6 +139,7 @@ def test_quantizer_rounds_to_nearest_with_ties_to_even_and_bounds_the_error():
     assert torch.equal(p1, packed) and torch.equal(s1, scales) and g1 == g
 
 
+@pytest.mark.filterwarnings("ignore:.*block sums cover")  # (the 64 KiB-sum file on the disk tier)
 def test_every_tier_serves_the_same_rows_and_damage_is_caught(tmp_path):
     torch.manual_seed(1)
     W = torch.randn(5000, 160)
@@ -227,6 +228,12 @@ def test_engram_models_serve_their_tables_as_nvfp4_in_their_tier(backend, tmp_pa
     with torch.no_grad():
         want, got = ref(ids).logits, m(ids).logits
     assert not torch.equal(got, want) and float((got - want).abs().max()) < 0.5
+    from engram.tables.overlay import OverlayTable
+
+    edited, values = torch.tensor([3, 500]), torch.randn(2, 32)  # an overlay stacks on NVFP4 rows in any tier
+    over = OverlayTable(t, edited, values)
+    got = over.gather(torch.tensor([3, 4, 500]))
+    assert torch.equal(got[[0, 2]], values) and torch.equal(got[1], t.gather(torch.tensor([4]))[0])
     with pytest.raises(TableError, match="multiple of 16"):
         set_table_format(EngramForCausalLM(tiny()).eval(), "nvfp4")  # 8-wide rows
 
