@@ -109,5 +109,5 @@ def test_an_unknown_table_format_names_every_served_one():
     """One check (`check_table_format`) for set_table_format and the vLLM plugin's options: the message lists
     what set_table_format serves, not only the quantized formats."""
     with pytest.raises(TableError, match=r"table format must be one of \('float32', 'bfloat16', 'int8', 'fp8', "
-                                         r"'fp8_ue8m0'\), got 'tape'"):
+                                         r"'fp8_ue8m0', 'nvfp4'\), got 'tape'"):
         set_table_format(torch.nn.Module(), "tape")

@@ -210,6 +210,9 @@ def _state_dict_as_transformers(module, sd, prefix, local_metadata):
         del sd[k]
     below = overlays_of(module.mhe)  # fact overlays (engram edit) stay out of the checkpoint: it keeps its own rows
     t = below[0].base if below else module.mhe.table
+    if not hasattr(t, "weight"):
+        raise ConfigError(f"layer {module.layer_idx}'s n-gram table is served from {t.stats().get('format')} rows, "
+                          "which are not saved back as transformers weights; save the model before serve_tables")
     sd[prefix + "ngram_embedding.weight"] = torch.cat([t.weight, module.pad_rows.to(t.weight.dtype)])
     return sd
 
@@ -230,8 +233,9 @@ def _ple_layers(model):
     return owner, out
 
 
-def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
-    """[(file, key, rows)] of decoder layer `layer_idx`'s n-gram table shards in a safetensors checkpoint, in order."""
+def checkpoint_shards(checkpoint, layer_idx: int, suffix: str = "weight") -> list[tuple]:
+    """[(file, key, rows)] of decoder layer `layer_idx`'s n-gram table shards in a safetensors checkpoint, in order
+    (`suffix` "weight_scale": an NVFP4 table's block-scale shards)."""
     import re
     from pathlib import Path
 
@@ -246,7 +250,7 @@ def checkpoint_shards(checkpoint, layer_idx: int) -> list[tuple]:
         files = [f.name for f in sorted(d.glob("*.safetensors"))]
     if not files:
         raise ConfigError(f"{d}: no safetensors checkpoint here")
-    pat = re.compile(rf"(^|\.)layers\.{layer_idx}\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")
+    pat = re.compile(rf"(^|\.)layers\.{layer_idx}\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.{suffix}$")
     found = []
     for f in files:
         with safe_open(str(d / f), "pt") as st:
@@ -286,6 +290,78 @@ def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: i
             start += n
 
     return tdt, rows
+
+
+def _is_nvfp4(checkpoint, layer_idx: int) -> bool:
+    """Whether layer `layer_idx`'s table shards in `checkpoint` are NVFP4 (uint8 rows with E4M3 block-scale shards,
+    as vLLM 0.33 loads Qwen4Exp tables with `ple_embedding_dtype: nvfp4` or a ModelOpt NVFP4 config)."""
+    from safetensors import safe_open
+
+    shards = checkpoint_shards(checkpoint, layer_idx)
+    if not shards:
+        return False
+    with safe_open(str(shards[0][0]), "pt") as st:
+        packed = st.get_slice(shards[0][1]).get_dtype() == "U8"
+    return packed or bool(checkpoint_shards(checkpoint, layer_idx, "weight_scale"))
+
+
+def _nvfp4_table(checkpoint, layer_idx: int, lid: int, padded: int, used: int, dim: int, parts: int, backend: str,
+                 dir, dtype):
+    """(NvFp4Table of the first `used` rows, decoded padding rows) of layer `layer_idx`'s NVFP4 table in
+    `checkpoint`: `shard_<i>.weight` (rows, d/2) uint8, `shard_<i>.weight_scale` (rows, d/16) F8_E4M3 and one
+    `ngram_embedding.weight_scale_2`, checked to fit the config; RAM, or a packed file in `dir` (mmap/disk)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from ..tables.quant import NvFp4Table, check_global_scale, open_nvfp4_file, pack_nvfp4_rows, write_nvfp4_file
+
+    parts_of = {sfx: checkpoint_shards(checkpoint, layer_idx, sfx) for sfx in ("weight", "weight_scale")}
+    where = f"{checkpoint}: layer {layer_idx}'s NVFP4 n-gram table"
+    for sfx, width, dt in (("weight", dim // 2, "U8"), ("weight_scale", dim // 16, "F8_E4M3")):
+        shards = parts_of[sfx]
+        if dim % 16 or len(shards) != parts or sum(n for *_, n in shards) != padded:
+            raise ConfigError(f"{where}: {len(shards)} shard_<i>.{sfx} tensors hold {sum(n for *_, n in shards):,} "
+                              f"rows; the config needs {padded:,} rows of {dim} (a multiple of 16) in "
+                              f"split_ngram_parts={parts} (incomplete download, or scales missing?)")
+        for f, k, _ in shards:
+            with safe_open(str(f), "pt") as st:
+                sl = st.get_slice(k)
+                if sl.get_dtype() != dt or sl.get_shape()[1:] != [width]:
+                    what = "two E2M1 codes a byte" if sfx == "weight" else "one E4M3 scale per 16 values"
+                    raise ConfigError(f"{where}: {k} is {sl.get_dtype()} {sl.get_shape()}; NVFP4 needs {dt} rows of "
+                                      f"{width} ({what})")
+    key = f"layers.{layer_idx}.ple.ple_embedding.ngram_embedding.weight_scale_2"
+    g = None
+    for f in sorted({f for f, *_ in parts_of["weight"]} | set(Path(checkpoint).glob("*.safetensors"))):
+        with safe_open(str(f), "pt") as st:
+            k = next((k for k in st.keys() if k == key or k.endswith("." + key)), None)
+            if k is not None:
+                g = st.get_tensor(k)
+                break
+    g = check_global_scale(g, f"{where} ({key})")
+
+    def packed(lo: int, hi: int):  # packed rows [lo, hi), one shard's slice at a time
+        start = 0
+        for (fc, kc, n), (fs, ks, _) in zip(parts_of["weight"], parts_of["weight_scale"]):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                with safe_open(str(fc), "pt") as st:
+                    codes = st.get_slice(kc)[a - start:b - start]
+                with safe_open(str(fs), "pt") as st:
+                    scales = st.get_slice(ks)[a - start:b - start]
+                yield pack_nvfp4_rows(codes, scales)
+            start += n
+
+    name = f"layer {layer_idx}"
+    pad = NvFp4Table(packed=torch.cat(list(packed(used, padded))), global_scale=g, dtype=dtype, name=name) \
+        if padded > used else None
+    pad_rows = pad.gather(torch.arange(padded - used)) if pad is not None else torch.empty(0, dim, dtype=dtype)
+    if backend == "ram":
+        return NvFp4Table(packed=torch.cat(list(packed(0, used))), global_scale=g, dtype=dtype, name=name), pad_rows
+    f = write_nvfp4_file(Path(dir) / f"engram_table_L{lid}.nvfp4.safetensors", packed(0, used), used, dim, g,
+                         page_blocks=backend == "disk", metadata={"layer": str(lid), "source": str(checkpoint)})
+    return open_nvfp4_file(f, backend, dtype, name), pad_rows
 
 
 def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
@@ -337,6 +413,11 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
                 raise ConfigError(f"layer {i}: the model's n-gram table has {w.shape[0]:,} rows, its config needs "
                                   f"{padded:,} (loaded without its table? pass checkpoint=)")
             dtype, pad_rows = w.dtype, w[used:].clone()
+        elif _is_nvfp4(checkpoint, i):  # packed NVFP4 rows (vLLM's Qwen4Exp format): served packed, in any tier
+            table, pad_rows = _nvfp4_table(checkpoint, i, lid, padded, used, dim, cfg.split_ngram_parts, backend,
+                                           dir, w.dtype)
+            served[lid] = ple.ple_embedding = ServedNGramEmbedding(orig, mapping, lid, table, pad_rows)
+            continue
         else:
             dtype, rows = _checkpoint_rows(checkpoint, i, padded, dim, cfg.split_ngram_parts)
             pad_rows = torch.cat(list(rows(used, padded))) if padded > used else torch.empty(0, dim, dtype=dtype)
