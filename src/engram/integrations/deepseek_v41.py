@@ -41,6 +41,7 @@ from ..persist import read_json
 from ..tables.base import Table, TableError
 from ..tables.quant import UE8M0_BLOCK, BlockFp8Table, ue8m0_to_float
 from ..tokenizer import CompressedTokenizer
+from .checkpoint import CheckpointTensor, weight_map
 
 CONFIG_FIELDS = ("engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads",
                  "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size", "engram_pad_token_id")
@@ -235,52 +236,7 @@ class V41Engram(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ the checkpoint
-def _weight_map(d: Path) -> dict[str, str]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        wm = read_json(index, "safetensors index", "re-download the checkpoint", ConfigError).get("weight_map")
-        if not isinstance(wm, dict):
-            raise ConfigError(f"{index} has no weight_map")
-        return wm
-    single = d / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"{d}: no model.safetensors.index.json or model.safetensors (not a checkpoint folder)")
-    from ..tables.files import read_header
-
-    _, meta, _ = read_header(single, required=())
-    return {k: "model.safetensors" for k in meta if k != "__metadata__"}
-
-
-class _Tensor:
-    """Where one checkpoint tensor lies: its shard, header and entry (checked against the file's size)."""
-
-    def __init__(self, d: Path, key: str, weight_map: dict):
-        from ..tables.files import read_header
-
-        if key not in weight_map:
-            raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index); a DeepSeek-V4.1 Engram layer "
-                              "needs embed.weight, embed.scale, wkv.weight, q_weight and k_weight")
-        self.key, self.path = key, d / weight_map[key]
-        self.n, meta, self.size = read_header(self.path, required=())
-        if key not in meta:
-            raise ConfigError(f"{self.path} lacks {key}, which the index places there; re-download the shard")
-        self.info = meta[key]
-        a, b = self.info["data_offsets"]
-        if 8 + self.n + b > self.size:
-            raise TableError(f"{self.path} is truncated: {key} ends at byte {8 + self.n + b:,}, the file has "
-                             f"{self.size:,}; re-download the shard")
-        self.shape = tuple(self.info["shape"])
-
-    def mapped(self) -> torch.Tensor:
-        """The tensor memory-mapped from its shard: raw bytes for FP8, else its dtype."""
-        from ..tables.files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
-
-        return map_tensor(self.path, self.n, self.size, self.key, self.info,
-                          dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
-
-    def load(self) -> torch.Tensor:
-        """The tensor in RAM (FP8 bytes as uint8; bf16 and float32 as themselves)."""
-        return self.mapped().clone()
+NEEDS = "a DeepSeek-V4.1 Engram layer needs embed.weight, embed.scale, wkv.weight, q_weight and k_weight"
 
 
 class V41Memory:
@@ -322,13 +278,14 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
                                         ConfigError), str(d / "config.json"))
     tok = tokenizer if tokenizer is not None else d / "tokenizer.json"
     mapping = hash_mapping(cfg, tok)
-    wm = _weight_map(d)
+    wm = weight_map(d)
     plan = {}
     for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
         pre = f"layers.{lid}.engram."
-        t = {k: _Tensor(d, pre + k, wm) for k in ("embed.weight", "embed.scale", "wkv.weight", "q_weight", "k_weight")}
+        t = {k: CheckpointTensor(d, pre + k, wm, NEEDS)
+             for k in ("embed.weight", "embed.scale", "wkv.weight", "q_weight", "k_weight")}
         if pre + "wkv.scale" in wm:
-            t["wkv.scale"] = _Tensor(d, pre + "wkv.scale", wm)
+            t["wkv.scale"] = CheckpointTensor(d, pre + "wkv.scale", wm, NEEDS)
         want = {"embed.weight": ((rows, cfg.head_dim), ("F8_E4M3",)),
                 "embed.scale": ((rows, cfg.head_dim // UE8M0_BLOCK), ("F8_E8M0", "U8")),
                 "wkv.weight": ((cfg.hidden_size * (cfg.hc_mult + 1), cfg.n_hash_cols * cfg.head_dim),
@@ -360,7 +317,8 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
     return V41Memory(cfg, mapping, layers, backend)
 
 
-def _open_table(codes: _Tensor, scales: _Tensor, backend: str, dir, lid: int, dtype, disk_kwargs) -> BlockFp8Table:
+def _open_table(codes: CheckpointTensor, scales: CheckpointTensor, backend: str, dir, lid: int, dtype,
+                disk_kwargs) -> BlockFp8Table:
     name = f"layer {lid}"
     if backend == "ram":
         return BlockFp8Table(codes.load(), scales.load(), dtype, name)
@@ -381,7 +339,8 @@ def _open_table(codes: _Tensor, scales: _Tensor, backend: str, dir, lid: int, dt
     return BlockFp8Table(c, scales.load(), dtype, name)
 
 
-def _write_packed(codes: _Tensor, scales: _Tensor, dir: Path, lid: int, chunk_rows: int = 1 << 16) -> Path:
+def _write_packed(codes: CheckpointTensor, scales: CheckpointTensor, dir: Path, lid: int,
+                  chunk_rows: int = 1 << 16) -> Path:
     """dir/engram_v41_L{lid}.safetensors: tensor `rows` (N, d + d/32) uint8, each row's codes then its scales,
     streamed from the mapped shards a block of rows at a time, page-aligned with 4 KiB block sums."""
     from ..tables.files import write_safetensors

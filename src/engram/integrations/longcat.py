@@ -318,7 +318,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
     bfloat16, as vLLM chooses. Everything is checked before any table opens: keys, shapes, dtypes, shard sizes.
     """
     from ..tables.backends import InRamTable
-    from .deepseek_v41 import _Tensor, _weight_map
+    from .checkpoint import CheckpointTensor, weight_map
 
     if backend not in ("ram", "mmap", "disk"):
         raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
@@ -333,7 +333,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ConfigError(f"{d / 'config.json'}: torch_dtype {name!r} is not a float dtype; pass dtype=")
     mapping = hash_mapping(cfg, eos_rule)
-    wm = _weight_map(d)
+    wm = weight_map(d)
     E, D, H = cfg.num_embedders, cfg.emb_dim, cfg.hidden_size
     want = [(WORD_KEY, (cfg.vocab_size, H))]
     want += [(f"{PREFIX}embedders.{e}.weight", (M, D)) for e, M in enumerate(cfg.sizes)]
@@ -343,7 +343,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
         if key not in wm:
             raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index); LongCat's n-gram embedding needs "
                               f"{WORD_KEY} and {PREFIX}embedders/post_projs.0..{E - 1}.weight")
-        t[key] = _Tensor(d, key, wm)  # (checks the shard holds it and is not truncated)
+        t[key] = CheckpointTensor(d, key, wm)  # (checks the shard holds it and is not truncated)
         if t[key].shape != shape or t[key].info["dtype"] not in ROW_DTYPES:
             raise ConfigError(f"{t[key].path}: {key} is {t[key].info['dtype']} {list(t[key].shape)}, the config needs "
                               f"{'/'.join(ROW_DTYPES)} {list(shape)} (vocab_size {cfg.vocab_size}, hidden_size {H}, "

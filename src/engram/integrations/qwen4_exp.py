@@ -241,15 +241,10 @@ def checkpoint_shards(checkpoint, layer_idx: int, suffix: str = "weight") -> lis
 
     from safetensors import safe_open
 
+    from .checkpoint import weight_map
+
     d = Path(checkpoint)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        wm = read_json(index, "safetensors index", "re-download the checkpoint", ConfigError).get("weight_map", {})
-        files = sorted(set(wm.values()))
-    else:
-        files = [f.name for f in sorted(d.glob("*.safetensors"))]
-    if not files:
-        raise ConfigError(f"{d}: no safetensors checkpoint here")
+    files = sorted(set(weight_map(d).values()))
     pat = re.compile(rf"(^|\.)layers\.{layer_idx}\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.{suffix}$")
     found = []
     for f in files:
