@@ -321,3 +321,22 @@ def test_cli_edit_then_engram_serve_end_to_end(folder, tmp_path, capsys):
     finally:
         p.terminate()
         p.wait(timeout=30)
+
+
+def test_weights_digest_samples_a_served_table_and_never_rebuilds_it(folder, monkeypatch):
+    """The digest an overlay binds to reads a served table's rows through the table (a sample), not through the
+    state-dict hook that rebuilds the whole table in transformers' layout (~100 GB for the released one); a change
+    to the table's rows still changes it."""
+    from engram.adapters.introspect import model_digest
+    from engram.tables.base import find_tables, rows_by_reference
+
+    model, _ = load_folder(folder / "qwen")
+    before = model_digest(model)
+    assert any(k.endswith("ngram_embedding.weight") for k in model.state_dict())  # a plain state_dict rebuilds it
+    with rows_by_reference():  # what the digest reads: the hook leaves the rows out
+        assert not any(k.endswith("ngram_embedding.weight") for k in model.state_dict())
+    assert model_digest(model) == before
+    (_, mhe), *_ = find_tables(model)
+    with torch.no_grad():
+        mhe.table.weight[0] += 1.0  # one row of the served table (row 0 is in the digest's sample)
+    assert model_digest(model) != before

@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..errors import EngramError
 from ..memory import is_table_key
 from ..persist import sha256_bytes
-from ..tables.base import find_tables
+from ..tables.base import find_tables, rows_by_reference
 from ..tables.overlay import OverlayTable
 from ..tokenizer import CompressedTokenizer, TokenizerError
 
@@ -159,7 +159,9 @@ def model_digest(model: nn.Module) -> str:
     """sha256 of a model's weights as an overlay depends on them: every dense weight in full, and 4,096
     rows spread over each Engram table (read through its table, so any backend gives the same digest)."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    with rows_by_reference():  # tables served for another framework's module: sampled below, not rebuilt in RAM
+        state = model.state_dict()
+    for name, t in sorted(state.items()):
         if is_table_key(name) or not torch.is_floating_point(t):
             continue
         h.update(f"{name}:{tuple(t.shape)}".encode())

@@ -22,6 +22,9 @@ need.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from ..errors import EngramError
@@ -196,3 +199,23 @@ def uninstall(mhe: MultiHeadEmbedding, weight: torch.Tensor | None = None) -> No
     table.close()
     del mhe.table  # (a module table is registered as a submodule: drop it there too)
     mhe.table = None
+
+
+_ROWS_BY_REFERENCE = contextvars.ContextVar("engram_rows_by_reference", default=False)
+
+
+@contextlib.contextmanager
+def rows_by_reference():
+    """Within it, `state_dict()` leaves out the rows of tables that engram serves for another framework's module
+    (e.g. Qwen4Exp's n-gram table, which its state-dict hook otherwise rebuilds in RAM in transformers' layout):
+    what a weights digest reads, which samples those rows through the table instead (`model_digest`)."""
+    token = _ROWS_BY_REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_BY_REFERENCE.reset(token)
+
+
+def rows_by_reference_active() -> bool:
+    """True inside `rows_by_reference()`: state-dict hooks of served tables skip their rows."""
+    return _ROWS_BY_REFERENCE.get()
