@@ -394,6 +394,9 @@ def _fmt(s: dict, sign: bool = False) -> str:
     return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f}"
 
 
+METRIC = {"domain_val": "domain loss", "forgetting": "forgetting", "forgetting_shared": "forgetting (shared)"}
+
+
 def _verdict(t: dict) -> str:
     if t["finding"]:
         return "**finding**"
@@ -451,7 +454,7 @@ def markdown(s: dict) -> str:
                   "| budget | A | B | metric | B - A | p | Holm p | verdict |", "|---|---|---|---|---|---|---|---|"]
         for t in s["tests"]:
             verdict = _verdict(t)
-            metric = "domain loss" if t["metric"] == "domain_val" else "forgetting (shared)"
+            metric = METRIC[t["metric"]]
             lines.append(f"| {t['budget']:g} | {t['a']} | {t['b']} | {metric} | {t['diff']:+.4f} ± {t['se']:.4f} | "
                          f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict} |")
     lines += ["", "| method | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
@@ -574,15 +577,15 @@ def legacy_markdown(s: dict) -> str:
                   "Holm-adjusted; the matched pair was picked on seed 0 and is tested with seed 0 included):", "",
               "| comparison | metric | B - A | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
     for t in fam:
-        lines.append(f"| {t['kind']}: {t['b']} - {t['a']} | {t['metric']} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+        lines.append(f"| {t['kind']}: {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
                      f"{t['label']} | {fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {_verdict(t)} |")
     free = [t for t in tests if t["kind"] == "selection_free"]
     if free:
         lines += ["", "The matched pair on the seeds it was not chosen on (1 and 2 only; unadjusted):", "",
                   "| comparison | metric | B - A | test | p |", "|---|---|---|---|---|"]
         for t in free:
-            lines.append(f"| {t['b']} - {t['a']} | {t['metric']} | {t['diff']:+.4f} ± {t['se']:.4f} | {t['label']} | "
-                         f"{fmt_p(t['p'])} |")
+            lines.append(f"| {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+                         f"{t['label']} | {fmt_p(t['p'])} |")
     return "\n".join(lines) + "\n"
 
 
