@@ -42,7 +42,7 @@ from ..persist import write_json
 from ..training.data import text_windows
 from ..utils import environment
 from .facts import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
-from .runs import publish, read_result, read_run_file, seed_stats
+from .runs import detectable, index_environments, publish, read_result, read_run_file, seed_stats, verdict
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -314,12 +314,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                 runs.append({"seed": seed, "config": name, "method": c["method"], "lr": c["lr"], "kl": c["kl"],
                              "budget": b, **rec["budgets"][str(b)], "facts": rec["facts"],
                              "environment": rec.get("environment")})
-    envs: list[dict] = []
-    for r in runs:
-        env = r.pop("environment", None)
-        if env is not None and env not in envs:
-            envs.append(env)
-        r["environment"] = envs.index(env) if env is not None else None
+    envs = index_environments(runs)
     summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
                "model": str(model_path), "model_train": info.get("train", {}), "before": before,
@@ -359,7 +354,7 @@ def analyse(s: dict) -> dict:
                 t = compare(a["values"], x["values"], a["seeds"], x["seeds"])
                 tests.append({"budget": b, "a": "engram-edit", "b": c, "metric": k, "kind": t.kind, "diff": t.diff,
                               "se": t.se, "df": t.df, "p": t.p, "n": t.n_a,
-                              "min_detectable": _mdd(t)})
+                              "min_detectable": detectable(t)})
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"], t["finding"] = adj, is_finding(adj)
     by_rel = {}
@@ -380,31 +375,17 @@ LABELS = {"efficacy_counterfactual": "efficacy (cf.)", "efficacy_new": "efficacy
           "specificity": "specificity", "val_change": "Δ val loss", "world_change": "Δ held-out facts loss"}
 
 
-def _p(x: float) -> str:
-    from .significance import fmt_p
-
-    return fmt_p(x)
 
 
-def _mdd(t) -> float | None:
-    """The minimum detectable difference of a test, None below 2 degrees of freedom (too few fact sets to state one)."""
-    from .significance import min_detectable
-
-    return min_detectable(t) if t.df >= 2 and t.se > 0 else None
 
 
-def _verdict(t: dict) -> str:
-    if t["finding"]:
-        return "**finding**"
-    if t["se"] == 0:
-        return "not a finding (the same on every fact set)"
-    mdd = t.get("min_detectable")
-    return f"not a finding (detectable: ±{mdd:.3f})" if mdd is not None else "not a finding (n = 2: no power statement)"
 
 
 def markdown(s: dict) -> str:
     """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n. A
     record of the earlier design (2026-12-02: a stopping rule, no budgets): `legacy_markdown`."""
+    from .significance import fmt_p
+
     if "budgets" not in s:
         return legacy_markdown(s)
     head = "| method | steps | " + " | ".join(LABELS[k] for k in METRICS) + " |"
@@ -432,9 +413,9 @@ def markdown(s: dict) -> str:
                       "detected at 80% power):", "",
                   "| steps | method | metric | difference | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
         for t in s["tests"]:
-            verdict = _verdict(t)
+            v = verdict(t, "fact set")
             lines.append(f"| {t['budget']} | {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
-                         f"{_p(t['p'])} | {_p(t['p_holm'])} | {verdict} |")
+                         f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
     if s.get("by_relation"):
         rels = list(s["known_by_relation"])
         lines += ["", f"Counterfactuals by relation, pooled over the {s['seeds']} fact sets: efficacy hits/n, "
@@ -510,14 +491,14 @@ def legacy_tests(s: dict) -> list[dict]:
             (va, sa), (vb, sb) = cell("engram-edit", k), cell(m, k)
             t = compare(va, vb, sa, sb)
             tests.append({"a": "engram-edit", "b": m, "metric": k, "diff": t.diff, "se": t.se, "label": t.label,
-                          "p": t.p, "min_detectable": _mdd(t)})
+                          "p": t.p, "min_detectable": detectable(t)})
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"], t["finding"] = adj, is_finding(adj)
     for k in LEGACY_METRICS:
         (va, sa), (vb, sb) = cell("ft", k), cell("ft+kl", k)
         t = compare(va, vb, sa, sb)
         tests.append({"a": "ft", "b": "ft+kl", "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
-                      "min_detectable": _mdd(t), "p_holm": None, "finding": False})
+                      "min_detectable": detectable(t), "p_holm": None, "finding": False})
     return tests
 
 
@@ -544,7 +525,7 @@ def legacy_markdown(s: dict) -> str:
               "| method - edit | metric | difference | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
     for t in fam:
         lines.append(f"| {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | {t['label']} | "
-                     f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {_verdict(t)} |")
+                     f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t, 'fact set')} |")
     lines += ["", "ft+kl - ft (outside the family, unadjusted; both stopped at the same step on every fact set): " +
               "; ".join(f"{LABELS[t['metric']]} {t['diff']:+.4f} ± {t['se']:.4f} (p {fmt_p(t['p'])})"
                         for t in tests if t["p_holm"] is None) + "."]

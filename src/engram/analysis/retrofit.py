@@ -46,7 +46,16 @@ import torch
 from ..persist import atomic_write_bytes, new_dir, read_jsonl, write_json
 from ..training.checkpoint import checkpoints
 from ..utils import environment
-from .runs import ExperimentError, publish, read_result, read_run_file, seed_stats
+from .runs import (
+    ExperimentError,
+    detectable,
+    index_environments,
+    publish,
+    read_result,
+    read_run_file,
+    seed_stats,
+    verdict,
+)
 
 DOMAIN = ["wordnet"]
 GENERAL = ["shakespeare", "kjv"]  # the base's pretraining corpus: forgetting is measured on its val split
@@ -211,7 +220,7 @@ def budget_tests(runs: list[dict], budgets, pairs, selection_seed: int, test_see
                 t = compare(pa[k]["values"], pc[k]["values"], pa["seeds"], pc["seeds"])
                 tests.append({"budget": b, "a": f"{a} lr {pa['lr']:g}", "b": f"{c} lr {pc['lr']:g}", "metric": k,
                               "kind": t.kind, "diff": t.diff, "se": t.se, "df": t.df, "p": t.p, "n": t.n_a,
-                              "min_detectable": _mdd(t)})
+                              "min_detectable": detectable(t)})
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"], t["finding"] = adj, is_finding(adj)
     return chosen, tests
@@ -370,12 +379,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
         rs = [r for r in runs if r["method"] == m and r["seed"] in test_seeds]
         cost[m] = {"trainable": rs[0]["trainable"], "step_ms": seed_stats([r["step_ms"] for r in rs]),
                    "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs])}
-    envs: list[dict] = []
-    for r in runs:
-        env = r.pop("environment", None)
-        if env is not None and env not in envs:
-            envs.append(env)
-        r["environment"] = envs.index(env) if env is not None else None
+    envs = index_environments(runs)
     summary = {"experiment": "retrofit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment retrofit --seeds {seeds} --record docs/results",
                "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
@@ -397,20 +401,8 @@ def _fmt(s: dict, sign: bool = False) -> str:
 METRIC = {"domain_val": "domain loss", "forgetting": "forgetting", "forgetting_shared": "forgetting (shared)"}
 
 
-def _verdict(t: dict) -> str:
-    if t["finding"]:
-        return "**finding**"
-    if t["se"] == 0:
-        return "not a finding (the same on every seed)"
-    mdd = t.get("min_detectable")
-    return f"not a finding (detectable: ±{mdd:.3f})" if mdd is not None else "not a finding (n = 2: no power statement)"
 
 
-def _mdd(t) -> float | None:
-    """The minimum detectable difference of a test, None below 2 degrees of freedom (too few seeds to state one)."""
-    from .significance import min_detectable
-
-    return min_detectable(t) if t.df >= 2 and t.se > 0 else None
 
 
 def markdown(s: dict) -> str:
@@ -453,10 +445,10 @@ def markdown(s: dict) -> str:
                       "difference the test could have detected at 80% power):", "",
                   "| budget | A | B | metric | B - A | p | Holm p | verdict |", "|---|---|---|---|---|---|---|---|"]
         for t in s["tests"]:
-            verdict = _verdict(t)
+            v = verdict(t)
             metric = METRIC[t["metric"]]
             lines.append(f"| {t['budget']:g} | {t['a']} | {t['b']} | {metric} | {t['diff']:+.4f} ± {t['se']:.4f} | "
-                         f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict} |")
+                         f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
     lines += ["", "| method | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
               "|---|---|---|---|---|"]
     for m, c in s["cost"].items():
@@ -534,7 +526,7 @@ def legacy_tests(s: dict) -> list[dict]:
             (va, sa), (vb, sb) = vals(*a, k), vals(*b, k)
             t = compare(va, vb, sa, sb)
             tests.append({"kind": kind, "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}", "metric": k,
-                          "diff": t.diff, "se": t.se, "label": t.label, "p": t.p, "min_detectable": _mdd(t)})
+                          "diff": t.diff, "se": t.se, "label": t.label, "p": t.p, "min_detectable": detectable(t)})
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"], t["finding"] = adj, is_finding(adj)
     for a, b, kind in pairs:
@@ -545,7 +537,7 @@ def legacy_tests(s: dict) -> list[dict]:
             t = compare(va, vb, sa, sb)
             tests.append({"kind": "selection_free", "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}",
                           "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
-                          "min_detectable": _mdd(t), "p_holm": None, "finding": False})
+                          "min_detectable": detectable(t), "p_holm": None, "finding": False})
     return tests
 
 
@@ -578,7 +570,7 @@ def legacy_markdown(s: dict) -> str:
               "| comparison | metric | B - A | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
     for t in fam:
         lines.append(f"| {t['kind']}: {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
-                     f"{t['label']} | {fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {_verdict(t)} |")
+                     f"{t['label']} | {fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t)} |")
     free = [t for t in tests if t["kind"] == "selection_free"]
     if free:
         lines += ["", "The matched pair on the seeds it was not chosen on (1 and 2 only; unadjusted):", "",
