@@ -106,3 +106,26 @@ def test_retrofit_design_on_a_tiny_base(tmp_path):
     assert {c["budget"] for c in s["at_budget"]} <= {0.01, 0.1, 10.0} and s["tests"]
     assert json.loads((tmp_path / "rec" / "retrofit.json").read_text())["runs"] == s["runs"]
     assert (tmp_path / "out" / "retrofit" / "plot.png").is_file()
+
+
+def test_the_new_record_renders_from_every_test_seed(tmp_path):
+    """markdown/plot of the redo's record, built here from the design's pieces (no training)."""
+    runs = _runs()
+    tr = {"trainable": 10, "engram_table": 0, "engram_dense": 0, "base_trainable": 10}
+    for r in runs:
+        r |= {"step_ms": 1.0, "peak_rss_mib": 100.0, "trainable": tr}
+    pts = grid_points(runs, [1, 2, 3])
+    chosen, tests = budget_tests(runs, (0.5, 1.0, 2.0), [("a", "b")], 0, [1, 2, 3])
+    means = [{"forgetting": p["forgetting"]["mean"], "domain_val": p["domain_val"]["mean"]} for p in pts]
+    s = {"before": {"domain": 6.0, "general": 4.0, "shared": 4.5},
+         "shared_set": {"windows": 4, "of": 10, "ngram_share": 0.5, "ngram_share_general": 0.3},
+         "test_seeds": [1, 2, 3], "selection_seed": 0, "adapt_steps": 2, "tokens_per_step": 64,
+         "budgets": [0.5, 1.0, 2.0], "methods": {"a": {}, "b": {}}, "points": pts,
+         "pareto_front": [[pts[i]["method"], pts[i]["lr"]] for i in pareto(means)],
+         "optimum": {"a": {"lr": 2.0, "interior": False, "selection_lr": 2.0, "selection_interior": False}},
+         "at_budget": chosen, "tests": tests, "cost": {"a": {"trainable": tr, "step_ms": {"mean": 1.0},
+                                                             "peak_rss_mib": {"mean": 100.0}}}, "runs": runs}
+    md = rf.markdown(s)
+    assert md.count("\n| a") + md.count("\n| b") >= 4 and "Holm p" in md and "3/3" in md
+    rf.plot(s, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
