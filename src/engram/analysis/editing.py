@@ -182,8 +182,9 @@ METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfac
 # the family of comparisons fixed before the runs: each fine-tuning's default setting vs the edit, paired by fact
 # set, on these metrics at every budget; Holm over all of them
 FAMILY_METRICS = ("efficacy_counterfactual", "efficacy_new", "specificity", "val_change", "world_change")
-BASE_STEPS = 300  # x 1,024 tokens
-WORLD_COPIES = 120  # the world corpus about as large as Shakespeare: half of what the base model reads
+BASE_STEPS = 1000  # x 2,048 tokens: the base that knew most world facts on 2026-12-02 (a 300-step base trained on
+# 120 copies knew too few demonyms for 3 neighbours per edit)
+WORLD_COPIES = 30
 
 
 def configs(ft_lrs=FT_LRS, lora_lrs=LORA_LRS, kl_weights=KL_WEIGHTS) -> dict[str, dict]:
@@ -233,7 +234,7 @@ def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: in
         _say(progress, f"[edit] training the {preset} model on Shakespeare + world facts -> {run}")
         train(preset, data=["shakespeare", str(world)], out=run, max_steps=max_steps or BASE_STEPS,
               resume=bool(checkpoints(run)), progress=progress,
-              overrides={"batch_size": 8, "eval_max_windows": 64, "ckpt_every": 100})
+              overrides={"batch_size": 16, "eval_max_windows": 64, "ckpt_every": 250})
     return run
 
 
