@@ -170,7 +170,8 @@ def finetune(model_dir: Path, facts: list[Fact], method: str, budgets, on_budget
 
 
 # ------------------------------------------------------------------------------------------ the experiment
-BUDGETS = (10, 30, 100)  # steps: every method is measured after each (fixed budgets, no stopping rule)
+BUDGETS = (10, 50, 300)  # steps: every method is measured after each (fixed budgets, no stopping rule); 300 is
+# `engram edit`'s default
 EDIT_LR = 0.1  # `engram edit`'s default
 EDIT_TARGET_PROB = 0.9999  # the edit's early stop (every target at this probability) effectively off: a fixed budget
 FT_LRS = (3e-5, 1e-4, 3e-4)  # ft: dense learning rates swept (tables at TABLE_LR_MULT x)
