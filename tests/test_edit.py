@@ -368,10 +368,11 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     assert len(fs["counterfactual"]) == 3 and len(fs["new"]) == 3
     assert all(f.target != o for f, o in zip(fs["counterfactual"], fs["counterfactual_true"]))
     assert not {x["prompt"] for x in fs["neighbours"]} & edited_subjects
-    grid = ed.configs(ft_lrs=(1e-4, 3e-4), lora_lrs=(1e-3,), kl_weights=(1.0,))
+    grid = ed.configs(ft_lrs=(1e-4,), lora_lrs=(1e-3,), kl_weights=(1.0,))  # each method's default setting
     s = ed.run(tmp_path, checkpoint=str(root / "run"), n_facts=3, seeds=2, max_windows=2, budgets=(1, 3),
                general=[str(corpus)], progress=False, record=tmp_path / "rec", grid=grid)
-    assert set(s["table"]) == set(grid) == {"engram-edit", "ft-lr0.0001", "ft-lr0.0003", "ft+kl-w1", "lora-lr0.001"}
+    assert set(s["table"]) == set(grid) == {"engram-edit", *ed.DEFAULTS.values()}
+    assert len(ed.configs()) == 1 + 3 + 3 + 3  # the edit; ft lr, KL weight and LoRA lr each swept over 3 values
     assert len(s["runs"]) == len(grid) * 2 * 2  # every config x fact set x budget
     for c in grid:
         for b in ("1", "3"):
