@@ -396,19 +396,10 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
 
 # ------------------------------------------------------------------------------------------ reports
 def accounting_markdown(vs: list[Variant]) -> str:
-    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
-             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
-        a = v.accounting
-        E = v.model_overrides.get("n_routed_experts", "-") if v.kind != "dense" else "-"
-        rho = f"{100 * v.rho:.1f}%" if v.rho is not None else "-"
-        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
-        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
-        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
-        lines.append(f"| {v.name} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
-                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
-    return "\n".join(lines) + "\n"
+    """The accounting table of the plan `vs` (`report.accounting_markdown`, which also renders the committed one)."""
+    from .report import accounting_markdown
+
+    return accounting_markdown([dataclasses.asdict(v) for v in vs])
 
 
 def results_markdown(vs: list[Variant], table: dict, best: str, moe: str) -> str:

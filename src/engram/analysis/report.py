@@ -130,9 +130,7 @@ def table_markdown(rec: dict, name: str | None = None) -> str:
     """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key)."""
     name = rec.get("experiment", name)
     if name == "allocation-accounting":  # `experiment allocation --plan-only --record`: the accounting table
-        from .allocation import Variant, accounting_markdown
-
-        return accounting_markdown([Variant(**v) for v in rec["variants"]]).rstrip("\n")
+        return accounting_markdown(rec["variants"]).rstrip("\n")
     if name == "stats":  # `engram stats --record`: row usage and collisions per order and table size
         return stats_markdown(rec)
     if name in OWN_REPORT:  # edit: methods x metrics over fact sets; retrofit: the sweep and chosen points
@@ -165,6 +163,24 @@ def table_markdown(rec: dict, name: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ rendering
+def accounting_markdown(vs: list[dict]) -> str:
+    """The allocation sweep's accounting table from its variants (`allocation.Variant` as dicts: what
+    `experiment allocation --plan-only --record` writes to allocation-accounting.json)."""
+    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
+             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in vs:
+        a = v["accounting"]
+        E = v["model_overrides"].get("n_routed_experts", "-") if v["kind"] != "dense" else "-"
+        rho = f"{100 * v['rho']:.1f}%" if v["rho"] is not None else "-"
+        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
+        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
+        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
+        lines.append(f"| {v['name']} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
+                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
+    return "\n".join(lines) + "\n"
+
+
 def stats_markdown(rec: dict) -> str:
     """`engram stats --record`'s row usage: one head per order, per table size."""
     lines = ["| order | rows | distinct n-grams | rows used | usage | n-grams sharing their row with another |",

@@ -47,6 +47,8 @@ class TestResult:
     p-value; n_a, n_b: the values used per side (both the number of pairs for a paired test).
     """
 
+    __test__ = False  # a result type, not a pytest test class (for test files that import it by name)
+
     kind: str
     diff: float
     se: float
