@@ -71,11 +71,10 @@ def index_environments(runs: list[dict]) -> list[dict]:
 
 
 def detectable(test) -> float | None:
-    """`significance.min_detectable` of a `TestResult`, None where it states nothing: below 2 degrees of freedom
-    (two seeds) or with no spread at all."""
+    """`significance.min_detectable` of a `TestResult`, None where there is no spread at all (nothing to scale)."""
     from .significance import min_detectable
 
-    return min_detectable(test) if test.df >= 2 and test.se > 0 else None
+    return min_detectable(test) if test.se > 0 else None
 
 
 def verdict(row: dict, unit: str = "seed") -> str:
@@ -85,8 +84,7 @@ def verdict(row: dict, unit: str = "seed") -> str:
         return "**finding**"
     if row["se"] == 0:
         return f"not a finding (the same on every {unit})"
-    mdd = row.get("min_detectable")
-    return f"not a finding (detectable: ±{mdd:.3f})" if mdd is not None else "not a finding (n = 2: no power statement)"
+    return f"not a finding (detectable: ±{row['min_detectable']:.3f})"
 
 
 def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_steps: int | None, progress: bool,
