@@ -347,35 +347,81 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
 
 
 def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
-    """The counterfactual/new-entity experiment on the tiny model: every method measured on every metric,
-    per-seed files written, the fact sets seeded, neighbours never among the edited subjects."""
+    """The counterfactual/new-entity experiment on the tiny model: every config measured at every fixed step budget
+    (no stopping rule), per-seed files written, the fact sets seeded, neighbours never among the edited subjects,
+    the held-out countries never edited, the family of paired tests Holm-adjusted, per-relation hits with n."""
     from engram.analysis import editing as ed
     from engram.analysis.facts import fact_sets
 
     root, corpus = run
-    facts = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEF" for rel, o in
+    facts = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJ" for rel, o in
              (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]
-    facts.append(("LandG", "capital", " Paris"))  # not known: never edited, never a neighbour
+    facts.append(("LandZ", "capital", " Paris"))  # not known: never edited, never a neighbour
+    held = ed.held_out_subjects(facts)
+    assert held == ed.held_out_subjects(facts) and len(held) == 1 and not held & {f[0] for f in ed.trained_facts(facts)}
     monkeypatch.setattr(ed, "world_facts", lambda: facts)
-    monkeypatch.setattr(ed, "known_facts", lambda model, tok, fs: [f for f in fs if f[0] != "LandG"])
-    fs = fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
-    assert fs == fact_sets([f for f in facts if f[0] != "LandG"], facts, 3, seed=1)
+    monkeypatch.setattr(ed, "known_facts", lambda model, tok, fs: [f for f in fs if f[0] != "LandZ"])
+    known = [f for f in facts if f[0] != "LandZ" and f[0] not in held]
+    fs = fact_sets(known, facts, 3, seed=1)
+    assert fs == fact_sets(known, facts, 3, seed=1)
     edited_subjects = {f.prompt for f in fs["counterfactual"]}
     assert len(fs["counterfactual"]) == 3 and len(fs["new"]) == 3
     assert all(f.target != o for f, o in zip(fs["counterfactual"], fs["counterfactual_true"]))
     assert not {x["prompt"] for x in fs["neighbours"]} & edited_subjects
-    s = ed.run(tmp_path, checkpoint=str(root / "run"), n_facts=3, seeds=2, max_windows=2, ft_steps=2, edit_steps=5,
-               general=[str(corpus)], progress=False, record=tmp_path / "rec")
-    assert set(s["methods"]) == set(ed.METHODS)
-    for m in ed.METHODS:
-        assert set(s["methods"][m]) == set(ed.METRICS) and s["methods"][m]["val_change"]["n"] == 2
-    from engram.editing import score
-    from engram.model import load_model
-
-    model, tok = load_model(root / "run")
-    pairs = [("the cat sat on", " the mat"), ("Line 5: the", " cat"), ("the dog ran", " to the king.")]
-    assert ed.greedy(model, tok, pairs, chunk=2) == [score(model, tok, p, t)["greedy"] for p, t in pairs]
-    assert json.loads((tmp_path / "rec" / "edit.json").read_text())["known_facts"] == 18
+    grid = ed.configs(ft_lrs=(1e-4,), lora_lrs=(1e-3,), kl_weights=(1.0,))  # each method's default setting
+    s = ed.run(tmp_path, checkpoint=str(root / "run"), n_facts=3, seeds=2, max_windows=2, budgets=(1, 3),
+               general=[str(corpus)], progress=False, record=tmp_path / "rec", grid=grid)
+    assert set(s["table"]) == set(grid) == {"engram-edit", *ed.DEFAULTS.values()}
+    assert len(ed.configs()) == 1 + 3 + 3 + 3  # the edit; ft lr, KL weight and LoRA lr each swept over 3 values
+    assert len(s["runs"]) == len(grid) * 2 * 2  # every config x fact set x budget
+    for c in grid:
+        for b in ("1", "3"):
+            assert set(s["table"][c][b]) == set(ed.METRICS) and s["table"][c][b]["val_change"]["n"] == 2
+    assert s["held_out_subjects"] == sorted(held) and s["known_facts"] == len(known)  # held-out never edited
+    # the family: each default setting vs the edit, at each budget, on FAMILY_METRICS; Holm-adjusted
+    assert len(s["tests"]) == 2 * 3 * len(ed.FAMILY_METRICS)
+    assert all(t["kind"] == "paired" and t["n"] == 2 and t["p_holm"] >= t["p"] for t in s["tests"])
+    # per-relation cells pooled over fact sets with their n
+    cell = s["by_relation"]["ft-lr0.0001"]["3"]
+    assert sum(x["efficacy_n"] for x in cell.values()) == 3 * 2
+    assert json.loads((tmp_path / "rec" / "edit.json").read_text())["known_facts"] == len(known)
+    assert (tmp_path / "edit" / "plot.png").is_file() and "Holm p" in (tmp_path / "edit" / "summary.md").read_text()
     with pytest.raises(ValueError, match="knows only"):
         ed.run(tmp_path / "again", checkpoint=str(root / "run"), n_facts=30, seeds=1, general=[str(corpus)],
                progress=False)
+
+
+def test_finetune_measured_at_a_budget_is_the_run_of_that_many_steps(run):
+    """Fixed budgets read along one run: the model after step 2 of a 3-step run is the 2-step run's."""
+    from engram.analysis import editing as ed
+
+    root, _ = run
+    seen = {}
+
+    def grab(step, model):
+        with torch.no_grad():
+            seen.setdefault(step, []).append(model(torch.tensor([[5, 6, 7, 8]])).logits.clone())
+    ed.finetune(root / "run", FACTS, "ft", (2, 3), grab, 1e-3, progress=False)
+    ed.finetune(root / "run", FACTS, "ft", (2,), grab, 1e-3, progress=False)
+    assert set(seen) == {2, 3} and torch.equal(seen[2][0], seen[2][1]) and not torch.equal(seen[2][0], seen[3][0])
+
+
+def test_the_earlier_edit_record_is_retested_by_the_fixed_rule():
+    """The committed 2026-12-02 record: 18 paired comparisons with the edit, Holm-adjusted; its efficacy rows are the
+    stopping rule mirrored; per-relation cells pooled with their n."""
+    from pathlib import Path
+
+    from engram.analysis import editing as ed
+
+    rec = json.loads((Path(__file__).parents[1] / "docs/results/edit.json").read_text())
+    tests = ed.legacy_tests(rec)
+    fam = [t for t in tests if t["p_holm"] is not None]
+    assert len(fam) == 18 and all(t["label"] == "paired t, n=3" and t["p_holm"] >= t["p"] for t in fam)
+    by = {(t["b"], t["metric"]): t for t in fam}
+    for m in ("ft", "ft+kl", "lora"):  # one constraint reported twice: the same difference, mirrored
+        assert by[(m, "efficacy_counterfactual")]["diff"] == pytest.approx(-by[(m, "efficacy_new")]["diff"])
+    md = ed.markdown(rec)
+    n = rec["n_facts"] * rec["seeds"]
+    assert "Holm p" in md
+    cells = [line for line in md.splitlines() if line.startswith("| engram-edit | ") and "/" in line]
+    assert sum(int(c.split(",")[0].split("/")[1]) for c in cells[-1].split(" | ")[1:]) == n  # the n's add up

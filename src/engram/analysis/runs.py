@@ -58,6 +58,35 @@ def difference(a: dict, b: dict, seeds_a: list[int] | None = None, seeds_b: list
     return {"diff": t.diff, "se": t.se, "p": t.p, "test": t.kind, "finding": bool(t.p < ALPHA)}
 
 
+def index_environments(runs: list[dict]) -> list[dict]:
+    """The distinct environments `runs` recorded; each run's `environment` replaced, in place, by its index there
+    (None where a run recorded none): a record keeps each environment once."""
+    envs: list[dict] = []
+    for r in runs:
+        env = r.pop("environment", None)
+        if env is not None and env not in envs:
+            envs.append(env)
+        r["environment"] = envs.index(env) if env is not None else None
+    return envs
+
+
+def detectable(test) -> float | None:
+    """`significance.min_detectable` of a `TestResult`, None where there is no spread at all (nothing to scale)."""
+    from .significance import min_detectable
+
+    return min_detectable(test) if test.se > 0 else None
+
+
+def verdict(row: dict, unit: str = "seed") -> str:
+    """A tested row's verdict for a table: a finding, or not with what the test could have detected (`row`: its
+    `finding`, `se` and `min_detectable`; `unit`: what the pairs are, "seed" or "fact set")."""
+    if row["finding"]:
+        return "**finding**"
+    if row["se"] == 0:
+        return f"not a finding (the same on every {unit})"
+    return f"not a finding (detectable: ±{row['min_detectable']:.3f})"
+
+
 def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_steps: int | None, progress: bool,
                 overrides: dict | None = None, **train_kw) -> dict:
     """Train `preset` into `run_dir` with `seed` (unless it finished; resuming a checkpointed one) and
