@@ -458,3 +458,20 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys)
     (tmp_path / "empty.txt").write_text("")
     assert main(["train", "--preset", "tiny", "--data", "empty.txt", "--out", "e"]) == 2
     assert "no text found" in capsys.readouterr().err
+
+
+def test_prepare_tokenizes_a_local_corpus_again_when_it_changes(tmp_path):
+    """The prepared-data cache is keyed by the local files' size and mtime too: an edited corpus is not served
+    stale (it was keyed by the path string alone)."""
+    import os
+
+    from engram.training.data import load_split, prepare
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("first version of the corpus. " * 200 + "\n\nanother document here. " * 50)
+    a = prepare([str(corpus)], "deepseek", out_root=tmp_path / "data", progress=False)
+    assert prepare([str(corpus)], "deepseek", out_root=tmp_path / "data", progress=False) == a  # unchanged: cached
+    corpus.write_text("a second, different text that is longer. " * 300 + "\n\nand more of it. " * 60)
+    os.utime(corpus, ns=(corpus.stat().st_atime_ns, corpus.stat().st_mtime_ns + 10**9))
+    b = prepare([str(corpus)], "deepseek", out_root=tmp_path / "data", progress=False)
+    assert b != a and len(load_split(b, "train")) != len(load_split(a, "train"))

