@@ -14,9 +14,10 @@ Experiments:
                and single-branch vs per-stream gating (both with 4 mHC streams).
   sensitivity  suppress Engram at inference in the trained iso/engram models; loss increase on
                tokens completing frequent train n-grams vs all other tokens.
-  retrofit     a small pretrained Llama adapted to Python code (networkx): full fine-tuning vs LoRA
-               vs Engram adapter vs LoRA + Engram; domain loss, forgetting, parameters, step time,
-               memory (`analysis/retrofit.py`).
+  retrofit     a small Llama pretrained on Shakespeare + KJV adapted to WordNet's definitions: full
+               fine-tuning vs LoRA vs Engram adapters (one matched to LoRA's trainable parameters); lr grids
+               chosen on a selection seed, domain loss vs forgetting on two general sets, forgetting budgets
+               (`analysis/retrofit.py`).
   allocation   the paper's U-curve: total and activated parameters fixed, the share of the inactive
                sparse budget kept by routed MoE experts swept from 100% down, the rest as Engram rows;
                plus dense iso-activated and iso-total baselines (`analysis/allocation.py`;
@@ -24,9 +25,9 @@ Experiments:
   design       the reference's Engram (short conv, the reference's conv init) vs DeepSeek-V4.1's (no conv; its
                tables served as FP8 rows with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim
                rows so FP8 blocks fit); docs/results records it at --max-steps 2000.
-  edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
-               efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
-               fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
+  edit         counterfactuals and new entities written into the table rows of a model that learned world
+               facts (`engram edit`) vs fine-tuning (with and without KL) and LoRA at fixed step budgets:
+               efficacy, generalization, specificity, damage (`analysis/editing.py`).
 """
 
 from __future__ import annotations
