@@ -123,6 +123,11 @@ def test_hf_optimizers_uses_the_arguments_and_refuses_what_it_cannot_train(tok, 
     assert all(g["betas"] == (0.9, 0.95) for g in opt.param_groups)
     with pytest.raises(engram.AdapterError, match="no trainable parameters"):
         engram.hf_optimizers(base().requires_grad_(False), args)
+    from engram.tables import offload_tables
+
+    offload_tables(m, "mmap", tmp_path / "tables", trainable=True)
+    with pytest.raises(engram.AdapterError, match="keep their own rows"):
+        engram.hf_optimizers(m, args)
 
 
 # ---------------------------------------------------------------------------------------------- accumulation
@@ -271,3 +276,4 @@ def test_two_ddp_processes_train_as_one_on_the_same_global_batch(tok, tmp_path, 
     assert got["grad_norm"] == pytest.approx(history(tr, "grad_norm"), rel=1e-4)  # averaged, not summed
     for n, w in trained(one).items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=5e-5)
+
