@@ -16,7 +16,7 @@ from transformers import (  # noqa: E402
 )
 
 import engram  # noqa: E402
-from engram.adapters import EngramAdapter, adapter_of  # noqa: E402
+from engram.adapters import adapter_of, from_pretrained  # noqa: E402
 from engram.tokenizer import train_bpe  # noqa: E402
 
 OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
@@ -188,7 +188,7 @@ def test_save_model_writes_the_adapter_that_load_adapter_reads(tok, tmp_path):
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = m(input_ids=ids).logits
-    for load in (engram.load_adapter, EngramAdapter.from_pretrained):
+    for load in (engram.load_adapter, from_pretrained):
         got_model = load(base(), out)
         with torch.no_grad():
             assert torch.equal(got_model(input_ids=ids).logits, want)
