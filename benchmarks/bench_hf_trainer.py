@@ -9,14 +9,16 @@ initialization and batch shape (8 x 256 tokens of Shakespeare), the same learnin
               dense weights clipped (the tables' rows are not in its norm)
     trainer   `transformers.Trainer(..., optimizers=engram.hf_optimizers(model, args))` with default arguments
               otherwise: its data loader, clipping of model.parameters() (table rows in the global norm),
-              EngramAdamW, LR scheduler, callbacks; timed between consecutive `on_step_end`s
+              EngramAdamW, LR scheduler, callbacks
     loop      your own loop: forward, backward, `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`,
               EngramAdamW (`hf_optimizers(model)[0]`) step, zero_grad
 
-Rounds interleave the three (one warm-up round first); each round's median step time gives a ratio to `adapt`.
-Prints the per-round ratios (min..max over rounds), then one JSON line.
+The three interleave step by step (a Trainer callback runs one `adapt` and one `loop` step after each Trainer
+step, order alternating; 2 warm-up steps left out); each round's median step time gives a ratio to `adapt`, by
+the wall clock and by the process's CPU time (all threads: what a step costs, less sensitive than the wall clock
+to other processes on a shared machine). Prints the ratios (min..max over rounds), then one JSON line.
 
-    python benchmarks/bench_hf_trainer.py [--steps 6] [--rounds 5]
+    python benchmarks/bench_hf_trainer.py [--steps 5] [--rounds 4]
 """
 
 import argparse
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 import engram
+from engram.persist import remove_tree
 from engram.training.adapt import build, load_base
 from engram.training.data import load_manifest, load_split, prepare
 from engram.training.run import train_step
@@ -61,8 +64,8 @@ def attached(base_dir: Path, seed: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6, help="steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -75,27 +78,18 @@ def main():
 
     # the Trainer: default arguments but for the batch, LR, run length and logging
     tr_model = attached(base_dir, tcfg.seed)
-    toks = torch.from_numpy(load_split(run.data_dir, "train")[: (len(load_split(run.data_dir, "train")) // T) * T]
-                            .astype("int64")).view(-1, T)
+    train = load_split(run.data_dir, "train")
+    toks = torch.from_numpy(train[: len(train) // T * T].astype("int64")).view(-1, T)  # (windows, T)
     data = [{"input_ids": x, "labels": x} for x in toks[torch.randperm(len(toks), generator=torch.Generator()
                                                                          .manual_seed(0))]]
     targs = TrainingArguments(str(root / "trainer"), per_device_train_batch_size=B, learning_rate=tcfg.lr,
-                              max_grad_norm=tcfg.grad_clip, max_steps=args.steps, lr_scheduler_type="constant",
+                              max_grad_norm=tcfg.grad_clip, max_steps=1, lr_scheduler_type="constant",
                               save_strategy="no", logging_steps=10**6, report_to=[], use_cpu=True, disable_tqdm=True,
                               dataloader_drop_last=True)
-    stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            stamps.append(time.perf_counter())
-
-    trainer = Trainer(model=tr_model, args=targs, train_dataset=data, callbacks=[Stamp()],
-                      optimizers=engram.hf_optimizers(tr_model, targs))
-
     # your own loop
     loop_model = attached(base_dir, tcfg.seed)
     loop_opt, _ = engram.hf_optimizers(loop_model, targs)
-    batches = iter(data)
+    batches = iter(data[::-1])
 
     def loop_step():
         ids = torch.stack([next(batches)["input_ids"] for _ in range(B)])
@@ -105,50 +99,60 @@ def main():
         loop_opt.step()
         loop_opt.zero_grad(set_to_none=True)
 
-    step = [0]
+    def adapt_step():
+        train_step(run, adapt_step.n)
+        adapt_step.n += 1
 
-    def adapt_round() -> float:
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            train_step(run, step[0])
-            step[0] += 1
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+    adapt_step.n = 0
+    others = {"adapt": adapt_step, "loop": loop_step}
+    wall = {"adapt": [], "trainer": [], "loop": []}  # seconds per step
+    cpu = {"adapt": [], "trainer": [], "loop": []}  # the process's CPU seconds (all threads) per step
 
-    def trainer_round() -> float:
-        stamps.clear()
-        trainer.train()
-        return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))  # step 1 (setup) left out
+    def clocks():
+        return time.perf_counter(), time.process_time()
 
-    def loop_round() -> float:
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            loop_step()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+    class Interleave(TrainerCallback):
+        """After each Trainer step, one `engram adapt` step and one own-loop step (order alternating): machine
+        noise hits the three alike. The Trainer's step is the time from this callback's end to its next call."""
+        last_end = None
 
-    variants = {"adapt": adapt_round, "trainer": trainer_round, "loop": loop_round}
-    for fn in variants.values():  # warm-up: numba compiles, allocations, the Trainer's first setup
-        fn()
-    per_round = {k: [] for k in variants}
-    for r in range(args.rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))  # machine noise hits all alike
-        for k in order:
-            per_round[k].append(variants[k]())
-    ratio = {k: [t / a for t, a in zip(per_round[k], per_round["adapt"])] for k in ("trainer", "loop")}
-    med = {k: statistics.median(v) for k, v in per_round.items()}
+        def on_step_end(self, a, state, control, **kw):
+            t0 = clocks()
+            if self.last_end is not None:
+                wall["trainer"].append(t0[0] - self.last_end[0])
+                cpu["trainer"].append(t0[1] - self.last_end[1])
+            names = list(others) if state.global_step % 2 else list(reversed(others))
+            for k in names:
+                t = clocks()
+                others[k]()
+                t1 = clocks()
+                wall[k].append(t1[0] - t[0])
+                cpu[k].append(t1[1] - t[1])
+            self.last_end = clocks()
+
+    warm = 2  # steps left out: numba compiles, allocations, the Trainer's first setup
+    targs.max_steps = warm + args.rounds * args.steps + 1
+    trainer = Trainer(model=tr_model, args=targs, train_dataset=data, callbacks=[Interleave()],
+                      optimizers=engram.hf_optimizers(tr_model, targs))
+    trainer.train()
     print(f"adapter training step, Llama hidden 256 x 4 layers, vocab 8192, adapter {ENGRAM} at layers {LAYERS}, "
-          f"batch {B} x {T}, threads {torch.get_num_threads()}; {args.rounds} rounds x {args.steps} steps")
-    print(f"{'variant':<9} {'s/step (median)':>16} {'tok/s':>8} {'/ adapt, per round (min..max)':>32}")
-    for k in variants:
-        rr = ratio.get(k)
-        span = f"{min(rr):.2f}..{max(rr):.2f} (median {statistics.median(rr):.2f})" if rr else "1"
-        print(f"{k:<9} {med[k]:>16.3f} {B * T / med[k]:>8.0f} {span:>32}")
-    print(json.dumps({"bench": "hf_trainer", "s_per_step": {k: round(v, 4) for k, v in med.items()},
-                      "trainer_over_adapt": [round(x, 3) for x in ratio["trainer"]],
-                      "loop_over_adapt": [round(x, 3) for x in ratio["loop"]], "threads": torch.get_num_threads()}))
+          f"batch {B} x {T}, threads {torch.get_num_threads()}; {args.rounds} rounds x {args.steps} interleaved steps")
+    out = {"bench": "hf_trainer", "threads": torch.get_num_threads()}
+    for clock, times in (("wall", wall), ("cpu", cpu)):
+        times = {k: v[-args.rounds * args.steps:] for k, v in times.items()}
+        rounds = {k: [statistics.median(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
+                  for k, v in times.items()}
+        ratio = {k: [t / a for t, a in zip(rounds[k], rounds["adapt"])] for k in ("trainer", "loop")}
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{clock + ' clock':<11} {'s/step (median)':>16} {'/ adapt, per round: min..max (median)':>40}")
+        for k in times:
+            rr = ratio.get(k)
+            span = f"{min(rr):.2f}..{max(rr):.2f} ({statistics.median(rr):.2f})" if rr else "1"
+            print(f"  {k:<9} {med[k]:>16.3f} {span:>40}")
+        out[clock] = {"s_per_step": {k: round(v, 4) for k, v in med.items()},
+                      **{f"{k}_over_adapt": [round(x, 3) for x in ratio[k]] for k in ratio}}
+    print(json.dumps(out))
+    remove_tree(root)
 
 
 if __name__ == "__main__":

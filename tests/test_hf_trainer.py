@@ -203,14 +203,20 @@ def test_save_model_writes_the_adapter_that_load_adapter_reads(tok, tmp_path):
 
 
 def test_save_pretrained_keeps_other_files_and_its_manifest_catches_corruption(tok, tmp_path):
-    m = attached(tok)
+    m = perturbed(tok)
+    engram.adapters.unfreeze(m, ["norm"])  # unfrozen base modules travel in model.safetensors too
+    with torch.no_grad():
+        m.model.norm.weight.add_(0.5)
     d = tmp_path / "shared"
     d.mkdir()
     (d / "optimizer.pt").write_bytes(b"someone else's")
     m.save_pretrained(d)
     assert (d / "optimizer.pt").read_bytes() == b"someone else's"
     (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text() + "\n")  # Trainer may rewrite it
-    engram.load_adapter(base(), d)
+    got = engram.load_adapter(base(), d)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, m(input_ids=ids).logits)
     blob = bytearray((d / "model.safetensors").read_bytes())
     blob[-1] ^= 0xFF
     (d / "model.safetensors").write_bytes(bytes(blob))
