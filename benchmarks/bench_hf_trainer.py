@@ -14,7 +14,7 @@ initialization and batch shape (8 x 256 tokens of Shakespeare), the same learnin
               EngramAdamW (`hf_optimizers(model)[0]`) step, zero_grad
 
 The three interleave step by step (a Trainer callback runs one `adapt` and one `loop` step after each Trainer
-step, order alternating; 2 warm-up steps left out); each round's median step time gives a ratio to `adapt`, by
+step, order alternating; 2 warm-up steps left out); each round's total time gives a ratio to `adapt`, by
 the wall clock and by the process's CPU time (all threads: what a step costs, less sensitive than the wall clock
 to other processes on a shared machine). Prints the ratios (min..max over rounds), then one JSON line.
 
@@ -140,17 +140,18 @@ def main():
     out = {"bench": "hf_trainer", "threads": torch.get_num_threads()}
     for clock, times in (("wall", wall), ("cpu", cpu)):
         times = {k: v[-args.rounds * args.steps:] for k, v in times.items()}
-        rounds = {k: [statistics.median(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
-                  for k, v in times.items()}
+        rounds = {k: [sum(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
+                  for k, v in times.items()}  # a round's total time, per variant
         ratio = {k: [t / a for t, a in zip(rounds[k], rounds["adapt"])] for k in ("trainer", "loop")}
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{clock + ' clock':<11} {'s/step (median)':>16} {'/ adapt, per round: min..max (median)':>40}")
+        mean = {k: statistics.mean(v) for k, v in times.items()}
+        print(f"{clock + ' clock':<11} {'s/step (mean)':>14} {'/ adapt, per round: min..max (median)':>40}")
         for k in times:
             rr = ratio.get(k)
             span = f"{min(rr):.2f}..{max(rr):.2f} ({statistics.median(rr):.2f})" if rr else "1"
-            print(f"  {k:<9} {med[k]:>16.3f} {span:>40}")
-        out[clock] = {"s_per_step": {k: round(v, 4) for k, v in med.items()},
-                      **{f"{k}_over_adapt": [round(x, 3) for x in ratio[k]] for k in ratio}}
+            print(f"  {k:<9} {mean[k]:>14.3f} {span:>40}")
+        out[clock] = {"s_per_step": {k: round(v, 4) for k, v in mean.items()},
+                      **{f"{k}_over_adapt": [round(x, 3) for x in ratio[k]] for k in ratio},
+                      "steps": {k: [round(x, 3) for x in v] for k, v in times.items()}}
     print(json.dumps(out))
     remove_tree(root)
 
