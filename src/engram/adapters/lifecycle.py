@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import torch.nn as nn
 
@@ -70,6 +71,11 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     target.add_module("engram_adapter", adapter)
     adapter._install(target)
     adapter.base_requires_grad = base_flags  # detach() puts these back
+    from ..training.optim import enable_sparse_grad_norm
+    from .saving import save_pretrained
+
+    target.save_pretrained = types.MethodType(save_pretrained, target)  # as PEFT's wrappers: saves the adapter
+    enable_sparse_grad_norm()  # the tables' sparse gradients work with clip_grad_norm_ (Trainer, accelerate)
     if not train_base:
         freeze_base(target)
     if verbose:
@@ -96,6 +102,7 @@ def detach(model: nn.Module) -> nn.Module:
 
     Prefetcher.detach(target)
     del target._modules["engram_adapter"]  # where attach() put it
+    target.__dict__.pop("save_pretrained", None)  # the base's own save_pretrained again
     flags = getattr(adapter, "base_requires_grad", {})
     for n, p in target.named_parameters():  # the base's requires_grad as before attach
         if n in flags:
