@@ -9,6 +9,7 @@ Damage: truncated to half, zero-length, 16 bytes flipped mid-file, the first 16 
 JSON start) flipped, missing. The whole matrix takes seconds on the tiny preset.
 """
 
+import os
 import shutil
 
 import pytest
@@ -215,7 +216,10 @@ def test_prepared_data_save_killed_at_every_step_leaves_old_or_new(tmp_path, mon
     old = tmp_path / "old"
     shutil.copytree(d, old)
     old_tokens = load_split(old, "train").tolist()
-    corpus.write_text("".join(f"Line {i}: a new text for the new folder.\n" for i in range(300)))
+    st = corpus.stat()  # new text of the same size and mtime: the same cache key, so prepare replaces `d` in place
+    text = "".join(f"Line {i}: a new text for the new folder.\n" for i in range(400)).encode()[: st.st_size]
+    corpus.write_bytes(text)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
     for k in range(1, 100):
         persist.remove_tree(d)
         shutil.copytree(old, d)
