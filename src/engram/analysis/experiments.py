@@ -21,8 +21,9 @@ Experiments:
                sparse budget kept by routed MoE experts swept from 100% down, the rest as Engram rows;
                plus dense iso-activated and iso-total baselines (`analysis/allocation.py`;
                `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).
-  design       the reference's Engram (short conv) vs DeepSeek-V4.1's (no conv; its tables served as FP8 rows
-               with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim rows so FP8 blocks fit).
+  design       the reference's Engram (short conv, the reference's conv init) vs DeepSeek-V4.1's (no conv; its
+               tables served as FP8 rows with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim
+               rows so FP8 blocks fit); docs/results records it at --max-steps 2000.
   edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
                efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
                fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
@@ -71,8 +72,9 @@ def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
             # per-stream vs single-branch gating needs several streams: both arms with hc_mult=4 (mHC)
             "hc4-per-stream": {"model_overrides": {"hc_mult": 4}},
             "hc4-single-branch": {"model_overrides": {"hc_mult": 4, "engram": {"single_branch": True}}}}
-    if name == "design":  # 32-dim rows (2 x 4 heads x 32 = 256 = n_embed_per_ngram) so ue8m0 blocks of 32 fit a row
-        return {"reference": {"model_overrides": {"engram": {"n_embed_per_ngram": 128}}},
+    if name == "design":  # 32-dim rows (2 x 4 heads x 32 = 256 = n_embed_per_ngram) so ue8m0 blocks of 32 fit a row;
+        # the reference keeps nn.Conv1d's init (the exp preset zero-inits the conv, which made removing it neutral)
+        return {"reference": {"model_overrides": {"engram": {"n_embed_per_ngram": 128, "conv_zero_init": False}}},
                 "v41": {"model_overrides": {"engram": {"n_embed_per_ngram": 128, "use_short_conv": False}}}}
     raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)} or all")
 
