@@ -277,14 +277,18 @@ def read_jsonl(path, what: str = "log", fix: str = "", error: type[Exception] = 
 # ------------------------------------------------------------------------------------------ manifests
 
 
-def write_manifest(directory, exclude=(), info: dict | None = None) -> Path:
+def write_manifest(directory, exclude=(), info: dict | None = None, files=None) -> Path:
     """List every file under `directory` (size, sha256) in its manifest, atomically; call it after the last file.
 
     `info`: what the folder is (stored as the manifest's `"info"`), for folders that describe themselves.
+    `files`: list only these (names relative to `directory`), for a folder shared with files of others.
     """
     d = Path(directory)
-    files = sorted(f for f in d.rglob("*") if f.is_file() and f.name != MANIFEST and f.name not in exclude
-                   and not f.name.startswith("."))
+    if files is not None:
+        files = sorted(d / f for f in files)
+    else:
+        files = sorted(f for f in d.rglob("*") if f.is_file() and f.name != MANIFEST and f.name not in exclude
+                       and not f.name.startswith("."))
     entries = {str(f.relative_to(d)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files}
     meta: dict = {"format": MANIFEST_FORMAT, "files": entries}
     if info is not None:

@@ -2,7 +2,8 @@
 
     model = AutoModelForCausalLM.from_pretrained("path/to/qwen3")
     engram.attach(model, layer_ids=[1], tokenizer="path/to/qwen3")   # exact: same logits as before
-    ... train (engram adapt, or engram.training.optim.build_optimizers on the trainable params) ...
+    ... train (engram adapt; transformers.Trainer / TRL with optimizers=engram.hf_optimizers(model, args);
+        or your own loop with engram.training.optim.build_optimizers on the trainable params) ...
     engram.save_adapter(model, "out/adapter")                        # only what attach added
     engram.load_adapter(AutoModelForCausalLM.from_pretrained(...), "out/adapter")
     engram.detach(model)                                             # the base, untouched
@@ -23,9 +24,11 @@ Decoding: the cache (`generate()`'s, or one passed in) carries Engram's state (t
 layer's short-conv inputs; `engram.cache.NgramHistory`), so cached decoding equals full recomputes.
 
 Files: `introspect.py` (finding a base's layers, tokenizer and fingerprint), `hooks.py` (the adapter module and
-its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save, load).
+its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save, load; the attached model's
+`save_pretrained`), `hf.py` (Trainer / TRL / accelerate: the optimizer argument, what clipping and DDP do).
 """
 
+from .hf import hf_optimizers
 from .hooks import EngramAdapter, adapter_of
 from .introspect import (
                          LAYER_LISTS,
@@ -55,9 +58,11 @@ from .saving import (
                          load_adapter,
                          read_adapter_config,
                          save_adapter,
+                         save_pretrained,
 )
 
 __all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "base_fingerprint",
            "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "generation_pad_id",
-           "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "trainable_summary", "unfreeze",
+           "hf_optimizers", "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",
+           "trainable_summary", "unfreeze",
            "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR"]

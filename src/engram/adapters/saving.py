@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch.nn as nn
 
 from ..hashing import SPEC_FILE
 from ..persist import (
+    MANIFEST,
     atomic_write_bytes,
     new_dir,
     read_json,
     recover_dir,
     verify_saved,
     write_json,
+    write_manifest,
 )
 from .hooks import adapter_of
 from .introspect import (
@@ -33,6 +34,8 @@ CONFIG_FILE = "engram_adapter.json"
 WEIGHTS_FILE = "engram_adapter.safetensors"
 BASE_MODULES_FILE = "base_modules.safetensors"
 LORA_DIR = "lora"
+TRAINER_WEIGHTS_FILE = "model.safetensors"  # `save_pretrained`'s layout: the name Trainer resumes from
+ADAPTER_PREFIX = "engram_adapter."  # where attach puts the adapter in the model (`model.engram_adapter`)
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
@@ -43,34 +46,86 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     `base_modules.safetensors` and `lora/` when present, and `engram_manifest.json` (every file's sha256,
     last). Written to a temp folder that `persist.new_dir` swaps into place.
     """
-    from ..tables import table_entries, write_safetensors
+    target, adapter = _attached(model)
+    out = Path(directory)
+    with new_dir(out) as tmp:  # the checksum manifest is written last, then the folder swapped in
+        _write_adapter(target, adapter, tmp, trainer_layout=False)
+        if model is not target and hasattr(model, "peft_config"):
+            model.save_pretrained(str(tmp / LORA_DIR))
+    return out
 
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main_process: bool = True,
+                    **ignored) -> Path:
+    """`model.save_pretrained(dir)` of an attached model (attach installs it; detach removes it), as PEFT's
+    wrappers do: the adapter, not the base, written into `dir` beside what is there (a Trainer checkpoint's
+    optimizer and state files, a tokenizer).
+
+    Files: `model.safetensors` holding the model's trainable state under its own names (`engram_adapter.*` and
+    any `unfreeze`d base modules), so that `Trainer(resume_from_checkpoint=...)` and `load_best_model_at_end`
+    restore it with `model.load_state_dict(strict=False)`; then `engram_adapter.json`, `engram_hash_spec.json`,
+    `tokenizer.json` and `engram_manifest.json` (last, listing these files; the Trainer may write its own
+    `tokenizer.json` over ours, so the manifest leaves it out: `load_adapter` checks the tokenizer by its
+    compression's digest instead). `engram.load_adapter` / `EngramAdapter.from_pretrained` read it.
+    `is_main_process` False (other DDP ranks) writes nothing; other Trainer keywords (`state_dict`, ...) are
+    ignored: the adapter's tensors are read from the model.
+    """
+    target, adapter = _attached(model)
+    d = Path(save_directory)
+    if not is_main_process:
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    (d / MANIFEST).unlink(missing_ok=True)  # until the new manifest is written the folder reads as incomplete
+    names = _write_adapter(target, adapter, d, trainer_layout=True)
+    write_manifest(d, files=[n for n in names if n != TOKENIZER_FILE])
+    return d
+
+
+def _attached(model: nn.Module):
+    """(the transformers model inside any PEFT wrapper, its `EngramAdapter`), or AdapterError."""
     target = _unwrap(model)
     adapter = adapter_of(target)
     if adapter is None:
         raise AdapterError("the model has no Engram adapter to save (engram.attach it first)")
-    out = Path(directory)
-    with new_dir(out) as tmp:  # the checksum manifest is written last, then the folder swapped in
-        write_safetensors(tmp / WEIGHTS_FILE, table_entries(adapter, adapter.state_dict()), {"format": FORMAT})
-        if adapter.base_modules:
-            sd = target.state_dict()
-            keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))
-            from safetensors.torch import save_file
+    return target, adapter
 
-            save_file({k: sd[k].detach().cpu().contiguous() for k in keys}, str(tmp / BASE_MODULES_FILE))
-        ct = adapter.mapping.compressed_tokenizer
-        if ct.tokenizer_file is not None:
-            shutil.copy(ct.tokenizer_file, tmp / TOKENIZER_FILE)
-        else:
-            atomic_write_bytes(tmp / TOKENIZER_FILE, ct.tokenizer.to_str().encode("utf-8"))
-        adapter.mapping.save_spec(tmp / SPEC_FILE, include_lookup_table=False)
-        if model is not target and hasattr(model, "peft_config"):
-            model.save_pretrained(str(tmp / LORA_DIR))
-        meta = {"format": FORMAT, "engram": adapter.config.to_dict(), "layers_path": adapter.layers_path,
-                "hidden_size": adapter.layers[str(adapter.config.layer_ids[0])].hidden_size,
-                "base": adapter.fingerprint, "base_modules": adapter.base_modules}
-        write_json(tmp / CONFIG_FILE, meta)
-    return out
+
+def _write_adapter(target: nn.Module, adapter: nn.Module, d: Path, trainer_layout: bool) -> list[str]:
+    """Write the adapter's files into folder `d` (each atomically); returns their names.
+
+    `trainer_layout`: the weights go to `model.safetensors` under the model's names, unfrozen base modules
+    included (`save_pretrained`); else to `engram_adapter.safetensors` under the adapter's names, base modules
+    to `base_modules.safetensors` (`save_adapter`).
+    """
+    from ..tables import table_entries, tensor_entry, write_safetensors
+
+    sd = target.state_dict() if adapter.base_modules else {}
+    base_keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))
+    entries = table_entries(adapter, adapter.state_dict())
+    if trainer_layout:
+        weights = TRAINER_WEIGHTS_FILE
+        entries = [(ADAPTER_PREFIX + n, *rest) for n, *rest in entries]
+        entries += [tensor_entry(k, sd[k].detach().cpu().contiguous()) for k in base_keys]
+    else:
+        weights = WEIGHTS_FILE
+    write_safetensors(d / weights, entries, {"format": FORMAT})
+    names = [weights]
+    if base_keys and not trainer_layout:
+        from safetensors.torch import save_file
+
+        save_file({k: sd[k].detach().cpu().contiguous() for k in base_keys}, str(d / BASE_MODULES_FILE))
+        names.append(BASE_MODULES_FILE)
+    ct = adapter.mapping.compressed_tokenizer
+    tok = ct.tokenizer.to_str().encode("utf-8") if ct.tokenizer_file is None else Path(ct.tokenizer_file).read_bytes()
+    atomic_write_bytes(d / TOKENIZER_FILE, tok)
+    adapter.mapping.save_spec(d / SPEC_FILE, include_lookup_table=False)
+    meta = {"format": FORMAT, "engram": adapter.config.to_dict(), "layers_path": adapter.layers_path,
+            "hidden_size": adapter.layers[str(adapter.config.layer_ids[0])].hidden_size,
+            "base": adapter.fingerprint, "base_modules": adapter.base_modules}
+    if trainer_layout:
+        meta["weights_file"] = weights
+    write_json(d / CONFIG_FILE, meta)
+    return names + [TOKENIZER_FILE, SPEC_FILE, CONFIG_FILE]
 
 
 def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> dict:
@@ -112,15 +167,22 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
     try:
         spec = read_json(d / SPEC_FILE, "hash manifest", "save the adapter again", AdapterError)
         adapter.mapping.check_spec(spec, str(d), AdapterError)
-        sd = load_file(str(d / WEIGHTS_FILE), device=str(target.get_input_embeddings().weight.device))
+        weights = d / meta.get("weights_file", WEIGHTS_FILE)
+        sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
+        base_sd, base_file = {}, d / BASE_MODULES_FILE
+        if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
+            base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
+            sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
+            base_file = weights
+        elif meta.get("base_modules"):
+            base_sd = load_file(str(base_file))
         missing, unexpected = adapter.load_state_dict(sd, strict=False)
         if missing or unexpected:
-            raise AdapterError(f"{d / WEIGHTS_FILE} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if meta.get("base_modules"):
-            base_sd = load_file(str(d / BASE_MODULES_FILE))
             _, unexpected = target.load_state_dict(base_sd, strict=False)
             if unexpected:
-                raise AdapterError(f"{d / BASE_MODULES_FILE}: the model has no {unexpected[:3]}")
+                raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
             adapter.base_modules = list(meta["base_modules"])
     except AdapterError:
         detach(target)

@@ -56,7 +56,22 @@ def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     w.addcdiv_(m, torch.sqrt(v, out=denom).add_(eps), value=-_step_size(lr, b1, b2, step))
 
 
-class LazyRowAdam(torch.optim.Optimizer):
+class _RowBuffers:
+    """Reused gather buffers per table (fresh ones cost 3x in page faults), for `lazy_row_update`."""
+
+    fused: bool = True
+    _bufs: dict
+
+    def _buffers(self, p: torch.Tensor, n: int) -> list[torch.Tensor]:
+        bufs = self._bufs.get(id(p))
+        if bufs is None or bufs[0].shape[0] < n:
+            cap = max(n, int(1.25 * (bufs[0].shape[0] if bufs else 0)))
+            bufs = [torch.empty((cap,) + tuple(p.shape[1:]), dtype=torch.float32, device=p.device) for _ in range(4)]
+            self._bufs[id(p)] = bufs
+        return bufs
+
+
+class LazyRowAdam(_RowBuffers, torch.optim.Optimizer):
     """Row-lazy Adam for parameters with sparse (COO, row-indexed) or dense gradients.
 
     `fused=True` (default) updates float32 CPU tables in place with the numba kernel when numba is
@@ -69,62 +84,103 @@ class LazyRowAdam(torch.optim.Optimizer):
             raise ValueError(f"invalid LazyRowAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
         self.fused = fused
-        self._bufs: dict[int, list[torch.Tensor]] = {}
-
-    def _buffers(self, p: torch.Tensor, n: int) -> list[torch.Tensor]:
-        bufs = self._bufs.get(id(p))
-        if bufs is None or bufs[0].shape[0] < n:
-            cap = max(n, int(1.25 * (bufs[0].shape[0] if bufs else 0)))
-            bufs = [torch.empty((cap,) + tuple(p.shape[1:]), dtype=torch.float32, device=p.device) for _ in range(4)]
-            self._bufs[id(p)] = bufs
-        return bufs
+        self._bufs = {}
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float64)
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                state["step"] += 1
-                step = float(state["step"])
-                if (self.fused and g.is_sparse and not g.is_coalesced() and g._values().dtype == torch.float32
-                        and _fused_ok(p, state["exp_avg"], state["exp_avg_sq"])):
-                    # sum repeated rows and update them in one pass, in place
-                    step_size = _step_size(group["lr"], b1, b2, step)
-                    n = g._nnz()
-                    _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(),
-                                               state["exp_avg_sq"].numpy(),
-                                               g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
-                                               b1, b2, step_size, group["eps"], gsum=self._buffers(p, n)[0].numpy())
-                    continue
-                rows, gv = row_grads(g)
-                if rows.numel() == 0:
-                    continue
-                n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
-                if self.fused and _fused_ok(p, m, v, gv):  # in place on the table: no gather, no scatter
-                    _adam_in_place(p, m, v, rows, gv, step, group["lr"], b1, b2, group["eps"])
-                    continue
-                bufs = self._buffers(p, n)  # reused gather buffers: fresh ones cost 3x in page faults
-                m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n])
-                v_rows = torch.index_select(v, 0, rows, out=bufs[1][:n])
-                if p.dtype == torch.float32:
-                    w_rows = torch.index_select(p, 0, rows, out=bufs[2][:n])
-                else:
-                    w_rows = p.index_select(0, rows).float()
-                adam_rows_(w_rows, m_rows, v_rows, gv, step, group["lr"], b1, b2, group["eps"], denom=bufs[3][:n],
-                           fused=self.fused)
-                m.index_copy_(0, rows, m_rows)
-                v.index_copy_(0, rows, v_rows)
-                p.index_copy_(0, rows, w_rows.to(p.dtype))
+                lazy_row_update(self, p, group)
         return loss
+
+
+class EngramAdamW(_RowBuffers, torch.optim.AdamW):
+    """One torch optimizer for a model with Engram tables: `torch.optim.AdamW` on the dense parameter groups, the
+    lazy row update of `LazyRowAdam` on the groups marked `rows=True` (tables with sparse row gradients).
+
+    The form `transformers.Trainer`, accelerate and LR schedulers take (one optimizer, one `param_groups` list,
+    one `state_dict`): a scheduler scales every group's LR, `state_dict` holds the tables' moments with the rest,
+    so a resumed run continues exactly. Row groups take no weight decay (the paper's). Dense groups come first
+    (`param_groups[0]["lr"]` is the dense LR that Trainer logs).
+
+        opt = EngramAdamW([{"params": dense, "weight_decay": 0.1}, {"params": tables, "rows": True, "lr": 5e-3}],
+                          lr=1e-3)
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 fused: bool = True):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        for g in self.param_groups:
+            if g.get("rows"):
+                g["weight_decay"] = 0.0
+        self.fused = fused  # the rows' numba kernel (see LazyRowAdam); AdamW picks its own implementation
+        self._bufs = {}
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        self.param_groups = [g for g in groups if not g.get("rows")]  # AdamW refuses sparse gradients: hide them
+        try:
+            super().step()
+        finally:
+            self.param_groups = groups
+        with torch.no_grad():
+            for group in groups:
+                if group.get("rows"):
+                    for p in group["params"]:
+                        lazy_row_update(self, p, group)
+        return loss
+
+
+def lazy_row_update(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> None:
+    """One lazy Adam step of parameter `p` (a table; sparse or dense gradient) in `opt`'s state: only the rows
+    its gradient touches move, with their moments (the update `LazyRowAdam` and `EngramAdamW` share).
+
+    `opt` provides `state`, `fused` and `_buffers` (reused gather buffers); `group` the lr, betas and eps.
+    """
+    if p.grad is None:
+        return
+    g = p.grad
+    b1, b2 = group["betas"]
+    state = opt.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float64)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    state["step"] += 1
+    step = float(state["step"])
+    if (opt.fused and g.is_sparse and not g.is_coalesced() and g._values().dtype == torch.float32
+            and _fused_ok(p, state["exp_avg"], state["exp_avg_sq"])):
+        # sum repeated rows and update them in one pass, in place
+        step_size = _step_size(group["lr"], b1, b2, step)
+        n = g._nnz()
+        _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
+                                   g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
+                                   b1, b2, step_size, group["eps"], gsum=opt._buffers(p, n)[0].numpy())
+        return
+    rows, gv = row_grads(g)
+    if rows.numel() == 0:
+        return
+    n, m, v = rows.numel(), state["exp_avg"], state["exp_avg_sq"]
+    if opt.fused and _fused_ok(p, m, v, gv):  # in place on the table: no gather, no scatter
+        _adam_in_place(p, m, v, rows, gv, step, group["lr"], b1, b2, group["eps"])
+        return
+    bufs = opt._buffers(p, n)  # reused gather buffers: fresh ones cost 3x in page faults
+    m_rows = torch.index_select(m, 0, rows, out=bufs[0][:n])
+    v_rows = torch.index_select(v, 0, rows, out=bufs[1][:n])
+    if p.dtype == torch.float32:
+        w_rows = torch.index_select(p, 0, rows, out=bufs[2][:n])
+    else:
+        w_rows = p.index_select(0, rows).float()
+    adam_rows_(w_rows, m_rows, v_rows, gv, step, group["lr"], b1, b2, group["eps"], denom=bufs[3][:n],
+               fused=opt.fused)
+    m.index_copy_(0, rows, m_rows)
+    v.index_copy_(0, rows, v_rows)
+    p.index_copy_(0, rows, w_rows.to(p.dtype))
 
 
 class TableAdam:
@@ -203,6 +259,14 @@ def split_params(model: torch.nn.Module):
     return dense, tables
 
 
+def dense_groups(dense: list, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups of the dense `(name, param)`s: weight decay on matrices, none on vectors (norms,
+    biases) or the token embedding."""
+    decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult: float = 5.0,
                      betas=(0.9, 0.95), fused: bool = True) -> dict[str, torch.optim.Optimizer]:
     """AdamW (decay on matrices only) for the backbone; lazy row Adam at `table_lr_mult` x LR, no decay, for tables.
@@ -211,10 +275,7 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
     (trainable `engram.tables.Table`s) get `TableAdam` (`fused`: their numba kernel on CPU, see `LazyRowAdam`).
     """
     dense, table_params = split_params(model)
-    decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
-    no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
-    opts = {"dense": torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)}
+    opts = {"dense": torch.optim.AdamW(dense_groups(dense, weight_decay), lr=lr, betas=betas)}
     own_rows = [t for _, t in sorted(installed_tables(model).items()) if t.trainable]
     if table_params and own_rows:
         raise ValueError("some Engram tables are parameters and some keep their own rows; offload all or none")
@@ -226,3 +287,40 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
         for g in o.param_groups:
             g["base_lr"] = g["lr"]
     return opts
+
+
+# ------------------------------------------------------------------------------------ clipping sparse gradients
+_SPARSE_NORM_LIB = None  # the torch.library registration (kept alive: dropping it unregisters the kernel)
+
+
+def _sparse_vector_norm(x: torch.Tensor, ord=2, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    """`torch.linalg.vector_norm` of a sparse COO tensor: the norm of its dense equivalent.
+
+    A table's row gradient `(num_rows, D)` holds one entry per lookup, repeated rows not yet summed;
+    the norm is that of the summed rows (what the dense gradient would be): from the coalesced values
+    for any order >= 0 over the whole tensor (implicit zeros add nothing), else through `to_dense()`.
+    """
+    if dim is None and not keepdim and ord >= 0:
+        vals = x._values() if x.is_coalesced() else row_grads(x)[1]
+        return torch.linalg.vector_norm(vals, ord, dtype=dtype if dtype is not None else x.dtype)
+    return torch.linalg.vector_norm(x.to_dense(), ord, dim, keepdim, dtype=dtype)
+
+
+def enable_sparse_grad_norm() -> None:
+    """Give `torch.linalg.vector_norm` a kernel for sparse COO tensors (torch has none), so that
+    `torch.nn.utils.clip_grad_norm_`, accelerate's and `transformers.Trainer`'s clipping work on a model whose
+    Engram tables have sparse gradients, with the meaning they have for a dense model: the global norm is
+    sqrt(sum of every dense gradient's squared entries + every table's summed looked-up rows' squared entries),
+    and clipping scales the table rows by the same factor (`mul_` on a sparse gradient scales its values).
+
+    Process-wide and idempotent; it only fills a missing kernel (without it the call raises), so nothing that
+    worked before changes. Called by `engram.attach` and `engram.hf_optimizers`.
+    """
+    global _SPARSE_NORM_LIB
+    if _SPARSE_NORM_LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for key in ("SparseCPU", "SparseCUDA"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::linalg_vector_norm", key):
+            lib.impl("linalg_vector_norm", _sparse_vector_norm, key)
+    _SPARSE_NORM_LIB = lib
