@@ -27,6 +27,9 @@ Experiments:
   edit         50 made-up facts written into a trained cpu-small model's table rows (`engram edit`):
                efficacy, paraphrases, in-passage, collision set, locality; vs teaching them by full
                fine-tuning and LoRA (`analysis/editing.py`; `--checkpoint RUN` reuses a trained model).
+  adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
+               bases adapted to Shakespeare and to the King James Bible: settings apart from
+               benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from ..utils import environment
 from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import difference, read_run_file, seed_stats, trained_run
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
+               "adapter-init")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -110,6 +114,10 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
 
         return run(out, seeds, max_steps, progress=progress, scale=scale, data=data, plan_only=plan_only,
                    record=record, only=variants_only, finished_only=finished_only)
+    if name == "adapter-init":  # transformers bases adapted with each candidate table init: its own driver
+        from .adapter_init import run
+
+        return run(out, seeds, max_steps, progress=progress, record=record)
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 
