@@ -511,7 +511,7 @@ def adapters(args) -> dict:
             if a in by and c in by:
                 b[f"step_ratio {c} / {a}"] = [round(x["step_s"] / y["step_s"], 3) for x, y in zip(by[c], by[a])]
         for a, c in _comparisons(default):
-            if a in by and c in by:
+            if a in by and c in by and min(len(by[a]), len(by[c])) > 1:  # (a test needs two seeds)
                 t = compare([x["val_loss"] for x in by[a]], [x["val_loss"] for x in by[c]],
                             [x["seed"] for x in by[a]], [x["seed"] for x in by[c]])
                 tests.append((kind, a, c, t))
