@@ -88,9 +88,13 @@ def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
     assert main(["train", "--preset", "tiny", "--data", str(corpus), "--out", "run", "--max-steps", "3"]) == 0
     capsys.readouterr()
     r = run_cli("gates", "--checkpoint", "run", "--text", "the king and the queen", "--out", "g.png", "--summary",
-                cwd=tmp_path)
+                "--record", "gates.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "g.png").stat().st_size > 1000 and "mean gate on frequent n-gram completions" in r.stdout
+    rec = json.loads((tmp_path / "gates.json").read_text())
+    assert rec["experiment"] == "gates" and "--summary" in rec["command"] and rec["environment"]["torch"]
+    layer = next(iter(rec["summary"].values()))
+    assert f"{layer['entity_completion']:.3f}" in r.stdout
     assert main(["gates", "--checkpoint", "run", "--text", "the king", "--out", "g.html"]) == 0
     page = (tmp_path / "g.html").read_text()
     assert page.count('class="tok"') >= 2 and "data-gates" in page and "mouseenter" in page
@@ -98,9 +102,14 @@ def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
     assert main(["gates", "--checkpoint", "run", "--text", "x", "--out", "g.gif"]) == 2
     assert ".png or .html" in capsys.readouterr().err
     assert main(["stats", "--data", str(corpus), "--tokenizer", "bpe:300", "--sizes", "101", "1009",
-                 "--out", "z.png"]) == 0
+                 "--out", "z.png", "--record", "stats.json"]) == 0
     out = capsys.readouterr().out
     assert "reduction" in out and "collide" in out and (tmp_path / "z.png").is_file()
+    from engram.analysis.report import render
+
+    rec = json.loads((tmp_path / "stats.json").read_text())
+    assert [u["table_rows"] for u in rec["row_usage"]] == [101, 1009, 101, 1009] and rec["environment"]["torch"]
+    assert render("{{table:stats}} {{value:stats/zipf_top.2.top1pct_share|.1%}}", {"stats": rec}).count("\n") == 5
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="headless Chromium not installed")
@@ -116,3 +125,42 @@ def test_gates_html_renders_in_headless_chromium(corpus, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-500:]
     assert 'class="tok"' in r.stdout and "hover a token" in r.stdout
+
+
+@pytest.mark.slow  # two tiny sweeps: ~20 s alone, over a minute on a shared machine
+def test_allocation_adds_seeds_to_a_committed_record(corpus, tmp_path):
+    """`--variants V --seeds N --record DIR` with DIR/allocation.json committed: only V's missing seeds train (in
+    an empty OUT); the other runs come from the record unchanged, environments included."""
+    from engram.analysis import allocation as A
+
+    rec_dir = tmp_path / "rec"
+    A.run(tmp_path / "a", seeds=2, max_steps=2, progress=False, scale="tiny", data=[str(corpus)], record=rec_dir,
+          third_seed=False)
+    before = json.loads((rec_dir / "allocation.json").read_text())
+    A.run(tmp_path / "b", seeds=3, max_steps=2, progress=False, scale="tiny", data=[str(corpus)], record=rec_dir,
+          only=["moe-E5+engram"])
+    after = json.loads((rec_dir / "allocation.json").read_text())
+    trained = sorted(p.name for p in (tmp_path / "b" / "allocation-tiny").iterdir() if p.is_dir())
+    assert trained == ["moe-E5+engram-seed2"]
+    assert after["seeds"]["moe-E5+engram"] == [0, 1, 2] and after["seeds"]["moe-E6"] == [0, 1]
+    for v, r in before["variants"].items():
+        assert after["variants"][v]["values"][:2] == r["values"]
+    assert after["variants"]["moe-E6"] == before["variants"]["moe-E6"]
+    assert len(after["run_environment"]) == sum(len(s) for s in after["seeds"].values())
+    assert after["command"].startswith(before["command"] + "; then ")
+
+
+def test_collisions_count_every_ngram_in_a_shared_row():
+    """§7's measure: 3 n-grams in row 5, 2 in row 9, 1 alone in row 7 -> 5 of 6 share their row (the old
+    (distinct - rows used) / distinct said 3 of 6)."""
+    import numpy as np
+
+    from engram.analysis.stats import row_usage, shared_rows
+
+    assert shared_rows(np.array([5, 5, 5, 7, 9, 9])) == (3, 5 / 6)
+    assert shared_rows(np.array([1, 2, 3])) == (3, 0.0)
+    # uniform hashing of n distinct n-grams into p rows: 1 - exp(-n/p) of them share a row (Poisson occupancy)
+    ids = np.random.default_rng(0).integers(0, 50_000, 400_000)
+    u = [r for r in row_usage(ids, [100_000]) if r["order"] == 3][0]
+    lam = u["distinct_ngrams"] / u["table_rows"]
+    assert u["collision_rate"] == pytest.approx(1 - np.exp(-lam), abs=0.01)

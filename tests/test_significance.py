@@ -32,6 +32,8 @@ def test_welch_matches_scipy_ttest_ind():
     assert r.kind == "welch" and (r.n_a, r.n_b) == (3, 4)
     assert r.t == pytest.approx(ref.statistic, rel=1e-9)
     assert r.p == pytest.approx(ref.pvalue, rel=1e-9)
+    s = S.welch_summary(np.mean(A), np.std(A, ddof=1), 3, np.mean(b), np.std(b, ddof=1), 4)
+    assert (s.p, s.df) == pytest.approx((r.p, r.df), rel=1e-12)
     va, vb = np.var(A, ddof=1) / 3, np.var(b, ddof=1) / 4
     assert r.df == pytest.approx((va + vb) ** 2 / (va**2 / 2 + vb**2 / 3), rel=1e-12)
 
@@ -83,6 +85,12 @@ def test_min_detectable_closed_form_and_power():
     t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(3))
     power = np.mean(np.abs(t) > stats.t.ppf(0.975, 2))
     assert power == pytest.approx(0.80, abs=0.01)
+    # two pairs (df 1), where scipy's nct gives nan at large noncentrality: the integral fallback, checked by simulation
+    r2 = S.paired(A[:2], B[:2])
+    delta2 = S.min_detectable(r2)
+    d = rng.normal(delta2, r2.se * math.sqrt(2), size=(40000, 2))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(2))
+    assert np.mean(np.abs(t) > stats.t.ppf(0.975, 1)) == pytest.approx(0.80, abs=0.01)
     # at n = 3 (df 2) the detectable difference is much more than 2 se
     assert delta > 5 * r.se
     with pytest.raises(S.SignificanceError, match="power"):
@@ -114,5 +122,5 @@ def test_describe_says_finding_or_what_could_be_seen():
     r = S.paired(A, B)
     assert S.describe(r, 0.01).endswith(": a finding")
     line = S.describe(r, 0.2)
-    assert "not a finding" in line and f"±{S.min_detectable(r):.3f}" in line and "paired t, n=3" in line
+    assert "not a finding" in line and f"±{S.min_detectable(r):.4f}" in line and "paired t, n=3" in line
     assert S.fmt_p(0.01234) == "0.012" and S.fmt_p(0.004321) == "0.0043" and S.fmt_p(1e-9) == "<1e-6"

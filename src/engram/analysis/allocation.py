@@ -38,7 +38,7 @@ import torch
 
 from ..config import ConfigError
 from ..persist import atomic_write_bytes, write_json
-from .runs import seed_stats, trained_run
+from .runs import read_result, seed_stats, trained_run
 
 ROUTED_WEIGHTS = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")
 TABLE_WEIGHT = "multi_head_embedding.embedding.weight"
@@ -302,6 +302,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     plan) for `seeds` seeds and report the others' finished runs only. `finished_only`: train nothing.
     `record`: also write `record/allocation-accounting.json` and the per-seed results `record/allocation.json`."""
     from ..training.presets import train_config
+    from .report import recorded_runs
 
     sc = _scale(scale)
     root = Path(out) / "allocation" if scale == "cpu" else Path(out) / f"allocation-{scale}"
@@ -329,18 +330,25 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
         raise ConfigError(f"unknown allocation variant(s) {', '.join(unknown)}; "
                           f"the {scale} plan has {', '.join(names)}")
     results: dict[str, list[dict]] = {v.name: [] for v in vs}
+    # `--variants` adding seeds to a committed record: the (variant, seed) runs it holds are not trained again
+    # (their recorded values and environments are kept); runs finished under OUT take precedence over them
+    recorded = recorded_runs(Path(record) / "allocation.json") if record is not None and only is not None else {}
     for seed in range(seeds):
         for v in vs:
             run_dir = root / f"{v.name}-seed{seed}"
-            train_it = not finished_only and (only is None or v.name in only)
+            old = next((r for r in recorded.get(v.name, []) if r["seed"] == seed), None)
+            train_it = not finished_only and (only is None or v.name in only) and old is None
             if train_it or (run_dir / "summary.json").is_file():
                 results[v.name].append(_train(run_dir, sc, v, seed, steps, data, progress))
-    if only is not None or finished_only:  # seeds beyond `seeds` that finished earlier count too
+            elif old is not None:
+                results[v.name].append(old)
+    if only is not None or finished_only:  # seeds beyond `seeds` that finished (or were recorded) earlier count too
         for v in vs:
             seed = seeds
             while (root / f"{v.name}-seed{seed}" / "summary.json").is_file():
                 results[v.name].append(_train(root / f"{v.name}-seed{seed}", sc, v, seed, steps, data, progress))
                 seed += 1
+            results[v.name] += [r for r in recorded.get(v.name, []) if r["seed"] >= seed]
         third_seed = False
     vs = [v for v in vs if results[v.name]]
     results = {n: rs for n, rs in results.items() if rs}
@@ -371,10 +379,13 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
                                               "activated": v.accounting["activated"],
                                               "table_params": v.accounting["table"]}
                      for v in vs}
+        command = (f"engram experiment allocation --seeds {seeds} --record {record}"
+                   + (f" --variants {','.join(only)}" if only else ""))
+        if any(r.get("recorded") for rs in results.values() for r in rs):  # the record this one extends
+            command = f"{read_result(Path(record) / 'allocation.json', 'experiment record')['command']}; then {command}"
         record_experiment(Path(record) / "allocation.json",
                           {"experiment": "allocation", "preset": sc.preset, "seeds": seeds, "variants": rec_table},
-                          results, command=f"engram experiment allocation --seeds {seeds} --record {record}"
-                          + (f" --variants {','.join(only)}" if only else ""))
+                          results, command=command)
     md = accounting_markdown(vs) + "\n" + results_markdown(vs, table, best, sweep[-1])
     atomic_write_bytes(root / "summary.md", md.encode())
     _plot(vs, table, root / "plot.png", scale)
@@ -385,19 +396,10 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
 
 # ------------------------------------------------------------------------------------------ reports
 def accounting_markdown(vs: list[Variant]) -> str:
-    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
-             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
-        a = v.accounting
-        E = v.model_overrides.get("n_routed_experts", "-") if v.kind != "dense" else "-"
-        rho = f"{100 * v.rho:.1f}%" if v.rho is not None else "-"
-        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
-        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
-        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
-        lines.append(f"| {v.name} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
-                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
-    return "\n".join(lines) + "\n"
+    """The accounting table of the plan `vs` (`report.accounting_markdown`, which also renders the committed one)."""
+    from .report import accounting_markdown
+
+    return accounting_markdown([dataclasses.asdict(v) for v in vs])
 
 
 def results_markdown(vs: list[Variant], table: dict, best: str, moe: str) -> str:

@@ -3,17 +3,27 @@
 `engram experiment NAME --record docs/results` writes `docs/results/NAME.json`: every variant's final val
 loss for every seed, the seeds, parameter counts, the val curves (iso), and the environment each run
 recorded (library versions, threads, CPU, ENGRAM_FUSED, commit). `docs/results.in.md` is the text of
-the results page; `render` fills its placeholders from those files, so every number in a table or a
+the results page; `render` fills its placeholders from those files, so every number in a table, a test or a
 "finding" comes from the committed per-seed values:
 
-    {{table:EXP}}           the experiment's table: mean ± sample sd (n), the difference to its baseline ± its
-                            standard error and the verdict (a finding only beyond two standard errors)
+    {{table:EXP}}           the experiment's table: mean ± sample sd (n) and the difference of means to its baseline
     {{stat:EXP/VARIANT}}    "4.6593 ± 0.0118 (n=3)"; EXP/VARIANT#FIELD for a nested one (sensitivity's #increase)
-    {{diff:EXP/A:EXP/B}}    B - A: "+0.0253 ± 0.0081 (se): a finding (beyond 2 se)" or "...: no difference
-                            at this scale"
+    {{family:LABEL          a section's family of comparisons, one `EXP/A:EXP/B` (B - A) per line: tested by
+    EXP/A:EXP/B ...}}       `significance.compare` (paired on shared seeds, Welch otherwise), Holm-adjusted within
+                            the family, rendered as a table with p, Holm p and the verdict
+    {{diff:EXP/A:EXP/B}}    one comparison of a family declared in the same section: "+0.0253 ± 0.0081 (paired t,
+                            n=3; p 0.012, Holm 0.048): a finding" or "...: not a finding (detectable at 80%
+                            power: ±0.031)"
+    {{value:EXP/KEY.KEY}}   one number of a record (a single measurement: gates, stats), formatted by the
+                            Python format spec after `|` (`{{value:gates/mean_gate.entity|.3f}}`)
+    {{quoted:SOURCE|TEXT}}  a number that is not ours (the paper's, an earlier session's): "TEXT (quoted: SOURCE)"
+    {{set:TEXT}}            a setting or a description of the setup written in prose (an init std, a rho, a
+                            corpus size, the test's alpha), rendered as TEXT
     {{env:EXP}}             the environment the experiment's runs recorded
 
-`main` (the CLI) writes docs/results.md and the plots docs/img/exp-EXP.png; `--check` only compares.
+`unsourced_numbers` lists what looks like a measured number (decimals, percentages, ±, "Nx") outside those
+placeholders and code spans; the tests require it to find none. `main` (the CLI) writes docs/results.md and
+the plots docs/img/exp-EXP.png; `--check` only compares.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ import re
 from pathlib import Path
 
 from ..persist import atomic_write_bytes, write_json
-from .runs import difference, read_result
+from . import significance as sig
+from .runs import ExperimentError, read_result
 
 # the row every other row of an experiment's table is compared with
 BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
-            "design": "reference", "allocation": "moe-E16"}
+            "design": "reference", "allocation": "moe-E16", "allocation-sweep": "moe-E16"}
 
 
 # experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
@@ -65,6 +76,27 @@ def experiment_record(summary: dict, results: dict[str, list[dict]], command: st
     return rec
 
 
+def recorded_runs(path: Path) -> dict[str, list[dict]]:
+    """The runs an existing record `path` holds, as `{variant: [{"seed", "val_loss", "environment",
+    "recorded": True}]}` (`{}` when there is none): a sweep that adds seeds to a committed record trains only
+    the (variant, seed) pairs it lacks and records the others as they were recorded, environments included."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    rec = read_result(path, "experiment record")
+    envs, where = rec.get("environments") or [], rec.get("run_environment") or {}
+    out: dict[str, list[dict]] = {}
+    for v, seeds in (rec.get("seeds") or {}).items():
+        values = rec["variants"][v]["values"]
+        if len(values) != len(seeds):
+            raise ExperimentError(f"{path}: {v} has {len(values)} values for {len(seeds)} seeds; "
+                                  f"delete the file and record the experiment again")
+        out[v] = [{"seed": s, "val_loss": x, "recorded": True,
+                   "environment": envs[where[f"{v}/seed{s}"]] if f"{v}/seed{s}" in where else None}
+                  for s, x in zip(seeds, values)]
+    return out
+
+
 def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
     rec = experiment_record(summary, results, command)
     write_json(path, rec)
@@ -76,11 +108,9 @@ def fmt_stat(s: dict) -> str:
     return f"{s['mean']:.4f} ± {s['std']:.4f} (n={s['n']})"
 
 
-def fmt_diff(a: dict, b: dict) -> str:
-    """b - a with its standard error and the verdict of the two-standard-error rule."""
-    d = difference(a, b)
-    verdict = "a finding (beyond 2 se)" if d["finding"] else "no difference at this scale"
-    return f"{d['diff']:+.4f} ± {d['se']:.4f} (se): {verdict}"
+def fmt_diff(test: sig.TestResult, p_holm: float) -> str:
+    """One comparison of a family: difference ± se, the test, p, Holm-adjusted p, the verdict."""
+    return sig.describe(test, p_holm)
 
 
 def fmt_env(rec: dict) -> str:
@@ -96,8 +126,13 @@ def fmt_env(rec: dict) -> str:
     return "; ".join(parts) if len(parts) == 1 else f"{len(parts)} environments: " + "; ".join(parts)
 
 
-def table_markdown(rec: dict) -> str:
-    name = rec["experiment"]
+def table_markdown(rec: dict, name: str | None = None) -> str:
+    """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key)."""
+    name = rec.get("experiment", name)
+    if name == "allocation-accounting":  # `experiment allocation --plan-only --record`: the accounting table
+        return accounting_markdown(rec["variants"]).rstrip("\n")
+    if name == "stats":  # `engram stats --record`: row usage and collisions per order and table size
+        return stats_markdown(rec)
     if name in OWN_REPORT:  # edit: methods x metrics over fact sets; retrofit: the sweep and chosen points
         return _own_report(name).markdown(rec).rstrip("\n")
     table = rec["variants"]
@@ -108,16 +143,54 @@ def table_markdown(rec: dict) -> str:
             lines.append(f"| {cat} | {r['tokens']:,} | {r['on']['mean']:.3f} | {r['off']['mean']:.3f} | "
                          f"{r['increase']['mean']:+.3f} ± {r['increase']['std']:.3f} (n={r['increase']['n']}) |")
         return "\n".join(lines)
+    if rec.get("quoted"):  # summary statistics kept from runs whose per-seed values were not (allocation-sweep)
+        lines = ["| variant | rho | seeds | final val loss (mean ± half-range) | sd used by the tests | vs "
+                 f"{BASELINE.get(name, '-')} |", "|---|---|---|---|---|---|"]
+        base = table.get(BASELINE.get(name, ""))
+        for v, r in table.items():
+            rho = f"{100 * r['rho']:.1f}%" if r.get("rho") is not None else "-"
+            vs = f"{r['mean'] - base['mean']:+.4f}" if base else ""
+            lines.append(f"| {v} | {rho} | {r['n']} | {r['mean']:.4f} ± {r['half_range']:.4f} | {r['std']:.4f} | "
+                         f"{vs} |")
+        return "\n".join(lines)
     base = BASELINE.get(name)
-    lines = [f"| variant | final val loss (mean ± sd, n) | vs {base} (± se) | params | table params |",
+    lines = [f"| variant | final val loss (mean ± sd, n) | vs {base} (difference of means) | params | table params |",
              "|---|---|---|---|---|"]
     for v, r in table.items():
-        vs = "" if base is None or v == base or base not in table else fmt_diff(table[base], r)
+        vs = "" if base is None or v == base or base not in table else f"{r['mean'] - table[base]['mean']:+.4f}"
         lines.append(f"| {v} | {fmt_stat(r)} | {vs} | {r['params']:,} | {r['table_params']:,} |")
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ rendering
+def accounting_markdown(vs: list[dict]) -> str:
+    """The allocation sweep's accounting table from its variants (`allocation.Variant` as dicts: what
+    `experiment allocation --plan-only --record` writes to allocation-accounting.json)."""
+    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
+             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in vs:
+        a = v["accounting"]
+        E = v["model_overrides"].get("n_routed_experts", "-") if v["kind"] != "dense" else "-"
+        rho = f"{100 * v['rho']:.1f}%" if v["rho"] is not None else "-"
+        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
+        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
+        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
+        lines.append(f"| {v['name']} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
+                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
+    return "\n".join(lines) + "\n"
+
+
+def stats_markdown(rec: dict) -> str:
+    """`engram stats --record`'s row usage: one head per order, per table size."""
+    lines = ["| order | rows | distinct n-grams | rows used | usage | n-grams sharing their row with another |",
+             "|---|---|---|---|---|---|"]
+    for u in rec["row_usage"]:
+        lines.append(f"| {u['order']} | {u['table_rows']:,} | {u['distinct_ngrams']:,} | {u['rows_used']:,} | "
+                     f"{u['row_usage']:.1%} | {u['collision_rate']:.1%} |")
+    return "\n".join(lines)
+
+
 def load(results_dir: str | Path) -> dict[str, dict]:
     out = {}
     for f in sorted(Path(results_dir).glob("*.json")):
@@ -136,26 +209,151 @@ def _stat(recs: dict, ref: str) -> dict:
         raise KeyError(f"{ref!r}: no such experiment/variant in the per-seed files") from None
 
 
+def _seeds(rec: dict, variant: str) -> list[int] | None:
+    """The seeds of `variant`'s values in their order: the record's per-variant list, its only list (one set of
+    models measured several ways: sensitivity's categories), or range(n) for a record that kept only a count."""
+    seeds = rec.get("seeds")
+    if isinstance(seeds, dict):
+        if variant in seeds:
+            return list(seeds[variant])
+        return list(next(iter(seeds.values()))) if len(seeds) == 1 else None
+    return list(range(seeds)) if isinstance(seeds, int) else None
+
+
+def comparison(recs: dict, a: str, b: str) -> sig.TestResult:
+    """The test of b - a (`EXP/VARIANT[#FIELD]` references): `significance.compare` on the per-seed values,
+    paired by seed where both have them; Welch from mean, sd and n for a record that kept only those."""
+    sa, sb = _stat(recs, a), _stat(recs, b)
+    if "values" in sa and "values" in sb:
+        seeds = [_seeds(recs[r.partition("/")[0]], r.partition("/")[2].partition("#")[0]) for r in (a, b)]
+        return sig.compare(sa["values"], sb["values"], *seeds)
+    return sig.welch_summary(sa["mean"], sa["std"], sa["n"], sb["mean"], sb["std"], sb["n"])
+
+
+def _short(ref: str, other: str) -> str:
+    exp, _, variant = ref.partition("/")
+    variant = variant.partition("#")[0]
+    return variant if exp == other.partition("/")[0] else f"{exp}/{variant}"
+
+
+def family(recs: dict, pairs: list[tuple[str, str]]) -> list[dict]:
+    """Every comparison (a, b) of a family tested, with its Holm-adjusted p and verdict."""
+    tests = [comparison(recs, a, b) for a, b in pairs]
+    adjusted = sig.holm([t.p for t in tests])
+    return [{"a": a, "b": b, "test": t, "p_holm": q, "finding": sig.is_finding(q)}
+            for (a, b), t, q in zip(pairs, tests, adjusted)]
+
+
+def family_markdown(label: str, rows: list[dict]) -> str:
+    """The family's table: what each test compared, how, and what it found."""
+    kinds = sorted({r["test"].kind for r in rows})
+    how = " and ".join({"paired": "paired t-tests (shared seeds)", "welch": "Welch t-tests"}[k] for k in kinds)
+    lines = [f"**Tests, family {label}** ({len(rows)} comparison{'s' if len(rows) > 1 else ''}, {how}, two-sided, "
+             f"Holm-adjusted within the family; a finding: Holm p < {sig.ALPHA}; otherwise the smallest true "
+             f"difference the test detects with {sig.POWER:.0%} power at alpha {sig.ALPHA}):",
+             "", "| comparison (b - a) | difference ± se | test | p | Holm p | verdict |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["test"]
+        verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
+        lines.append(f"| {_short(r['b'], r['a'])} - {_short(r['a'], r['b'])} | {t.diff:+.4f} ± {t.se:.4f} | "
+                     f"{t.label} | {sig.fmt_p(t.p)} | {sig.fmt_p(r['p_holm'])} | {verdict} |")
+    return "\n".join(lines)
+
+
+def _value(recs: dict, arg: str) -> str:
+    ref, _, spec = arg.partition("|")
+    exp, _, path = ref.partition("/")
+    x = recs.get(exp)
+    for key in path.split("."):
+        if isinstance(x, list) and key.isdigit() and int(key) < len(x):
+            x = x[int(key)]
+        elif isinstance(x, dict) and key in x:
+            x = x[key]
+        else:
+            raise KeyError(f"{ref!r}: no such value in the per-seed files")
+    return format(x, spec)
+
+
+PLACEHOLDER = re.compile(r"\{\{(table|stat|diff|env|family|value|quoted|set):([^}]+)\}\}")
+
+
+def _families(section: str, recs: dict) -> dict[str, tuple[str, list[dict]]]:
+    """label -> (label, tested rows) of every `{{family:...}}` the section declares."""
+    out = {}
+    for m in PLACEHOLDER.finditer(section):
+        if m.group(1) == "family":
+            label, *lines = [x.strip() for x in m.group(2).strip().splitlines()]
+            pairs = [tuple(x.split(":")) for x in lines if x]
+            if not pairs or any(len(p) != 2 for p in pairs):
+                raise ValueError(f"family {label!r}: one EXP/A:EXP/B comparison per line after the label")
+            out[label] = (label, family(recs, pairs))
+    return out
+
+
 def render(template: str, recs: dict[str, dict]) -> str:
+    """Fill the template's placeholders section by section (a `{{diff}}` belongs to a family of its section)."""
     def rec(name: str) -> dict:
         if name not in recs:
             raise KeyError(f"no per-seed file for experiment {name!r} (engram experiment {name} --record DIR)")
         return recs[name]
 
-    def fill(m: re.Match) -> str:
-        kind, arg = m.group(1), m.group(2)
-        if kind == "table":
-            return table_markdown(rec(arg))
-        if kind == "stat":
-            return fmt_stat(_stat(recs, arg))
-        if kind == "diff":
-            a, b = arg.split(":")
-            return fmt_diff(_stat(recs, a), _stat(recs, b))
-        if kind == "env":
-            return fmt_env(rec(arg))
-        raise ValueError(f"unknown placeholder {{{{{kind}:{arg}}}}}")
+    def section(text: str) -> str:
+        fams = _families(text, recs)
+        tested = {(r["a"], r["b"]): r for _, rows in fams.values() for r in rows}
 
-    return re.sub(r"\{\{(table|stat|diff|env):([^}]+)\}\}", fill, template)
+        def fill(m: re.Match) -> str:
+            kind, arg = m.group(1), m.group(2)
+            if kind == "table":
+                return table_markdown(rec(arg), arg)
+            if kind == "stat":
+                return fmt_stat(_stat(recs, arg))
+            if kind == "diff":
+                a, b = arg.split(":")
+                if (a, b) not in tested:
+                    raise KeyError(f"{{{{diff:{arg}}}}}: not in a family of its section; list {a}:{b} in the "
+                                   f"section's {{{{family:...}}}}")
+                r = tested[(a, b)]
+                return fmt_diff(r["test"], r["p_holm"])
+            if kind == "family":
+                return family_markdown(*fams[arg.strip().splitlines()[0].strip()])
+            if kind == "value":
+                return _value(recs, arg)
+            if kind == "quoted":
+                source, _, text = arg.partition("|")
+                if not source.strip() or not text.strip():
+                    raise ValueError(f"{{{{quoted:{arg}}}}}: write {{{{quoted:SOURCE|TEXT}}}}")
+                return f"{text} (quoted: {source.strip()})"
+            if kind == "set":
+                return arg
+            if kind == "env":
+                return fmt_env(rec(arg))
+            raise ValueError(f"unknown placeholder {{{{{kind}:{arg}}}}}")
+
+        return PLACEHOLDER.sub(fill, text)
+
+    return "".join(section(part) for part in re.split(r"(?m)^(?=## )", template))
+
+
+# what a measured number looks like in prose: a decimal, a percentage, ±, a multiple ("14x")
+# (not a name's version: V4.1, Qwen2.5)
+_MEASURED = re.compile(r"(?<![\w.])\d+\.\d|(?<![\w.])\d+(\.\d+)?%|±|(?<![\w.])\d+(\.\d+)?x\b")
+
+
+def unsourced_numbers(template: str) -> list[tuple[int, str]]:
+    """(line number, line) of every template line whose text outside placeholders, code spans and image/link
+    targets still holds a measured-looking number (a decimal, a percentage, ±, "Nx"): each must come from a
+    record (`{{stat}}`, `{{diff}}`, `{{table}}`, `{{value}}`) or be marked (`{{quoted}}`, `{{set}}`)."""
+    text = PLACEHOLDER.sub(lambda m: "\0" * (m.group(0).count("\n")) + " ", template)  # keep line numbers
+    text = text.replace("\0", "\n")
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):
+            continue
+        bare = re.sub(r"`[^`]*`", " ", line)  # commands, file names, settings in code
+        bare = re.sub(r"\]\([^)]*\)", "]", bare)  # link and image targets
+        if _MEASURED.search(bare):
+            out.append((i, line))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ plots

@@ -47,13 +47,15 @@ def seed_stats(xs: list[float]) -> dict:
             "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
 
 
-def difference(a: dict, b: dict) -> dict:
-    """b - a of two `seed_stats`, its standard error, and whether it is a finding (beyond two standard errors)."""
-    import math
+def difference(a: dict, b: dict, seeds_a: list[int] | None = None, seeds_b: list[int] | None = None) -> dict:
+    """b - a of two `seed_stats` by the test of `significance.compare` (paired on shared seeds when both seed
+    lists are given, Welch otherwise): diff, se, p (two-sided), test ("paired"/"welch") and `finding`, which is
+    p < 0.05 for this comparison alone; in a family of comparisons adjust the p-values (`significance.holm`)
+    and call findings from the adjusted ones."""
+    from .significance import ALPHA, compare
 
-    d = b["mean"] - a["mean"]
-    se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) if a["n"] > 1 and b["n"] > 1 else float("nan")
-    return {"diff": d, "se": se, "finding": bool(abs(d) > 2 * se) if se == se else False}
+    t = compare(a["values"], b["values"], seeds_a, seeds_b)
+    return {"diff": t.diff, "se": t.se, "p": t.p, "test": t.kind, "finding": bool(t.p < ALPHA)}
 
 
 def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_steps: int | None, progress: bool,

@@ -47,6 +47,8 @@ class TestResult:
     p-value; n_a, n_b: the values used per side (both the number of pairs for a paired test).
     """
 
+    __test__ = False  # a result type, not a pytest test class (for test files that import it by name)
+
     kind: str
     diff: float
     se: float
@@ -100,13 +102,21 @@ def paired(a: Sequence[float], b: Sequence[float]) -> TestResult:
 def welch(a: Sequence[float], b: Sequence[float]) -> TestResult:
     """Welch's unequal-variance t-test of mean(b) - mean(a) (no shared seeds). Needs >= 2 values per side."""
     a, b = _values(a, "Welch test, first group"), _values(b, "Welch test, second group")
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    return welch_summary(statistics.fmean(a), statistics.stdev(a), len(a), statistics.fmean(b), statistics.stdev(b),
+                         len(b))
+
+
+def welch_summary(mean_a: float, sd_a: float, n_a: int, mean_b: float, sd_b: float, n_b: int) -> TestResult:
+    """`welch` from summary statistics (sample sds), for results that kept only mean, sd and n."""
+    if n_a < 2 or n_b < 2:
+        raise SignificanceError(f"Welch test: n = {n_a} and {n_b}; a t-test needs at least 2 per side (run more seeds)")
+    va, vb = sd_a**2 / n_a, sd_b**2 / n_b
     se = math.sqrt(va + vb)
     # Welch-Satterthwaite degrees of freedom
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else float(len(a) + len(b) - 2)
-    diff = statistics.fmean(b) - statistics.fmean(a)
+    df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1)) if se > 0 else float(n_a + n_b - 2)
+    diff = mean_b - mean_a
     t, p = _t_and_p(diff, se, df)
-    return TestResult("welch", diff, se, df, t, p, len(a), len(b))
+    return TestResult("welch", diff, se, df, t, p, n_a, n_b)
 
 
 def compare(a: Sequence[float], b: Sequence[float], seeds_a: Sequence[int] | None = None,
@@ -153,12 +163,28 @@ def min_detectable(test: TestResult, power: float = POWER, alpha: float = ALPHA)
     crit = stats.t.ppf(1 - alpha / 2, test.df)
 
     def gap(nc: float) -> float:
-        return stats.nct.sf(crit, test.df, nc) + stats.nct.cdf(-crit, test.df, nc) - power
+        return _power(nc, test.df, crit) - power
 
     hi = 1.0
     while gap(hi) < 0:
         hi *= 2
     return float(optimize.brentq(gap, 0.0, hi, xtol=1e-10) * test.se)
+
+
+def _power(nc: float, df: float, crit: float) -> float:
+    """P(|T'| > crit) for T' noncentral t(df, nc): scipy's nct, or (where it returns nan: df = 1 at large nc) the
+    same probability integrated over the chi-square of the denominator, T' = (Z + nc) / sqrt(V / df)."""
+    from scipy import integrate, stats
+
+    p = stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc)
+    if math.isfinite(p):
+        return float(p)
+
+    def at(v: float) -> float:
+        c = crit * math.sqrt(v / df)
+        return (stats.norm.sf(c - nc) + stats.norm.cdf(-c - nc)) * stats.chi2.pdf(v, df)
+
+    return float(integrate.quad(at, 0, math.inf, limit=200)[0])
 
 
 def equivalence(test: TestResult, margin: float) -> float:
@@ -187,4 +213,4 @@ def describe(test: TestResult, p_adjusted: float, alpha: float = ALPHA) -> str:
             f"Holm {fmt_p(p_adjusted)})")
     if is_finding(p_adjusted, alpha):
         return f"{head}: a finding"
-    return f"{head}: not a finding (detectable at {POWER:.0%} power: ±{min_detectable(test, alpha=alpha):.3f})"
+    return f"{head}: not a finding (detectable at {POWER:.0%} power: ±{min_detectable(test, alpha=alpha):.4f})"

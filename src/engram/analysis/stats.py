@@ -26,9 +26,19 @@ def compression_report(ct, tokenizer, top: int = 5) -> dict:
     return {"vocab": n, "compressed": m, "reduction": 1 - m / n, "largest_groups": groups}
 
 
+def shared_rows(rows: np.ndarray) -> tuple[int, float]:
+    """`rows[i]`: the row distinct n-gram i lands in. Returns (rows used, the fraction of distinct n-grams whose
+    row also holds another distinct n-gram). The second is the collision measure: (distinct - rows used) /
+    distinct counts only the n-grams beyond the first in each row and understates it (3 n-grams in one row:
+    all 3 collide, that count says 2)."""
+    _, counts = np.unique(rows, return_counts=True)
+    return int(len(counts)), float(counts[counts > 1].sum() / len(rows)) if len(rows) else 0.0
+
+
 def row_usage(compressed: np.ndarray, sizes: list[int], max_ngram: int = 3, seed: int = 0, pad: int = 0) -> list[dict]:
     """For each n-gram order and table size p: distinct n-grams, rows used by one head hashing into p
-    rows (the reference's multiplier-XOR hash), and the fraction of distinct n-grams sharing a row."""
+    rows (the reference's multiplier-XOR hash), and `collision_rate`, the fraction of distinct n-grams that
+    share their row with another (`shared_rows`)."""
     x = compressed.astype(np.int64)
     vocab = int(x.max()) + 1
     mult = layer_multipliers([0], max_ngram, vocab, seed)[0]
@@ -41,9 +51,9 @@ def row_usage(compressed: np.ndarray, sizes: list[int], max_ngram: int = 3, seed
         uniq = np.unique(mix)  # distinct n-grams (the mix is injective enough to count them)
         for size in sizes:
             p = next_unused_prime(size - 1, set())
-            rows = np.unique(uniq % p)
-            out.append({"order": n, "table_rows": p, "distinct_ngrams": int(len(uniq)), "rows_used": int(len(rows)),
-                        "row_usage": len(rows) / p, "collision_rate": 1 - len(rows) / len(uniq)})
+            used, shared = shared_rows(uniq % p)
+            out.append({"order": n, "table_rows": p, "distinct_ngrams": int(len(uniq)), "rows_used": used,
+                        "row_usage": used / p, "collision_rate": shared})
     return out
 
 
@@ -82,7 +92,7 @@ def plot_zipf(counts: dict[int, np.ndarray], path: Path) -> Path:
 def mapping_usage(mapping, ids: np.ndarray, chunk: int = 1 << 16) -> list[dict]:
     """How a model's own hashing uses its tables on token ids `ids` (one long sequence): per layer and head,
     the distinct n-grams of the head's order, the rows they land in, the share of the head's rows used and
-    the share of distinct n-grams that share a row with another (collisions). Any family (`deepseek`,
+    the share of distinct n-grams that share their row with another (`shared_rows`). Any family (`deepseek`,
     `qwen4_exp`, `deepseek_v41`)."""
     ids = np.asarray(ids, dtype=np.int64)
     cols = []
@@ -97,11 +107,12 @@ def mapping_usage(mapping, ids: np.ndarray, chunk: int = 1 << 16) -> list[dict]:
         rows = np.concatenate([c[lid] for c in cols])  # (T, (N-1)*H)
         for n in range(2, mapping.max_ngram_size + 1):
             win = np.stack([np.concatenate([np.full(k, mapping.pad_id), x[: len(x) - k]]) for k in range(n)], 1)
-            distinct = len(np.unique(win, axis=0))  # distinct n-grams (exact: the tuples themselves)
+            _, first = np.unique(win, axis=0, return_index=True)  # one position per distinct n-gram (exact tuples)
+            distinct = len(first)
             for j, p in enumerate(mapping.vocab_size_across_layers[lid][n - 2]):
-                used = len(np.unique(rows[:, (n - 2) * H + j]))
+                used, shared = shared_rows(rows[first, (n - 2) * H + j])
                 out.append({"layer": lid, "order": n, "head": j, "head_rows": int(p), "distinct_ngrams": distinct,
-                            "rows_used": used, "row_usage": used / p, "collision_rate": 1 - used / distinct})
+                            "rows_used": used, "row_usage": used / p, "collision_rate": shared})
     return out
 
 
@@ -111,6 +122,23 @@ def report(data: list[str] | None, tokenizer: str, sizes: list[int]) -> dict:
     m = load_manifest(d)
     ct = CompressedTokenizer(m["tokenizer_file"])
     comp = ct(np.asarray(load_split(d, "train"), dtype=np.int64))
+    z = zipf(comp)
     return {"tokenizer_file": m["tokenizer_file"],
             "compression": compression_report(ct, load_tokenizer(m["tokenizer_file"])),
-            "train_tokens": len(comp), "row_usage": row_usage(comp, sizes), "zipf": zipf(comp)}
+            "train_tokens": len(comp), "row_usage": row_usage(comp, sizes), "zipf": z,
+            "zipf_top": {n: {"distinct": len(c), "top1pct_share": float(c[: max(1, len(c) // 100)].sum() / c.sum())}
+                         for n, c in z.items()}}
+
+
+def record(r: dict, path: Path, command: str) -> dict:
+    """`engram stats --record FILE`: what `report` measured (without the raw n-gram counts), the command and the
+    environment, as the record `engram results` renders (`{{table:stats}}`, `{{value:stats/...}}`)."""
+    from ..persist import write_json
+    from ..utils import environment
+
+    rec = {"experiment": "stats", "command": command, "environment": environment(),
+           "tokenizer": Path(r["tokenizer_file"]).name, "train_tokens": int(r["train_tokens"]),
+           "compression": r["compression"], "row_usage": r["row_usage"],
+           "zipf_top": {str(n): v for n, v in r["zipf_top"].items()}}
+    write_json(Path(path), rec)
+    return rec

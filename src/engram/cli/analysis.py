@@ -43,12 +43,32 @@ def cmd_gates(args) -> int:
     if args.out:
         G.save(tokens, gates, Path(args.out), title=args.text)
         print(f"wrote {args.out}")
+    if args.record and not args.summary:
+        print("engram: --record writes the --summary; add --summary")
+        return 2
     if args.summary:
-        for layer, r in G.run_gate_summary(model, Path(args.checkpoint)).items():
+        summary = G.run_gate_summary(model, Path(args.checkpoint))
+        if args.record:
+            from ..persist import write_json
+            from ..utils import environment
+
+            write_json(Path(args.record), {"experiment": "gates", "command": _command_line(),
+                                           "environment": environment(), "checkpoint": args.checkpoint,
+                                           "summary": {str(k): v for k, v in summary.items()}})
+            print(f"wrote {args.record}")
+        for layer, r in summary.items():
             print(f"layer {layer}: mean gate on frequent n-gram completions {r['entity_completion']:.3f} "
                   f"({r['n_entity']} tokens) vs function words {r['function_words']:.3f} ({r['n_function']} tokens); "
                   f"all {r['all']:.3f}")
     return 0
+
+
+def _command_line() -> str:
+    """The command as typed (`engram ...`), for the record it writes."""
+    import shlex
+    import sys
+
+    return "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def cmd_stats(args) -> int:
@@ -67,9 +87,11 @@ def cmd_stats(args) -> int:
     for u in r["row_usage"]:
         print(f"{u['order']:>5} {u['table_rows']:>9,} {u['distinct_ngrams']:>9,} {u['rows_used']:>9,} "
               f"{u['row_usage']:>7.1%} {u['collision_rate']:>8.1%}")
-    for n, cnt in r["zipf"].items():
-        top = cnt[: max(1, len(cnt) // 100)].sum() / cnt.sum()
-        print(f"{n}-grams: {len(cnt):,} distinct; top 1% of them cover {top:.1%} of occurrences")
+    for n, z in r["zipf_top"].items():
+        print(f"{n}-grams: {z['distinct']:,} distinct; top 1% of them cover {z['top1pct_share']:.1%} of occurrences")
+    if args.record:
+        S.record(r, Path(args.record), _command_line())
+        print(f"wrote {args.record}")
     if args.out:
         S.plot_zipf(r["zipf"], Path(args.out))
         print(f"wrote {args.out}")
@@ -138,6 +160,8 @@ def add_commands(sub) -> None:
     ga.add_argument("--text", required=True)
     ga.add_argument("--out")
     ga.add_argument("--summary", action="store_true", help="mean gate on n-gram completions vs function words (val)")
+    ga.add_argument("--record", metavar="FILE", help="also write the --summary, command and environment to FILE "
+                                                     "(docs/results/gates.json: `engram results` renders it)")
     ga.set_defaults(func=cmd_gates)
 
     st = sub.add_parser("stats", help="tokenizer compression, table row usage/collisions, n-gram Zipf plot")
@@ -145,6 +169,8 @@ def add_commands(sub) -> None:
     st.add_argument("--tokenizer", default="deepseek", help="deepseek | bpe:N | path/to/tokenizer.json")
     st.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
     st.add_argument("--out", help="rank-frequency plot (.png)")
+    st.add_argument("--record", metavar="FILE", help="also write the measurements, command and environment to FILE "
+                                                     "(docs/results/stats.json: `engram results` renders it)")
     st.add_argument("--v41", metavar="DIR", help="a DeepSeek-V4.1 checkpoint folder: its own hashing's row use and "
                     "collisions on --data (tokenized with its tokenizer)")
     st.set_defaults(func=cmd_stats)
