@@ -16,7 +16,7 @@ from transformers import (  # noqa: E402
 )
 
 import engram  # noqa: E402
-from engram.adapters import EngramAdapter, adapter_of  # noqa: E402
+from engram.adapters import adapter_of, from_pretrained  # noqa: E402
 from engram.tokenizer import train_bpe  # noqa: E402
 
 OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
@@ -123,6 +123,11 @@ def test_hf_optimizers_uses_the_arguments_and_refuses_what_it_cannot_train(tok, 
     assert all(g["betas"] == (0.9, 0.95) for g in opt.param_groups)
     with pytest.raises(engram.AdapterError, match="no trainable parameters"):
         engram.hf_optimizers(base().requires_grad_(False), args)
+    from engram.tables import offload_tables
+
+    offload_tables(m, "mmap", tmp_path / "tables", trainable=True)
+    with pytest.raises(engram.AdapterError, match="keep their own rows"):
+        engram.hf_optimizers(m, args)
 
 
 # ---------------------------------------------------------------------------------------------- accumulation
@@ -183,7 +188,7 @@ def test_save_model_writes_the_adapter_that_load_adapter_reads(tok, tmp_path):
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = m(input_ids=ids).logits
-    for load in (engram.load_adapter, EngramAdapter.from_pretrained):
+    for load in (engram.load_adapter, from_pretrained):
         got_model = load(base(), out)
         with torch.no_grad():
             assert torch.equal(got_model(input_ids=ids).logits, want)
@@ -198,14 +203,20 @@ def test_save_model_writes_the_adapter_that_load_adapter_reads(tok, tmp_path):
 
 
 def test_save_pretrained_keeps_other_files_and_its_manifest_catches_corruption(tok, tmp_path):
-    m = attached(tok)
+    m = perturbed(tok)
+    engram.adapters.unfreeze(m, ["norm"])  # unfrozen base modules travel in model.safetensors too
+    with torch.no_grad():
+        m.model.norm.weight.add_(0.5)
     d = tmp_path / "shared"
     d.mkdir()
     (d / "optimizer.pt").write_bytes(b"someone else's")
     m.save_pretrained(d)
     assert (d / "optimizer.pt").read_bytes() == b"someone else's"
     (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text() + "\n")  # Trainer may rewrite it
-    engram.load_adapter(base(), d)
+    got = engram.load_adapter(base(), d)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, m(input_ids=ids).logits)
     blob = bytearray((d / "model.safetensors").read_bytes())
     blob[-1] ^= 0xFF
     (d / "model.safetensors").write_bytes(bytes(blob))
@@ -271,3 +282,4 @@ def test_two_ddp_processes_train_as_one_on_the_same_global_batch(tok, tmp_path, 
     assert got["grad_norm"] == pytest.approx(history(tr, "grad_norm"), rel=1e-4)  # averaged, not summed
     for n, w in trained(one).items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=5e-5)
+

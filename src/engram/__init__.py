@@ -19,8 +19,7 @@ from .tokenizer import CompressedTokenizer, TokenizerError
 __version__ = "0.2.0"
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
-_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "hf_optimizers", "EngramAdapter",
-                  "AdapterError")
+_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "hf_optimizers", "AdapterError")
 _EDIT_NAMES = ("edit_facts", "apply_overlay", "remove_overlays", "Overlay", "Fact", "EditError")
 
 

@@ -24,8 +24,9 @@ Decoding: the cache (`generate()`'s, or one passed in) carries Engram's state (t
 layer's short-conv inputs; `engram.cache.NgramHistory`), so cached decoding equals full recomputes.
 
 Files: `introspect.py` (finding a base's layers, tokenizer and fingerprint), `hooks.py` (the adapter module and
-its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save, load; the attached model's
-`save_pretrained`), `hf.py` (Trainer / TRL / accelerate: the optimizer argument, what clipping and DDP do).
+its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save: `save_adapter`, the
+attached model's `save_pretrained`), `loading.py` (`load_adapter`, alias `from_pretrained`), `hf.py` (Trainer /
+TRL / accelerate: the optimizer argument, what clipping and DDP do).
 """
 
 from .hf import hf_optimizers
@@ -48,6 +49,7 @@ from .lifecycle import (
                          trainable_summary,
                          unfreeze,
 )
+from .loading import from_pretrained, load_adapter
 from .saving import (
                          BASE_MODULES_FILE,
                          CONFIG_FILE,
@@ -55,14 +57,14 @@ from .saving import (
                          LORA_DIR,
                          SPEC_FILE,
                          WEIGHTS_FILE,
-                         load_adapter,
                          read_adapter_config,
                          save_adapter,
                          save_pretrained,
 )
 
 __all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "base_fingerprint",
-           "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "generation_pad_id",
+           "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "from_pretrained",
+           "generation_pad_id",
            "hf_optimizers", "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",
            "trainable_summary", "unfreeze",
            "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR"]

@@ -5,7 +5,7 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=engram.hf_optimizers(model, args))
     trainer.train()                         # gradient accumulation, save_steps checkpoints, resume_from_checkpoint
     trainer.save_model("out/adapter")       # the adapter (model.save_pretrained), not the base
-    model = engram.load_adapter(AutoModelForCausalLM.from_pretrained("path/to/base"), "out/adapter")
+    model = engram.load_adapter(AutoModelForCausalLM.from_pretrained("path/to/base"), "out/adapter")  # from_pretrained
 
 What makes it work, and where it lives:
 

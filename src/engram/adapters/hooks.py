@@ -44,15 +44,6 @@ class EngramAdapter(nn.Module):
     def extra_repr(self) -> str:
         return f"layers_path={self.layers_path!r}"
 
-    @classmethod
-    def from_pretrained(cls, model: nn.Module, directory, **kwargs) -> nn.Module:
-        """`EngramAdapter.from_pretrained(base, dir)`: the base with the adapter saved in `dir` attached, as
-        `PeftModel.from_pretrained(base, dir)`; the same as `engram.load_adapter(base, dir, **kwargs)`, which
-        reads both layouts (`save_adapter`'s and `model.save_pretrained`'s / Trainer's)."""
-        from .saving import load_adapter
-
-        return load_adapter(model, directory, **kwargs)
-
     # ---- hooks
     def _install(self, model: nn.Module) -> None:
         parent_path, _, attr = self.layers_path.rpartition(".")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import torch.nn as nn
 
@@ -70,9 +71,10 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     target.add_module("engram_adapter", adapter)
     adapter._install(target)
     adapter.base_requires_grad = base_flags  # detach() puts these back
-    target.save_pretrained = _adapter_save_pretrained(target)  # as PEFT's wrappers: saves the adapter
     from ..training.optim import enable_sparse_grad_norm
+    from .saving import save_pretrained
 
+    target.save_pretrained = types.MethodType(save_pretrained, target)  # as PEFT's wrappers: saves the adapter
     enable_sparse_grad_norm()  # the tables' sparse gradients work with clip_grad_norm_ (Trainer, accelerate)
     if not train_base:
         freeze_base(target)
@@ -82,19 +84,6 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
               f"{c['trainable'] / 1e6:.3f}M of {c['total'] / 1e6:.2f}M parameters ({c['engram_table'] / 1e6:.3f}M in "
               f"Engram tables, {c['base_trainable'] / 1e6:.3f}M base)", file=sys.stderr)
     return model
-
-
-def _adapter_save_pretrained(target: nn.Module):
-    """The attached model's `save_pretrained(dir, **kwargs)`: `engram.adapters.saving.save_pretrained` (the
-    adapter into `dir`, which Trainer's save_model and checkpoints call), replacing the base's until detach."""
-
-    def save_pretrained(save_directory, **kwargs):
-        from .saving import save_pretrained as save
-
-        return save(target, save_directory, **kwargs)
-
-    save_pretrained.__doc__ = _adapter_save_pretrained.__doc__
-    return save_pretrained
 
 
 def detach(model: nn.Module) -> nn.Module:

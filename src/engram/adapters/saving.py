@@ -1,4 +1,5 @@
-"""An adapter on disk: only what attach added, checked against its manifest and its base on load."""
+"""An adapter on disk: only what attach added (`save_adapter`, the attached model's `save_pretrained`), and its
+config read back after checking the manifest (`read_adapter_config`); `loading.py` loads it onto a base."""
 
 from __future__ import annotations
 
@@ -22,12 +23,8 @@ from .hooks import adapter_of
 from .introspect import (
     TOKENIZER_FILE,
     AdapterError,
-    _fingerprint_mismatch,
     _unwrap,
-    base_fingerprint,
-    compressed_tokenizer,
 )
-from .lifecycle import attach, detach
 
 FORMAT = "engram-adapter/1"
 CONFIG_FILE = "engram_adapter.json"
@@ -62,11 +59,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
     optimizer and state files, a tokenizer).
 
     Files: `model.safetensors` holding the model's trainable state under its own names (`engram_adapter.*` and
-    any `unfreeze`d base modules), so that `Trainer(resume_from_checkpoint=...)` and `load_best_model_at_end`
-    restore it with `model.load_state_dict(strict=False)`; then `engram_adapter.json`, `engram_hash_spec.json`,
+    any `unfreeze`d base modules), so that `Trainer.train(resume_from_checkpoint=...)` restores it with
+    `model.load_state_dict(strict=False)`; then `engram_adapter.json`, `engram_hash_spec.json`,
     `tokenizer.json` and `engram_manifest.json` (last, listing these files; the Trainer may write its own
     `tokenizer.json` over ours, so the manifest leaves it out: `load_adapter` checks the tokenizer by its
-    compression's digest instead). `engram.load_adapter` / `EngramAdapter.from_pretrained` read it.
+    compression's digest instead). `engram.load_adapter` (alias `from_pretrained`) reads it.
     `is_main_process` False (other DDP ranks) writes nothing; other Trainer keywords (`state_dict`, ...) are
     ignored: the adapter's tensors are read from the model.
     """
@@ -141,60 +138,3 @@ def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> di
     if meta.get("format") != FORMAT:
         raise AdapterError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
-
-
-def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None, lora: bool = True) -> nn.Module:
-    """Re-attach a saved adapter to `model` and load its weights; returns the model (a PEFT model when the
-    adapter has LoRA weights and `lora`). Refuses a different base or tokenizer (one-line `AdapterError`);
-    nothing is modified when it refuses."""
-    from safetensors.torch import load_file
-
-    d = Path(directory)
-    meta = read_adapter_config(d)
-    target = _unwrap(model)
-    if adapter_of(target) is not None:
-        raise AdapterError("the model already has an Engram adapter; engram.detach(model) first")
-    ct = compressed_tokenizer(tokenizer if tokenizer is not None else d / TOKENIZER_FILE)
-    if ct.lookup_sha256 != meta["base"]["vocab"]["lookup_sha256"]:
-        raise AdapterError(f"{d} was trained with another tokenizer (its compression differs); use the adapter's "
-                           f"{TOKENIZER_FILE} or the base model's own tokenizer")
-    why = _fingerprint_mismatch(meta["base"], base_fingerprint(target, ct))
-    if why:
-        raise AdapterError(f"{d} was saved for another base model: {why}")
-    ecfg = {k: v for k, v in meta["engram"].items() if k not in ("layer_ids", "tokenizer_name_or_path")}
-    attach(target, meta["engram"]["layer_ids"], tokenizer=ct, layers_path=meta["layers_path"], verbose=False, **ecfg)
-    adapter = adapter_of(target)
-    try:
-        spec = read_json(d / SPEC_FILE, "hash manifest", "save the adapter again", AdapterError)
-        adapter.mapping.check_spec(spec, str(d), AdapterError)
-        weights = d / meta.get("weights_file", WEIGHTS_FILE)
-        sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
-        base_sd, base_file = {}, d / BASE_MODULES_FILE
-        if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
-            base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
-            sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
-            base_file = weights
-        elif meta.get("base_modules"):
-            base_sd = load_file(str(base_file))
-        missing, unexpected = adapter.load_state_dict(sd, strict=False)
-        if missing or unexpected:
-            raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if meta.get("base_modules"):
-            _, unexpected = target.load_state_dict(base_sd, strict=False)
-            if unexpected:
-                raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
-            adapter.base_modules = list(meta["base_modules"])
-    except AdapterError:
-        detach(target)
-        raise
-    except Exception as e:
-        detach(target)
-        raise AdapterError(f"{d}: could not load the adapter: {str(e).splitlines()[0]}") from None
-    if lora and (d / LORA_DIR).is_dir():
-        try:
-            from peft import PeftModel
-        except ImportError:
-            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' "
-                               "(or pass lora=False)") from None
-        model = PeftModel.from_pretrained(target, str(d / LORA_DIR))
-    return model

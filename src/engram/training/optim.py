@@ -319,8 +319,9 @@ def enable_sparse_grad_norm() -> None:
     global _SPARSE_NORM_LIB
     if _SPARSE_NORM_LIB is not None:
         return
+    has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: False)
     lib = torch.library.Library("aten", "IMPL")
     for key in ("SparseCPU", "SparseCUDA"):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::linalg_vector_norm", key):
+        if not has("aten::linalg_vector_norm", key):  # a later torch may bring its own: keep that one
             lib.impl("linalg_vector_norm", _sparse_vector_norm, key)
     _SPARSE_NORM_LIB = lib

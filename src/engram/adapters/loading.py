@@ -1,0 +1,90 @@
+"""Loading a saved adapter onto a base model: `load_adapter` (alias `from_pretrained`, PEFT's name), for both
+layouts `saving.py` writes, refusing another base or tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.nn as nn
+
+from ..hashing import SPEC_FILE
+from ..persist import read_json
+from .hooks import adapter_of
+from .introspect import (
+    TOKENIZER_FILE,
+    AdapterError,
+    _fingerprint_mismatch,
+    _unwrap,
+    base_fingerprint,
+    compressed_tokenizer,
+)
+from .lifecycle import attach, detach
+from .saving import (
+    ADAPTER_PREFIX,
+    BASE_MODULES_FILE,
+    LORA_DIR,
+    TRAINER_WEIGHTS_FILE,
+    WEIGHTS_FILE,
+    read_adapter_config,
+)
+
+
+def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None, lora: bool = True) -> nn.Module:
+    """Re-attach a saved adapter to `model` and load its weights; returns the model (a PEFT model when the
+    adapter has LoRA weights and `lora`). Refuses a different base or tokenizer (one-line `AdapterError`);
+    nothing is modified when it refuses."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    meta = read_adapter_config(d)
+    target = _unwrap(model)
+    if adapter_of(target) is not None:
+        raise AdapterError("the model already has an Engram adapter; engram.detach(model) first")
+    ct = compressed_tokenizer(tokenizer if tokenizer is not None else d / TOKENIZER_FILE)
+    if ct.lookup_sha256 != meta["base"]["vocab"]["lookup_sha256"]:
+        raise AdapterError(f"{d} was trained with another tokenizer (its compression differs); use the adapter's "
+                           f"{TOKENIZER_FILE} or the base model's own tokenizer")
+    why = _fingerprint_mismatch(meta["base"], base_fingerprint(target, ct))
+    if why:
+        raise AdapterError(f"{d} was saved for another base model: {why}")
+    ecfg = {k: v for k, v in meta["engram"].items() if k not in ("layer_ids", "tokenizer_name_or_path")}
+    attach(target, meta["engram"]["layer_ids"], tokenizer=ct, layers_path=meta["layers_path"], verbose=False, **ecfg)
+    adapter = adapter_of(target)
+    try:
+        spec = read_json(d / SPEC_FILE, "hash manifest", "save the adapter again", AdapterError)
+        adapter.mapping.check_spec(spec, str(d), AdapterError)
+        weights = d / meta.get("weights_file", WEIGHTS_FILE)
+        sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
+        base_sd, base_file = {}, d / BASE_MODULES_FILE
+        if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
+            base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
+            sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
+            base_file = weights
+        elif meta.get("base_modules"):
+            base_sd = load_file(str(base_file))
+        missing, unexpected = adapter.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if meta.get("base_modules"):
+            _, unexpected = target.load_state_dict(base_sd, strict=False)
+            if unexpected:
+                raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
+            adapter.base_modules = list(meta["base_modules"])
+    except AdapterError:
+        detach(target)
+        raise
+    except Exception as e:
+        detach(target)
+        raise AdapterError(f"{d}: could not load the adapter: {str(e).splitlines()[0]}") from None
+    if lora and (d / LORA_DIR).is_dir():
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' "
+                               "(or pass lora=False)") from None
+        model = PeftModel.from_pretrained(target, str(d / LORA_DIR))
+    return model
+
+
+from_pretrained = load_adapter  # engram.adapters.from_pretrained(base, dir), as PeftModel.from_pretrained(base, dir)
