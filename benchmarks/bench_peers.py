@@ -3,6 +3,9 @@ Engram adapters on transformers models (engram-peft).
 
     pip install -e '.[hf,fast]' -r benchmarks/requirements-peers.txt   # the peers; never needed by tests or CI
     python benchmarks/bench_peers.py [--part disk|adapters|all] [--rows 2000000] [--rounds 3] [--steps 150]
+        [--sides engram:0.02,engram:1,peft,engram-trainer:0.02,engram-trainer:1,peft-trl] [--bases llama,qwen3]
+        [--concurrent 1]
+        [--record docs/results/bench-peers-NAME.json]
 
 (engram-peft 1.2.7 needs Python >= 3.12: it imports `typing.override`, though it declares >= 3.10.)
 
@@ -21,12 +24,28 @@ bytes returned are compared for equality.
 Adapters: the same random Llama and Qwen3 bases (hidden 256, 4 layers, the `exp` preset's BPE-4096
 Shakespeare tokenizer), the same Engram table (2 orders x 4 heads x ~10k rows x 32 dims at layer 1, one
 stream, zero-initialized conv), the same Shakespeare batches (8 x 128 tokens), steps, base LR (table at 5x),
-no weight decay, the base frozen: `engram.attach` + `build_optimizers` vs `engram_peft.get_engram_model`
-+ its `create_optimizer` (SparseAdam rows). Each (side, base) runs in its own child process, alternating,
-`--rounds` times, round r with seed r (the base's weights, the batches, the adapter's init): step time
-(median after 3 warm-up steps), peak RSS, train loss over the last 10 steps
-and val loss after `--steps`, max |logit change| at attach, adapter files' bytes, and max |logit
-difference| after a save/load round trip into a fresh base. Prints a table and one JSON line.
+no weight decay, the base frozen. Sides (`SIDES`, `--sides`):
+  engram:0.02, engram:1  `engram.attach` + `build_optimizers` in a plain loop, table rows N(0, 0.02) and N(0, 1):
+                         both inits are reported. The default (`default_init()`) was chosen elsewhere, on the
+                         settings of `engram experiment adapter-init` (GPT-2 and GPT-NeoX bases, a BPE-2048
+                         tokenizer, Shakespeare and KJV, `engram adapt`'s LR; `INIT_CHOSEN_BY`), never on this bench.
+  peft                   `engram_peft.get_engram_model` + its `create_optimizer` (SparseAdam rows), plain loop.
+  engram-trainer:0.02, engram-trainer:1  `transformers.Trainer` with `optimizers=engram.hf_optimizers(model, args)`,
+                         at each init.
+  peft-trl               engram-peft's TRL factory `create_engram_sft_trainer` (SFTTrainer; needs TRL < 1.16,
+                         whose SFTTrainer patches the model's forward with a fused LM head that EngramModel's
+                         output cannot feed; requirements-peers.txt pins TRL 1.2.0). The factory turns on gradient
+                         checkpointing; it is turned off again so that both trainers do the same work.
+The two trainers get the same arguments: the bench's batches in order (sequential sampling), constant LR,
+Trainer's defaults otherwise (clipping at 1.0, AdamW betas). Each (side, base, seed) runs in its own child
+process, `--rounds` times, round r with seed r (the base's weights, the batches, the adapter's init): one after
+another rotating who goes first, or `--concurrent N` at once in fixed groups (sides of a group share the
+machine's load). Reported: step time (median after 3 warm-up steps; Trainer steps timed by a callback),
+peak RSS, train loss over the last 10 steps and val loss after `--steps`, max |logit change| at attach, adapter
+files' bytes, max |logit difference| after a save/load round trip into a fresh base (Trainer sides: what
+`trainer.save_model` wrote), and val-loss comparisons by the project's test (paired t by seed, Holm over the
+comparisons of all bases: `engram.analysis.significance`). Prints a table and one JSON line; `--record FILE`
+also writes the JSON.
 """
 
 import argparse
@@ -118,6 +137,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150, help="adapter training steps")
     ap.add_argument("--dir", help="where to write the files (default: a temp dir)")
+    ap.add_argument("--sides", help=f"adapters: comma-separated subset of {','.join(SIDES)} (default: all)")
+    ap.add_argument("--bases", default="llama,qwen3", help="adapters: comma-separated subset of llama,qwen3")
+    ap.add_argument("--concurrent", type=int, default=1, help="adapters: run the sides in groups of this many at once "
+                                                                   "(in --sides order; default 1: one at a time)")
+    ap.add_argument("--record", metavar="FILE", help="also write the JSON to FILE (docs/results/bench-peers-*.json)")
     ap.add_argument("--child", nargs=3, metavar=("SIDE", "BASE", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -130,6 +154,10 @@ def main():
     if args.part in ("disk", "all"):
         out["disk"] = disk(args)
     print(json.dumps(out))
+    if args.record:
+        from engram.persist import write_json
+
+        write_json(Path(args.record), {**out, "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])})
 
 
 def disk(args) -> dict:
@@ -225,6 +253,18 @@ class _Fd:
 
 # ------------------------------------------------------------------------------------------ adapters
 ROWS, HEADS, HEAD_DIM, LAYER, LR, BATCH, SEQ = 10_007, 4, 32, 1, 3e-3, 8, 128
+INITS = (0.02, 1.0)  # the adapter tables' init std: both are reported (the default: `default_init()`)
+# who trains: engram's own loop at each init, engram-peft's own loop, and both under Hugging Face trainers
+SIDES = (*(f"engram:{s:g}" for s in INITS), "peft", *(f"engram-trainer:{s:g}" for s in INITS), "peft-trl")
+# what chose the default init (`engram experiment adapter-init`: other bases, tokenizer, data, LR and steps)
+INIT_CHOSEN_BY = "docs/results/adapter-init.json (engram experiment adapter-init)"
+
+
+def default_init() -> float:
+    """The table init std `engram.attach` uses unless told (`adapters.default_options`)."""
+    from engram.adapters.introspect import default_options
+
+    return default_options(256, 4096)["table_init_std"]
 
 
 def _base(kind: str, vocab: int, seed: int):
@@ -249,9 +289,47 @@ def _batches(steps: int, seed: int):
     return d / "tokenizer.json", xs, torch.from_numpy(eval_windows(val, SEQ, 32).astype(np.int64))
 
 
+def _peft_config():
+    from engram_peft import EngramConfig
+
+    return EngramConfig(engram_vocab_size_per_ngram=[HEADS * ROWS] * 2, ngram_sizes=[2, 3], max_ngram_size=3,
+                        n_head_per_ngram=HEADS, embedding_dim=2 * HEADS * HEAD_DIM, target_layers=[LAYER], hc_mult=1,
+                        pad_id=1, learning_rate_multiplier=5.0, weight_decay=0.0)
+
+
+def _trainer_args(cls, out: Path, steps: int, seed: int, **extra):
+    """The same arguments for both Hugging Face trainers: the batches in the bench's order (sequential sampling
+    of the same windows), constant LR, no decay, Trainer's defaults otherwise (clipping at 1.0, AdamW betas)."""
+    return cls(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=LR,
+               weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no",
+               report_to=[], seed=seed, train_sampling_strategy="sequential", dataloader_num_workers=0,
+               disable_tqdm=True, use_cpu=True, **extra)
+
+
+def _step_timer():
+    """A TrainerCallback timing each optimizer step (data, forward, backward, clipping, update, scheduler)."""
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+
+    return Timer()
+
+
 def adapter_child(side: str, kind: str, steps: int, seed: int) -> dict:
     """One (side, base, seed) run in this process: attach, exactness, `steps` steps, val loss, save, reload.
-    The seed draws the base's weights, the batches and (through torch's generator) the adapter's init."""
+    The seed draws the base's weights, the batches and (through torch's generator) the adapter's init.
+    Sides: `engram:STD` (engram's loop, `build_optimizers`, table rows N(0, STD)), `peft` (engram-peft's loop with its
+    `create_optimizer`), `engram-trainer:STD` (`transformers.Trainer` with `optimizers=engram.hf_optimizers`),
+    `peft-trl` (engram-peft's `create_engram_sft_trainer`, TRL's SFTTrainer; the factory turns on
+    gradient checkpointing, turned off again so both trainers do the same work)."""
     import resource
     import shutil
 
@@ -263,70 +341,124 @@ def adapter_child(side: str, kind: str, steps: int, seed: int) -> dict:
     probe = val[:2]
     with torch.no_grad():
         before = model(input_ids=probe).logits
-    if side == "engram":
+    engram_side = side.startswith("engram")
+    std = float(side.split(":")[1]) if engram_side else 0.02  # (engram-peft's rows: N(0, 0.02))
+    tmp = Path(tempfile.mkdtemp())
+    trainer = None
+    if engram_side:
         import engram
-        from engram.training.optim import build_optimizers
 
         engram.attach(model, [LAYER], tokenizer=tok_path, verbose=False, engram_vocab_size=[ROWS, ROWS],
-                      n_head_per_ngram=HEADS, n_embed_per_ngram=HEADS * HEAD_DIM, max_ngram_size=3, pad_id=1)
-        opts = list(build_optimizers(model, LR, weight_decay=0.0).values())
+                      n_head_per_ngram=HEADS, n_embed_per_ngram=HEADS * HEAD_DIM, max_ngram_size=3, pad_id=1,
+                      table_init_std=std)
         net = model
     else:
-        from engram_peft import EngramConfig, get_engram_model
+        from engram_peft import get_engram_model
         from transformers import PreTrainedTokenizerFast
 
         hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), pad_token="<|pad|>", eos_token="<|endoftext|>")
-        cfg = EngramConfig(engram_vocab_size_per_ngram=[HEADS * ROWS] * 2, ngram_sizes=[2, 3], max_ngram_size=3,
-                           n_head_per_ngram=HEADS, embedding_dim=2 * HEADS * HEAD_DIM, target_layers=[LAYER], hc_mult=1,
-                           pad_id=1, learning_rate_multiplier=5.0, weight_decay=0.0)
-        net = get_engram_model(model, cfg, tokenizer=hf_tok, train_mode="engram_only")
-        opts = [net.create_optimizer(base_learning_rate=LR)]
+        net = get_engram_model(model, _peft_config(), tokenizer=hf_tok, train_mode="engram_only")
     with torch.no_grad():
         exact = (net(input_ids=probe).logits - before).abs().max().item()
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     times, losses = [], []
-    for x in xs:
-        t = time.perf_counter()
-        loss = net(input_ids=x, labels=x).loss
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        for o in opts:
-            o.step()
-        times.append(time.perf_counter() - t)
-        losses.append(loss.item())
+    if side.startswith("engram-trainer") or side == "peft-trl":
+        timer = _step_timer()
+        windows = [w for x in xs for w in x]
+        if engram_side:
+            from transformers import Trainer, TrainingArguments
+
+            targs = _trainer_args(TrainingArguments, tmp / "trainer", steps, seed)
+            trainer = Trainer(model=net, args=targs, train_dataset=[{"input_ids": w, "labels": w} for w in windows],
+                              optimizers=engram.hf_optimizers(net, targs), callbacks=[timer])
+        else:
+            from datasets import Dataset
+            from engram_peft.trl import create_engram_sft_trainer
+            from trl import SFTConfig
+
+            targs = _trainer_args(SFTConfig, tmp / "trainer", steps, seed, max_length=SEQ, packing=False,
+                                  dataset_kwargs={"skip_prepare_dataset": True})
+            ds = Dataset.from_dict({"input_ids": [w.tolist() for w in windows]})
+            trainer = create_engram_sft_trainer(net, hf_tok, train_dataset=ds, args=targs, callbacks=[timer])
+            net.gradient_checkpointing_disable() if hasattr(net, "gradient_checkpointing_disable") else \
+                net.base_model.gradient_checkpointing_disable()
+        trainer.train()
+        times = timer.times
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    else:
+        if engram_side:
+            from engram.training.optim import build_optimizers
+
+            opts = list(build_optimizers(net, LR, weight_decay=0.0).values())
+        else:
+            opts = [net.create_optimizer(base_learning_rate=LR)]
+        for x in xs:
+            t = time.perf_counter()
+            loss = net(input_ids=x, labels=x).loss
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            loss.backward()
+            for o in opts:
+                o.step()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.item())
     net.eval()
     with torch.no_grad():
         val_loss = statistics.fmean(net(input_ids=val[i:i + 8], labels=val[i:i + 8]).loss.item()
                                     for i in range(0, len(val), 8))
         trained = net(input_ids=probe).logits
-    tmp = Path(tempfile.mkdtemp())
-    try:
+    def save(folder: Path, how: str) -> float:
         t = time.perf_counter()
-        if side == "engram":
-            engram.save_adapter(net, tmp / "a")
+        if how == "trainer":  # what a Trainer user saves: the adapter (engram) / the wrapped model (peft)
+            trainer.save_model(str(folder))
+        elif engram_side:
+            engram.save_adapter(net, folder)
         else:
-            net.save_pretrained(str(tmp / "a"))
-        save_s = time.perf_counter() - t
-        size = sum(f.stat().st_size for f in (tmp / "a").rglob("*") if f.is_file())
-        fresh = _base(kind, vocab, seed).eval()
-        t = time.perf_counter()
-        if side == "engram":
-            again = engram.load_adapter(fresh, tmp / "a").eval()
-        else:
-            from engram_peft import EngramModel
+            net.save_pretrained(str(folder))
+        return time.perf_counter() - t
 
-            again = EngramModel.from_pretrained(fresh, str(tmp / "a"), tokenizer=hf_tok).eval()
+    def load(folder: Path):
+        fresh = _base(kind, vocab, seed).eval()
+        if engram_side:
+            return engram.load_adapter(fresh, folder).eval()
+        from engram_peft import EngramModel
+
+        return EngramModel.from_pretrained(fresh, str(folder), tokenizer=hf_tok).eval()
+
+    save_model_error = None
+    try:
+        save_s = save(tmp / "a", "trainer" if trainer is not None else "own")
+        t = time.perf_counter()
+        try:
+            again = load(tmp / "a")
+        except Exception as e:  # the trainer's save_model output does not load back: say so, round-trip the own save
+            if trainer is None:
+                raise
+            save_model_error = f"{type(e).__name__}: {e}"
+            shutil.rmtree(tmp / "a")
+            save_s = save(tmp / "a", "own")
+            t = time.perf_counter()
+            again = load(tmp / "a")
         load_s = time.perf_counter() - t
+        size = sum(f.stat().st_size for f in (tmp / "a").rglob("*") if f.is_file())
         with torch.no_grad():
             roundtrip = (again(input_ids=probe).logits - trained).abs().max().item()
     finally:
         shutil.rmtree(tmp)
-    return {"side": side, "base": kind, "seed": seed, "step_s": statistics.median(times[3:]),
+    return {"side": side, "base": kind, "seed": seed, "table_init_std": std, "step_s": statistics.median(times[3:]),
             "train_loss_last10": statistics.fmean(losses[-10:]),
             "val_loss": val_loss, "exact_at_attach": exact, "trainable": trainable, "adapter_bytes": size,
             "save_s": save_s, "load_s": load_s, "roundtrip_max_diff": roundtrip,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **({"save_model_error": save_model_error} if save_model_error else {})}
+
+
+# the comparisons of val loss the bench tests (b - a, paired by seed; Holm over them and both bases)
+def _comparisons(default: str) -> list[tuple[str, str]]:
+    other = next(s for s in SIDES if s.startswith("engram:") and s != default)
+    d, o = default.split(":")[1], other.split(":")[1]
+    return [("peft", default), ("peft", other), (other, default), ("peft-trl", f"engram-trainer:{d}"),
+            ("peft-trl", f"engram-trainer:{o}")]
 
 
 def adapters(args) -> dict:
@@ -335,51 +467,85 @@ def adapters(args) -> dict:
 
     import engram_peft  # noqa: F401  (fail here, not in a child, if the peer is missing)
 
+    sides = args.sides.split(",") if args.sides else list(SIDES)
+    bases = args.bases.split(",")
     runs = []
+    n = args.concurrent
     for r in range(args.rounds):
-        for kind in ("llama", "qwen3"):
-            for side in (("engram", "peft") if r % 2 == 0 else ("peft", "engram")):  # alternate who goes first
-                p = subprocess.run([sys.executable, __file__, "--child", side, kind, str(r),
-                                    "--steps", str(args.steps)], capture_output=True, text=True)
-                if p.returncode:
-                    raise SystemExit(f"{side} on {kind} failed:\n{p.stderr[-3000:]}")
-                runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-                print(f"round {r} {kind:5s} {side:6s}: " + ", ".join(
-                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[-1].items()
-                    if k not in ("side", "base")), flush=True)
-    from engram.analysis.runs import difference, seed_stats
+        for kind in bases:
+            # one after another, rotating who goes first (the machine's drift hits all); or in fixed groups of
+            # `--concurrent` at once (the sides of a group share whatever the machine does meanwhile)
+            order = sides[r % len(sides):] + sides[:r % len(sides)] if n == 1 else sides
+            for group in (order[i:i + n] for i in range(0, len(order), n)):
+                procs = [(side, subprocess.Popen([sys.executable, __file__, "--child", side, kind, str(r), "--steps",
+                                                  str(args.steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True)) for side in group]
+                for side, p in procs:
+                    stdout, stderr = p.communicate()
+                    if p.returncode:
+                        raise SystemExit(f"{side} on {kind} failed:\n{stderr[-3000:]}")
+                    runs.append(json.loads(stdout.strip().splitlines()[-1]))
+                    print(f"round {r} {kind:5s} {side:14s}: " + ", ".join(
+                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[-1].items()
+                        if k not in ("side", "base")), flush=True)
+    from engram.analysis.runs import seed_stats
+    from engram.analysis.significance import compare, describe, holm
     from engram.utils import environment
 
-    out = {"engram_peft": version("engram-peft"), "steps": args.steps, "rounds": args.rounds, "runs": runs, "bases": {},
+    default = f"engram:{default_init():g}"
+    out = {"engram_peft": version("engram-peft"), "trl": version("trl"), "steps": args.steps, "rounds": args.rounds,
+           "sides": sides,
+           "default_init": default_init(), "init_chosen_by": INIT_CHOSEN_BY, "runs": runs, "bases": {},
            "environment": environment()}
-    print("\n| base | engram / engram-peft step time | val loss engram vs peft (mean ± sd) | "
-          "exact at attach (max |dlogit|) | adapter bytes | round trip max |dlogit| | peak RSS MiB |"
-          "\n|---|---|---|---|---|---|---|")
-    for kind in ("llama", "qwen3"):
-        e = [x for x in runs if x["base"] == kind and x["side"] == "engram"]
-        p = [x for x in runs if x["base"] == kind and x["side"] == "peft"]
-        ratios = [a["step_s"] / b["step_s"] for a, b in zip(e, p)]
-        b = {"step_ratio": [round(x, 3) for x in ratios],
-             "val_loss": {"engram": seed_stats([x["val_loss"] for x in e]),
-                          "peft": seed_stats([x["val_loss"] for x in p])},
-             "exact_at_attach": {"engram": max(x["exact_at_attach"] for x in e),
-                                 "peft": max(x["exact_at_attach"] for x in p)},
-             "adapter_bytes": {"engram": e[0]["adapter_bytes"], "peft": p[0]["adapter_bytes"]},
-             "roundtrip": {"engram": max(x["roundtrip_max_diff"] for x in e),
-                           "peft": max(x["roundtrip_max_diff"] for x in p)},
-             "peak_rss_mib": {"engram": max(x["peak_rss_mib"] for x in e),
-                              "peft": max(x["peak_rss_mib"] for x in p)},
-             "trainable": {"engram": e[0]["trainable"], "peft": p[0]["trainable"]}}
-        b["val_loss"]["engram - peft"] = difference(b["val_loss"]["peft"], b["val_loss"]["engram"])
+    tests = []
+    for kind in bases:
+        by = {s: sorted((x for x in runs if x["base"] == kind and x["side"] == s), key=lambda x: x["seed"])
+              for s in sides}
+        b = {"val_loss": {s: seed_stats([x["val_loss"] for x in rs]) for s, rs in by.items()},
+             "step_s": {s: [x["step_s"] for x in rs] for s, rs in by.items()}}
+        for k in ("exact_at_attach", "roundtrip_max_diff", "peak_rss_mib"):
+            b[k] = {s: max(x[k] for x in rs) for s, rs in by.items()}
+        for k in ("adapter_bytes", "trainable"):
+            b[k] = {s: rs[0][k] for s, rs in by.items()}
+        for a, c in (("peft", default), ("peft-trl", f"engram-trainer:{default_init():g}")):
+            if a in by and c in by:
+                b[f"step_ratio {c} / {a}"] = [round(x["step_s"] / y["step_s"], 3) for x, y in zip(by[c], by[a])]
+        for a, c in _comparisons(default):
+            if a in by and c in by and min(len(by[a]), len(by[c])) > 1:  # (a test needs two seeds)
+                t = compare([x["val_loss"] for x in by[a]], [x["val_loss"] for x in by[c]],
+                            [x["seed"] for x in by[a]], [x["seed"] for x in by[c]])
+                tests.append((kind, a, c, t))
         out["bases"][kind] = b
-        ve, vp, d = b["val_loss"]["engram"], b["val_loss"]["peft"], b["val_loss"]["engram - peft"]
-        print(f"| {kind} | {min(ratios):.2f}-{max(ratios):.2f}x | {ve['mean']:.4f} ± {ve['std']:.4f} vs "
-              f"{vp['mean']:.4f} ± {vp['std']:.4f} (n={ve['n']}; {d['diff']:+.4f} ± {d['se']:.4f} se"
-              f"{', a finding' if d['finding'] else ''}) | {b['exact_at_attach']['engram']:.2g} vs "
-              f"{b['exact_at_attach']['peft']:.2g} | {b['adapter_bytes']['engram']:,} vs "
-              f"{b['adapter_bytes']['peft']:,} | "
-              f"{b['roundtrip']['engram']:.2g} vs {b['roundtrip']['peft']:.2g} | {b['peak_rss_mib']['engram']:.0f} vs "
-              f"{b['peak_rss_mib']['peft']:.0f} |")
+    adj = holm([t.p for *_, t in tests]) if tests else []
+    out["tests"] = [{"base": k, "a": a, "b": c, "test": t.label, "diff": t.diff, "se": t.se, "p": t.p, "p_holm": p,
+                     "finding": p < 0.05, "text": describe(t, p)} for (k, a, c, t), p in zip(tests, adj)]
+    print(f"\nval loss after {args.steps} steps (mean ± sd over seeds) and median step time (s), per side; "
+          f"the default init is {default_init():g}, chosen by {INIT_CHOSEN_BY}:")
+    print("| side | " + " | ".join(f"{k} val loss | {k} step (s)" for k in bases) + " |")
+    print("|---|" + "---|---|" * len(bases))
+    for s in sides:
+        cells = []
+        for k in bases:
+            v, st = out["bases"][k]["val_loss"][s], out["bases"][k]["step_s"][s]
+            cells.append(f"{v['mean']:.4f} ± {v['std']:.4f} (n={v['n']}) | {min(st):.3f}-{max(st):.3f}")
+        print(f"| {s}{' (default)' if s == default else ''} | " + " | ".join(cells) + " |")
+    for k in bases:
+        for key, v in out["bases"][k].items():
+            if key.startswith("step_ratio"):
+                print(f"{k}: {key.split(' ', 1)[1]}: {min(v):.2f}-{max(v):.2f}x")
+    print("\nval loss, b - a (paired t by seed, Holm over the comparisons of both bases):")
+    for t in out["tests"]:
+        print(f"  {t['base']}: {t['b']} - {t['a']}: {t['text']}")
+    for x in runs:
+        if x.get("save_model_error"):
+            print(f"  {x['base']} {x['side']} seed {x['seed']}: trainer.save_model's folder did not load back "
+                  f"({x['save_model_error'][:160]}); round trip measured on the model's own save")
+    print("exact at attach (max |dlogit|), adapter bytes, round trip max |dlogit|, peak RSS MiB:")
+    for k in bases:
+        b = out["bases"][k]
+        for s in sides:
+            print(f"  {k} {s}: {b['exact_at_attach'][s]:.2g}, {b['adapter_bytes'][s]:,}, "
+                  f"{b['roundtrip_max_diff'][s]:.2g}, {b['peak_rss_mib'][s]:.0f}")
     return out
 
 

@@ -24,10 +24,13 @@ Experiments:
                `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).
   design       the reference's Engram (short conv, the reference's conv init) vs DeepSeek-V4.1's (no conv; its
                tables served as FP8 rows with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim
-               rows so FP8 blocks fit); docs/results records it at --max-steps 2000.
+               rows so FP8 blocks fit); run it at --max-steps 2000 (docs/results §11 still holds 500-step runs).
   edit         counterfactuals and new entities written into the table rows of a model that learned world
                facts (`engram edit`) vs fine-tuning (with and without KL) and LoRA at fixed step budgets:
                efficacy, generalization, specificity, damage (`analysis/editing.py`).
+  adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
+               bases adapted to Shakespeare and to the King James Bible: settings apart from
+               benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from ..utils import environment
 from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import difference, read_run_file, seed_stats, trained_run
 
-EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation")
+EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
+               "adapter-init")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -111,6 +115,10 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
 
         return run(out, seeds, max_steps, progress=progress, scale=scale, data=data, plan_only=plan_only,
                    record=record, only=variants_only, finished_only=finished_only)
+    if name == "adapter-init":  # transformers bases adapted with each candidate table init: its own driver
+        from .adapter_init import run
+
+        return run(out, seeds, max_steps, progress=progress, record=record)
     if name == "edit":  # one trained model, edited and fine-tuned: its own driver
         from .editing import run
 
