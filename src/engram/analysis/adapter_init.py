@@ -34,7 +34,7 @@ import torch
 from ..persist import atomic_write_bytes, new_dir
 from ..training.checkpoint import checkpoints
 from ..utils import environment
-from .runs import publish, read_run_file, seed_stats
+from .runs import index_environments, publish, read_run_file, seed_stats
 
 CANDIDATES = (0.02, 1.0)  # N(0, std) rows: engram-peft's scale (the default until this experiment), the reference's
 GENERAL = ["shakespeare", "kjv"]  # the tokenizer's corpus
@@ -146,12 +146,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                     runs.append({"cell": cell, "family": family, "data": data, "init": std, "seed": seed,
                                  "val_loss": s["val_loss"], "train_loss": s["train_loss"],
                                  "environment": s.get("environment")})
-    envs: list[dict] = []
-    for r in runs:
-        env = r.pop("environment", None)
-        if env is not None and env not in envs:
-            envs.append(env)
-        r["environment"] = envs.index(env) if env is not None else None
+    envs = index_environments(runs)
     summary = {"experiment": "adapter-init", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment adapter-init --seeds {seeds} --record docs/results",
                "candidates": list(candidates), "families": families, "datasets": list(datasets),
