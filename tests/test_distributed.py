@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("safetensors")
 
 from engram.distributed import ShardedTable, load_sharded, save_sharded  # noqa: E402
+from engram.distributed.parallel import shutdown  # noqa: E402
 from engram.training.optim import LazyRowAdam  # noqa: E402
 
 ROWS, DIM, STEPS = 101, 8, 3
@@ -40,7 +41,7 @@ def _worker(rank, world, port, outdir):
             opt.step()
         save_sharded(table, outdir, opt)
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def test_two_rank_sharded_training_equals_single_process(tmp_path, free_port):

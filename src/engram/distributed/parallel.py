@@ -235,5 +235,18 @@ class DistContext:
         return plain
 
     def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.world > 1:
+            shutdown()
+
+
+def shutdown() -> None:
+    """Leave the default process group cleanly (every rank calls it): a barrier, then `destroy_process_group`.
+
+    The barrier makes gloo's worker thread finish with every earlier collective before the group can be freed: it
+    releases a finished collective's tensors after the caller has moved on, and where the caller has dropped its own
+    references that release needs the GIL. A group freed from Python (a DDP reducer's last reference) joins that
+    thread while holding the GIL: a deadlock, seen under CPU contention. Free DDP wrappers while the group is alive.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
