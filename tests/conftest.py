@@ -93,3 +93,26 @@ def run_cli(*args, cwd=None, env=None, timeout=None) -> subprocess.CompletedProc
     """`engram ARGS...` in a fresh interpreter (as a user runs it): the one CLI helper of the test suite."""
     return subprocess.run([sys.executable, "-m", "engram.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
+
+
+# ---------------------------------------------------------------------- damaged checkpoints (released-model loaders)
+def damaged_copy(src, dst, edit):
+    """A copy of checkpoint folder `src` at `dst`, then `edit(dst)` (e.g. `drop_from_index`, `truncate_file`)."""
+    shutil.copytree(src, dst)
+    edit(dst)
+    return dst
+
+
+def drop_from_index(folder, key: str) -> None:
+    """Remove tensor `key` from `folder`'s safetensors index (the shard still holds it)."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    del idx["weight_map"][key]
+    index.write_text(json.dumps(idx))
+
+
+def truncate_file(path, n: int) -> None:
+    """Cut `path` to its first `n` bytes (a shard cut short by an interrupted download)."""
+    path.write_bytes(path.read_bytes()[:n])

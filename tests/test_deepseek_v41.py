@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import damaged_copy, drop_from_index, truncate_file
 
 from engram import _fasthash
 from engram.config import ConfigError
@@ -330,17 +331,10 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tok, tmp_path):
     d = write_checkpoint(tmp_path / "ok", tok)
 
     def broken(name, edit):
-        import shutil
-
-        b = tmp_path / name
-        shutil.copytree(d, b)
-        edit(b)
-        return b
+        return damaged_copy(d, tmp_path / name, edit)
 
     def drop_key(b):
-        idx = json.loads((b / "model.safetensors.index.json").read_text())
-        del idx["weight_map"]["layers.3.engram.embed.scale"]
-        (b / "model.safetensors.index.json").write_text(json.dumps(idx))
+        drop_from_index(b, "layers.3.engram.embed.scale")
 
     def other_vocab(b):
         c = json.loads((b / "config.json").read_text())
@@ -351,8 +345,7 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tok, tmp_path):
         (b / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 32}))
 
     def truncate(b):
-        f = b / "model-00002-of-00002.safetensors"
-        f.write_bytes(f.read_bytes()[:5000])
+        truncate_file(b / "model-00002-of-00002.safetensors", 5000)
 
     def scale_shape(b):
         c = json.loads((b / "config.json").read_text())

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import damaged_copy, drop_from_index, truncate_file
 
 from engram.config import ConfigError
 from engram.hashing import NgramHashMapping, family_class
@@ -451,15 +452,10 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tmp_path):
     d, _ = write_checkpoint(tmp_path / "ok", cfg)
 
     def broken(name, edit):
-        b = tmp_path / name
-        shutil.copytree(d, b)
-        edit(b)
-        return b
+        return damaged_copy(d, tmp_path / name, edit)
 
     def drop_key(b):
-        idx = json.loads((b / "model.safetensors.index.json").read_text())
-        del idx["weight_map"][f"{lc.PREFIX}embedders.3.weight"]
-        (b / "model.safetensors.index.json").write_text(json.dumps(idx))
+        drop_from_index(b, f"{lc.PREFIX}embedders.3.weight")
 
     def other_ratio(b):
         (b / "config.json").write_text(json.dumps(config(ngram_vocab_size_ratio=4)))
@@ -468,8 +464,7 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tmp_path):
         (b / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 50}))
 
     def truncate(b):
-        f = b / "model-00002-of-00002.safetensors"
-        f.write_bytes(f.read_bytes()[:3000])
+        truncate_file(b / "model-00002-of-00002.safetensors", 3000)
 
     def int_rows(b):
         from safetensors.torch import load_file, save_file
