@@ -99,18 +99,16 @@ def _write_adapter(target: nn.Module, adapter: nn.Module, d: Path, trainer_layou
     sd = target.state_dict() if adapter.base_modules else {}
     base_keys = sorted(k for k in sd if any(k.startswith(m + ".") for m in adapter.base_modules))
     entries = table_entries(adapter, adapter.state_dict())
+    base = [tensor_entry(k, sd[k].detach().cpu().contiguous()) for k in base_keys]
     if trainer_layout:
         weights = TRAINER_WEIGHTS_FILE
-        entries = [(ADAPTER_PREFIX + n, *rest) for n, *rest in entries]
-        entries += [tensor_entry(k, sd[k].detach().cpu().contiguous()) for k in base_keys]
+        entries = [(ADAPTER_PREFIX + n, *rest) for n, *rest in entries] + base
     else:
         weights = WEIGHTS_FILE
     write_safetensors(d / weights, entries, {"format": FORMAT})
     names = [weights]
-    if base_keys and not trainer_layout:
-        from safetensors.torch import save_file
-
-        save_file({k: sd[k].detach().cpu().contiguous() for k in base_keys}, str(d / BASE_MODULES_FILE))
+    if base and not trainer_layout:
+        write_safetensors(d / BASE_MODULES_FILE, base, {"format": FORMAT})
         names.append(BASE_MODULES_FILE)
     ct = adapter.mapping.compressed_tokenizer
     tok = ct.tokenizer.to_str().encode("utf-8") if ct.tokenizer_file is None else Path(ct.tokenizer_file).read_bytes()
