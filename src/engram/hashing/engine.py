@@ -221,11 +221,12 @@ class NgramHashMapping:
         cpu = input_ids.device.type == "cpu"
         raw = input_ids.numpy() if cpu else None
         ends = None
-        if self.family.reset_id is not None and self.family.reset_reads_pad:  # a reset is a DEAD position
-            resets = (raw if cpu else input_ids.cpu().numpy()) == self.family.reset_id
-            dead = resets if dead is None else dead | resets
         if self.family.reset_id is not None or dead is not None:  # (found on the host)
-            ends = self._ends(raw if cpu else input_ids.cpu().numpy(), dead)
+            host = raw if cpu else input_ids.cpu().numpy()  # (one copy off the device)
+            if self.family.reset_id is not None and self.family.reset_reads_pad:  # a reset is a DEAD position
+                resets = host == self.family.reset_id
+                dead = resets if dead is None else dead | resets
+            ends = self._ends(host, dead)
         if self.family.own_mix:  # the family mixes the windows itself (no fused kernel)
             B, T = input_ids.shape
             rows = self.family.mix_rows(self._windows(input_ids, ends, dead))  # (L, B*T, H)
