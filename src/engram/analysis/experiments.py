@@ -102,14 +102,14 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
                    data: list[str] | None = None, max_steps: int | None = None, progress: bool = True,
                    size: str = "default", checkpoint: str | None = None, scale: str = "cpu",
                    record: str | Path | None = None, plan_only: bool = False, finished_only: bool = False,
-                   variants_only: list[str] | None = None) -> dict:
+                   variants_only: list[str] | None = None, jobs: int = 1) -> dict:
     """Train (or reuse) every (variant, seed) run of experiment `name` and summarize it. `record`: also write the
     per-seed results and each run's environment to `record/NAME.json`, the file `engram results` renders.
     `finished_only`: train nothing; summarize the runs that have finished (variants may have fewer seeds)."""
     if name == "retrofit":  # a pretrained transformers base, not a preset: its own driver
         from .retrofit import run
 
-        return run(out, seeds, max_steps, progress=progress, record=record)
+        return run(out, seeds, max_steps, progress=progress, record=record, jobs=jobs)
     if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
         from .allocation import run
 

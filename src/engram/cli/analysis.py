@@ -18,7 +18,7 @@ def cmd_experiment(args) -> int:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
                                    max_steps=args.max_steps, size=args.size, checkpoint=args.checkpoint,
                                    scale=args.scale, record=args.record, plan_only=args.plan_only,
-                                   finished_only=args.finished_only,
+                                   finished_only=args.finished_only, jobs=args.jobs,
                                    variants_only=args.variants.split(",") if args.variants else None)
     return 0
 
@@ -140,6 +140,8 @@ def add_commands(sub) -> None:
     ex.add_argument("--variants", metavar="A,B",
                     help="allocation: train only these variants (e.g. moe-E16,moe-E14+engram); the others are "
                          "reported where their runs finished")
+    ex.add_argument("--jobs", type=int, default=1,
+                    help="retrofit: adaptation runs trained at once, each in its own process (default 1)")
     ex.add_argument("--plan-only", action="store_true",
                     help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); "
                          "train nothing")
