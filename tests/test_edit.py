@@ -372,7 +372,7 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     s = ed.run(tmp_path, checkpoint=str(root / "run"), n_facts=3, seeds=2, max_windows=2, budgets=(1, 3),
                general=[str(corpus)], progress=False, record=tmp_path / "rec", grid=grid)
     assert set(s["table"]) == set(grid) == {"engram-edit", *ed.DEFAULTS.values()}
-    assert len(ed.configs()) == 1 + 3 + 3 + 3  # the edit; ft lr, KL weight and LoRA lr each swept over 3 values
+    assert len(ed.configs()) == 1 + 3 + 3 + 1  # the edit; ft lr and KL weight each swept over 3 values; LoRA at 1
     assert len(s["runs"]) == len(grid) * 2 * 2  # every config x fact set x budget
     for c in grid:
         for b in ("1", "3"):

@@ -262,8 +262,9 @@ def split_params(model: torch.nn.Module):
 def dense_groups(dense: list, weight_decay: float) -> list[dict]:
     """AdamW parameter groups of the dense `(name, param)`s: weight decay on matrices, none on vectors (norms,
     biases) or the token embedding."""
-    decay = [p for n, p in dense if p.dim() >= 2 and "embed_tokens" not in n]
-    no_decay = [p for n, p in dense if not (p.dim() >= 2 and "embed_tokens" not in n)]
+    decay, no_decay = [], []
+    for n, p in dense:
+        (decay if p.dim() >= 2 and "embed_tokens" not in n else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
