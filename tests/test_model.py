@@ -245,6 +245,24 @@ def test_engram_fused_0_turns_the_fused_kernels_off():
     assert r.stdout.split() == ["False", "False"], r.stderr
 
 
+def test_fused_kernels_use_torch_thread_count():
+    """A process limited to one torch thread runs numba's kernels on one thread too (numba defaults to every
+    core, and its OpenMP workers spin between kernels: two such processes on 2 cores ran ~5x slower)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    code = ("import numpy as np, numba, torch\n"
+            "from engram import _fastadam\n"
+            "assert _fastadam.available()\n"
+            "w, m, v = (np.zeros((8, 4), np.float32) for _ in range(3))\n"
+            "_fastadam.adam_rows(w, m, v, np.arange(4), np.ones((4, 4), np.float32), 0.9, 0.95, 1e-3, 1e-8)\n"
+            "print(numba.config.NUMBA_NUM_THREADS, numba.get_num_threads())")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2", "ENGRAM_FUSED": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.stdout.split() == ["2", "1"], r.stdout + r.stderr
+
+
 def test_moe_bias_balancing_reduces_imbalance():
     torch.manual_seed(0)
     cfg = presets.tiny(ffn="moe", n_routed_experts=8, num_experts_per_tok=2, moe_bias_update_speed=0.02)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._numba import LazyKernels
-from ._numba import lock as _lock
+from ._numba import launch as _launch
 
 
 def available() -> bool:
@@ -70,7 +70,7 @@ _kernels = LazyKernels(_build, switchable=True)
 def adam_rows(w, m, v, rows, g, b1: float, b2: float, step_size: float, eps: float) -> None:
     """In place on numpy float32 arrays: rows `rows` of w, m, v get one Adam update with gradients g."""
     f = np.float32
-    with _lock:
+    with _launch():
         _kernels.get()[0](w, m, v, rows, g, f(1 - b1), f(b2), f(1 - b2), f(step_size), f(eps))
 
 
@@ -90,6 +90,6 @@ def sparse_adam_rows(w, m, v, rows, vals, b1: float, b2: float, step_size: float
     if gsum is None or gsum.shape[0] < starts.numel() - 1:
         gsum = np.empty((starts.numel() - 1, vals.shape[1]), dtype=np.float32)
     f = np.float32
-    with _lock:
+    with _launch():
         _kernels.get()[1](w, m, v, srows.numpy(), order.numpy(), starts.numpy(), vals, gsum, f(1 - b1), f(b2),
                           f(1 - b2), f(step_size), f(eps))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._numba import LazyKernels
-from ._numba import lock as _lock
+from ._numba import launch as _launch
 
 
 def available() -> bool:
@@ -125,7 +125,7 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     fn = serial if x.size < SERIAL_BELOW else parallel
     if offsets is None:
         offsets = np.zeros_like(p)
-    with _lock:
+    with _launch():
         fn(np.ascontiguousarray(x, dtype=np.int64), np.int64(pad),
            _NO_ENDS if ends is None else ends, mult, p, c32, c48, inv,
            offsets, out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._numba import LazyKernels
-from ._numba import lock as _lock
+from ._numba import launch as _launch
 
 
 def available() -> bool:
@@ -95,13 +95,13 @@ def forward(logits: np.ndarray, iters: int):
     N, n, _ = logits.shape
     its = np.empty((N, 2 * iters + 1, n, n), dtype=np.float32)
     out = np.empty((N, n, n), dtype=np.float32)
-    with _lock:
+    with _launch():
         _kernels.get()[0](logits, its, out)
     return out, its
 
 
 def backward(its: np.ndarray, grad: np.ndarray) -> np.ndarray:
     gin = np.empty(grad.shape, dtype=np.float32)
-    with _lock:
+    with _launch():
         _kernels.get()[1](its, grad, gin)
     return gin

@@ -1,18 +1,38 @@
 """Plumbing shared by the optional numba kernels (`pip install 'engram-torch[fast]'`).
 
 Kernels are compiled on first use (cached on disk by numba), so `import engram` stays light; a
-missing or broken numba means "not available" and the callers take their torch path. One lock
-guards every kernel call: numba's default (workqueue) threading layer is process-wide and must not
-be entered from two threads at once (the data pipeline hashes on its own thread while the
-optimizer runs).
+missing or broken numba means "not available" and the callers take their torch path. Every kernel
+call goes through `launch()`:
+
+- one lock: numba's threading layers (workqueue in particular) are process-wide and must not be
+  entered from two threads at once (the data pipeline hashes on its own thread while the optimizer
+  runs);
+- as many threads as torch uses (`torch.get_num_threads()`: OMP_NUM_THREADS, `torch.set_num_threads`),
+  never more than numba's own limit. numba defaults to every core, and its OpenMP layer's workers
+  spin between kernels: a process limited to one thread still kept a second core busy, and two such
+  processes on 2 cores ran each training step about 5x slower (measured 2026-12-02).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def launch():
+    """Hold the kernels' lock, with numba's thread count for this thread set to torch's (see the module doc)."""
+    import numba
+    import torch
+
+    with lock:
+        n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+        yield
 
 
 class LazyKernels:
