@@ -9,7 +9,8 @@ call goes through `launch()`:
   runs);
 - as many threads as torch uses (`torch.get_num_threads()`: OMP_NUM_THREADS, `torch.set_num_threads`),
   never more than numba's own limit. numba defaults to every core, and its OpenMP layer's workers
-  spin between kernels: a process limited to one thread still kept a second core busy, and two such
+  spin between kernels, and starting them set the shared OpenMP thread count that torch reads too: a
+  process limited to one thread (OMP_NUM_THREADS=1) ran torch and the kernels on two, and two such
   processes on 2 cores ran each training step about 5x slower (measured 2026-12-02).
 """
 
@@ -29,10 +30,15 @@ def launch():
     import torch
 
     with lock:
-        n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        t = torch.get_num_threads()  # read before numba's first launch, which can change it (below)
+        n = max(1, min(t, numba.config.NUMBA_NUM_THREADS))
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
-        yield
+        try:
+            yield
+        finally:  # numba's OpenMP layer shares torch's libgomp: starting its pool set every later region to
+            if torch.get_num_threads() != t:  # NUMBA_NUM_THREADS threads, torch's included
+                torch.set_num_threads(t)
 
 
 class LazyKernels:
