@@ -52,6 +52,14 @@ def test_holm_is_within_the_family_and_diffs_need_one():
         report.render("{{family:F\ne/a:e/b}}\n## next\n{{diff:e/a:e/b}}", recs)  # families end with their section
 
 
+def test_welch_check_is_unpaired_even_where_seeds_are_shared():
+    recs = {"e": _rec("e", {"a": [1.0, 1.1, 1.2, 1.3], "b": [1.5, 1.7, 1.6, 1.8]})}
+    recs["e"]["seeds"] = {"a": [0, 1, 2, 3], "b": [0, 1, 2, 3]}
+    text = report.render("{{welch:e/a:e/b}}", recs)
+    p = stats.ttest_ind([1.5, 1.7, 1.6, 1.8], [1.0, 1.1, 1.2, 1.3], equal_var=False).pvalue
+    assert text.startswith("+0.5000 ± ") and f"(Welch t, n=4/4, unadjusted, outside the family; p {sig.fmt_p(p)})" in text
+
+
 def test_a_record_with_summaries_only_is_tested_by_welch_from_them():
     rec = {"experiment": "sweep", "variants": {"a": {"mean": 4.3, "std": 0.01, "n": 2, "half_range": 0.007},
                                                "b": {"mean": 4.28, "std": 0.005, "n": 3, "half_range": 0.004}}}

@@ -14,6 +14,8 @@ the results page; `render` fills its placeholders from those files, so every num
     {{diff:EXP/A:EXP/B}}    one comparison of a family declared in the same section: "+0.0253 ± 0.0081 (paired t,
                             n=3; p 0.012, Holm 0.048): a finding" or "...: not a finding (detectable at 80%
                             power: ±0.031)"
+    {{welch:EXP/A:EXP/B}}   the same b - a by Welch's unpaired test, unadjusted and outside every family: a check
+                            where pairs are weaker than the rule assumes (seeds run on different machines)
     {{value:EXP/KEY.KEY}}   one number of a record (a single measurement: gates, stats), formatted by the
                             Python format spec after `|` (`{{value:gates/mean_gate.entity|.3f}}`)
     {{quoted:SOURCE|TEXT}}  a number that is not ours (the paper's, an earlier session's): "TEXT (quoted: SOURCE)"
@@ -274,7 +276,7 @@ def _value(recs: dict, arg: str) -> str:
     return format(x, spec)
 
 
-PLACEHOLDER = re.compile(r"\{\{(table|stat|diff|env|family|value|quoted|set):([^}]+)\}\}")
+PLACEHOLDER = re.compile(r"\{\{(table|stat|diff|welch|env|family|value|quoted|set):([^}]+)\}\}")
 
 
 def _families(section: str, recs: dict) -> dict[str, tuple[str, list[dict]]]:
@@ -314,6 +316,12 @@ def render(template: str, recs: dict[str, dict]) -> str:
                                    f"section's {{{{family:...}}}}")
                 r = tested[(a, b)]
                 return fmt_diff(r["test"], r["p_holm"])
+            if kind == "welch":
+                a, b = arg.split(":")
+                sa, sb = _stat(recs, a), _stat(recs, b)
+                t = sig.welch(sa["values"], sb["values"])
+                return (f"{t.diff:+.4f} ± {t.se:.4f} ({t.label}, unadjusted, outside the family; "
+                        f"p {sig.fmt_p(t.p)})")
             if kind == "family":
                 return family_markdown(*fams[arg.strip().splitlines()[0].strip()])
             if kind == "value":
