@@ -378,19 +378,10 @@ LABELS = {"efficacy_counterfactual": "efficacy (cf.)", "efficacy_new": "efficacy
           "specificity": "specificity", "val_change": "Δ val loss", "world_change": "Δ held-out facts loss"}
 
 
-
-
-
-
-
-
 def markdown(s: dict) -> str:
-    """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n. A
-    record of the earlier design (2026-12-02: a stopping rule, no budgets): `legacy_markdown`."""
+    """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n."""
     from .significance import fmt_p
 
-    if "budgets" not in s:
-        return legacy_markdown(s)
     head = "| method | steps | " + " | ".join(LABELS[k] for k in METRICS) + " |"
     lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy; held-out countries "
              f"excluded) ({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); before: val loss "
@@ -443,8 +434,6 @@ def plot(s: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    if "budgets" not in s:
-        return legacy_plot(s, path, plt)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     colors = {"engram-edit": "tab:blue", "ft": "tab:red", "ft+kl": "tab:green", "lora": "tab:purple"}
     styles = ["-", "--", ":"]
@@ -470,105 +459,5 @@ def plot(s: dict, path: Path) -> None:
     axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(f"engram experiment edit: budgets {', '.join(map(str, s['budgets']))} steps "
                  f"(mean ± sd over {s['seeds']} fact sets; dots: each fact set)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------ the earlier record
-LEGACY_METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfactual", "generalization_new",
-                  "specificity", "val_change")
-
-
-def legacy_tests(s: dict) -> list[dict]:
-    """The earlier design's family: each fine-tuning vs the edit on its 6 metrics, paired by fact set, Holm over
-    the 18; and, outside it (unadjusted, descriptive), ft+kl vs ft."""
-    from .significance import compare, holm, is_finding
-
-    def cell(m: str, k: str) -> tuple[list, list]:
-        rs = sorted(s["runs"][m], key=lambda r: r["seed"])
-        return [r[k] for r in rs], [r["seed"] for r in rs]
-
-    tests = []
-    for m in ("ft", "ft+kl", "lora"):
-        for k in LEGACY_METRICS:
-            (va, sa), (vb, sb) = cell("engram-edit", k), cell(m, k)
-            t = compare(va, vb, sa, sb)
-            tests.append({"a": "engram-edit", "b": m, "metric": k, "diff": t.diff, "se": t.se, "label": t.label,
-                          "p": t.p, "min_detectable": detectable(t)})
-    for t, adj in zip(tests, holm([t["p"] for t in tests])):
-        t["p_holm"], t["finding"] = adj, is_finding(adj)
-    for k in LEGACY_METRICS:
-        (va, sa), (vb, sb) = cell("ft", k), cell("ft+kl", k)
-        t = compare(va, vb, sa, sb)
-        tests.append({"a": "ft", "b": "ft+kl", "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
-                      "min_detectable": detectable(t), "p_holm": None, "finding": False})
-    return tests
-
-
-def legacy_markdown(s: dict) -> str:
-    """The earlier record (fine-tunings stopped at the edit's efficacy): its table, the fixed test, per-relation
-    cells with their n."""
-    from .significance import fmt_p
-
-    head = "| method | " + " | ".join(LABELS[k] for k in LEGACY_METRICS) + " | steps |"
-    lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy) "
-             f"({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); val loss before "
-             f"{s['val_before']:.4f}. {s['n_facts']} counterfactuals + {s['n_facts']} new entities per fact set; every "
-             f"cell mean ± sample sd over n={s['seeds']} fact sets. The fine-tunings stopped when greedy decoding "
-             "produced as many of the 40 targets as the edit did.", "", head, "|---" * (len(LEGACY_METRICS) + 2) + "|"]
-    for m, t in s["methods"].items():
-        cells = [f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}" if k == "val_change"
-                 else f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}" for k in LEGACY_METRICS]
-        steps = "; ".join(str(r["steps"]) for r in sorted(s["runs"][m], key=lambda r: r["seed"]))
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {steps} |")
-    tests = legacy_tests(s)
-    fam = [t for t in tests if t["p_holm"] is not None]
-    lines += ["", f"Tests (the section's family, {len(fam)} comparisons: method - edit, paired t over fact sets, "
-                  "Holm-adjusted; the efficacy rows are the stopping rule, not a result):", "",
-              "| method - edit | metric | difference | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
-    for t in fam:
-        lines.append(f"| {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | {t['label']} | "
-                     f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t, 'fact set')} |")
-    lines += ["", "ft+kl - ft (outside the family, unadjusted; both stopped at the same step on every fact set): " +
-              "; ".join(f"{LABELS[t['metric']]} {t['diff']:+.4f} ± {t['se']:.4f} (p {fmt_p(t['p'])})"
-                        for t in tests if t["p_holm"] is None) + "."]
-    rels = [r for r in WORLD_RELATIONS if any(r in x.get("by_relation", {}) for x in s["runs"]["engram-edit"])]
-    if rels:
-        # `fact_sets` takes the relations in turn: n_facts // R each, the first n_facts % R one more; 3 neighbours each
-        n_cf = {r: s["n_facts"] // len(rels) + (i < s["n_facts"] % len(rels)) for i, r in enumerate(rels)}
-        lines += ["", f"Counterfactuals by relation, pooled over the {s['seeds']} fact sets: efficacy hits/n, "
-                      "specificity hits/n (n per set: the relations taken in turn, 3 neighbours per edit).", "",
-                  "| method | " + " | ".join(rels) + " |", "|---" * (len(rels) + 1) + "|"]
-        for m, rs in s["runs"].items():
-            cells = []
-            for rel in rels:
-                e = sum(round(r["by_relation"][rel]["efficacy"] * n_cf[rel]) for r in rs)
-                sp = sum(round(r["by_relation"][rel]["specificity"] * 3 * n_cf[rel]) for r in rs)
-                cells.append(f"{e}/{n_cf[rel] * len(rs)}, {sp}/{3 * n_cf[rel] * len(rs)}")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def legacy_plot(s: dict, path: Path, plt) -> None:
-    """The earlier record: each metric's mean ± sd per method, every fact set as a dot."""
-    ms, ks = list(s["methods"]), [k for k in LEGACY_METRICS if k != "val_change"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [4, 1.3]})
-    w = 0.8 / len(ms)
-    for i, m in enumerate(ms):
-        t, rs = s["methods"][m], s["runs"][m]
-        xs = np.arange(len(ks)) + i * w
-        a.bar(xs, [t[k]["mean"] for k in ks], w, yerr=[t[k]["std"] for k in ks], capsize=2, label=m, alpha=0.7)
-        for x, k in zip(xs, ks):
-            a.scatter([x] * len(rs), [r[k] for r in rs], s=6, color="k")
-        b.bar(i, t["val_change"]["mean"], yerr=t["val_change"]["std"], capsize=3, alpha=0.7)
-        b.scatter([i] * len(rs), [r["val_change"] for r in rs], s=6, color="k")
-    a.set_xticks(np.arange(len(ks)) + 0.4 - w / 2, [LABELS[k] for k in ks], fontsize=7)
-    a.set_ylabel("share of prompts (greedy)")
-    a.legend(fontsize=7)
-    b.set_xticks(range(len(ms)), ms, fontsize=7, rotation=30)
-    b.set_ylabel("val loss change")
-    for ax in (a, b):
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"edit (2026-12-02 record): mean ± sd over {s['seeds']} fact sets, dots: each fact set")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
