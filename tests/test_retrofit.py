@@ -66,15 +66,22 @@ def test_pareto_points_pool_every_test_seed_with_their_spread():
     assert b1["on_front"] == 0 and next(p for p in pts if (p["method"], p["lr"]) == ("a", 2.0))["on_front"] == 3
 
 
-def test_the_earlier_record_is_retested_by_the_fixed_rule():
+def test_the_committed_record_is_what_its_runs_give():
+    """docs/results/retrofit.json: its grid points, budget choices and family are recomputed from its runs; every
+    grid point ran at the selection seed and every test seed; the selection seed's optimum is interior for each
+    method."""
     rec = json.loads((Path(__file__).parents[1] / "docs/results/retrofit.json").read_text())
-    tests = rf.legacy_tests(rec)
-    fam = [t for t in tests if t["kind"] != "selection_free"]
-    assert len(fam) == 8 and all(t["label"] == "paired t, n=3" for t in fam)
-    free = [t for t in tests if t["kind"] == "selection_free"]
-    assert len(free) == 2 and all(t["label"] == "paired t, n=2" for t in free)  # seed 0 chose the pair: left out
-    md = rf.markdown(rec)
-    assert "Holm p" in md and "not chosen on" in md
+    assert rec["selection_seed"] == 0 and rec["test_seeds"] == [1, 2, 3]
+    runs = rec["runs"]
+    assert rf.grid_points(runs, rec["test_seeds"]) == rec["points"]
+    chosen, tests = rf.budget_tests(runs, rec["budgets"], [tuple(p) for p in rec["pairs"]], rec["selection_seed"],
+                                    rec["test_seeds"])
+    assert chosen == rec["at_budget"] and tests == rec["tests"]
+    for m, info in rec["methods"].items():
+        for lr in info["lrs"]:
+            assert sorted(r["seed"] for r in runs if r["method"] == m and r["lr"] == lr) == [0, 1, 2, 3]
+    assert all(o["selection_interior"] for o in rec["optimum"].values())
+    assert all(t["kind"] == "paired" and t["n"] == 3 and t["p_holm"] >= t["p"] for t in tests)
 
 
 @pytest.mark.slow

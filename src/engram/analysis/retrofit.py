@@ -420,17 +420,11 @@ def _fmt(s: dict, sign: bool = False) -> str:
 METRIC = {"domain_val": "domain loss", "forgetting": "forgetting", "forgetting_shared": "forgetting (shared)"}
 
 
-
-
-
-
 def markdown(s: dict) -> str:
     """The grid over the test seeds (Pareto points marked), the optimum per method, the budgets with the family of
-    tests, and the cost. A record of the earlier design (2026-12-02, no test seeds): `legacy_markdown`."""
+    tests, and the cost."""
     from .significance import fmt_p
 
-    if "test_seeds" not in s:
-        return legacy_markdown(s)
     b, sh = s["before"], s["shared_set"]
     front = {tuple(p) for p in s["pareto_front"]}
     n = len(s["test_seeds"])
@@ -477,7 +471,7 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"full": "tab:red", "lora-qv": "tab:orange", "lora-all": "tab:purple", "engram": "tab:blue",
+COLORS = {"full": "tab:red", "lora-all": "tab:purple", "engram": "tab:blue",
           "engram-matched": "tab:cyan"}
 
 
@@ -491,8 +485,6 @@ def plot(s: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    if "test_seeds" not in s:
-        return legacy_plot(s, path, plt)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     test = set(s["test_seeds"])
     for ax, key, label in ((axes[0], "forgetting", "general (base corpus val)"),
@@ -522,113 +514,3 @@ def plot(s: dict, path: Path) -> None:
                  f"each seed); budgets dotted")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------ the earlier record
-def legacy_tests(s: dict) -> list[dict]:
-    """The earlier design's family (its record has no test seeds), tested by the fixed rule: each method's chosen
-    point vs the Engram adapter's and the matched pair, on domain loss and forgetting, paired by seed, Holm over the
-    family; and, outside it, the matched pair on the seeds it was *not* chosen on (`selection_free`)."""
-    from .significance import compare, holm, is_finding
-
-    def vals(m: str, lr: float, k: str, seeds=None) -> tuple[list, list]:
-        rs = sorted((r for r in s["runs"] if r["method"] == m and r["lr"] == lr
-                     and (seeds is None or r["seed"] in seeds)), key=lambda r: r["seed"])
-        return [r[k] for r in rs], [r["seed"] for r in rs]
-
-    pairs = [(("engram", s["chosen"]["engram"]["lr"]), (m, c["lr"]), "chosen") for m, c in s["chosen"].items()
-             if m != "engram"]
-    pairs += [((p["a"]["method"], p["a"]["lr"]), (p["b"]["method"], p["b"]["lr"]), "matched") for p in s["matched"]]
-    tests = []
-    for a, b, kind in pairs:
-        for k in ("domain_val", "forgetting"):
-            (va, sa), (vb, sb) = vals(*a, k), vals(*b, k)
-            t = compare(va, vb, sa, sb)
-            tests.append({"kind": kind, "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}", "metric": k,
-                          "diff": t.diff, "se": t.se, "label": t.label, "p": t.p, "min_detectable": detectable(t)})
-    for t, adj in zip(tests, holm([t["p"] for t in tests])):
-        t["p_holm"], t["finding"] = adj, is_finding(adj)
-    for a, b, kind in pairs:
-        if kind != "matched":
-            continue
-        for k in ("domain_val", "forgetting"):
-            (va, sa), (vb, sb) = vals(*a, k, (1, 2)), vals(*b, k, (1, 2))
-            t = compare(va, vb, sa, sb)
-            tests.append({"kind": "selection_free", "a": f"{a[0]} lr {a[1]:g}", "b": f"{b[0]} lr {b[1]:g}",
-                          "metric": k, "diff": t.diff, "se": t.se, "label": t.label, "p": t.p,
-                          "min_detectable": detectable(t), "p_holm": None, "finding": False})
-    return tests
-
-
-def legacy_markdown(s: dict) -> str:
-    """The earlier record's sweep, chosen points and matched pair, with the fixed test (`legacy_tests`)."""
-    from .significance import fmt_p
-
-    b = s["before"]
-    front = {tuple(p) for p in s["pareto_front"]}
-    lines = [f"Base before adaptation: domain val loss {b['domain']:.4f}, general val loss {b['general']:.4f}. "
-             f"{s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens per run.", "",
-             "Learning-rate sweep (seed 0 only; * = on seed 0's Pareto front of forgetting vs domain loss):", "",
-             "| method | lr | domain val loss | forgetting (general val Δ) |", "|---|---|---|---|"]
-    for r in (r for r in s["runs"] if r["seed"] == 0):
-        star = " *" if (r["method"], r["lr"]) in front else ""
-        lines.append(f"| {r['method']}{star} | {r['lr']:g} | {r['domain_val']:.4f} | {r['forgetting']:+.4f} |")
-    lines += ["", "Chosen points (each method's lr with the lowest domain loss on seed 0, the largest it ran; mean ± "
-                  "sd over seeds 0-2):", "",
-              "| method | lr | domain val loss | forgetting | trainable dense | trainable table | step (ms) |",
-              "|---|---|---|---|---|---|---|"]
-    for m, r in s["chosen"].items():
-        tr = r["trainable"]
-        lines.append(f"| {m} | {r['lr']:g} | {_fmt(r['domain_val'])} (n={r['domain_val']['n']}) | "
-                     f"{_fmt(r['forgetting'], True)} | {tr['engram_dense'] + tr['base_trainable']:,} | "
-                     f"{tr['engram_table']:,} | {r['step_ms']['mean']:.0f} |")
-    tests = legacy_tests(s)
-    fam = [t for t in tests if t["kind"] != "selection_free"]
-    lines += ["", f"Tests (the section's family, {len(fam)} comparisons: B - A, paired t over the seeds both ran, "
-                  "Holm-adjusted; the matched pair was picked on seed 0 and is tested with seed 0 included):", "",
-              "| comparison | metric | B - A | test | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
-    for t in fam:
-        lines.append(f"| {t['kind']}: {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
-                     f"{t['label']} | {fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t)} |")
-    free = [t for t in tests if t["kind"] == "selection_free"]
-    if free:
-        lines += ["", "The matched pair on the seeds it was not chosen on (1 and 2 only; unadjusted):", "",
-                  "| comparison | metric | B - A | test | p |", "|---|---|---|---|---|"]
-        for t in free:
-            lines.append(f"| {t['b']} - {t['a']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
-                         f"{t['label']} | {fmt_p(t['p'])} |")
-    return "\n".join(lines) + "\n"
-
-
-def legacy_plot(s: dict, path: Path, plt) -> None:
-    """The earlier record from all its runs: each method's seed-0 sweep, every run as a dot, the points run at
-    three seeds as mean ± sd."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for m in s["chosen"]:
-        c = COLORS.get(m)
-        pts = sorted((r["lr"], r["forgetting"], r["domain_val"]) for r in s["runs"] if r["method"] == m
-                     and r["seed"] == 0)
-        ax.plot([p[1] for p in pts], [p[2] for p in pts], "-", color=c, alpha=0.5, label=f"{m} (lr sweep, seed 0)")
-        for lr, x, y in pts:
-            ax.annotate(f"{lr:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        rs = [r for r in s["runs"] if r["method"] == m]
-        ax.scatter([r["forgetting"] for r in rs], [r["domain_val"] for r in rs], s=10, color=c, alpha=0.6)
-        for lr in sorted({r["lr"] for r in rs}):
-            x = [r for r in rs if r["lr"] == lr]
-            if len(x) > 1:
-                f, d = seed_stats([r["forgetting"] for r in x]), seed_stats([r["domain_val"] for r in x])
-                ax.errorbar(f["mean"], d["mean"], xerr=f["std"], yerr=d["std"], fmt="s", color=c, capsize=3, ms=6,
-                            mfc="none")
-    ax.set_xlabel("forgetting: general val loss after - before (lower is better)")
-    ax.set_ylabel("domain (WordNet) val loss")
-    ax.set_title("retrofit (2026-12-02 record): dots every run, squares mean ± sd over seeds 0-2")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-if __name__ == "__main__":  # one run: engram.training.adapt.adapt(**json) (see _adapt_in_subprocess)
-    from ..training.adapt import adapt as _adapt
-
-    _adapt(**json.loads(sys.argv[1]))
