@@ -326,16 +326,19 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
             methods[m] = ({**kw, "engram_options": matched_engram(base, lora_n, kw["engram_options"],
                                                                   kw.get("layers", LAYERS))}, lrs)
 
+    def dir_of(name: str, lr: float, seed: int) -> Path:
+        return root / f"{name}-lr{lr:g}-seed{seed}"
+
     def train_one(name: str, lr: float, seed: int) -> None:
         kw0, _ = methods[name]
-        run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
+        run_dir = dir_of(name, lr, seed)
         if not (run_dir / "summary.json").is_file():
             _say(progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
             kw = dict(base=str(base), data=domain, out=str(run_dir), max_steps=steps,
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": general or None}, **kw0)
             if isolate:
-                _adapt_in_subprocess(kw, root / f"runs-{name}-lr{lr:g}-seed{seed}.log")
+                _adapt_in_subprocess(kw, root / f"runs-{run_dir.name}.log")
             else:
                 from ..training.adapt import adapt
 
@@ -354,7 +357,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
 
     def one(name: str, lr: float, seed: int) -> dict:
         kw0, _ = methods[name]
-        run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
+        run_dir = dir_of(name, lr, seed)
         train_one(name, lr, seed)
         s = read_run_file(run_dir, "summary.json")
         shared_val = _eval_shared(base, run_dir, kw0["method"], shared, tcfg.batch_size)
