@@ -47,7 +47,7 @@ from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
 from ..utils import environment
 from .report import experiment_record, plot, record_experiment, table_markdown
-from .runs import difference, read_run_file, seed_stats, trained_run
+from .runs import call_in_subprocess, difference, read_run_file, run_parallel, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
                "adapter-init")
@@ -126,6 +126,22 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
+    if jobs > 1 and not finished_only:  # the unfinished runs first, `jobs` at once, each in its own process
+        todo = [(seed, v) for seed in range(seeds) for v in vs
+                if not (run_dir_of(out, name, v, seed, preset) / "summary.json").is_file()]
+
+        def train_apart(item: tuple[int, str]) -> None:
+            seed, v = item
+            run_dir = run_dir_of(out, name, v, seed, preset)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            if progress:
+                print(f"[{name}] {v} seed {seed} -> {run_dir} (log: {run_dir}.log)", flush=True)
+            call_in_subprocess("engram.analysis.runs:trained_run", dict(
+                run_dir=str(run_dir), label=f"[{name}] {v}", seed=seed, preset=preset, data=data,
+                max_steps=max_steps, progress=progress, **vs[v]), Path(f"{run_dir}.log"), f"[{name}] {v} seed {seed}",
+                jobs)
+
+        run_parallel(train_apart, todo, jobs)
     results: dict[str, list[dict]] = {}
     for seed in range(seeds):
         for vname, kw in vs.items():

@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,11 +45,13 @@ from ..training.checkpoint import checkpoints
 from ..utils import environment
 from .runs import (
     ExperimentError,
+    call_in_subprocess,
     detectable,
     index_environments,
     publish,
     read_result,
     read_run_file,
+    run_parallel,
     seed_stats,
     verdict,
 )
@@ -128,15 +127,6 @@ def _step_ms(run_dir: Path, batch_tokens: int) -> float:
     times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
     warm = [t for s, t in times if s > 5] or [t for _, t in times]  # the first steps warm up allocators
     return statistics.median(warm)
-
-
-def _adapt_in_subprocess(kwargs: dict, log: Path) -> None:
-    """One run in its own process, so its peak RSS is its own (`summary.json` records it)."""
-    cmd = [sys.executable, "-m", "engram.analysis.retrofit", json.dumps(kwargs)]
-    with open(log, "a") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
-        raise RuntimeError(f"retrofit run {kwargs['out']} failed (exit {r.returncode}); see {log}")
 
 
 # ------------------------------------------------------------------------------------------ the design's pieces
@@ -338,7 +328,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": general or None}, **kw0)
             if isolate:
-                _adapt_in_subprocess(kw, root / f"runs-{run_dir.name}.log")
+                call_in_subprocess("engram.training.adapt:adapt", kw, root / f"runs-{run_dir.name}.log",
+                                   f"retrofit run {run_dir}", jobs)
             else:
                 from ..training.adapt import adapt
 
@@ -346,14 +337,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
 
     def train_all(keys: list[tuple[str, float, int]]) -> None:
         """Train the runs `keys` (name, lr, seed), `jobs` at once when each has its own process."""
-        if isolate and jobs > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(jobs) as pool:
-                list(pool.map(lambda k: train_one(*k), keys))
-        else:
-            for k in keys:
-                train_one(*k)
+        run_parallel(lambda k: train_one(*k), keys, jobs if isolate else 1)
 
     def one(name: str, lr: float, seed: int) -> dict:
         kw0, _ = methods[name]

@@ -4,7 +4,13 @@ checkpointed); and the mean and spread of a value over seeds."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import EngramError
@@ -25,6 +31,28 @@ def read_result(path: Path, what: str, delete: Path | None = None, expect: type 
 def read_run_file(run_dir: Path, name: str = "run.json") -> dict:
     """`run_dir/name` of a training run (`run.json`: its settings, `summary.json`: its results)."""
     return read_result(Path(run_dir) / name, "run file", delete=run_dir)
+
+
+def call_in_subprocess(target: str, kwargs: dict, log: Path, what: str, jobs: int = 1) -> None:
+    """`target(**kwargs)` ("package.module:function", JSON-able keyword arguments) in a process of its own, its output
+    appended to `log`: a run's peak RSS is then its own, and `run_parallel` can train several at once. With `jobs`
+    such processes at once, each gets cores/jobs threads unless OMP_NUM_THREADS is set."""
+    cmd = [sys.executable, "-m", "engram.analysis.runs", target, json.dumps(kwargs)]
+    env = dict(os.environ)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    with open(log, "a") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0:
+        raise ExperimentError(f"{what} failed (exit {r.returncode}); see {log}, then run the same command again")
+
+
+def run_parallel(fn, items: list, jobs: int) -> list:
+    """`[fn(x) for x in items]`, `jobs` at a time (threads that each wait on a `call_in_subprocess` run)."""
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(fn, items))
 
 
 def publish(summary: dict, root: Path, record, name: str, markdown, plot) -> dict:
@@ -116,3 +144,8 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
                                f"{want[2:]}; use another --out or delete that folder")
     summ = read_run_file(run_dir, "summary.json")
     return {"seed": seed, "run_dir": str(run_dir), **summ, "metrics": read_metrics(run_dir / "metrics.jsonl")}
+
+
+if __name__ == "__main__":  # one call_in_subprocess run: `python -m engram.analysis.runs module:function '{json}'`
+    _module, _function = sys.argv[1].split(":")
+    getattr(importlib.import_module(_module), _function)(**json.loads(sys.argv[2]))

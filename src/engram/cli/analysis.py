@@ -141,7 +141,8 @@ def add_commands(sub) -> None:
                     help="allocation: train only these variants (e.g. moe-E16,moe-E14+engram); the others are "
                          "reported where their runs finished")
     ex.add_argument("--jobs", type=int, default=1,
-                    help="retrofit: adaptation runs trained at once, each in its own process (default 1)")
+                    help="retrofit and the preset experiments (iso, design, ...): runs trained at once, each in its "
+                         "own process with cores/JOBS threads unless OMP_NUM_THREADS is set (default 1)")
     ex.add_argument("--plan-only", action="store_true",
                     help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); "
                          "train nothing")

