@@ -73,6 +73,22 @@ def logits(model, ids):
         return model(input_ids=ids).logits
 
 
+def test_an_attached_model_deepcopies_and_pickles_into_an_independent_model(tok):
+    import copy
+    import pickle
+
+    m = perturb(engram.attach(make("llama"), [0], tokenizer=tok, verbose=False, **OPTS))
+    ids = torch.randint(0, 400, (2, 12))
+    want = logits(m, ids)
+    twin, thawed = copy.deepcopy(m), pickle.loads(pickle.dumps(m))  # (after a forward: its cache is not copied)
+    assert torch.equal(logits(twin, ids), want) and torch.equal(logits(thawed, ids), want)
+    with torch.no_grad():  # the copy's hooks run the copy's adapter, not the original's
+        adapter_of(twin).layers["0"].kv_proj.weight.add_(1.0)
+    assert not torch.equal(logits(twin, ids), want) and torch.equal(logits(m, ids), want)
+    engram.detach(twin)
+    assert adapter_of(twin) is None and adapter_of(m) is not None and torch.equal(logits(m, ids), want)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_attach_is_exact_and_detach_gives_the_base_back(kind, tok):
     m = make(kind)

@@ -54,6 +54,30 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     assert again["variants"] == table
 
 
+def test_jobs_train_runs_in_their_own_processes_with_the_same_numbers(corpus, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # the children compute as this process does
+    kw = dict(seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
+    apart = run_experiment("iso", out=tmp_path / "apart", jobs=2, **kw)
+    logs = sorted(p.name for p in (tmp_path / "apart" / "iso").glob("*.log"))
+    assert logs == ["engram-seed0.log", "iso-param-seed0.log", "no-engram-seed0.log"]  # each run was a subprocess
+    here = run_experiment("iso", out=tmp_path / "here", **kw)
+    for v, row in here["variants"].items():
+        assert apart["variants"][v]["values"] == pytest.approx(row["values"], rel=1e-6)
+
+
+def test_a_failed_subprocess_run_names_its_log(tmp_path):
+    from engram.analysis.runs import ExperimentError, call_in_subprocess
+
+    call_in_subprocess("engram.persist:write_json", {"path": str(tmp_path / "x.json"), "obj": {"a": 1}},
+                       tmp_path / "ok.log", "writing x")
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": 1}
+    with pytest.raises(ExperimentError, match=r"writing y failed \(exit 1\); see .*bad.log"):
+        call_in_subprocess("engram.persist:write_json", {"nope": 1}, tmp_path / "bad.log", "writing y")
+    assert "TypeError" in (tmp_path / "bad.log").read_text()
+
+
 def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
     iso_run = tmp_path / "iso" / "engram-seed0"

@@ -384,7 +384,13 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     # per-relation cells pooled over fact sets with their n
     cell = s["by_relation"]["ft-lr0.0001"]["3"]
     assert sum(x["efficacy_n"] for x in cell.values()) == 3 * 2
-    assert json.loads((tmp_path / "rec" / "edit.json").read_text())["known_facts"] == len(known)
+    rec = json.loads((tmp_path / "rec" / "edit.json").read_text())
+    assert rec["known_facts"] == len(known)
+    from engram.persist import sha256_file
+
+    # the record names the model by its weights' checksum, not by a path on this machine
+    assert rec["model"] == "--checkpoint run" and str(tmp_path) not in json.dumps(rec)
+    assert rec["model_sha256"] == sha256_file(root / "run" / "final" / "model.safetensors")
     assert (tmp_path / "edit" / "plot.png").is_file() and "Holm p" in (tmp_path / "edit" / "summary.md").read_text()
     with pytest.raises(ValueError, match="knows only"):
         ed.run(tmp_path / "again", checkpoint=str(root / "run"), n_facts=30, seeds=1, general=[str(corpus)],

@@ -202,6 +202,40 @@ def test_save_model_writes_the_adapter_that_load_adapter_reads(tok, tmp_path):
     assert (tmp_path / "base" / "config.json").is_file()
 
 
+def test_lora_and_engram_under_trainer_save_resume_and_load_together(tok, tmp_path):
+    """A PEFT model around an attached base (engram.adapters.add_lora): Trainer's checkpoints and save_model hold
+    LoRA and Engram together; resuming restores both exactly; load_adapter gives the same model back."""
+    pytest.importorskip("peft")
+    from engram.adapters import add_lora
+
+    def lora_model(seed=0):
+        torch.manual_seed(100 + seed)  # (LoRA's A init; its B starts at zero)
+        return add_lora(perturbed(tok) if seed == 0 else attached(tok, seed=seed), rank=2)
+
+    full = lora_model()
+    t_full = trainer(full, tmp_path / "full", steps=6)
+    t_full.train()
+    first = lora_model()
+    trainer(first, tmp_path / "run", steps=6, save_steps=3, callbacks=[_StopAt(3)]).train()
+    ck = tmp_path / "run" / "checkpoint-3"
+    assert (ck / "adapter_model.safetensors").is_file() and (ck / "engram_adapter.json").is_file()
+    again = lora_model(seed=5)  # other Engram and LoRA inits: the checkpoint must replace both
+    t_res = trainer(again, tmp_path / "run", steps=6, save_steps=3)
+    t_res.train(resume_from_checkpoint=str(ck))
+    assert history(t_res)[3:] == history(t_full)[3:]
+    w_full, w_res = trained(full), trained(again)
+    assert any("lora_" in n for n in w_full) and any("engram_adapter" in n for n in w_full)
+    assert set(w_full) == set(w_res) and all(torch.equal(w_full[n], w_res[n]) for n in w_full)
+    t_full.save_model()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = full(input_ids=ids).logits
+        got = engram.load_adapter(base(), tmp_path / "full")
+        assert type(got).__name__.startswith("Peft") and torch.equal(got(input_ids=ids).logits, want)
+        # without LoRA's weights the model differs: both parts were saved and loaded
+        assert not torch.equal(engram.load_adapter(base(), tmp_path / "full", lora=False)(input_ids=ids).logits, want)
+
+
 def test_save_pretrained_keeps_other_files_and_its_manifest_catches_corruption(tok, tmp_path):
     m = perturbed(tok)
     engram.adapters.unfreeze(m, ["norm"])  # unfrozen base modules travel in model.safetensors too

@@ -20,7 +20,9 @@ What makes it work, and where it lives:
   Trainer builds its LR scheduler on it from `args` as usual.
 - Saving: while attached, `model.save_pretrained(dir)` writes the adapter (`saving.save_pretrained`), so
   `save_model` and every checkpoint hold the adapter, not a copy of the base, and Trainer's resume loads it
-  back (`model.safetensors` under the model's own names).
+  back (`model.safetensors` under the model's own names). LoRA + Engram (`engram.adapters.add_lora`): the PEFT
+  model's `save_pretrained` writes PEFT's files and the adapter's beside them, and its `load_adapter` (Trainer's
+  resume path for PEFT models) loads both.
 - DDP (accelerate / torchrun): the tables are replicated, one full copy per rank; DDP all-reduces (averages)
   their sparse gradients with the dense ones, so every rank clips by the same norm and applies the same
   update: N processes follow one process at the same global batch.

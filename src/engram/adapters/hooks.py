@@ -53,7 +53,7 @@ class EngramAdapter(nn.Module):
         sig = inspect.signature(owner.forward)
         self._handles.append(owner.register_forward_pre_hook(_HashingHook(self, owner, sig), with_kwargs=True))
         for i in self.config.layer_ids:
-            self._handles.append(layers[i].register_forward_pre_hook(self._make_layer_hook(i), with_kwargs=True))
+            self._handles.append(layers[i].register_forward_pre_hook(_LayerHook(self, i), with_kwargs=True))
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -62,28 +62,36 @@ class EngramAdapter(nn.Module):
         self._inputs, self._cache = {}, None
         self.__dict__["_root"] = None
 
-    def _make_layer_hook(self, layer_id: int):
-        layer = self.layers[str(layer_id)]
+    def __getstate__(self) -> dict:
+        """`copy.deepcopy` and pickle: the call's transient inputs and cache are not part of the adapter."""
+        return {**self.__dict__, "_inputs": {}, "_cache": None}
 
-        def hook(module, args, kwargs):
-            x = self._inputs.get(layer_id)
-            if x is None:
-                raise AdapterError(f"decoder layer {layer_id} ran without Engram inputs: call the whole model "
-                                   "(its forward hashes the token ids), not the layer alone")
-            # hash ids (B, T, H) looked up here, or rows (B, T, H, d) pending on the prefetch thread
-            rows = layer.multi_head_embedding(x) if isinstance(x, torch.Tensor) else x.wait()
-            h = args[0] if args else kwargs["hidden_states"]  # (B, T, D)
-            state = self._cache.engram_state(layer_id) if self._cache is not None else None
-            dtype = layer.kv_proj.weight.dtype
-            delta, gate = layer(h.to(dtype).unsqueeze(2), rows, state)  # (B, T, 1, D), (B, T, 1)
-            h = h + delta.squeeze(2).to(h.dtype)
-            if self.gates is not None:
-                self.gates[layer_id] = gate.squeeze(2).detach()
-            if args:
-                return (h,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": h}
+class _LayerHook:
+    """Forward pre-hook on decoder layer `layer_id`: adds the Engram layer's delta to the layer's input hidden
+    states. An object, not a closure, so that `copy.deepcopy(model)` gives the copy hooks on its own adapter."""
 
-        return hook
+    def __init__(self, adapter: EngramAdapter, layer_id: int):
+        self.adapter, self.layer_id = adapter, layer_id
+
+    def __call__(self, module, args, kwargs):
+        ad, layer_id = self.adapter, self.layer_id
+        layer = ad.layers[str(layer_id)]
+        x = ad._inputs.get(layer_id)
+        if x is None:
+            raise AdapterError(f"decoder layer {layer_id} ran without Engram inputs: call the whole model "
+                               "(its forward hashes the token ids), not the layer alone")
+        # hash ids (B, T, H) looked up here, or rows (B, T, H, d) pending on the prefetch thread
+        rows = layer.multi_head_embedding(x) if isinstance(x, torch.Tensor) else x.wait()
+        h = args[0] if args else kwargs["hidden_states"]  # (B, T, D)
+        state = ad._cache.engram_state(layer_id) if ad._cache is not None else None
+        dtype = layer.kv_proj.weight.dtype
+        delta, gate = layer(h.to(dtype).unsqueeze(2), rows, state)  # (B, T, 1, D), (B, T, 1)
+        h = h + delta.squeeze(2).to(h.dtype)
+        if ad.gates is not None:
+            ad.gates[layer_id] = gate.squeeze(2).detach()
+        if args:
+            return (h,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": h}
 
 
 class _HashingHook:

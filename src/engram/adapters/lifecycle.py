@@ -142,7 +142,8 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target
              dropout: float = 0.0) -> nn.Module:
     """Wrap `model` with LoRA on its base (PEFT, `pip install 'engram-torch[peft]'`) and keep the Engram adapter
     trainable. `target_modules` None: PEFT's default for the architecture (e.g. q_proj, v_proj; GPT-2 c_attn).
-    Returns the PEFT model; `save_adapter` stores its LoRA weights beside the Engram ones."""
+    Returns the PEFT model; `save_adapter` stores its LoRA weights beside the Engram ones, and so do its
+    `save_pretrained` and Trainer's checkpoints (`saving.engram_peft_model`), which resume both."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -156,7 +157,11 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target
     for n, p in pm.named_parameters():  # PEFT freezes everything but LoRA: the Engram adapter trains too
         if "engram_adapter" in n:
             p.requires_grad_(True)
-    return pm
+    if adapter_of(pm) is None:
+        return pm
+    from .saving import engram_peft_model
+
+    return engram_peft_model(pm)  # save_pretrained / Trainer checkpoints hold LoRA and Engram together
 
 
 def trainable_summary(model: nn.Module) -> dict:

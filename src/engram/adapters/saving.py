@@ -32,6 +32,7 @@ WEIGHTS_FILE = "engram_adapter.safetensors"
 BASE_MODULES_FILE = "base_modules.safetensors"
 LORA_DIR = "lora"
 TRAINER_WEIGHTS_FILE = "model.safetensors"  # `save_pretrained`'s layout: the name Trainer resumes from
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")  # PEFT's save_pretrained, beside the adapter's
 ADAPTER_PREFIX = "engram_adapter."  # where attach puts the adapter in the model (`model.engram_adapter`)
 
 
@@ -73,9 +74,37 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
         return d
     d.mkdir(parents=True, exist_ok=True)
     (d / MANIFEST).unlink(missing_ok=True)  # until the new manifest is written the folder reads as incomplete
-    names = _write_adapter(target, adapter, d, trainer_layout=True)
-    write_manifest(d, files=[n for n in names if n != TOKENIZER_FILE])
+    peft = model is not target and hasattr(model, "peft_config")
+    peft_names = []
+    if peft:  # LoRA (add_lora): PEFT's own files, as PEFT writes them, for Trainer's PEFT resume path
+        type(model).save_pretrained(model, str(d), is_main_process=is_main_process, **ignored)
+        peft_names = [n for n in PEFT_FILES if (d / n).is_file()]
+    # (not model.safetensors beside a PEFT adapter: Trainer would load that into the PEFT model by the wrong names
+    # instead of calling its load_adapter, which engram_peft_model extends to these files)
+    names = _write_adapter(target, adapter, d, trainer_layout=not peft)
+    write_manifest(d, files=[n for n in names if n != TOKENIZER_FILE] + peft_names)
     return d
+
+
+def engram_peft_model(pm: nn.Module) -> nn.Module:
+    """Give a PEFT model around an attached base (`add_lora`, `load_adapter` of an adapter with LoRA) Engram's
+    `save_pretrained` and a `load_adapter` that also loads the Engram weights, so that `Trainer.save_model` and
+    every checkpoint hold LoRA and Engram together (PEFT's files beside `save_pretrained`'s) and
+    `Trainer.train(resume_from_checkpoint=...)`, which calls `model.load_adapter(checkpoint, ...)` on a PEFT
+    model, restores both. Returns `pm`."""
+    import types
+
+    def load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        out = type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
+        from .loading import load_adapter_weights
+
+        if (Path(model_id) / CONFIG_FILE).is_file():
+            load_adapter_weights(_unwrap(self), Path(model_id))
+        return out
+
+    pm.save_pretrained = types.MethodType(save_pretrained, pm)
+    pm.load_adapter = types.MethodType(load_adapter, pm)
+    return pm
 
 
 def _attached(model: nn.Module):

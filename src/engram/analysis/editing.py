@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..editing import Fact, applied, edit_facts
-from ..persist import write_json
+from ..persist import sha256_file, write_json
 from ..training.data import text_windows
 from ..utils import environment
 from .facts import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
@@ -320,7 +320,10 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     envs = index_environments(runs)
     summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
-               "model": str(model_path), "model_train": info.get("train", {}), "before": before,
+               # where the model came from, without this machine's paths, and which weights exactly
+               "model": "--checkpoint " + Path(checkpoint).name if checkpoint else "OUT/edit/base (trained here)",
+               "model_sha256": sha256_file(model_path / "model.safetensors"),
+               "model_train": info.get("train", {}), "before": before,
                "damage_sets": {"val": f"{len(damage['val'])} windows x 256 tokens of the general val split",
                                "world": f"{len(damage['world'])} windows x 64 tokens: every sentence about the "
                                         f"{len(held)} held-out countries"},

@@ -97,6 +97,13 @@ class NgramHashMapping:
         self._device_cache: dict[Any, tuple] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """`copy.deepcopy` and pickle: the family and backend; the lock and the per-device cache are rebuilt."""
+        return {"family": self.family, "backend": self.backend}
+
+    def __setstate__(self, state: dict) -> None:
+        self._bind(state["family"], state["backend"])
+
     @classmethod
     def for_family(cls, family: HashFamily, backend: str = "auto") -> "NgramHashMapping":
         """The engine over any `HashFamily`."""
