@@ -76,6 +76,12 @@ def test_adapter_run_loads_for_eval_and_sample(base, tmp_path, capsys):
     code, out, err = cli(capsys, "eval", "--base", model_dir, "--adapter", tmp_path / "r", "--data", corpus,
                          "--seq-len", "32", "--max-windows", "4")
     assert code == 0 and f"val loss {s['val_loss']:.4f}" in out, err  # the same windows give the training loss
+    # the adapter's tables served from files: the same loss (the rows are the same float32 values)
+    code, out, err = cli(capsys, "eval", "--base", model_dir, "--adapter", tmp_path / "r", "--data", corpus,
+                         "--seq-len", "32", "--max-windows", "4", "--table-backend", "mmap", "--table-dir",
+                         tmp_path / "tables")
+    assert code == 0 and f"val loss {s['val_loss']:.4f}" in out, err
+    assert list((tmp_path / "tables").glob("engram_table_L*.safetensors"))
     r = run_cli("sample", "--base", str(model_dir), "--adapter", str(tmp_path / "r" / "final"), "--prompt", "def f1",
                 "--max-new-tokens", "5", "--temperature", "0")
     assert r.returncode == 0 and r.stdout.startswith("def f1"), r.stderr

@@ -272,6 +272,19 @@ def test_cli_edit_on_a_qwen4_exp_folder(folder, tmp_path, capsys):
     assert sha256(folder / "qwen" / "model.safetensors") == ckpt
     code, stdout, err = cli(capsys, "verify", out)
     assert code == 0 and stdout.startswith("ok"), (stdout, err)
+    # the tables served from files (--table-backend mmap): the same overlay as from RAM
+    code, _, err = cli(capsys, "edit", "--checkpoint", folder / "qwen", "--facts", facts, "--out", tmp_path / "ovm",
+                       "--data", folder / "c.txt", "--split", "train", "--seq-len", 32, "--max-windows", 2,
+                       "--steps", 150, "--lr", 0.3, "--table-backend", "mmap", "--table-dir", tmp_path / "tables")
+    assert code == 0, err
+    assert list((tmp_path / "tables").iterdir())  # the rows were read from files
+    from safetensors.torch import load_file
+
+    ram, mm = load_file(str(out / "overlay.safetensors")), load_file(str(tmp_path / "ovm" / "overlay.safetensors"))
+    assert ram.keys() == mm.keys() and all(torch.equal(ram[k], mm[k]) for k in ram)
+    code, _, err = cli(capsys, "edit", "--checkpoint", folder / "qwen", "--facts", facts, "--out", tmp_path / "no",
+                       "--table-backend", "mmap")
+    assert code == 2 and "needs --table-dir DIR" in err and "Traceback" not in err and not (tmp_path / "no").exists()
     # stacked: a second edit on top of the first, on the same folder
     facts2 = tmp_path / "facts2.jsonl"
     facts2.write_text(json.dumps({"prompt": "Day 3: The king", "target": " said"}) + "\n")

@@ -15,7 +15,7 @@ def cmd_edit(args) -> int:
 
     if args.out and Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
-    model, tok = _load(args)
+    model, tok = options.load_for_inference(args)
     facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
     options.with_overlays(model, args.overlay)
     windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
@@ -32,17 +32,6 @@ def cmd_edit(args) -> int:
     return 0
 
 
-def _load(args):
-    """(model, tokenizer): a Qwen4Exp model folder given as --checkpoint (its n-gram tables served by engram,
-    `integrations.qwen4_exp.load_folder`, as `engram serve PATH` loads it), else `options.load_for_inference`."""
-    if args.checkpoint and not args.base and not args.adapter:
-        from ..integrations import qwen4_exp
-
-        if qwen4_exp.is_model_folder(args.checkpoint):
-            return qwen4_exp.load_folder(args.checkpoint)
-    return options.load_for_inference(args)
-
-
 def add_commands(sub) -> None:
     source = options.model_source(
         base_help="a pretrained transformers model folder (with --adapter: its Engram adapter)",
@@ -50,7 +39,7 @@ def add_commands(sub) -> None:
     windows = options.eval_windows(max_windows=64,
                                    data_help="text for the collision set and locality (default Shakespeare)")
     ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)",
-                        parents=[source, windows, options.overlays()],
+                        parents=[source, windows, options.overlays(), options.table_backend()],
                         epilog="--checkpoint also takes a qwen4_exp model folder (Qwen3.8-Flash-Next): its n-gram "
                         "table rows are edited, and engram serve PATH --overlay NAME=DIR serves them per request")
     ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '

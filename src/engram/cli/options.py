@@ -22,8 +22,8 @@ from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
 __all__ = ["ALLOCATION_SCALES", "BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
            "TABLE_DTYPES", "TABLE_FORMATS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "config", "eval_windows",
-           "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar", "run_options", "table_format",
-           "train_table_backend", "with_overlays"]
+           "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar", "run_options", "table_backend",
+           "table_format", "train_table_backend", "with_overlays"]
 
 ALLOCATION_SCALES = tuple(SCALES)  # `engram experiment allocation --scale`
 
@@ -66,6 +66,15 @@ def table_format() -> argparse.ArgumentParser:
     p = _parent()
     p.add_argument("--table-format", choices=TABLE_FORMATS,
                    help="serve the Engram tables as these rows (int8/fp8: per-row scale, dequantized after the gather)")
+    return p
+
+
+def table_backend() -> argparse.ArgumentParser:
+    """--table-backend / --table-dir of the commands that run a model: where its Engram tables live."""
+    p = _parent()
+    p.add_argument("--table-backend", default="ram", choices=SERVE_TABLE_BACKENDS,
+                   help="ram (default), or mmap/disk: the tables as files under --table-dir, read row by row")
+    p.add_argument("--table-dir", help="where the mmap/disk table files go (an existing file's rows are used)")
     return p
 
 
@@ -112,20 +121,22 @@ def run_options() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ what they load
 def load_for_inference(args):
-    """(model, tokenizer) from --checkpoint (an engram model) or --base [--adapter] (a transformers model)."""
+    """(model, tokenizer) from --checkpoint (an engram model or a qwen4_exp folder) or --base [--adapter] (a
+    transformers model), the tables where --table-backend/--table-dir put them (`serving.load_inference_model`)."""
+    from ..serving.engine import load_inference_model
+
     if args.base:
         if args.checkpoint:
             raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
-        from ..training.adapt import load_with_adapter
-
-        return load_with_adapter(args.base, args.adapter)
+        return load_inference_model(base=args.base, adapter=args.adapter,
+                                    table_backend=getattr(args, "table_backend", None) or "ram",
+                                    table_dir=getattr(args, "table_dir", None))
     if args.adapter:
         raise ValueError("--adapter needs --base DIR (the pretrained model it was trained on)")
     if not args.checkpoint:
         raise ValueError("give --checkpoint RUN_DIR (an engram model) or --base DIR [--adapter DIR]")
-    from ..model import load_model
-
-    return load_model(args.checkpoint)
+    return load_inference_model(args.checkpoint, table_backend=getattr(args, "table_backend", None) or "ram",
+                                table_dir=getattr(args, "table_dir", None))
 
 
 def with_overlays(model, overlay_dirs, table_format=None):

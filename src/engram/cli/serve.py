@@ -74,8 +74,6 @@ def cmd_serve(args) -> int:
     for flag in ("max_body_bytes", "read_timeout", "shutdown_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.table_backend != "ram" and not args.table_dir:
-        raise ValueError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
     engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
                          args.table_dir, args.name, args.chat_template)
     serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None,
@@ -142,11 +140,12 @@ def _channel() -> argparse.ArgumentParser:
 def add_commands(sub) -> None:
     e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint",
                        parents=[options.model_source(), options.eval_windows(max_windows=None), options.overlays(),
-                                options.table_format()])
+                                options.table_format(), options.table_backend()])
     e.set_defaults(func=cmd_eval)
 
     sm = sub.add_parser("sample", help="generate text from a checkpoint",
-                        parents=[options.model_source(), options.overlays(), options.table_format()])
+                        parents=[options.model_source(), options.overlays(), options.table_format(),
+                                 options.table_backend()])
     sm.add_argument("--prompt", required=True)
     sm.add_argument("--max-new-tokens", type=int, default=60)
     sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
@@ -155,13 +154,12 @@ def add_commands(sub) -> None:
     sm.set_defaults(func=cmd_sample)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server for an Engram model (overlays chosen per request)",
-                        parents=[options.model_source(checkpoint=False), options.table_format()])
+                        parents=[options.model_source(checkpoint=False), options.table_format(),
+                                 options.table_backend()])
     sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
     sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
                     help="load a fact overlay, served as model MODEL+NAME (repeatable); --engine vllm: DIR, applied "
                     "at load to every request")
-    sv.add_argument("--table-backend", default="ram", choices=options.SERVE_TABLE_BACKENDS)
-    sv.add_argument("--table-dir", help="where mmap/disk table files go")
     sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
     sv.add_argument("--chat-template", help="'plain' (role: content lines) or a Jinja file; default: the tokenizer's "
                     "own (tokenizer_config.json), else /v1/chat/completions is refused")

@@ -269,6 +269,32 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] 
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def load_inference_model(path=None, base=None, adapter=None, table_backend: str = "ram", table_dir=None):
+    """(model in eval mode, tokenizer) of an engram run dir / model folder (`path`), a qwen4_exp model folder
+    (`path`; its n-gram tables served by engram), or a pretrained transformers `base` with its Engram `adapter`;
+    the tables in `table_backend` ("ram", or "mmap"/"disk" files under `table_dir`). What `engram serve`,
+    `edit`, `eval` and `sample` load."""
+    if table_backend != "ram" and not table_dir:
+        raise ValueError(f"--table-backend {table_backend} needs --table-dir DIR for the table files")
+    if base is not None:
+        from ..training.adapt import load_with_adapter
+
+        model, tok = load_with_adapter(base, adapter)
+    else:
+        from ..integrations import qwen4_exp
+
+        if qwen4_exp.is_model_folder(path):  # (its tables go to the backend as they load: never whole in RAM)
+            return qwen4_exp.load_folder(path, table_backend, table_dir)
+        from ..model import load_model
+
+        model, tok = load_model(path)
+    if table_backend != "ram":
+        from ..tables import offload_tables
+
+        offload_tables(model, table_backend, table_dir)
+    return model, tok
+
+
 def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_backend: str = "ram",
                 table_format: str | None = None, table_dir=None, name: str | None = None,
                 chat_template: str | None = None) -> Engine:
@@ -277,27 +303,12 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
     "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one)."""
     from ..editing import Overlay, check_overlay, model_digest
 
-    template = None
+    model, tok = load_inference_model(path, base, adapter, table_backend, table_dir)
     if base is not None:
-        from ..training.adapt import load_with_adapter
-
-        model, tok = load_with_adapter(base, adapter)
         template = _chat_template(Path(base))
         name = name or Path(adapter or base).name
     else:
         p = Path(path)
-        from ..integrations import qwen4_exp
-
-        if qwen4_exp.is_model_folder(p):
-            model, tok = qwen4_exp.load_folder(p, table_backend, table_dir)
-        else:
-            from ..model import load_model
-
-            model, tok = load_model(p)
-            if table_backend != "ram":
-                from ..tables import offload_tables
-
-                offload_tables(model, table_backend, table_dir)
         template = _chat_template(p if (p / "tokenizer_config.json").is_file() else p / "final")
         name = name or (p.name if p.name != "final" else p.parent.name)
     if chat_template == "plain":
