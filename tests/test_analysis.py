@@ -48,6 +48,13 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
         assert table["v41"]["params"] == table["reference"]["params"]  # (the unused conv weights are still built)
         assert table["v41"]["table_params"] == table["reference"]["table_params"]
         assert "vs_reference" in table["v41, fp8_ue8m0 rows"] and "sd, n" in (root / "summary.md").read_text()
+        # the record: the command as run, the steps the runs trained, the FP8 evaluations paired by their runs' seeds
+        run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)], max_steps=3,
+                       progress=False, finished_only=True, record=tmp_path / "rec")
+        rec = json.loads((tmp_path / "rec" / "design.json").read_text())
+        assert rec["command"] == ("engram experiment design --seeds 2 --preset tiny --max-steps 3 "
+                                  f"--data {corpus.name} --record docs/results")
+        assert rec["steps"] == [3] and rec["seeds"]["v41, fp8_ue8m0 rows"] == rec["seeds"]["v41"] == [0, 1]
     # finished runs are skipped on a rerun (resumable experiments)
     again = run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)],
                            max_steps=3, progress=False, size="small")

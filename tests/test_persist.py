@@ -242,3 +242,16 @@ def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_p
     to_legacy(tmp_path / "a", "engram_adapter.json")
     assert read_adapter_config(tmp_path / "a")["format"]
     engram.load_adapter(tiny_base(vocab), tmp_path / "a")
+
+
+def test_atomic_files_get_the_mode_of_a_plain_open(tmp_path):
+    """Written aside with mkstemp (0600) and renamed: the file still gets 0666 & ~umask, as open() gives."""
+    old = os.umask(0o022)
+    try:
+        persist.write_json(tmp_path / "a.json", {"a": 1})
+        os.umask(0o077)
+        persist.write_json(tmp_path / "b.json", {"b": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600

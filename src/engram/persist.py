@@ -102,6 +102,7 @@ def atomic_file(path, mode: str = "wb") -> Iterator:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it the mode open() would (the umask's)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -111,6 +112,20 @@ def atomic_file(path, mode: str = "wb") -> Iterator:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it to read it; another thread could create a
+    file in between), from /proc where there is one."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def _aside(final: Path) -> Path:

@@ -24,7 +24,7 @@ Experiments:
                `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).
   design       the reference's Engram (short conv, the reference's conv init) vs DeepSeek-V4.1's (no conv; its
                tables served as FP8 rows with ue8m0 scales), same table and model otherwise (16-dim -> 32-dim
-               rows so FP8 blocks fit); run it at --max-steps 2000 (docs/results §11 still holds 500-step runs).
+               rows so FP8 blocks fit); docs/results §11 records it at --max-steps 2000 (--jobs 2: ~40 min on 2 cores).
   edit         counterfactuals and new entities written into the table rows of a model that learned world
                facts (`engram edit`) vs fine-tuning (with and without KL) and LoRA at fixed step budgets:
                efficacy, generalization, specificity, damage (`analysis/editing.py`).
@@ -156,14 +156,20 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         table = sensitivity(results["engram"], data)
     elif name == "design":
         table = design_table(results)
+        results["v41, fp8_ue8m0 rows"] = results["v41"]  # the same runs evaluated with FP8 rows: their seeds pair
     else:
         table = {v: seed_stats([r["val_loss"] for r in rs])
                  | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
                  for v, rs in results.items()}
     summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
     write_json(root / "summary.json", summary)
-    rec = record_experiment(Path(record) / f"{name}.json", summary, results) if record is not None \
-        else experiment_record(summary, results)
+    flags = {"--preset": preset if preset != "exp" else None, "--max-steps": max_steps,
+             "--size": size if size != "default" else None,
+             "--data": " ".join(Path(d).name for d in data) if data else None}
+    command = " ".join([f"engram experiment {name} --seeds {seeds}",
+                        *(f"{k} {v}" for k, v in flags.items() if v), "--record docs/results"])
+    rec = record_experiment(Path(record) / f"{name}.json", summary, results, command) if record is not None \
+        else experiment_record(summary, results, command)
     md = table_markdown(rec) + "\n"
     atomic_write_bytes(root / "summary.md", md.encode())
     plot(rec, root / "plot.png")

@@ -61,6 +61,9 @@ def experiment_record(summary: dict, results: dict[str, list[dict]], command: st
     rec = {"experiment": name, "preset": summary["preset"], "date": datetime.date.today().isoformat(),
            "command": command or f"engram experiment {name} --seeds {summary['seeds']} --record docs/results",
            "variants": summary["variants"], "seeds": {v: [r["seed"] for r in rs] for v, rs in results.items()}}
+    steps = sorted({r["step"] for rs in results.values() for r in rs if "step" in r})  # what the runs trained
+    if steps:
+        rec["steps"] = steps
     envs: list[dict] = []
     rec["run_environment"] = {}
     for v, rs in results.items():
@@ -123,8 +126,8 @@ def fmt_env(rec: dict) -> str:
     for e in envs:
         libs = ", ".join(f"{k} {e[k]}" for k in ("torch", "numba", "transformers", "tokenizers") if e.get(k))
         commit = (e.get("commit") or "?")[:7]
-        parts.append(f"{libs}, {e.get('threads')} threads, {e.get('cpu')}, ENGRAM_FUSED={e.get('ENGRAM_FUSED')}, "
-                     f"code at {commit}")
+        threads = f"{e.get('threads')} thread{'' if e.get('threads') == 1 else 's'}"
+        parts.append(f"{libs}, {threads}, {e.get('cpu')}, ENGRAM_FUSED={e.get('ENGRAM_FUSED')}, code at {commit}")
     return "; ".join(parts) if len(parts) == 1 else f"{len(parts)} environments: " + "; ".join(parts)
 
 
