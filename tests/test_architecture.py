@@ -106,7 +106,7 @@ JSON_PARSE_ALLOWED = {
     "cli/": "--set KEY=VALUE values on the command line",
     "client.py": "an OpenAI-compatible server's replies",
     "training/corpora.py": "the user's JSON-lines corpus (`--data file.jsonl`)",
-    "analysis/retrofit.py": "its worker subprocess's arguments (sys.argv[1])",
+    "analysis/runs.py": "a worker subprocess's arguments (call_in_subprocess: sys.argv[2])",
 }
 
 

@@ -21,13 +21,10 @@ from .introspect import (
 )
 from .lifecycle import attach, detach
 from .saving import (
-    ADAPTER_PREFIX,
-    BASE_MODULES_FILE,
     LORA_DIR,
     PEFT_FILES,
-    TRAINER_WEIGHTS_FILE,
-    WEIGHTS_FILE,
     engram_peft_model,
+    load_adapter_weights,
     read_adapter_config,
 )
 
@@ -71,32 +68,6 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
                                "(or pass lora=False)") from None
         model = engram_peft_model(PeftModel.from_pretrained(target, str(lora_dir)))
     return model
-
-
-def load_adapter_weights(target: nn.Module, d: Path, meta: dict | None = None) -> None:
-    """Load the weights of adapter folder `d` (either layout) into `target`'s attached adapter, and the unfrozen base
-    modules saved with it. `meta`: its `engram_adapter.json` (default: read and checked)."""
-    from safetensors.torch import load_file
-
-    meta = meta if meta is not None else read_adapter_config(d)
-    adapter = adapter_of(target)
-    weights = d / meta.get("weights_file", WEIGHTS_FILE)
-    sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
-    base_sd, base_file = {}, d / BASE_MODULES_FILE
-    if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
-        base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
-        sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
-        base_file = weights
-    elif meta.get("base_modules"):
-        base_sd = load_file(str(base_file))
-    missing, unexpected = adapter.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if meta.get("base_modules"):
-        _, unexpected = target.load_state_dict(base_sd, strict=False)
-        if unexpected:
-            raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
-        adapter.base_modules = list(meta["base_modules"])
 
 
 from_pretrained = load_adapter  # engram.adapters.from_pretrained(base, dir), as PeftModel.from_pretrained(base, dir)

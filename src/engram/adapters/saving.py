@@ -1,5 +1,6 @@
-"""An adapter on disk: only what attach added (`save_adapter`, the attached model's `save_pretrained`), and its
-config read back after checking the manifest (`read_adapter_config`); `loading.py` loads it onto a base."""
+"""An adapter on disk: only what attach added (`save_adapter`, the attached model's `save_pretrained`, a PEFT
+model's beside LoRA), its config read back after checking the manifest (`read_adapter_config`) and its weights
+into an attached adapter (`load_adapter_weights`); `loading.py` attaches it to a base and loads it."""
 
 from __future__ import annotations
 
@@ -96,8 +97,6 @@ def engram_peft_model(pm: nn.Module) -> nn.Module:
 
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         out = type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
-        from .loading import load_adapter_weights
-
         if (Path(model_id) / CONFIG_FILE).is_file():
             load_adapter_weights(_unwrap(self), Path(model_id))
         return out
@@ -165,3 +164,29 @@ def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> di
     if meta.get("format") != FORMAT:
         raise AdapterError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
+
+
+def load_adapter_weights(target: nn.Module, d: Path, meta: dict | None = None) -> None:
+    """Load the weights of adapter folder `d` (either layout) into `target`'s attached adapter, and the unfrozen base
+    modules saved with it. `meta`: its `engram_adapter.json` (default: read and checked)."""
+    from safetensors.torch import load_file
+
+    meta = meta if meta is not None else read_adapter_config(d)
+    adapter = adapter_of(target)
+    weights = d / meta.get("weights_file", WEIGHTS_FILE)
+    sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
+    base_sd, base_file = {}, d / BASE_MODULES_FILE
+    if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
+        base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
+        sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
+        base_file = weights
+    elif meta.get("base_modules"):
+        base_sd = load_file(str(base_file))
+    missing, unexpected = adapter.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if meta.get("base_modules"):
+        _, unexpected = target.load_state_dict(base_sd, strict=False)
+        if unexpected:
+            raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
+        adapter.base_modules = list(meta["base_modules"])
