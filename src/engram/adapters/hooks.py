@@ -66,6 +66,7 @@ class EngramAdapter(nn.Module):
         """`copy.deepcopy` and pickle: the call's transient inputs and cache are not part of the adapter."""
         return {**self.__dict__, "_inputs": {}, "_cache": None}
 
+
 class _LayerHook:
     """Forward pre-hook on decoder layer `layer_id`: adds the Engram layer's delta to the layer's input hidden
     states. An object, not a closure, so that `copy.deepcopy(model)` gives the copy hooks on its own adapter."""

@@ -321,7 +321,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
                "command": f"engram experiment edit --seeds {seeds} --record docs/results",
                # where the model came from, without this machine's paths, and which weights exactly
-               "model": "--checkpoint " + Path(checkpoint).name if checkpoint else "OUT/edit/base (trained here)",
+               "model": ("--checkpoint " + Path(checkpoint).name) if checkpoint else "OUT/edit/base (trained here)",
                "model_sha256": sha256_file(model_path / "model.safetensors"),
                "model_train": info.get("train", {}), "before": before,
                "damage_sets": {"val": f"{len(damage['val'])} windows x 256 tokens of the general val split",

@@ -127,12 +127,12 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
     if jobs > 1 and not finished_only:  # the unfinished runs first, `jobs` at once, each in its own process
-        todo = [(seed, v) for seed in range(seeds) for v in vs
-                if not (run_dir_of(out, name, v, seed, preset) / "summary.json").is_file()]
+        dirs = {(seed, v): run_dir_of(out, name, v, seed, preset) for seed in range(seeds) for v in vs}
+        todo = [k for k, d in dirs.items() if not (d / "summary.json").is_file()]
 
         def train_apart(item: tuple[int, str]) -> None:
             seed, v = item
-            run_dir = run_dir_of(out, name, v, seed, preset)
+            run_dir = dirs[item]
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             if progress:
                 print(f"[{name}] {v} seed {seed} -> {run_dir} (log: {run_dir}.log)", flush=True)

@@ -125,18 +125,17 @@ def load_for_inference(args):
     transformers model), the tables where --table-backend/--table-dir put them (`serving.load_inference_model`)."""
     from ..serving.engine import load_inference_model
 
+    tables = {"table_backend": getattr(args, "table_backend", None) or "ram",  # (commands without the options: RAM)
+              "table_dir": getattr(args, "table_dir", None)}
     if args.base:
         if args.checkpoint:
             raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
-        return load_inference_model(base=args.base, adapter=args.adapter,
-                                    table_backend=getattr(args, "table_backend", None) or "ram",
-                                    table_dir=getattr(args, "table_dir", None))
+        return load_inference_model(base=args.base, adapter=args.adapter, **tables)
     if args.adapter:
         raise ValueError("--adapter needs --base DIR (the pretrained model it was trained on)")
     if not args.checkpoint:
         raise ValueError("give --checkpoint RUN_DIR (an engram model) or --base DIR [--adapter DIR]")
-    return load_inference_model(args.checkpoint, table_backend=getattr(args, "table_backend", None) or "ram",
-                                table_dir=getattr(args, "table_dir", None))
+    return load_inference_model(args.checkpoint, **tables)
 
 
 def with_overlays(model, overlay_dirs, table_format=None):
