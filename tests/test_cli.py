@@ -199,3 +199,27 @@ def test_serve_engine_vllm_without_vllm_is_one_line(monkeypatch, capsys, tmp_pat
     assert main(["serve", str(tmp_path), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs vLLM: pip install vllm" in err
+
+
+def test_serve_engine_vllm_refuses_a_head_dim_cpu_attention_cannot_run(monkeypatch, capsys, tmp_path):
+    """The `tiny` preset's head_dim 8 on vLLM's CPU build: one line at startup naming head_dim and the sizes vLLM
+    runs, never a server that starts and then fails every request."""
+    import os
+
+    from engram.cli import main
+    from engram.integrations.vllm import launcher
+
+    d = tmp_path / "run" / "final"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"hidden_size": 32, "num_attention_heads": 4}))
+    monkeypatch.setattr(launcher, "check_installed", lambda: None)
+    monkeypatch.setattr(launcher, "on_cpu", lambda: True)
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM was started"))
+    assert main(["serve", str(tmp_path / "run"), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "head_dim 8" in err and "32, 64" in err and "--engine engram" in err, err
+    (d / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4}))  # head_dim 64: runs
+    from engram.cli import build_parser
+
+    with pytest.raises(pytest.fail.Exception, match="vLLM was started"):
+        launcher.launch(build_parser().parse_args(["serve", str(d), "--engine", "vllm"]))

