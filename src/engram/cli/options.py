@@ -109,13 +109,13 @@ def eval_windows(max_windows: int | None, data_help: str | None = None) -> argpa
     return p
 
 
-def run_options() -> argparse.ArgumentParser:
+def run_options(set_help: str = "override a training setting, e.g. lr=1e-3") -> argparse.ArgumentParser:
     """--max-steps, --resume, --device, --set: what `engram train` and `engram adapt` share about a run."""
     p = _parent()
     p.add_argument("--max-steps", type=int)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last good checkpoint")
     p.add_argument("--device", help="cpu | cuda (default: cuda if available)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting, e.g. lr=1e-3")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=set_help)
     return p
 
 

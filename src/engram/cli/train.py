@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from ..config import ConfigError, EngramConfig, TrainConfig
 from ..tokenizer import train_bpe
 from ..training.data import load_manifest, load_sources, prepare, split_documents
-from ..training.presets import train_config
+from ..training.presets import resolve_job, train_config
 from . import options
 
 
-def _overrides(args) -> dict:
-    """--set KEY=VALUE and the table flags -> TrainConfig overrides."""
-    overrides = TrainConfig.parse_overrides(args.set or [])
+def _table_flags(args) -> dict:
+    """--table-backend and --table-cache-mb -> TrainConfig overrides (they win over --set and a config file)."""
+    overrides = {}
     if args.table_backend:
         overrides["table_backend"] = args.table_backend
     if getattr(args, "table_cache_mb", None) is not None:
@@ -24,21 +25,30 @@ def _overrides(args) -> dict:
     return overrides
 
 
+def _overrides(args) -> dict:
+    """--set KEY=VALUE and the table flags -> TrainConfig overrides."""
+    return {**TrainConfig.parse_overrides(args.set or []), **_table_flags(args)}
+
+
 def cmd_train(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    overrides = _overrides(args)
-    # settings fail here, before transformers is imported and before N workers start
-    tcfg = train_config(args.preset, overrides, args.max_steps, world=args.nproc)
+    # the preset, then --config FILE, then --set; checked whole before any data is read
+    job = resolve_job(args.config, args.preset, args.set or [])
+    overrides = {**job.train, **_table_flags(args)}
+    # settings fail here, before the data is prepared and before N workers start (transformers is imported
+    # only to check model fields)
+    tcfg = train_config(job.preset, overrides, args.max_steps, world=args.nproc)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from ..training.launch import launch
 
         return launch(sys.argv[1:], args.nproc, args.data, tcfg.tokenizer)
     from ..training.train import train
 
-    summary = train(args.preset, data=args.data, out=args.out or f"runs/{args.preset}", max_steps=args.max_steps,
-                    use_engram=not args.no_engram, baseline=args.baseline, resume=args.resume, device=args.device,
-                    overrides=overrides)
+    out = args.out or f"runs/{Path(job.source).stem if job.source else job.preset}"
+    summary = train(job.preset, data=args.data, out=out, max_steps=args.max_steps, use_engram=not args.no_engram,
+                    baseline=args.baseline, resume=args.resume, device=args.device, overrides=overrides,
+                    model_overrides=job.model or None)
     if summary.get("interrupted"):
         return 130
     if "final" not in summary:  # a non-zero rank of a --nproc run: rank 0 reports and saves
@@ -99,14 +109,21 @@ def add_commands(sub) -> None:
     presets_help = "; ".join(f"{n}: {options.PRESETS[n].summary}" for n in options.TRAIN_PRESETS)
     backend_help = ("mmap: train the Engram tables (and their Adam moments) in memory-mapped files under RUN/tables, "
                     "one per rank with --nproc (default: param, tables in RAM)")
-    t = sub.add_parser("train", help="train a preset on Shakespeare (default) or --data",
-                       parents=[options.run_options(), options.train_table_backend(backend_help)])
-    t.add_argument("--preset", default="cpu-small", metavar=options.preset_metavar(), help=presets_help)
+    t = sub.add_parser("train", help="train a preset or your own model (--config) on Shakespeare (default) or --data",
+                       parents=[options.run_options("override a training setting (lr=1e-3) or a model field "
+                                                    "(model.hidden_size=384, model.engram.layer_ids=[1,3])"),
+                                options.train_table_backend(backend_help)])
+    t.add_argument("--preset", metavar=options.preset_metavar(),
+                   help=f"the starting point (default cpu-small, or the --config file's preset): {presets_help}")
+    t.add_argument("--config", metavar="FILE.toml|FILE.json",
+                   help="your own model and training settings over the preset: preset = NAME, [model] "
+                        "(EngramLMConfig sizes), [model.engram] (EngramConfig), [train] (TrainConfig); "
+                        "--set model.KEY=VALUE / KEY=VALUE then override one field (docs/training.md)")
     t.add_argument("--data", action="append", help="local .txt/.jsonl/.parquet file or folder, or hf:NAME (repeatable)")
     t.add_argument("--no-engram", action="store_true", help="same backbone without Engram (iso-FLOP baseline)")
     t.add_argument("--baseline", choices=options.BASELINES,
                    help="iso-param: no Engram, its parameters moved into a wider FFN")
-    t.add_argument("--out", help="run directory (default runs/PRESET)")
+    t.add_argument("--out", help="run directory (default runs/PRESET, or runs/FILE_STEM with --config)")
     t.add_argument("--nproc", type=int, default=1,
                    help="processes (torchrun): Engram tables row-sharded across them, dense parameters with DDP "
                         "(--set dense_parallel=fsdp2: sharded with FSDP2)")
