@@ -16,20 +16,29 @@ file is evicted from the page cache (`posix_fadvise(DONTNEED)`; residency checke
   * warm: the same gathers once every page has been read (`DiskTable` then gathers from its
     mapping), vs `index_select` from RAM.
 Each cold round uses fresh tables: a page mapped into a process cannot be evicted.
+`--against REV`: the same cold gathers also with the `DiskTable` of commit REV (its `src/engram` taken by `git
+archive` and imported as a second package), alternating which of the two reads first each round, on the same file
+and ids: the interleaved A/B that a regression of the cold path shows in (`asv continuous` runs each commit in its
+own processes, where this VM's host cache moves "cold" by tens of percent between minutes).
 Prints a table, then one JSON line (`cold_vs_device`, `cold_direct_vs_device`, `cold_mmap_vs_device`,
-`cold_unchecked_vs_device`, `warm_vs_ram`, `warm_mmap_vs_ram`).
+`cold_unchecked_vs_device`, `warm_vs_ram`, `warm_mmap_vs_ram`; with --against, `against` and its per-round pairs);
+`--record FILE` appends that line, with the environment, to a JSON record (docs/results/bench-disk.json).
 
-    python benchmarks/bench_disk.py [--rows 8000000] [--qd 32] [--heads 8] [--rounds 3]
+    python benchmarks/bench_disk.py [--rows 8000000] [--qd 32] [--heads 8] [--rounds 3] [--against REV]
 """
 
 import argparse
 import gc
+import importlib
+import io
 import json
 import mmap
 import os
 import shutil
 import statistics
 import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +85,20 @@ def device_reads_per_s(path: Path, qd: int, n_reads: int, seed: int) -> float:
         t = time.perf_counter()
         list(pool.map(work, np.array_split(offs, qd)))
         return n_reads / (time.perf_counter() - t)
+
+
+def disk_table_at(rev: str, into: Path):
+    """`DiskTable` as commit `rev` of this repository wrote it: `src/engram` of `rev` extracted under `into` as the
+    package `engram_at_rev` and imported (its table modules import only relatively)."""
+    repo = Path(__file__).resolve().parents[1]
+    tar = subprocess.run(["git", "archive", rev, "src/engram"], cwd=repo, capture_output=True)
+    if tar.returncode:
+        raise SystemExit(f"bench_disk: --against {rev}: {tar.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        t.extractall(into, filter="data")
+    (into / "src" / "engram").rename(into / "engram_at_rev")
+    sys.path.insert(0, str(into))
+    return importlib.import_module("engram_at_rev.tables.disk").DiskTable
 
 
 def compile_readers(d: Path, rows: torch.Tensor, directs=(False,)) -> None:
@@ -136,11 +159,13 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", help="where to write the table file (default: a temp dir)")
+    ap.add_argument("--against", metavar="REV", help="also gather cold with commit REV's DiskTable, interleaved")
+    ap.add_argument("--record", metavar="FILE", help="append the JSON line, with the environment, to this record")
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     chunks = [torch.from_numpy(rng.integers(0, args.rows, 4096 * args.heads)) for _ in range(args.rounds)]
-    res = {k: [] for k in ("device", "disk", "disk direct", "disk unchecked", "mmap")}
+    res = {k: [] for k in ("device", "disk", "disk direct", "disk unchecked", "mmap", "against")}
     resident = []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         W = torch.randn(args.rows, 32)
@@ -148,14 +173,25 @@ def main():
         makers = {"disk": lambda: DiskTable(f, args.qd), "disk direct": lambda: DiskTable(f, args.qd, direct=True),
                   "disk unchecked": lambda: DiskTable(f, args.qd), "mmap": lambda: MmapTable(f, cache_bytes=0)}
         compile_readers(d, W, directs=(False, True))
+        if args.against:
+            Base = disk_table_at(args.against, Path(d) / "against")
+            makers["against"] = lambda: Base(f, args.qd)
+            table = Base(write_table_file(Path(d) / "warmup2.safetensors", W[:10000], page_blocks=True))
+            table.gather(torch.arange(0, 10000, 7))  # (its own compiled readers, outside the timing)
+            table.gather(torch.arange(5))
+            table.close()
         for r, ids in enumerate(chunks):
             resident.append(evict(f))
             res["device"].append(device_reads_per_s(f, args.qd, torch.unique(ids).numel(), seed=r))
-            for name, make in makers.items():
-                table = make()  # fresh: no page of the file mapped, so eviction can drop them all
+            order = list(makers)
+            if args.against and r % 2:  # the other commit reads first every other round
+                order = ["against", *[k for k in order if k != "against"]]
+            for name in order:
+                table = makers[name]()  # fresh: no page of the file mapped, so eviction can drop them all
                 if name in ("mmap", "disk unchecked"):
                     table.blocks = None  # no block checks: page faults / positioned reads only
                 res[name].append(cold_gather(table, f, ids, W[ids])[0])
+                del table  # (before the next eviction: a table still referenced keeps its pages)
         # warm: the file in the page cache (read once through each table), vs index_select from RAM
         disk, mm = DiskTable(f, args.qd), MmapTable(f, cache_bytes=0)
         for c in chunks:
@@ -191,7 +227,7 @@ def main():
             gc.collect()
         evict(f)
         fio = fio_reads_per_s(f, args.qd)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    med = {k: statistics.median(v) for k, v in res.items() if v}
     limit = max(fio.values()) if fio else med["device"]
     n_ids = 4096 * args.heads
     print(f"table {args.rows:,} x 32 fp32 ({args.rows * 128 / 2**30:.2f} GiB), cold rounds {args.rounds}, queue depth "
@@ -203,6 +239,8 @@ def main():
     print(f"{'device, own pread loop':<28} {med['device']:>10,.0f} {med['device'] / limit:>10.2f}")
     labels = {"disk": "DiskTable (checked)", "disk direct": "DiskTable O_DIRECT (checked)",
               "disk unchecked": "DiskTable, checks off", "mmap": "MmapTable (page faults)"}
+    if args.against:
+        labels["against"] = f"DiskTable at {args.against}"
     for k, label in labels.items():
         print(f"{label:<28} {med[k]:>10,.0f} {med[k] / limit:>10.2f}")
     print("cold gathers of 8 rows (a decode step): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in small.items()))
@@ -217,7 +255,21 @@ def main():
            "small_cold_gather_ms": {k: round(v * 1e3, 3) for k, v in small.items()},
            "warm_vs_ram": round(warm["ram"] / warm["disk"], 3),
            "warm_mmap_vs_ram": round(warm["ram"] / warm["mmap"], 3)}
+    if args.against:
+        out.update(against=args.against, cold_vs_device_against=round(med["against"] / limit, 3),
+                   rounds_vs_device={"this": [round(x / limit, 3) for x in res["disk"]],
+                                     "against": [round(x / limit, 3) for x in res["against"]]})
     print(json.dumps(out))
+    if args.record:
+        from engram.persist import write_json
+        from engram.utils import environment
+
+        rec = Path(args.record)
+        data = json.loads(rec.read_text()) if rec.exists() else {"command": "python benchmarks/bench_disk.py "
+                                                                            "[--against REV]", "runs": []}
+        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
+                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        write_json(rec, data)
 
 
 if __name__ == "__main__":
