@@ -28,6 +28,51 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+# ------------------------------------------------------------------------------------------ the two tiers
+# Every default-run test is `unit` or `integration` (both run by default; `pytest -m unit` is the fast loop while
+# working, under 2 minutes on 2 cores). A test is `integration` when it is marked so (itself or its module) or
+# uses a fixture that trains a model (TRAINING_FIXTURES); every other one is `unit`, and the guard below makes the
+# tier true: a unit test that starts a subprocess or a training step fails, naming the marker to add.
+TRAINING_FIXTURES = {"tiny_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        trains = TRAINING_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("integration") is None and trains:
+            item.add_marker(pytest.mark.integration)
+        if not any(item.get_closest_marker(m) for m in ("integration", "slow", "vllm")):
+            item.add_marker(pytest.mark.unit)
+
+
+class UnitTierError(RuntimeError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request, monkeypatch):
+    """In a `unit` test: no subprocess, no child process, no training step."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+
+    def refuse(what):
+        def fail(*args, **kwargs):
+            raise UnitTierError(f"a unit test {what}: mark it @pytest.mark.integration (tests/conftest.py)")
+        return fail
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("started a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("started a child process"))
+    try:
+        import engram.training.run as run
+    except ImportError:  # (a test environment without the training extras)
+        pass
+    else:
+        monkeypatch.setattr(run, "train_step", refuse("ran a training step"))
+    yield
+
+
 TINY_CORPUS = "".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400))
 
 

@@ -7,6 +7,8 @@ import shutil
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # (trains models or starts servers: tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 from conftest import run_cli  # noqa: E402

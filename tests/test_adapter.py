@@ -274,6 +274,7 @@ def _sharded_worker(rank, world, port, tok, kind):
         shutdown()
 
 
+@pytest.mark.integration
 def test_row_sharded_tables_are_identical(tok, free_port):
     import torch.multiprocessing as mp
 

@@ -73,6 +73,7 @@ def test_close_neighbours():
     assert A.close_neighbours(t, ["a", "b", "c"]) == {"a", "b"}
 
 
+@pytest.mark.integration
 def test_run_tiny_resumes(tmp_path):
     corpus = [str(make_corpus(tmp_path / "corpus"))]
     s = A.run(tmp_path, seeds=1, max_steps=2, progress=False, scale="tiny", data=corpus)

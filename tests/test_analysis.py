@@ -18,6 +18,7 @@ def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("corpus_an"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["iso", "placement", "capacity", "ablations", "design"])
 def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     seeds = 2 if name in ("iso", "design") else 1
@@ -61,6 +62,7 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     assert again["variants"] == table
 
 
+@pytest.mark.integration
 def test_jobs_train_runs_in_their_own_processes_with_the_same_numbers(corpus, tmp_path, monkeypatch):
     import torch
 
@@ -74,6 +76,7 @@ def test_jobs_train_runs_in_their_own_processes_with_the_same_numbers(corpus, tm
         assert apart["variants"][v]["values"] == pytest.approx(row["values"], rel=1e-6)
 
 
+@pytest.mark.integration
 def test_a_failed_subprocess_run_names_its_log(tmp_path):
     from engram.analysis.runs import ExperimentError, call_in_subprocess
 
@@ -85,6 +88,7 @@ def test_a_failed_subprocess_run_names_its_log(tmp_path):
     assert "TypeError" in (tmp_path / "bad.log").read_text()
 
 
+@pytest.mark.integration
 def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     run_experiment("iso", out=tmp_path, seeds=1, preset="tiny", data=[str(corpus)], max_steps=3, progress=False)
     iso_run = tmp_path / "iso" / "engram-seed0"
@@ -111,6 +115,7 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     assert rec["seeds"]["engram"] == [0] and rec["environments"][0]["threads"] >= 1
 
 
+@pytest.mark.integration
 def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
     """`engram gates` once as a user runs it (a fresh interpreter); the other calls in-process (same main())."""
     from engram.cli import main

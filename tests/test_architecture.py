@@ -1,11 +1,14 @@
 """The package's import graph: no cycles (function-level imports included), and the model files stay pure.
 
 Every `import`/`from ... import` statement anywhere in a module (top level, functions, methods)
-is an edge; importing `engram.pkg.mod` from outside `pkg` also runs `engram/pkg/__init__.py`, so it
-is an edge to the subpackage too (the root package `engram` is left out: every module lives under it).
+is an edge; so is an import through a string: `importlib.import_module("engram.x")` / `__import__`, and any
+"engram.x.y:Name" target (what `importlib` or an entry-point-style registry resolves). Importing
+`engram.pkg.mod` from outside `pkg` also runs `engram/pkg/__init__.py`, so it is an edge to the subpackage too
+(the root package `engram` is left out: every module lives under it).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,25 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "engram"
 def _module_name(path: Path) -> str:
     parts = ("engram",) + path.relative_to(SRC).with_suffix("").parts
     return ".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)
+
+
+TARGET = re.compile(r"engram(\.\w+)+:\w+")  # "engram.pkg.mod:Name"
+
+
+def _string_imports(tree: ast.AST) -> list[str]:
+    """Modules a tree imports through strings: `import_module("engram...")`, `__import__("engram...")` and
+    "engram.mod:Name" targets."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            arg = node.args[0].value
+            if fname in ("import_module", "__import__") and isinstance(arg, str) and arg.startswith("engram"):
+                out.append(arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and TARGET.fullmatch(node.value):
+            out.append(node.value.split(":")[0])
+    return out
 
 
 def _graph() -> dict[str, set[str]]:
@@ -36,7 +58,10 @@ def _graph() -> dict[str, set[str]]:
 
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for target in _string_imports(tree):
+            add(name, target)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name.startswith("engram"):
@@ -68,6 +93,15 @@ def test_graph_sees_function_level_imports():
     g = _graph()
     assert "engram.model" in g["engram"]  # imported inside `__getattr__` only
     assert "engram.tables.base" in g["engram.tables.backends"] and "engram.tables" in g["engram.training.optim"]
+
+
+def test_graph_sees_string_imports():
+    """A registry of "module:Class" strings or an import_module call is a dependency like an import statement (the
+    core's hash-family table named the integrations that way, unseen by this test)."""
+    src = ('FAMILIES = {"qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily"}\n'
+           'def f():\n    import importlib\n    return importlib.import_module("engram.integrations.longcat")\n'
+           'DOC = "see engram.integrations for more"\n')
+    assert sorted(_string_imports(ast.parse(src))) == ["engram.integrations.longcat", "engram.integrations.qwen4_exp"]
 
 
 def test_no_import_cycles():
@@ -107,6 +141,7 @@ JSON_PARSE_ALLOWED = {
     "client.py": "an OpenAI-compatible server's replies",
     "training/corpora.py": "the user's JSON-lines corpus (`--data file.jsonl`)",
     "analysis/runs.py": "a worker subprocess's arguments (call_in_subprocess: sys.argv[2])",
+    "training/presets.py": "the user's `engram train --config` file and --set model.KEY=VALUE values",
 }
 
 

@@ -17,6 +17,7 @@ def tiny_config(tmp_path):
     return p
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mock", [True, False])
 def test_demo_with_small_config(tiny_config, mock):
     r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great",
@@ -33,6 +34,7 @@ def test_demo_with_small_config(tiny_config, mock):
     assert "Input shape  : [1, 4]" in r.stdout and "without a BOS token" in r.stdout
 
 
+@pytest.mark.integration
 def test_hash_prints_tokens_and_rows(tiny_config):
     r = run("hash", "Alexander the Great", "--config", str(tiny_config))
     assert r.returncode == 0, r.stderr
@@ -42,6 +44,7 @@ def test_hash_prints_tokens_and_rows(tiny_config):
     assert r.returncode == 0 and "layer 1: per-head row ids [T=3, 8]" in r.stdout, r.stderr
 
 
+@pytest.mark.integration
 def test_spec_writes_manifest(tmp_path, tiny_config):
     out = tmp_path / "spec.json"
     r = run("spec", "--out", str(out), "--config", str(tiny_config), "--no-table")
@@ -65,6 +68,7 @@ def test_spec_writes_manifest(tmp_path, tiny_config):
          "tokenizer not found"),
     ],
 )
+@pytest.mark.integration
 def test_cli_errors_are_one_line(tmp_path, args, content, match):
     cfg = tmp_path / "c.json"
     if content is not None:
@@ -112,6 +116,7 @@ def test_every_command_has_help():
         assert e.value.code == 0, name
 
 
+@pytest.mark.integration
 def test_help_imports_no_heavy_module():
     """`engram --help` builds every parser without transformers or matplotlib (they cost seconds)."""
     code = ("import sys; from engram.cli import build_parser; build_parser(); "

@@ -7,6 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+pytestmark = pytest.mark.integration  # (trains models or starts servers: tests/conftest.py)
+
 pytest.importorskip("openai")
 
 from conftest import run_cli  # noqa: E402

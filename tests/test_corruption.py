@@ -100,6 +100,7 @@ KINDS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind, mode):

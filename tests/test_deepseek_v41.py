@@ -440,6 +440,7 @@ def test_stats_of_the_v41_hashing_on_a_corpus(tok):
         assert u["rows_used"] <= min(u["head_rows"], u["distinct_ngrams"]) and 0 <= u["collision_rate"] < 1
 
 
+@pytest.mark.integration
 def test_the_v41_preset_trains_saves_and_serves_in_v41_rows(tmp_path):
     """`engram train --preset cpu-small-v41` (no short conv) and `engram eval --table-format fp8_ue8m0`."""
     pytest.importorskip("transformers")

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.integration  # (trains models or starts servers: tests/conftest.py)
+
 pytest.importorskip("safetensors")
 
 from engram.distributed import ShardedTable, load_sharded, save_sharded  # noqa: E402

@@ -235,6 +235,7 @@ def test_fused_sinkhorn_matches_autograd_of_the_unrolled_iterations():
     assert torch.equal(sinkhorn(x, 20, fused=False), ref)
 
 
+@pytest.mark.integration
 def test_engram_fused_0_turns_the_fused_kernels_off():
     import subprocess
     import sys
@@ -245,6 +246,7 @@ def test_engram_fused_0_turns_the_fused_kernels_off():
     assert r.stdout.split() == ["False", "False"], r.stderr
 
 
+@pytest.mark.integration
 def test_fused_kernels_use_torch_thread_count():
     """A process limited to one torch thread runs numba's kernels on one thread too, and stays at one torch thread
     (numba defaults to every core, and starting its OpenMP pool raised torch's count too: two such processes on 2

@@ -5,6 +5,8 @@ import json
 import pytest
 from conftest import TINY_CORPUS, run_cli
 
+pytestmark = pytest.mark.integration  # (trains models or starts servers: tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 TOML = """\

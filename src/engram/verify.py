@@ -1,6 +1,6 @@
 """`engram verify PATH`: check a run, model, adapter, overlay or checkpoint folder against its checksums.
 
-Kept apart from `manifest.py` (which the model file imports) because it reads every kind of folder
+Kept apart from `persist.py` (the core, which the model file imports) because it reads every kind of folder
 engram writes: adapters, checkpoints, run directories.
 """
 

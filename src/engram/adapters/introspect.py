@@ -146,9 +146,8 @@ def base_fingerprint(model: nn.Module, ct: CompressedTokenizer) -> dict:
 
 
 def _base_rows(mhe) -> torch.Tensor:
-    """Every `step`-th row of an Engram layer's base table (overlays bypassed), float32: the digest's sample."""
-    n = mhe.num_rows
-    ids = torch.arange(0, n, max(1, n // 4096), dtype=torch.long)
+    """The digest's sample rows (`_sample_ids`) of an Engram layer's base table (overlays bypassed), float32."""
+    ids = _sample_ids(mhe.num_rows)
     base = mhe.table
     while isinstance(base, OverlayTable):
         base = base.base
@@ -156,21 +155,67 @@ def _base_rows(mhe) -> torch.Tensor:
         return (mhe if base is None else base).lookup(ids).float()
 
 
-def model_digest(model: nn.Module) -> str:
-    """sha256 of a model's weights as an overlay depends on them: every dense weight in full, and 4,096
-    rows spread over each Engram table (read through its table, so any backend gives the same digest)."""
+def _sample_ids(num_rows: int) -> torch.Tensor:
+    """The table rows a digest reads: 4,096 (or all) spread evenly over the table."""
+    return torch.arange(0, num_rows, max(1, num_rows // 4096), dtype=torch.long)
+
+
+def _digest(dense, tables) -> str:
+    """sha256 over `dense` ((name, tensor) pairs, floating point, table keys left out) in name order and `tables`
+    ({layer id: (rows, dim, rows at `_sample_ids(rows)` as float32)}) in layer order: the one definition
+    `model_digest` and `checkpoint_digest` share."""
     h = hashlib.sha256()
-    with rows_by_reference():  # tables served for another framework's module: sampled below, not rebuilt in RAM
-        state = model.state_dict()
-    for name, t in sorted(state.items()):
-        if is_table_key(name) or not torch.is_floating_point(t):
-            continue
+    for name, t in sorted(dense, key=lambda kv: kv[0]):
         h.update(f"{name}:{tuple(t.shape)}".encode())
         h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    for lid, mhe in sorted({mhe.layer_id: mhe for _, mhe in find_tables(model)}.items()):
-        h.update(f"table{lid}:{mhe.num_rows}x{mhe.dim}".encode())
-        h.update(_base_rows(mhe).numpy().tobytes())
+    for lid, (n, d, rows) in sorted(tables.items()):
+        h.update(f"table{lid}:{n}x{d}".encode())
+        h.update(rows.float().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def model_digest(model: nn.Module) -> str:
+    """sha256 of a model's weights as an overlay depends on them: every dense weight in full, and 4,096
+    rows spread over each Engram table (read through its table, so any backend gives the same digest). Take it
+    before the tables are converted to another format (`serving.prepare_inference` does)."""
+    with rows_by_reference():  # tables served for another framework's module: sampled below, not rebuilt in RAM
+        state = model.state_dict()
+    dense = [(k, t) for k, t in state.items() if not is_table_key(k) and torch.is_floating_point(t)]
+    tables = {lid: (mhe.num_rows, mhe.dim, _base_rows(mhe))
+              for lid, mhe in {mhe.layer_id: mhe for _, mhe in find_tables(model)}.items()}
+    return _digest(dense, tables)
+
+
+def checkpoint_digest(folder) -> str:
+    """`model_digest` of the engram model saved in `folder` (an `EngramForCausalLM.save_pretrained` folder), read
+    from its safetensors files by name without building the model: what an engine that builds its own module
+    (vLLM's workers) checks overlays against. Equal to `model_digest(load_model(folder))` (tested)."""
+    from safetensors import safe_open
+
+    from ..persist import read_json
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise AdapterError(f"{folder}: no safetensors weights to digest")
+    dense, tables = {}, {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                if is_table_key(name):  # "...layers.{i}.engram.multi_head_embedding.embedding.weight"
+                    sl = sf.get_slice(name)
+                    n, d = sl.get_shape()
+                    lid = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+                    tables[lid] = (n, d, sf.get_tensor(name).index_select(0, _sample_ids(n)))
+                    continue
+                t = sf.get_tensor(name)
+                if torch.is_floating_point(t):
+                    dense[name] = t
+    cfg = read_json(folder / "config.json", "model config", "save the model again", AdapterError) \
+        if (folder / "config.json").is_file() else {}
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in dense and "model.embed_tokens.weight" in dense:
+        dense["lm_head.weight"] = dense["model.embed_tokens.weight"]  # (saved once; the loaded model has both)
+    return _digest(dense.items(), tables)
 
 
 def _fingerprint_mismatch(saved: dict, now: dict) -> str | None:

@@ -140,23 +140,9 @@ def load_for_inference(args):
 
 def with_overlays(model, overlay_dirs, table_format=None):
     """--overlay DIR (each checked against the model, then stacked in order: later ones win on shared rows)
-    and --table-format (bfloat16, int8 or fp8 rows, dequantized after the gather; overlays are checked
-    against the model's own rows first, then applied in front of the converted tables)."""
-    loaded = []
-    if overlay_dirs:
-        from ..editing import Overlay, check_overlay, model_digest
+    and --table-format (bfloat16, int8 or fp8 rows, dequantized after the gather), in the one order every
+    inference path takes (`serving.prepare.prepare_inference`)."""
+    from ..serving.prepare import prepare_inference
 
-        loaded = [Overlay.load(d) for d in overlay_dirs]
-        digest = model_digest(model)  # (hashes the dense weights: once for all overlays)
-        for o in loaded:
-            check_overlay(model, o, digest=digest)
-    if table_format and table_format != "float32":
-        from ..tables.quant import set_table_format
-
-        set_table_format(model, table_format)
-    if loaded:
-        from ..editing import apply_overlay
-
-        for o in loaded:
-            apply_overlay(model, o, check=False)
+    prepare_inference(model, table_format=table_format, overlays={str(d): d for d in overlay_dirs or []})
     return model

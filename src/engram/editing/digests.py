@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from ..adapters.introspect import model_digest  # noqa: F401  (engram.editing.model_digest)
-from ..memory import Engram
+from ..hashing import NgramHashMapping
 from ..tables.base import find_tables
 from .facts import EditError
 
@@ -31,15 +31,12 @@ def _no_layers(model) -> EditError:
 
 
 def mapping_of(model):
-    """The `NgramHashMapping` of `model`'s Engram layers (`layer.hash_mapping` of its first one), or of a released
-    model's n-gram tables served by engram (`integrations.qwen4_exp.ServedNGramEmbedding.mapping`)."""
-    from ..integrations.qwen4_exp import ServedNGramEmbedding
-
+    """The `NgramHashMapping` of `model`'s Engram tables: `hash_mapping` of the first module that hashes for one (an
+    `Engram` layer, or a released model's n-gram embedding served by engram, e.g. qwen4_exp's)."""
     for m in model.modules():
-        if isinstance(m, Engram):
-            return m.hash_mapping
-        if isinstance(m, ServedNGramEmbedding):
-            return m.mapping
+        mapping = getattr(m, "hash_mapping", None)
+        if isinstance(mapping, NgramHashMapping):
+            return mapping
     raise _no_layers(model)
 
 

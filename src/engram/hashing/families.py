@@ -4,8 +4,9 @@ A `HashFamily` holds the compression (token id -> x), the pad, the multipliers m
 whether an id (EOS) starts a new document, and the dtype of the row ids it hands out. `DeepSeekFamily`
 is the reference demo's (multipliers from `numpy.random.default_rng(seed + 10007 * layer_id)`, distinct
 primes across heads, orders and layers); other families live beside their integration
-(`integrations/qwen4_exp.py`, `integrations/deepseek_v41.py`, `integrations/longcat.py`) and are found by
-their manifest name (`family_class`), imported only when asked for. Every family is hashed by the one
+(`integrations/qwen4_exp.py`, `integrations/deepseek_v41.py`, `integrations/longcat.py`), which declare
+them as entry points (group `engram.hash_families`); `family_class` finds one by its manifest name and imports
+it only when asked for, so the core names no integration. Every family is hashed by the one
 engine, `engine.NgramHashMapping`: the XOR-of-products mix reduced modulo each head's size, or, for a
 family with `own_mix` (LongCat's sums of token ids times powers of the vocabulary), the family's own
 `mix_rows` over the same per-position windows.
@@ -14,7 +15,6 @@ family with `own_mix` (LongCat's sums of token ids times powers of the vocabular
 from __future__ import annotations
 
 import base64
-import importlib
 from typing import ClassVar
 
 import numpy as np
@@ -237,23 +237,36 @@ class DeepSeekFamily(HashFamily):
                    hash_mode=spec.get("hash_mode", "ngram"))
 
 
-# Families by manifest name: "module:Class", imported when first asked for (integrations stay optional).
-FAMILIES: dict[str, str] = {
-    "deepseek": "engram.hashing.families:DeepSeekFamily",
-    "qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily",
-    "deepseek_v41": "engram.integrations.deepseek_v41:DeepSeekV41Family",
-    "longcat": "engram.integrations.longcat:LongCatFamily",
-}
+# Families by manifest name -> class. The core knows only its own; the released models' families live in their
+# integrations and are found by the entry-point group below (pyproject.toml: `engram.hash_families`), so the
+# core imports no integration, even by a string. Another package can add a family the same way, or at run time
+# with `register_family`.
+ENTRY_POINTS = "engram.hash_families"
+FAMILIES: dict[str, type[HashFamily]] = {"deepseek": DeepSeekFamily}
 
 
-def register_family(name: str, target: str) -> None:
-    """Make a family known by its manifest name; `target` is "package.module:ClassName"."""
-    FAMILIES[name] = target
+def register_family(name: str, cls: type[HashFamily]) -> None:
+    """Make a family known by its manifest name (what `spec["family"]` says)."""
+    FAMILIES[name] = cls
+
+
+def _entry_points() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+
+
+def known_families() -> list[str]:
+    """Every family a manifest may name: registered ones and those the installed packages declare."""
+    return sorted(set(FAMILIES) | set(_entry_points()))
 
 
 def family_class(name: str) -> type[HashFamily]:
-    """The family class a manifest names (`spec["family"]`), imported on first use."""
+    """The family class a manifest names (`spec["family"]`); a declared one is imported on first use."""
     if name not in FAMILIES:
-        raise ConfigError(f"unknown hash family {name!r} (known: {', '.join(sorted(FAMILIES))})")
-    module, cls = FAMILIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+        ep = _entry_points().get(name)
+        if ep is None:
+            raise ConfigError(f"unknown hash family {name!r} (known: {', '.join(known_families())}); the package "
+                              f"that defines it must be installed (its entry point in {ENTRY_POINTS!r})")
+        FAMILIES[name] = ep.load()
+    return FAMILIES[name]

@@ -166,6 +166,11 @@ class ServedNGramEmbedding(nn.Module):
     gives back `ngram_embedding.weight` in its original shape: a saved model loads in plain transformers.
     """
 
+    @property
+    def hash_mapping(self) -> NgramHashMapping:
+        """The mapping that addresses its rows, under the name `Engram` layers give it (`editing.mapping_of`)."""
+        return self.mapping
+
     def __init__(self, orig, mapping: NgramHashMapping, ple_layer_id: int, table, pad_rows: torch.Tensor):
         super().__init__()
         from ..memory import MultiHeadEmbedding

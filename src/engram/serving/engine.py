@@ -301,7 +301,7 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
     """An `Engine` for a run dir / model folder (`path`), a pretrained base + adapter, or a qwen4_exp model folder;
     `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does. `chat_template`:
     "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one)."""
-    from ..editing import Overlay, check_overlay, model_digest
+    from .prepare import prepare_inference
 
     model, tok = load_inference_model(path, base, adapter, table_backend, table_dir)
     if base is not None:
@@ -318,17 +318,8 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
         if not f.is_file():
             raise ServeError(f"--chat-template {chat_template}: no such file (give 'plain' or a Jinja template file)")
         template = f.read_text(encoding="utf-8")
-    if table_format and table_format != "float32":
-        from ..tables.quant import set_table_format
-
-        set_table_format(model, table_format)
-    loaded = {}
-    if overlays:
-        digest = model_digest(model)
-        for oname, d in overlays.items():
-            o = Overlay.load(d)
-            check_overlay(model, o, where=f"--overlay {oname}={d}", digest=digest)
-            loaded[oname] = o
+    # (the tier was set by the loader; overlays checked before the format conversion, chosen per request)
+    loaded = prepare_inference(model, table_format=table_format, overlays=overlays, apply=False)
     return Engine(model, tok, name, loaded, template)
 
 

@@ -135,14 +135,22 @@ def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[i
     """
     tables = {}
     for _, mhe in find_tables(model):
-        src = mhe.table.weight if mhe.table is not None and hasattr(mhe.table, "weight") else mhe.embedding.weight
-        if src.shape[0] != mhe.num_rows:
-            raise TableError(f"layer {mhe.layer_id}: its rows are not in memory to quantize")
-        codes, scales = quantize_rows(src.detach(), fmt)
+        codes, scales = quantize_rows(stored_rows(mhe), fmt)
         table = QuantTable(codes, scales, fmt, dtype or mhe.embedding.weight.dtype)
         install(mhe, table, free_parameter=True)
         tables[mhe.layer_id] = table
     return tables
+
+
+def stored_rows(mhe) -> torch.Tensor:
+    """All rows of one Engram table as they are stored now (N, d): an installed table's `weight` (a mapped file for
+    the mmap and disk tiers: pages read as touched) or the layer's own parameter. What a format conversion reads:
+    offloading empties the parameter, so reading `mhe.embedding.weight` there finds no rows."""
+    src = mhe.table.weight if mhe.table is not None and hasattr(mhe.table, "weight") else mhe.embedding.weight
+    if src.shape[0] != mhe.num_rows:
+        raise TableError(f"layer {mhe.layer_id}: its {mhe.num_rows} rows are not readable here (the table holds "
+                         f"{list(src.shape)}); convert the tables before moving them, or load them again")
+    return src.detach()
 
 
 def check_table_format(fmt: str) -> None:
@@ -164,7 +172,7 @@ def set_table_format(model, fmt: str) -> dict:
     if fmt == "bfloat16":
         out = {}
         for _, mhe in find_tables(model):
-            install(mhe, InRamTable(mhe.embedding.weight.detach().to(torch.bfloat16)), free_parameter=True)
+            install(mhe, InRamTable(stored_rows(mhe).to(torch.bfloat16)), free_parameter=True)
             out[mhe.layer_id] = mhe.dim * 2
         return out
     if fmt == "fp8_ue8m0":  # DeepSeek-V4.1's rows: e4m3 + a power-of-two scale per 32 values, dequantized to bf16
@@ -173,7 +181,7 @@ def set_table_format(model, fmt: str) -> dict:
             if mhe.dim % UE8M0_BLOCK:
                 raise TableError(f"fp8_ue8m0 needs rows a multiple of {UE8M0_BLOCK} wide; layer {mhe.layer_id}'s "
                                  f"are {mhe.dim}")
-            table = BlockFp8Table(*quantize_ue8m0(mhe.embedding.weight.detach()), torch.float32,
+            table = BlockFp8Table(*quantize_ue8m0(stored_rows(mhe)), torch.float32,
                                   f"layer {mhe.layer_id}")
             install(mhe, table, free_parameter=True)
             out[mhe.layer_id] = table.bytes_per_row
@@ -577,10 +585,7 @@ def nvfp4_tables(model, dtype: torch.dtype = torch.float32, chunk_rows: int = 1 
 
     tables = {}
     for _, mhe in find_tables(model):
-        t = mhe.table
-        src = (t.weight if t is not None and hasattr(t, "weight") else mhe.embedding.weight).detach()
-        if src.shape[0] != mhe.num_rows:
-            raise TableError(f"layer {mhe.layer_id}: its rows are not in memory to quantize")
+        t, src = mhe.table, stored_rows(mhe)
         if mhe.dim % NVFP4_BLOCK:
             raise TableError(f"nvfp4 needs rows a multiple of {NVFP4_BLOCK} wide; layer {mhe.layer_id}'s are "
                              f"{mhe.dim}")

@@ -85,10 +85,12 @@ def cpu_head_sizes() -> tuple[int, ...]:
 def check_cpu_attention(d: Path, sizes: tuple[int, ...] | None = None) -> None:
     """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot run (it would start,
     then fail every request with "EngineCore encountered an issue" and die)."""
+    from ...persist import read_json
+
     try:
-        cfg = json.loads((d / "config.json").read_text())
+        cfg = read_json(d / "config.json", "model config", "save the model again")
         hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):
         return  # (vLLM's own config checks will name what is wrong)
     sizes = cpu_head_sizes() if sizes is None else sizes
     if hd not in sizes:

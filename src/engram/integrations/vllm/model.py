@@ -18,9 +18,9 @@ replicated on every tensor-parallel rank (their inputs are the full hidden state
 TP=2 computes exactly TP=1's Engram rows. Hashing goes through `engram.hashing` (`hash_continuation` with
 each token's previous N-1 ids, which `state.SlotState` keeps per KV slot, as the conv inputs).
 
-Tables: the checkpoint's rows are loaded into the Engram layer's table parameter, then engram's own
-functions apply the options (`options.py`): `offload_tables` (tier), `set_table_format`, and overlays
-(checked against the checkpoint as `engram sample --overlay` checks them, applied with `apply_overlay`).
+Tables: the checkpoint's rows are loaded into the Engram layer's table parameter, then the options
+(`options.py`) are applied by engram's one inference path, `serving.prepare_inference` (tier, overlays checked
+against the checkpoint's weights digest read from its files, format, overlays applied), as `engram sample` does.
 """
 
 from __future__ import annotations
@@ -168,14 +168,18 @@ class EngramForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def _step_view(self, input_ids, positions) -> StepView | None:
+        """This step's `StepView`; None for vLLM's profiling and dummy runs (no forward context, or no attention
+        metadata at all), whose tokens are hashed as one sequence. A real step's metadata that lacks what the
+        slot store reads raises (`SlotState.view`), never a silently wrong step."""
         if not is_forward_context_available():
             return None
         md = get_forward_context().attn_metadata
         if isinstance(md, list):  # one dict per micro-batch (not used on this path)
             md = md[0] if md else None
-        if not isinstance(md, dict):
+        if md is None:
             return None
-        return self.state.view(md.get(self.model.layers[0].self_attn.attn.layer_name), input_ids, positions)
+        layer = self.model.layers[0].self_attn.attn.layer_name
+        return self.state.view(md.get(layer) if isinstance(md, dict) else md, input_ids, positions)
 
     def _hash_ids(self, input_ids: torch.Tensor, view: StepView | None) -> dict:
         """{layer: (n, H)} per-head hash ids of the step's tokens, each after its own previous N-1 ids."""
@@ -263,27 +267,13 @@ class EngramForCausalLM(nn.Module):
         return loaded
 
     def _apply_table_options(self) -> None:
-        """Tier, format and overlays with engram's own functions, in `engram serve`'s order."""
+        """Tier, format and overlays by engram's one inference path (`serving.prepare_inference`), the overlays
+        checked against the checkpoint's digest read from its files (no second model in the worker)."""
         o = self.options
         if not self.engram_layers:
             return
-        if o.tier != "ram":
-            from ...tables import offload_tables
+        from ...adapters.introspect import checkpoint_digest
+        from ...serving.prepare import prepare_inference
 
-            offload_tables(self, o.tier, o.directory)
-        if o.format and o.format != "float32":
-            from ...tables.quant import set_table_format
-
-            set_table_format(self, o.format)
-        if o.overlays:
-            from ...editing import Overlay, apply_overlay, check_overlay, model_digest
-            from ...model import load_model
-
-            ref, _ = load_model(self.folder)  # the checkpoint as engram loads it: the digest overlays were made for
-            digest = model_digest(ref)
-            loaded = [Overlay.load(d) for d in o.overlays]
-            for ov in loaded:
-                check_overlay(ref, ov, digest=digest)
-            del ref
-            for ov in loaded:
-                apply_overlay(self, ov, check=False)
+        prepare_inference(self, o.tier, o.directory, o.format, {str(d): d for d in o.overlays},
+                          digest=checkpoint_digest(self.folder) if o.overlays else None)

