@@ -32,7 +32,8 @@ def _isolated_cache(tmp_path_factory):
 # Every default-run test is `unit` or `integration` (both run by default; `pytest -m unit` is the fast loop while
 # working, under 2 minutes on 2 cores). A test is `integration` when it is marked so (itself or its module) or
 # uses a fixture that trains a model (TRAINING_FIXTURES); every other one is `unit`, and the guard below makes the
-# tier true: a unit test that starts a subprocess or a training step fails, naming the marker to add.
+# tier true: a unit test that starts a Python subprocess, a child process or a training step fails, naming the
+# marker to add.
 TRAINING_FIXTURES = {"tiny_run"}
 
 
@@ -51,7 +52,7 @@ class UnitTierError(RuntimeError):
 
 @pytest.fixture(autouse=True)
 def _unit_tier_guard(request, monkeypatch):
-    """In a `unit` test: no subprocess, no child process, no training step."""
+    """In a `unit` test: no Python subprocess, no child process, no training step."""
     if request.node.get_closest_marker("unit") is None:
         yield
         return
@@ -62,7 +63,16 @@ def _unit_tier_guard(request, monkeypatch):
             raise UnitTierError(f"a unit test {what}: mark it @pytest.mark.integration (tests/conftest.py)")
         return fail
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("started a subprocess"))
+    real_init = subprocess.Popen.__init__
+
+    def popen(self, args, *rest, **kwargs):  # Python processes only: ctypes.util's ldconfig/gcc probes are fine
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        prog = os.path.basename(str(argv[0])) if argv else ""
+        if prog.startswith("python") or str(argv[0]) == sys.executable or prog in ("torchrun", "engram"):
+            refuse(f"started a Python subprocess ({prog})")()
+        real_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("started a child process"))
     try:
         import engram.training.run as run

@@ -183,7 +183,7 @@ def test_parse_and_align():
     assert inside == [False, True, True, True, False] and ends == [False, False, False, True, False]
 
 
-@pytest.mark.parametrize("mode", ["ok", "badjson"])
+@pytest.mark.parametrize("mode", ["ok", pytest.param("badjson", marks=pytest.mark.slow)])  # (15 s: -m slow)
 def test_crosscheck_table_and_json(server, tiny_run, mode):
     args = ["crosscheck", "Only Alexander the Great could tame Bucephalus", "--checkpoint", str(tiny_run),
             "--base-url", server + "/v1"]

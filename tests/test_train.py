@@ -383,7 +383,7 @@ def test_moe_balancing_under_data_parallelism_matches_one_process(corpus, tmp_pa
 
 
 @pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp2")),
-                                        ((2, "fsdp2"), (2, "ddp"))])
+                                        pytest.param((2, "fsdp2"), (2, "ddp"), marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_at_another_world_size(corpus, tmp_path, free_port, first, then):
     """Stop a run at step 3 with one world size / dense wrapper, resume it with another: same losses as an
     uninterrupted single-process run.

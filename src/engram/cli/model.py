@@ -96,6 +96,20 @@ def cmd_verify(args) -> int:
     return 1 if n["BAD"] else 0
 
 
+def cmd_base(args) -> int:
+    from ..integrations import gguf_bases
+
+    if args.base_command == "fetch":
+        print(gguf_bases.fetch(args.name, args.dir))
+    elif args.base_command == "import":
+        out = gguf_bases.import_gguf(args.file, args.out, overwrite=args.overwrite)
+        print(f"{out}: a transformers folder (give it to --base, engram.attach(..., tokenizer=...))")
+    else:  # list
+        for name, k in sorted(gguf_bases.KNOWN.items()):
+            print(f"{name}: {k.about}; {k.license}; from {k.pip_spec}")
+    return 0
+
+
 def add_commands(sub) -> None:
     d = sub.add_parser("demo", help="run the tutorial's forward demo (30 layers, Engram at [1, 15])",
                        parents=[options.config(), options.no_bos()])
@@ -116,6 +130,21 @@ def add_commands(sub) -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--no-table", action="store_true", help="omit the inline token->compressed-id lookup table")
     s.set_defaults(func=cmd_spec)
+
+    b = sub.add_parser("base", help="pretrained bases from GGUF files: list, fetch a known one, import one into a "
+                                    "transformers folder (docs/tutorial-smollm2.md)")
+    bsub = b.add_subparsers(dest="base_command", required=True)
+    bsub.add_parser("list", help="the known GGUF bases").set_defaults(func=cmd_base)
+    bf = bsub.add_parser("fetch", help="fetch a known base's GGUF file into the cache (checked by sha256); prints its "
+                                       "path")
+    bf.add_argument("name")
+    bf.add_argument("--dir", help="cache folder (default $ENGRAM_BASES_DIR or ~/.cache/engram/bases)")
+    bf.set_defaults(func=cmd_base)
+    bi = bsub.add_parser("import", help="write a GGUF file's model and tokenizer as a transformers folder, once")
+    bi.add_argument("file")
+    bi.add_argument("out")
+    bi.add_argument("--overwrite", action="store_true")
+    bi.set_defaults(func=cmd_base)
 
     vf = sub.add_parser("verify",
                         help="check a run, model, adapter, overlay or checkpoint folder against its checksums")
