@@ -87,3 +87,27 @@ def test_base_commands_fail_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("engram: error: ") and not (tmp_path / "out").exists(), err
     assert main(["base", "list"]) == 0 and "SmolLM2-135M-Instruct" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_engram_serve_renders_smollm2s_own_chat_template(smollm2):
+    """The template transformers saved beside the weights (chat_template.jinja) is the one `engram serve` uses."""
+    from engram.serving.engine import load_engine
+
+    _, out = smollm2
+    engine = load_engine(base=out)
+    try:
+        text = engine.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    finally:
+        engine.close()
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text and text.endswith(
+        "<|im_start|>assistant\n")
+
+
+def test_a_chat_template_saved_as_its_own_file_is_found(tmp_path):
+    from engram.serving.engine import _chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "old"}')
+    assert _chat_template(tmp_path) == "old"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # (transformers >= 4.43 writes this)
+    assert _chat_template(tmp_path) == "{{ messages }}"

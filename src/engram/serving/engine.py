@@ -334,7 +334,10 @@ def _special_texts(tokenizer) -> list[str]:
 
 
 def _chat_template(d: Path) -> str | None:
-    """The chat template of the model folder `d`'s `tokenizer_config.json` (None when it has none)."""
+    """The chat template of the model folder `d`: `chat_template.jinja` (where transformers >= 4.43 saves it), else
+    `tokenizer_config.json`'s `chat_template` (None when it has none)."""
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(encoding="utf-8")
     f = d / "tokenizer_config.json"
     if not f.is_file():
         return None
