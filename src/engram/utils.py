@@ -15,6 +15,21 @@ def peak_rss_mib() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
+def parse_toml(text: str, where: str, error: type[Exception]) -> dict:
+    """`text` parsed as TOML (tomllib; `tomli` on Python 3.10), or `error` in one line naming `where` and why."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise error(f"{where}: reading TOML needs Python 3.11+ or the tomli package (pip install tomli)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{where}: not valid TOML: {str(e).splitlines()[0]}") from None
+
+
 def cache_dir() -> Path:
     """Where derived artifacts (tokenizer lookup tables) are cached.
 
@@ -27,8 +42,9 @@ def cache_dir() -> Path:
 
 
 def environment() -> dict:
-    """What a result depends on besides the code and the seed: library versions, threads, CPU, ENGRAM_FUSED and
-    the commit of this checkout (None outside a git checkout). Runs record it in summary.json."""
+    """What a result depends on besides the code and the seed: library versions, threads, CPU, ENGRAM_FUSED, the
+    commit of this checkout and `dirty` (its tracked files differ from it; both None outside a git checkout). Runs
+    record it in summary.json."""
     import platform
     import subprocess
     from importlib import metadata
@@ -54,11 +70,15 @@ def environment() -> dict:
     except ImportError:
         threads = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
+        here = Path(__file__).parent
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        # dirty: a tracked file differs from that commit, so the commit alone does not name the code that ran
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                    capture_output=True, text=True, timeout=5).stdout.strip()) if commit else None
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        commit = dirty = None
     return {"torch": version("torch"), "numba": version("numba"), "transformers": version("transformers"),
             "tokenizers": version("tokenizers"), "engram": version("engram-torch"), "python": platform.python_version(),
             "threads": threads, "cpu": cpu, "cpus": os.cpu_count(), "ENGRAM_FUSED": os.environ.get("ENGRAM_FUSED", "1"),
-            "commit": commit}
+            "commit": commit, "dirty": dirty}

@@ -28,6 +28,10 @@ Experiments:
   edit         counterfactuals and new entities written into the table rows of a model that learned world
                facts (`engram edit`) vs fine-tuning (with and without KL) and LoRA at fixed step budgets:
                efficacy, generalization, specificity, damage (`analysis/editing.py`).
+  smollm2-adapt  SmolLM2-135M-Instruct (a real pretrained model, imported from its GGUF file) adapted to the
+               corpus it predicts worst: Engram adapters vs LoRA vs full fine-tuning; every choice read from the
+               committed preregistration docs/prereg/smollm2-adapt.toml (`--seeds` does not apply; --record
+               refuses a dirty tree) (`analysis/smollm2.py`; --jobs 2: about 70 min on 2 cores).
   adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
                bases adapted to Shakespeare and to the King James Bible: settings apart from
                benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).
@@ -50,7 +54,7 @@ from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import call_in_subprocess, difference, read_run_file, run_parallel, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
-               "adapter-init")
+               "adapter-init", "smollm2-adapt")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -110,6 +114,10 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         from .retrofit import run
 
         return run(out, seeds, max_steps, progress=progress, record=record, jobs=jobs)
+    if name == "smollm2-adapt":  # a real pretrained base; its design is its preregistration
+        from .smollm2 import run
+
+        return run(out, progress=progress, record=record, jobs=jobs, max_steps=max_steps)
     if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
         from .allocation import run
 

@@ -140,16 +140,18 @@ def pareto(points: list[dict]) -> list[int]:
     return sorted(front, key=lambda i: points[i]["forgetting"])
 
 
-def extend_grid(lrs: list[float], domain: dict[float, float], extended: dict[str, int]) -> float | None:
+def extend_grid(lrs: list[float], domain: dict[float, float], extended: dict[str, int],
+                limit: int = EXTEND) -> float | None:
     """The next learning rate to add to a grid whose selection-seed domain losses are `domain` {lr: loss}: x3 past
     the largest when the lowest loss sits there, /3 below the smallest when it sits there (each end at most `EXTEND`
-    times; `extended` counts them, {"up": k, "down": k}, and is updated); None when the optimum is interior."""
+    times, `limit`; `extended` counts them, {"up": k, "down": k}, and is updated); None when the optimum is interior or
+    the limit is spent."""
     lrs = sorted(lrs)
     best = min(lrs, key=lambda lr: domain[lr])
-    if best == lrs[-1] and extended.get("up", 0) < EXTEND:
+    if best == lrs[-1] and extended.get("up", 0) < limit:
         extended["up"] = extended.get("up", 0) + 1
         return float(f"{lrs[-1] * 3:.3g}")
-    if best == lrs[0] and len(lrs) > 1 and extended.get("down", 0) < EXTEND:
+    if best == lrs[0] and len(lrs) > 1 and extended.get("down", 0) < limit:
         extended["down"] = extended.get("down", 0) + 1
         return float(f"{lrs[0] / 3:.3g}")
     return None

@@ -120,7 +120,7 @@ def _stats_v41(args, S) -> int:
 
 def add_commands(sub) -> None:
     ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, "
-                                           "retrofit, edit, allocation, adapter-init, all)")
+                                           "retrofit, edit, allocation, adapter-init, smollm2-adapt, all)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=3)
@@ -141,8 +141,9 @@ def add_commands(sub) -> None:
                     help="allocation: train only these variants (e.g. moe-E16,moe-E14+engram); the others are "
                          "reported where their runs finished")
     ex.add_argument("--jobs", type=int, default=1,
-                    help="retrofit and the preset experiments (iso, design, ...): runs trained at once, each in its "
-                         "own process with cores/JOBS threads unless OMP_NUM_THREADS is set (default 1)")
+                    help="retrofit, smollm2-adapt and the preset experiments (iso, design, ...): runs trained at "
+                         "once, each in its own process with cores/JOBS threads unless OMP_NUM_THREADS is set "
+                         "(default 1)")
     ex.add_argument("--plan-only", action="store_true",
                     help="allocation: write and print the accounting (parameters, widths, primes, FLOPs); "
                          "train nothing")

@@ -72,4 +72,6 @@ def read_facts(path, tokenizer=None) -> list[Fact]:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
+    """Token ids of `text` without special tokens, from a `tokenizers.Tokenizer` or a transformers tokenizer."""
+    out = tokenizer.encode(text, add_special_tokens=False)
+    return out.ids if hasattr(out, "ids") else list(out)

@@ -160,6 +160,11 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                     break
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if step == 1 and all(v.grad is None or not v.grad.any() for v in values.values()):
+                    # e.g. a freshly attached adapter: its value projection starts at zero, so no row moves the output
+                    raise EditError("the edited rows get no gradient: the Engram layers' output does not depend on "
+                                    "their rows yet (a freshly attached adapter starts with a zero value projection); "
+                                    "train the adapter first (engram adapt), then edit")
                 opt.step()
         finally:
             _restore_tables(layers, before)

@@ -289,18 +289,9 @@ def read_job_file(path) -> dict:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     else:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            try:
-                import tomli as tomllib
-            except ModuleNotFoundError:
-                raise ConfigError(f"{p}: reading TOML needs Python 3.11+ or the tomli package; write the file as "
-                                  "JSON or pip install tomli") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {str(e).splitlines()[0]}") from None
+        from ..utils import parse_toml
+
+        data = parse_toml(text, str(p), ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be an object with preset, model and train; "
                           f"got a JSON {type(data).__name__}")
