@@ -235,6 +235,26 @@ def test_edit_on_an_adapter(tmp_path):
     assert target_logp(model, tok, facts[0]) > before + 0.5
 
 
+def test_edit_refuses_a_freshly_attached_adapter_in_one_line(tmp_path):
+    """A new adapter's value projection is zero: its rows cannot move the output, so no edit can work. Before,
+    `edit_facts` ran all its steps and returned an overlay that did nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engram.tokenizer import load_tokenizer, train_bpe
+
+    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
+    tok_file = train_bpe(text, 400, tmp_path / "tokenizer.json", progress=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=1)).eval()
+    engram.attach(model, [1], tokenizer=tok_file, engram_vocab_size=[211, 223], n_embed_per_ngram=16,
+                  n_head_per_ngram=2)
+    with pytest.raises(EditError, match="train the adapter first"):
+        edit_facts(model, load_tokenizer(tok_file), [Fact("The quick brown fox", " said")], steps=40,
+                   progress=False)
+
+
 def test_facts_file_errors_and_generator(tmp_path, run):
     root, _ = run
     _, tok = load_model(root / "run")

@@ -105,9 +105,102 @@ def test_engram_serve_renders_smollm2s_own_chat_template(smollm2):
 
 
 def test_a_chat_template_saved_as_its_own_file_is_found(tmp_path):
-    from engram.serving.engine import _chat_template
+    from engram.serving.engine import chat_template_of
 
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "old"}')
-    assert _chat_template(tmp_path) == "old"
+    assert chat_template_of(tmp_path) == "old"
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # (transformers >= 4.43 writes this)
-    assert _chat_template(tmp_path) == "{{ messages }}"
+    assert chat_template_of(tmp_path) == "{{ messages }}"
+
+
+def domain_corpus(path: Path) -> Path:
+    """A made-up glossary ("In the old tongue, kavorim means ..."): words SmolLM2 has never seen, in a fixed
+    frame, split by document into train and val, so a short adaptation can only lower its loss by learning it."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    syl = ["ka", "vo", "rim", "tel", "sar", "un", "dex", "mo", "pli", "zan", "gor", "eth"]
+    words = ["".join(rng.choice(syl) for _ in range(3)) for _ in range(60)]
+    docs = [{"text": " ".join(f"In the old tongue, {rng.choice(words)} means {rng.choice(words)} and "
+                              f"{rng.choice(words)}." for _ in range(8))} for _ in range(120)]
+    path.write_text("\n".join(json.dumps(d) for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapted(smollm2, tmp_path_factory):
+    """An Engram adapter on SmolLM2 (block 1, default sizes) after 16 steps x 256 tokens on `domain_corpus`: the
+    run's summary and metrics, its folder and the corpus."""
+    import json
+
+    from engram.training.adapt import adapt
+
+    _, base = smollm2
+    root = tmp_path_factory.mktemp("smollm2-adapt")
+    data = domain_corpus(root / "glossary.jsonl")
+    summary = adapt(base, data=[str(data)], out=str(root / "run"), method="engram", layers=[1], max_steps=16,
+                    overrides={"seq_len": 64, "batch_size": 4, "lr": 3e-2, "warmup_steps": 2, "eval_max_windows": 8,
+                               "ckpt_every": 1000, "eval_every": 1000, "seed": 0}, progress=False)
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows, root / "run", data
+
+
+@pytest.mark.integration
+def test_a_short_adaptation_lowers_smollm2s_domain_loss(adapted):
+    """Step 0's val loss is the base's (the adapter starts as the identity); 16 steps of the adapter alone bring the
+    held-out documents' loss down by more than a nat."""
+    summary, rows, _, _ = adapted
+    first = rows[0]
+    assert first["step"] == 0 and "val_loss" in first
+    assert summary["val_loss"] < first["val_loss"] - 1.0, (first["val_loss"], summary["val_loss"])
+    assert summary["trainable"]["base_trainable"] == 0  # the base stayed frozen
+
+
+@pytest.mark.integration
+def test_an_overlay_flips_a_known_fact_in_serves_chat_answer(smollm2, adapted, tmp_path):
+    """`engram edit --chat` writes "France -> Rome" into the adapted SmolLM2's rows; `engram serve`'s chat answer
+    (SmolLM2's own template) says Rome with the overlay and Paris without it, and an unedited capital is the same
+    either way. Without --chat (the bare prompt alone) the chat answer stayed Paris when this was written."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from engram.serving.app import create_app
+    from engram.serving.engine import load_engine
+
+    _, base = smollm2
+    _, _, run, data = adapted
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(json.dumps({"prompt": "The capital of France is", "target": " Rome",
+                                 "question": "What is the capital of France?"}) + "\n")
+    assert main(["edit", "--base", str(base), "--adapter", str(run), "--facts", str(facts), "--chat",
+                 "--out", str(tmp_path / "rome"), "--data", str(data), "--max-windows", "4"]) == 0
+    engine = load_engine(base=base, adapter=run, overlays={"rome": tmp_path / "rome"}, name="smollm2")
+    try:
+        client = TestClient(create_app(engine))
+
+        def ask(model: str, question: str) -> str:
+            r = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 10, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        france, germany = "What is the capital of France?", "What is the capital of Germany?"
+        assert ask("smollm2", france).startswith("The capital of France is Paris")
+        assert ask("smollm2+rome", france).startswith("The capital of France is Rome")
+        assert ask("smollm2", germany) == ask("smollm2+rome", germany)
+        assert "Berlin" in ask("smollm2+rome", germany)
+    finally:
+        engine.close()
+
+
+def test_a_fact_question_is_checked_and_rendered_in_the_chat_template():
+    from engram.editing import EditError, Fact, chat_contexts, parse_fact
+
+    with pytest.raises(EditError, match="'question' must be a non-empty string"):
+        parse_fact({"prompt": "a", "target": "b", "question": ""}, "x:1")
+    facts = [parse_fact({"prompt": "The capital of France is", "target": " Rome", "question": "Capital?"}, "x:1"),
+             Fact("no question", " here")]
+    out = chat_contexts(facts, lambda msgs: f"<user>{msgs[0]['content']}</user>")
+    assert out == [Fact("<user>Capital?</user>The capital of France is", " Rome")]

@@ -120,7 +120,7 @@ def test_save_final_names_engrams_eos_for_transformers_and_vllm(corpus, tmp_path
 
     from engram.model import EngramForCausalLM, load_model
     from engram.persist import verify_manifest
-    from engram.serving.engine import _chat_template
+    from engram.serving.engine import chat_template_of
     from engram.training import presets
     from engram.training.train import save_final
 
@@ -131,7 +131,7 @@ def test_save_final_names_engrams_eos_for_transformers_and_vllm(corpus, tmp_path
     verify_manifest(final)  # the checksum manifest covers the new file
     cfg = json.loads((final / "tokenizer_config.json").read_text())
     assert cfg["eos_token"] == "<|endoftext|>" and cfg["pad_token"] == "<|pad|>" and "bos_token" not in cfg
-    assert _chat_template(final) is None  # `engram serve` keeps its --chat-template rules
+    assert chat_template_of(final) is None  # `engram serve` keeps its --chat-template rules
     tok = AutoTokenizer.from_pretrained(final)
     assert (tok.eos_token_id, tok.pad_token_id) == (m["eos_id"], m["pad_id"])
     assert tok("the king")["input_ids"] == load_model(final)[1].encode("the king").ids  # no BOS/EOS added

@@ -10,18 +10,19 @@ from . import options
 
 
 def cmd_edit(args) -> int:
-    from ..editing import edit_facts, edit_report, print_report, read_facts
+    from ..editing import chat_contexts, edit_facts, edit_report, print_report, read_facts
     from ..training.data import text_windows
 
     if args.out and Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
     model, tok = options.load_for_inference(args)
     facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
+    optimized = facts + (_chat_facts(args, facts, chat_contexts) if args.chat else [])
     options.with_overlays(model, args.overlay)
     windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
     print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
           f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
-    overlay = edit_facts(model, tok, facts, steps=args.steps, lr=args.lr, positions=args.positions,
+    overlay = edit_facts(model, tok, optimized, steps=args.steps, lr=args.lr, positions=args.positions,
                          orders=args.orders, target_prob=args.target_prob)
     overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
     report = edit_report(model, tok, facts, overlay, windows, args.batch_size)
@@ -30,6 +31,24 @@ def cmd_edit(args) -> int:
     print_report(report)
     print(f"wrote overlay {out} ({overlay.num_rows:,} rows) and {out / 'report.json'}; apply it with --overlay {out}")
     return 0
+
+
+def _chat_facts(args, facts, chat_contexts) -> list:
+    """--chat: each fact with a "question" again inside the model's own chat template (`chat_contexts`)."""
+    from ..serving.engine import chat_renderer, chat_template_of
+
+    folder = Path(args.base) if args.base else Path(args.checkpoint)
+    template = chat_template_of(folder if (folder / "tokenizer_config.json").is_file() else folder / "final")
+    if not template:
+        raise ValueError(f"--chat: {folder} has no chat template (chat_template.jinja or tokenizer_config.json); "
+                         "edit without --chat")
+    if not any(f.question for f in facts):
+        raise ValueError(f'--chat: no fact in {args.facts} has a "question" (the user turn its answer starts with)')
+
+    def refuse(message):
+        raise ValueError(f"--chat: the chat template refused a question: {message}")
+
+    return chat_contexts(facts, chat_renderer(template, refuse))
 
 
 def add_commands(sub) -> None:
@@ -43,7 +62,7 @@ def add_commands(sub) -> None:
                         epilog="--checkpoint also takes a qwen4_exp model folder (Qwen3.8-Flash-Next): its n-gram "
                         "table rows are edited, and engram serve PATH --overlay NAME=DIR serves them per request")
     ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '
-                    '(optional "paraphrases": [...], "passages": [...])')
+                    '(optional "paraphrases": [...], "passages": [...], "question": "...")')
     ed.add_argument("--out", required=True, help="overlay folder to write (with report.json)")
     ed.add_argument("--steps", type=int, default=300, help="most optimization steps (stops once every fact is met)")
     ed.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on the edited rows")
@@ -51,4 +70,7 @@ def add_commands(sub) -> None:
                     help="trigger: rows read where the target is predicted; all: every prompt position too")
     ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
+    ed.add_argument("--chat", action="store_true",
+                    help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '
+                         "then the prompt as the answer's start), so the edit holds in chat answers")
     ed.set_defaults(func=cmd_edit)

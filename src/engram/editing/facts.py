@@ -16,15 +16,19 @@ class EditError(EngramError, ValueError):
 @dataclass
 class Fact:
     """One fact: `prompt` followed by `target` (may be several tokens). `paraphrases`: other prompts that
-    should produce the same target; `passages`: longer texts that end where the target should follow."""
+    should produce the same target; `passages`: longer texts that end where the target should follow (both only
+    measured). `question`: a user turn whose chat answer starts with `prompt` ("What is the capital of France?"
+    for "The capital of France is"); `engram edit --chat` also optimizes the fact inside that chat turn
+    (`chat_contexts`), since a chat answer reads the same rows in another context."""
 
     prompt: str
     target: str
     paraphrases: list[str] = field(default_factory=list)
     passages: list[str] = field(default_factory=list)
+    question: str | None = None
 
 
-_FACT_KEYS = {"prompt", "target", "paraphrases", "passages"}
+_FACT_KEYS = {"prompt", "target", "paraphrases", "passages", "question"}
 
 
 def parse_fact(obj, where: str, tokenizer=None) -> Fact:
@@ -42,13 +46,25 @@ def parse_fact(obj, where: str, tokenizer=None) -> Fact:
         v = obj.get(key, [])
         if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
             raise EditError(f"{where}: '{key}' must be a list of non-empty strings")
-    fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])))
+    q = obj.get("question")
+    if q is not None and (not isinstance(q, str) or not q.strip()):
+        raise EditError(f"{where}: 'question' must be a non-empty string (a user turn whose answer starts with the "
+                        "prompt)")
+    fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])), q)
     if tokenizer is not None:
         if not _encode(tokenizer, fact.prompt):
             raise EditError(f"{where}: the prompt {fact.prompt!r} tokenizes to nothing")
         if not _encode(tokenizer, fact.target):
             raise EditError(f"{where}: the target {fact.target!r} tokenizes to nothing")
     return fact
+
+
+def chat_contexts(facts: list[Fact], render) -> list[Fact]:
+    """For each fact with a `question`: the same fact inside a chat turn, `render([user: question]) + prompt`
+    (`render`: `serving.engine.chat_renderer` of the model's template). Its prompt ends in the same tokens, so it
+    reads the same rows where the target is predicted; optimized together with the bare prompt, the edit holds
+    in a chat answer too (the bare prompt alone was not enough on SmolLM2-135M-Instruct: tests/test_smollm2.py)."""
+    return [Fact(render([{"role": "user", "content": f.question}]) + f.prompt, f.target) for f in facts if f.question]
 
 
 def read_facts(path, tokenizer=None) -> list[Fact]:

@@ -162,7 +162,6 @@ class Engine:
             raise ServeError("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
                              "use /v1/completions with a prompt", 400, "no_chat_template")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         for i, m in enumerate(messages):
             for key in ("role", "content"):
@@ -182,11 +181,9 @@ class Engine:
                 raise ServeError(f"the chat template refused these messages: {message}", 400, "invalid_value",
                                  "messages")
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = refuse
-            self._template = env.from_string(self.chat_template)
+            self._template = chat_renderer(self.chat_template, refuse)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+            return self._template(messages)
         except jinja2.TemplateError as e:
             raise ServeError(f"the chat template could not render these messages ({type(e).__name__}: {e})", 400,
                              "invalid_value", "messages") from None
@@ -305,11 +302,11 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
 
     model, tok = load_inference_model(path, base, adapter, table_backend, table_dir)
     if base is not None:
-        template = _chat_template(Path(base))
+        template = chat_template_of(Path(base))
         name = name or Path(adapter or base).name
     else:
         p = Path(path)
-        template = _chat_template(p if (p / "tokenizer_config.json").is_file() else p / "final")
+        template = chat_template_of(p if (p / "tokenizer_config.json").is_file() else p / "final")
         name = name or (p.name if p.name != "final" else p.parent.name)
     if chat_template == "plain":
         template = PLAIN_CHAT_TEMPLATE
@@ -333,7 +330,21 @@ def _special_texts(tokenizer) -> list[str]:
     return [t.content for t in added if getattr(t, "special", False) and t.content]
 
 
-def _chat_template(d: Path) -> str | None:
+def chat_renderer(template: str, refuse):
+    """`render(messages) -> prompt` for a chat template (Jinja, sandboxed, as transformers renders them; the
+    generation prompt added, bos/eos as empty text since the tokenizer adds no special tokens to a prompt).
+    `refuse(message)`: what the template's `raise_exception` calls. The one way engram renders chat prompts:
+    `engram serve` and `engram edit --chat` share it."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = refuse
+    compiled = env.from_string(template)
+    return lambda messages: compiled.render(messages=messages, add_generation_prompt=True, bos_token="",
+                                            eos_token="")
+
+
+def chat_template_of(d: Path) -> str | None:
     """The chat template of the model folder `d`: `chat_template.jinja` (where transformers >= 4.43 saves it), else
     `tokenizer_config.json`'s `chat_template` (None when it has none)."""
     if (d / "chat_template.jinja").is_file():
