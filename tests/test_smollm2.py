@@ -204,3 +204,12 @@ def test_a_fact_question_is_checked_and_rendered_in_the_chat_template():
              Fact("no question", " here")]
     out = chat_contexts(facts, lambda msgs: f"<user>{msgs[0]['content']}</user>")
     assert out == [Fact("<user>Capital?</user>The capital of France is", " Rome")]
+
+
+def test_base_import_takes_a_known_name_and_fetches_it_first(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(gguf_bases, "fetch", lambda name, *a, **k: calls.append(("fetch", name)) or tmp_path / "f.gguf")
+    monkeypatch.setattr(gguf_bases, "import_gguf",
+                        lambda src, out, overwrite=False: calls.append(("import", src)) or out)
+    assert main(["base", "import", "smollm2-135m-instruct", str(tmp_path / "out")]) == 0
+    assert calls == [("fetch", "smollm2-135m-instruct"), ("import", tmp_path / "f.gguf")]

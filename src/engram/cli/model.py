@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import BackBoneConfig, EngramConfig, load_config
 from ..hashing import get_hash_mapping
 from ..tokenizer import bos_id, encode, load_tokenizer
@@ -102,7 +104,10 @@ def cmd_base(args) -> int:
     if args.base_command == "fetch":
         print(gguf_bases.fetch(args.name, args.dir))
     elif args.base_command == "import":
-        out = gguf_bases.import_gguf(args.file, args.out, overwrite=args.overwrite)
+        src = args.file
+        if src in gguf_bases.KNOWN and not Path(src).exists():  # a known name: fetched (or found in the cache) first
+            src = gguf_bases.fetch(src)
+        out = gguf_bases.import_gguf(src, args.out, overwrite=args.overwrite)
         print(f"{out}: a transformers folder (give it to --base, engram.attach(..., tokenizer=...))")
     else:  # list
         for name, k in sorted(gguf_bases.KNOWN.items()):
@@ -141,7 +146,7 @@ def add_commands(sub) -> None:
     bf.add_argument("--dir", help="cache folder (default $ENGRAM_BASES_DIR or ~/.cache/engram/bases)")
     bf.set_defaults(func=cmd_base)
     bi = bsub.add_parser("import", help="write a GGUF file's model and tokenizer as a transformers folder, once")
-    bi.add_argument("file")
+    bi.add_argument("file", help="a .gguf file, or a known base's name (engram base list), fetched first")
     bi.add_argument("out")
     bi.add_argument("--overwrite", action="store_true")
     bi.set_defaults(func=cmd_base)
