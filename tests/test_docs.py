@@ -28,3 +28,22 @@ def test_readme_use_it_snippet_runs():
     exec(compile(code, "README.md", "exec"), ns)
     assert tuple(ns["rows"].shape) == (1, 4, 16, 64)
     assert tuple(ns["delta"].shape) == (1, 4, 4, 1024) and tuple(ns["gate"].shape) == (1, 4, 4)
+
+
+def tutorial_script_commands() -> list[str]:
+    """The `step "..."` commands of scripts/tutorial_smollm2.sh between its markers, as bash reads them."""
+    text = (ROOT / "scripts" / "tutorial_smollm2.sh").read_text()
+    body = text.split("# tutorial:begin\n", 1)[1].split("# tutorial:end", 1)[0]
+    out = []
+    for line in body.splitlines():
+        m = re.fullmatch(r'step "(.*)"', line.strip())
+        assert m, f"tutorial_smollm2.sh: not a step line between the markers: {line!r}"
+        out.append(re.sub(r'\\(["$\\])', r"\1", m.group(1)))  # bash's double-quote escapes
+    return out
+
+
+def test_the_smollm2_tutorials_commands_are_the_scripts():
+    """docs/tutorial-smollm2.md shows exactly the commands scripts/tutorial_smollm2.sh runs (and times), in order."""
+    text = (ROOT / "docs" / "tutorial-smollm2.md").read_text()
+    block = re.search(r"## The commands\n\n```bash\n(.*?)```", text, re.S).group(1)
+    assert block.strip().splitlines() == tutorial_script_commands()

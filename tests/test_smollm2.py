@@ -213,3 +213,27 @@ def test_base_import_takes_a_known_name_and_fetches_it_first(tmp_path, monkeypat
                         lambda src, out, overwrite=False: calls.append(("import", src)) or out)
     assert main(["base", "import", "smollm2-135m-instruct", str(tmp_path / "out")]) == 0
     assert calls == [("fetch", "smollm2-135m-instruct"), ("import", tmp_path / "f.gguf")]
+
+
+def test_counterfactuals_keep_the_relation_and_never_the_truth():
+    from engram.analysis.known_facts import RELATIONS, all_facts, counterfactuals
+
+    facts = all_facts()
+    assert len(facts) == sum(len(p) for *_, p in RELATIONS.values())
+    by_rel = {r: {f" {o}" for _, o in p} for r, (*_, p) in RELATIONS.items()}
+    for rel, f, truth in counterfactuals(facts, seed=3):
+        assert f.target != truth and f.target in by_rel[rel] and f.question and f.paraphrases
+    assert counterfactuals(facts, seed=3) == counterfactuals(facts, seed=3)
+
+
+@pytest.mark.slow
+def test_smollm2_knows_most_capitals_by_greedy_decoding(smollm2):
+    """The filter an edit of known facts starts from: SmolLM2 completes most capital prompts correctly."""
+    from engram.analysis.known_facts import RELATIONS, known_facts
+    from engram.training.adapt import load_with_adapter
+
+    _, base = smollm2
+    model, tok = load_with_adapter(base)
+    kept = known_facts(model, tok, relations=["capital"])
+    prompts = {f.prompt for _, f in kept}
+    assert "The capital of France is" in prompts and len(kept) >= len(RELATIONS["capital"][3]) // 2, sorted(prompts)

@@ -44,7 +44,7 @@ BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", 
 
 
 # experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
-OWN_REPORT = {"edit": "editing", "retrofit": "retrofit"}
+OWN_REPORT = {"edit": "editing", "retrofit": "retrofit", "smollm2-adapt": "smollm2"}
 
 
 def _own_report(name: str):
