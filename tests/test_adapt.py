@@ -11,10 +11,9 @@ pytestmark = pytest.mark.integration  # (trains models or starts servers: tests/
 
 pytest.importorskip("transformers")
 
+from bases import tale_tokenizer, tiny_base  # noqa: E402
 from conftest import run_cli  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engram.tokenizer import train_bpe  # noqa: E402
 from engram.training.adapt import adapt  # noqa: E402
 
 TINY = {"seq_len": 32, "batch_size": 4, "ckpt_every": 4, "eval_max_windows": 4, "eval_every": 4, "warmup_steps": 2,
@@ -26,13 +25,8 @@ ENGRAM = {"engram_vocab_size": [211, 223], "n_embed_per_ngram": 16, "n_head_per_
 def base(tmp_path_factory):
     """A saved tiny Llama with its tokenizer.json, and a small corpus of another kind."""
     root = tmp_path_factory.mktemp("adapt")
-    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
-    tok = train_bpe(text, 400, root / "tok" / "tokenizer.json", progress=False)
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3))
-    m.save_pretrained(root / "base")
+    tok = tale_tokenizer(root / "tok" / "tokenizer.json")
+    tiny_base("llama").save_pretrained(root / "base")
     shutil.copy(tok, root / "base" / "tokenizer.json")
     corpus = root / "corpus.txt"
     corpus.write_text("".join(f"def f{i % 50}(x):\n    return x * {i % 7} + {i % 11}\n\n" for i in range(1500)))

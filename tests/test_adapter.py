@@ -5,18 +5,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from bases import tale_tokenizer, tiny_base  # noqa: E402
 
 import engram  # noqa: E402
 from engram.adapters import AdapterError, adapter_of, freeze_base  # noqa: E402
-from engram.tokenizer import train_bpe  # noqa: E402
 from engram.training.optim import build_optimizers  # noqa: E402
 
 KINDS = ["llama", "qwen3", "gpt2"]
@@ -25,23 +17,11 @@ OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
-    return train_bpe(text, 400, tmp_path_factory.mktemp("tok") / "tokenizer.json", progress=False)
+    return tale_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def make(kind, seed=0, hidden=32, vocab=400):
-    torch.manual_seed(seed)
-    # initializer_range 0.3: a random frozen lm_head with HF's 0.02 can barely move the logits whatever the hidden
-    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                            **common)).eval()
-    if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                            max_position_embeddings=128, **common)).eval()
-    return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=2, n_head=4, n_positions=128, **common)).eval()
+    return tiny_base(kind, vocab=vocab, hidden=hidden, seed=seed).eval()
 
 
 def perturb(model, scale=0.3):

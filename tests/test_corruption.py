@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from bases import tiny_base  # noqa: E402
 from conftest import Crash  # noqa: E402 (the `crash_at` fixture is in conftest: a save killed at its k-th step)
 
 from engram.cli import main  # noqa: E402
@@ -51,13 +52,9 @@ def runs(tmp_path_factory):
     model, tok = load_model(root / "run")
     edit_facts(model, tok, [Fact("the cat sat on", " the dog")], steps=5, progress=False).save(root / "overlay")
     # an Engram adapter on a tiny pretrained Llama that uses the run's tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import engram
 
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=128, pad_token_id=1, eos_token_id=0))
+    base = tiny_base("llama", vocab=tok.get_vocab_size(), seed=None, bos_token_id=1, initializer_range=0.02)
     base.save_pretrained(root / "base")
     shutil.copy(root / "run" / "final" / "tokenizer.json", root / "base" / "tokenizer.json")
     engram.attach(base, [1], tokenizer=root / "base", engram_vocab_size=[211, 223], n_embed_per_ngram=16,

@@ -15,6 +15,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from bases import ids_with_eos, qwen4_config, tiny_qwen4  # noqa: E402
+
 from engram.tables.base import TableError  # noqa: E402
 from engram.tables.blocks import UnverifiedTableWarning  # noqa: E402
 from engram.tables.gguf import (  # noqa: E402
@@ -245,10 +247,8 @@ def _qwen():
 def tiny_qwen(seed=0, **kw):
     """A tiny random Qwen4Exp with one PLE layer (decoder layer 0, linear attention: what llama.cpp takes), rows
     128 / 4 heads = 32 wide (one Q8_0 block)."""
-    import test_qwen4_exp as tq
-
     _qwen()
-    return tq.tiny_model(seed, **{**dict(ple_layer_ids=[1], ple_embed_dim=128, split_ngram_parts=2), **kw})
+    return tiny_qwen4(seed, **{**dict(ple_layer_ids=[1], ple_embed_dim=128, split_ngram_parts=2), **kw})
 
 
 def llama_cpp_style_ple_file(path, model, type_name, raw=None):
@@ -290,8 +290,6 @@ def test_qwen4exp_from_gguf_equals_the_safetensors_checkpoint(writer, backend, t
     from the GGUF (ram, mmap, disk) gives transformers' logits and generations; saved back, plain transformers
     loads it."""
     mq = _qwen()
-    import test_qwen4_exp as tq
-
     from engram.hashing import identity_digest
     from engram.integrations.qwen4_exp import export_gguf, from_pretrained, gguf_hash_mapping, hash_mapping
 
@@ -307,7 +305,7 @@ def test_qwen4exp_from_gguf_equals_the_safetensors_checkpoint(writer, backend, t
     got_spec, want_spec = got_map.family.config_spec(), want_map.family.config_spec()
     assert (got_spec.pop("prime_base"), want_spec.pop("prime_base")) == (5000, 5003) and got_spec == want_spec
     assert prime_base(20_000_003) == 20_000_000
-    ids = tq.ids_with_eos(tq.config(), 2, 14, 1, eos_every=5)
+    ids = ids_with_eos(qwen4_config(), 2, 14, 1, eos_every=5)
     assert torch.equal(got_map.hash(ids, offsets=True)[1], want_map.hash(ids, offsets=True)[1])
     with torch.no_grad():
         want = ref(ids).logits

@@ -7,17 +7,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402
-    LlamaConfig,
-    LlamaForCausalLM,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from bases import tale_tokenizer, tiny_base  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import engram  # noqa: E402
 from engram.adapters import adapter_of, from_pretrained  # noqa: E402
-from engram.tokenizer import train_bpe  # noqa: E402
 
 OPTS = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
 VOCAB = 400
@@ -25,15 +19,11 @@ VOCAB = 400
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    text = [f"The quick brown fox jumps over the lazy dog, line {i} of the tale, said the king." for i in range(300)]
-    return train_bpe(text, VOCAB, tmp_path_factory.mktemp("tok") / "tokenizer.json", progress=False)
+    return tale_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", VOCAB)
 
 
 def base(seed=0):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3))
+    return tiny_base("llama", vocab=VOCAB, seed=seed)
 
 
 def attached(tok, seed=0):

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from bases import tiny_base
 from conftest import Crash
 
 from engram import persist
@@ -158,13 +159,9 @@ def test_checkpoint_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
                 lambda: save_checkpoint(run, 11, model, opts, {"pos": 2}), state)
 
 
-def tiny_base(vocab):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        pad_token_id=1, eos_token_id=0))
+def llama(vocab):
+    """The tiny Llama these tests attach adapters to (transformers' BOS id and init range, 64 positions)."""
+    return tiny_base("llama", vocab=vocab, max_position_embeddings=64, bos_token_id=1, initializer_range=0.02)
 
 
 def test_adapter_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
@@ -174,7 +171,7 @@ def test_adapter_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
     tok = tiny_run / "final" / "tokenizer.json"
     vocab = len(json.loads(tok.read_text())["model"]["vocab"])
     opts = dict(engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
-    base = tiny_base(vocab)
+    base = llama(vocab)
     engram.attach(base, [1], tokenizer=tok, **opts)
     adapter = adapter_of(base)
     old = {k_: v.clone() for k_, v in adapter.state_dict().items() if torch.is_floating_point(v)}
@@ -191,7 +188,7 @@ def test_adapter_resave_killed_at_every_step(tiny_run, tmp_path, crash_at):
         set_to(0.5)
 
     def state():
-        got = adapter_of(engram.load_adapter(tiny_base(vocab), tmp_path / "adapter")).state_dict()
+        got = adapter_of(engram.load_adapter(llama(vocab), tmp_path / "adapter")).state_dict()
         for name, by in (("old", 0.0), ("new", 0.5)):
             if all(torch.equal(got[n], old[n] + by) for n in old):
                 return name
@@ -236,12 +233,12 @@ def test_folders_saved_before_the_one_manifest_format_still_load(tiny_run, tmp_p
 
     tok = tiny_run / "final" / "tokenizer.json"
     vocab = len(json.loads(tok.read_text())["model"]["vocab"])
-    base = tiny_base(vocab)
+    base = llama(vocab)
     engram.attach(base, [1], tokenizer=tok, engram_vocab_size=[211, 223], n_embed_per_ngram=16, n_head_per_ngram=2)
     engram.save_adapter(base, tmp_path / "a")
     to_legacy(tmp_path / "a", "engram_adapter.json")
     assert read_adapter_config(tmp_path / "a")["format"]
-    engram.load_adapter(tiny_base(vocab), tmp_path / "a")
+    engram.load_adapter(llama(vocab), tmp_path / "a")
 
 
 def test_atomic_files_get_the_mode_of_a_plain_open(tmp_path):

@@ -7,31 +7,20 @@ import torch
 pytest.importorskip("transformers")
 mq = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 
-from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+# (the tiny configs, models and ids live in tests/bases.py; test_gguf, test_nvfp4 and test_edit_released use them too)
+from bases import ids_with_eos, tiny_base  # noqa: E402
+from bases import qwen4_config as config  # noqa: E402
+from bases import tiny_qwen4 as tiny_model  # noqa: E402
 
 from engram.config import ConfigError  # noqa: E402
 from engram.hashing import NgramHashMapping  # noqa: E402
 from engram.integrations.qwen4_exp import Qwen4ExpFamily, hash_mapping, transformers_hashing  # noqa: E402
 
 
-def config(**kw):
-    base = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, ple_layer_ids=[1, 3], heads_per_ngram=2,
-                ple_embed_dim=32, layer_types=["linear_attention"] * 4, eos_token_id=7)
-    return Qwen4ExpTextConfig(**{**base, **kw})
-
-
 def transformers_rows(cfg, ple_index, ids, cache=None):
     """Row ids (B, T, H), offsets included, as transformers' Qwen4ExpTextNGramEmbedding computes them."""
     m = transformers_hashing(cfg, ple_index)
     return m(ids, cache), m
-
-
-def ids_with_eos(cfg, B, T, seed, eos_every=9):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    ids[torch.rand(B, T, generator=g) < 1 / eos_every] = cfg.eos_token_id  # documents of random lengths
-    ids[:, 0] = cfg.eos_token_id if seed % 2 else ids[:, 0]
-    return ids
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
@@ -108,18 +97,6 @@ def test_manifest_records_the_family_and_refuses_another(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ serving the tables
-def tiny_model(seed=0, **kw):
-    cfg = config(**{**dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           ple_layer_ids=[1, 3], layer_types=["linear_attention", "full_attention", "linear_attention"],
-                           ngram_vocab_size_base=5003, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                           num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2,
-                           linear_key_head_dim=16, linear_value_head_dim=16, hc_lowrank=8, split_ngram_parts=4,
-                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64,
-                           indexer_compress_ratio=4), **kw})
-    torch.manual_seed(seed)
-    return mq.Qwen4ExpForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("backend,prefetch", [("ram", False), ("ram", True), ("mmap", True), ("disk", True)])
 def test_served_tables_give_transformers_logits_and_generate(backend, prefetch, tmp_path):
     from engram.integrations.qwen4_exp import ServedNGramEmbedding, serve_tables
@@ -148,11 +125,8 @@ def test_serving_bad_input_is_one_line(tmp_path):
     m = serve_tables(tiny_model(), prefetch=False)
     with pytest.raises(ConfigError, match="already served"):
         serve_tables(m)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     with pytest.raises(ConfigError, match="not a qwen4_exp config"):
-        serve_tables(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                  num_attention_heads=2, vocab_size=100)))
+        serve_tables(tiny_base("llama"))
 
 
 def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tmp_path):
