@@ -179,7 +179,7 @@ def test_dequantization_of_every_code_and_every_scale_byte():
     bf = dequantize_ue8m0(rows[:3], scales[120:123].view(3, 1).repeat(1, 8))  # served as bfloat16
     assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16),
                                                       got[120:123].to(torch.bfloat16).view(torch.int16))
-    from engram.tables.quant import _dequantize_ue8m0_torch
+    from engram.tables.codecs.scaled import _dequantize_ue8m0_torch
 
     g = torch.Generator().manual_seed(0)
     rc, rs = (torch.randint(0, 256, (300, 128), dtype=torch.uint8, generator=g),

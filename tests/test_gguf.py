@@ -17,12 +17,11 @@ gguf = pytest.importorskip("gguf")
 
 from bases import ids_with_eos, qwen4_config, tiny_qwen4  # noqa: E402
 
+from engram.integrations.qwen4_exp.gguf import PLE_KEYS, PLE_TABLE  # noqa: E402
 from engram.tables.base import TableError  # noqa: E402
 from engram.tables.blocks import UnverifiedTableWarning  # noqa: E402
 from engram.tables.gguf import (  # noqa: E402
     GGML_TYPES,
-    PLE_KEYS,
-    PLE_TABLE,
     GgufError,
     GgufFile,
     decode_rows,

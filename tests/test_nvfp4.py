@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import engram.tables.codecs.nvfp4 as nv
 import engram.tables.quant as q
 from engram.tables import TableError
 from engram.tables.quant import (
@@ -83,8 +84,8 @@ GLOBALS = [1.0, 2.0 ** -20, float(np.float32(0.0123)), float(np.float32(1 / 2688
 def path(request, monkeypatch):
     """Both decoders: the compiled loop (when numba is installed) and the torch ops."""
     if request.param == "torch":
-        monkeypatch.setattr(q, "_NVFP4_KERNEL", q.LazyKernels(lambda: None))
-    elif q._NVFP4_KERNEL.get() is None:
+        monkeypatch.setattr(nv, "_NVFP4_KERNEL", nv.LazyKernels(lambda: None))
+    elif nv._NVFP4_KERNEL.get() is None:
         pytest.skip("numba is not installed")
     return request.param
 
@@ -121,7 +122,7 @@ def test_layout_nibble_order_and_block_index_on_random_rows(path):
 
 def test_quantizer_rounds_to_nearest_with_ties_to_even_and_bounds_the_error():
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 0.74, 5.01, -0.1, -0.0, 0.0, -6.0, 6.0])
-    assert q._e2m1_codes(ties).tolist() == [0, 2, 2, 4, 4, 6, 6, 1, 1, 7, 8, 8, 0, 15, 7]
+    assert nv._e2m1_codes(ties).tolist() == [0, 2, 2, 4, 4, 6, 6, 1, 1, 7, 8, 8, 0, 15, 7]
     torch.manual_seed(0)
     W = torch.randn(300, 64) * torch.logspace(-3, 2, 300)[:, None]  # rows across five orders of magnitude
     W[5] = 0

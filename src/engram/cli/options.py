@@ -14,7 +14,7 @@ import argparse
 from ..analysis.allocation import SCALES
 from ..config import TABLE_DTYPES, TRAIN_TABLE_BACKENDS
 from ..editing.optimize import POSITIONS
-from ..tables.backends import BACKENDS as SERVE_TABLE_BACKENDS
+from ..tables.offload import BACKENDS as SERVE_TABLE_BACKENDS
 from ..tables.quant import TABLE_FORMATS
 from ..training.data import SPLITS
 from ..training.presets import ADAPT_METHODS as METHODS

@@ -4,7 +4,7 @@ A `HashFamily` holds the compression (token id -> x), the pad, the multipliers m
 whether an id (EOS) starts a new document, and the dtype of the row ids it hands out. `DeepSeekFamily`
 is the reference demo's (multipliers from `numpy.random.default_rng(seed + 10007 * layer_id)`, distinct
 primes across heads, orders and layers); other families live beside their integration
-(`integrations/qwen4_exp.py`, `integrations/deepseek_v41.py`, `integrations/longcat.py`), which declare
+(`integrations/qwen4_exp/`, `integrations/deepseek_v41/`, `integrations/longcat.py`), which declare
 them as entry points (group `engram.hash_families`); `family_class` finds one by its manifest name and imports
 it only when asked for, so the core names no integration. Every family is hashed by the one
 engine, `engine.NgramHashMapping`: the XOR-of-products mix reduced modulo each head's size, or, for a

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..config import ConfigError
 from ..persist import read_json
-from ..tables.base import TableError
+from ..tables.rows import StoredTensor
 
 
 def weight_map(d: Path) -> dict[str, str]:
@@ -36,36 +34,15 @@ def weight_map(d: Path) -> dict[str, str]:
     return {k: f.name for f in files for k in read_header(f, required=())[1] if k != "__metadata__"}
 
 
-class CheckpointTensor:
-    """Where one checkpoint tensor lies: its shard, header and entry (checked against the file's size).
+class CheckpointTensor(StoredTensor):
+    """Where one checkpoint tensor lies (a `tables.StoredTensor`: its shard, header entry and shape, checked against
+    the file's size; `mapped()`, `load()`, and the tiers through `tables.open_rows`).
 
     `needs`: what the caller's model needs, said in the error when `key` is missing (e.g. "a DeepSeek-V4.1
     Engram layer needs embed.weight, ...")."""
 
     def __init__(self, d: Path, key: str, weight_map: dict, needs: str = ""):
-        from ..tables.files import read_header
-
         d = Path(d)
         if key not in weight_map:
             raise ConfigError(f"{d}: the checkpoint has no {key} (not in its index)" + (f"; {needs}" if needs else ""))
-        self.key, self.path = key, d / weight_map[key]
-        self.n, meta, self.size = read_header(self.path, required=())
-        if key not in meta:
-            raise ConfigError(f"{self.path} lacks {key}, which the index places there; re-download the shard")
-        self.info = meta[key]
-        a, b = self.info["data_offsets"]
-        if 8 + self.n + b > self.size:
-            raise TableError(f"{self.path} is truncated: {key} ends at byte {8 + self.n + b:,}, the file has "
-                             f"{self.size:,}; re-download the shard")
-        self.shape = tuple(self.info["shape"])
-
-    def mapped(self) -> torch.Tensor:
-        """The tensor memory-mapped from its shard: raw bytes for FP8, else its dtype."""
-        from ..tables.files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
-
-        return map_tensor(self.path, self.n, self.size, self.key, self.info,
-                          dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
-
-    def load(self) -> torch.Tensor:
-        """The tensor in RAM (FP8 bytes as uint8; bf16 and float32 as themselves)."""
-        return self.mapped().clone()
+        super().__init__(d / weight_map[key], key, why="which the index places there; re-download the shard")

@@ -34,7 +34,6 @@ what was checked against what):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +44,8 @@ import torch.nn as nn
 from ..config import ConfigError
 from ..hashing import HashFamily, NgramHashMapping
 from ..persist import read_json
-from ..tables.base import Table, TableError
+from ..tables.base import Table
+from ..tables.rows import SegmentedTable, check_tier, open_rows
 from ..tokenizer import RawIds
 
 EOS_RULES = ("vllm", "sglang")
@@ -220,35 +220,6 @@ def hash_mapping(config, eos_rule: str = "vllm", backend: str = "auto") -> Ngram
 
 
 # ------------------------------------------------------------------------------------------ tables and forward
-class SegmentedTable(Table):
-    """One table over consecutive segments (each a `Table`), so that rows of the concatenated layout can be read
-    where the checkpoint keeps each embedder: rows (N,) -> (N, dim), each segment asked for its own rows."""
-
-    def __init__(self, segments: list[Table], name: str = "n-gram table"):
-        dims, dtypes = {t.dim for t in segments}, {t.dtype for t in segments}
-        if len(dims) != 1 or len(dtypes) != 1:
-            raise TableError(f"{name}: its embedders differ in width or dtype ({sorted(dims)}, "
-                             f"{sorted(map(str, dtypes))})")
-        self.segments, self.dim, self.dtype = segments, dims.pop(), dtypes.pop()
-        self.bounds = torch.tensor(np.cumsum([0] + [t.num_rows for t in segments]), dtype=torch.long)
-        self.num_rows = int(self.bounds[-1])
-
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(rows.numel(), self.dim, dtype=self.dtype) if out is None else out
-        seg = torch.bucketize(rows, self.bounds[1:], right=True)  # (N,): the segment of each row
-        for s in torch.unique(seg).tolist():
-            at = (seg == s).nonzero().squeeze(1)
-            out[at] = self.segments[s].gather(rows[at] - self.bounds[s])
-        return out
-
-    def stats(self) -> dict:
-        return {"segments": [t.stats() for t in self.segments]}
-
-    def close(self) -> None:
-        for t in self.segments:
-            t.close()
-
-
 class NgramEmbedding(nn.Module):
     """LongCat's input embedding: `(input_ids (B, T), hash_ids (B, T, E) or None, history) -> (B, T, hidden)`.
 
@@ -307,21 +278,20 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
          **disk_kwargs) -> LongCatMemory:
     """LongCat's n-gram embedding from a checkpoint folder, without its backbone.
 
-    backend "ram": the k*(n-1) tables copied into one tensor in RAM (the concatenated layout); "mmap": each
-    embedder memory-mapped in place from its shard; "disk": each read in place by the cold tier (`DiskTable`:
-    positioned reads, many in flight; `disk_kwargs` such as `queue_depth`). `dir` (mmap/disk): first copy the
-    tables, streamed a block of rows at a time, into one file `dir/longcat_ngram.safetensors` (the concatenated
-    layout, 4 KiB block checksums; page-aligned for "disk") and read that, each block checked on its first read
-    (the released shards carry no sums; `disk_kwargs` then go to `DiskTable` or `MmapTable`, e.g. `cache_bytes`).
+    The tables are opened by `tables.open_rows`: backend "ram": the k*(n-1) tables copied into one tensor in RAM
+    (the concatenated layout); "mmap": each embedder memory-mapped in place from its shard; "disk": each read in
+    place by the cold tier (`DiskTable`: positioned reads, many in flight; `disk_kwargs` such as `queue_depth`).
+    `dir` (mmap/disk): first copy the tables, streamed a block of rows at a time, into one file
+    `dir/longcat_ngram.safetensors` (the concatenated layout, block checksums; page-aligned 4 KiB for "disk") and
+    read that, each block checked on its first read (the released shards carry no sums; `disk_kwargs` then go to
+    `DiskTable` or `MmapTable`, e.g. `cache_bytes`).
     The word embedding and projections are read into RAM ("ram") or
     mapped. `dtype`: what the embedding computes in; None: the config's `torch_dtype` (or `dtype`), else
     bfloat16, as vLLM chooses. Everything is checked before any table opens: keys, shapes, dtypes, shard sizes.
     """
-    from ..tables.backends import InRamTable
     from .checkpoint import CheckpointTensor, weight_map
 
-    if backend not in ("ram", "mmap", "disk"):
-        raise ConfigError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
+    check_tier(backend)
     d = Path(path)
     if not d.is_dir():
         raise ConfigError(f"{d}: no such checkpoint folder")
@@ -354,63 +324,10 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
                           f"({sorted({r.info['dtype'] for r in rows})}); expected one")
     proj = torch.stack([t[f"{PREFIX}post_projs.{e}.weight"].load().T for e in range(E)])  # (E, d, hidden)
     word = t[WORD_KEY].load() if backend == "ram" else t[WORD_KEY].mapped()
-    if backend == "ram":
-        total, dt = sum(cfg.sizes), rows[0].mapped().dtype
-        weight, at = torch.empty(total, D, dtype=dt), 0
-        for r in rows:  # one embedder at a time: never two copies of a table in RAM
-            weight[at:at + r.shape[0]] = r.mapped()
-            at += r.shape[0]
-        table = InRamTable(weight)
-    elif dir is not None:
-        table = _open_file(_write_concatenated(rows, Path(dir), backend), backend, disk_kwargs)
-    elif backend == "mmap":
-        table = SegmentedTable([InRamTable(r.mapped()) for r in rows])  # the shards' pages, mapped in place
-    else:
-        table = _disk_in_place(rows, d, disk_kwargs)
+    # the concatenated layout: one tensor in RAM; in place, a segment per embedder; with dir, one checked file
+    table = open_rows(rows, backend, dir, file="longcat_ngram.safetensors", name=f"{d}: the n-gram tables",
+                      metadata={"source": str(d)}, **disk_kwargs)
     return LongCatMemory(cfg, mapping, table, NgramEmbedding(mapping, table, word, proj, dtype).eval(), backend)
-
-
-def _disk_in_place(rows: list, d: Path, disk_kwargs) -> SegmentedTable:
-    from ..tables.blocks import UnverifiedTableWarning
-    from ..tables.disk import DiskTable
-
-    segs = []
-    try:
-        with warnings.catch_warnings():  # the released shards carry no block sums: one warning, below
-            warnings.simplefilter("ignore", UnverifiedTableWarning)
-            for r in rows:
-                segs.append(DiskTable(r.path, tensor=r.key, **disk_kwargs))
-    except BaseException:
-        for s in segs:
-            s.close()
-        raise
-    if any(s.blocks is None for s in segs):
-        warnings.warn(f"{d}: the shards have no block checksums, so disk-tier reads of the n-gram tables are not "
-                      "checked; load(..., dir=DIR) reads a checked copy", UnverifiedTableWarning, stacklevel=3)
-    return SegmentedTable(segs)
-
-
-def _write_concatenated(rows: list, dir: Path, backend: str, chunk_rows: int = 1 << 16) -> Path:
-    """dir/longcat_ngram.safetensors: tensor `weight` (sum M_e, d), the embedders in order, streamed from the mapped
-    shards a block of rows at a time, with block sums (page-aligned for the disk tier)."""
-    from ..tables.files import write_safetensors
-
-    mapped = [r.mapped() for r in rows]
-    n, w, dt = sum(m.shape[0] for m in mapped), mapped[0].shape[1], mapped[0].dtype
-    chunks = (m[i:i + chunk_rows] for m in mapped for i in range(0, m.shape[0], chunk_rows))
-    return write_safetensors(dir / "longcat_ngram.safetensors", [("weight", dt, (n, w), chunks)],
-                             {"format": "engram-table", "source": str(rows[0].path.parent)}, block_sums=True,
-                             page_blocks=backend == "disk")
-
-
-def _open_file(f: Path, backend: str, disk_kwargs) -> Table:
-    if backend == "disk":
-        from ..tables.disk import DiskTable
-
-        return DiskTable(f, **disk_kwargs)
-    from ..tables.backends import MmapTable
-
-    return MmapTable(f, **disk_kwargs)
 
 
 __all__ = ["EOS_RULES", "LongCatConfig", "LongCatFamily", "LongCatMemory", "NgramEmbedding", "SegmentedTable",

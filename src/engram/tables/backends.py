@@ -2,8 +2,8 @@
 
 Engram addresses depend only on the token ids, so a table far larger than RAM (or than an
 accelerator) can live elsewhere and be gathered ahead of use. Both backends are `Table`s
-(`base.py`: `lookup` for the model, `gather` for plain reads); `offload_tables(model, ...)`
-moves a model's tables into a backend and installs it behind each Engram layer.
+(`base.py`: `lookup` for the model, `gather` for plain reads), opened by `rows.open_rows`;
+`offload.offload_tables(model, ...)` moves a model's tables into a tier and installs them behind each layer.
 
 File layout: a safetensors file holding one tensor `weight` `[rows, dim]` (little-endian), so
 `safetensors.safe_open` reads it too; we memory-map the data section directly.
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Table, TableError, find_tables, install, uninstall
+from .base import Table, TableError
 from .blocks import BlockVerifier, UnverifiedTableWarning, block_crc, write_block_sums, write_sums
-from .files import map_tensor, new_table_file, table_file
+from .files import map_tensor
 from .files import read_header as _read_header
 from .journal import UndoJournal
 from .rowcache import RowCache
@@ -248,59 +248,3 @@ class MmapTable(Table):
 
     def stats(self) -> dict:
         return self.row_cache.stats()
-
-
-BACKENDS = ("ram", "mmap", "disk")  # what `offload_tables` puts the tables in
-
-
-def offload_tables(model, backend: str = "mmap", directory: str | os.PathLike | None = None,
-                   cache_bytes: int = 64 << 20, policy: str = "lru", trainable: bool = False,
-                   overwrite: bool = False, init_seed: int | None = None) -> dict[int, Table]:
-    """Move every Engram table of `model` into a backend and install it behind its layer.
-
-    backend "mmap" writes each table to `directory/engram_table_L{layer}.safetensors` (unless the
-    file exists and `overwrite` is False: then the file's rows are used) and frees the in-RAM
-    copy; "disk" does the same and reads rows with many positioned reads in flight (`DiskTable`,
-    for files colder than the page cache; read-only); "ram" keeps the tensor. `trainable=True` keeps
-    Adam moments in the backend (in the same file for "mmap", opened writable with its undo journal)
-    and lets `engram.optim.TableAdam` train the rows; the model's table parameters become empty. A model built under
-    `engram.memory.defer_table_allocation()` has no table rows to write: its files are created
-    with N(0, 1) rows from `init_seed + layer` (`create_table_file`), never in RAM.
-    Returns {layer_id: table}.
-    """
-    if backend not in BACKENDS:
-        raise TableError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
-    if backend in ("mmap", "disk") and directory is None:
-        raise TableError(f"offload_tables(backend={backend!r}) needs a directory for the table files")
-    if backend == "disk" and trainable:
-        raise TableError("the disk backend is read-only (inference); train with backend='mmap'")
-    tables = {}
-    for _, mhe in find_tables(model):
-        w = mhe.embedding.weight
-        if backend == "ram":
-            if w.shape[0] != mhe.num_rows:
-                raise TableError("offload_tables(backend='ram') needs the table in the model; it was built "
-                                 "with defer_table_allocation()")
-            table = InRamTable(w.detach().clone() if trainable else w)
-        else:
-            f = table_file(directory, mhe.layer_id)
-            if overwrite or not f.is_file():
-                new_table_file(f, w.detach(), mhe.num_rows, None if init_seed is None else init_seed + mhe.layer_id,
-                               with_moments=trainable, page_blocks=backend == "disk", std=mhe.init_std)
-            if backend == "disk":  # cold tier: positioned reads, many in flight (tables/disk.py)
-                from .disk import DiskTable
-
-                table = DiskTable(f)
-            else:
-                table = MmapTable(f, cache_bytes=cache_bytes, policy=policy, writable=trainable)
-        table.trainable = trainable and w.requires_grad
-        install(mhe, table, free_parameter=backend in ("mmap", "disk") or trainable)
-        tables[mhe.layer_id] = table
-    return tables
-
-
-def restore_tables(model) -> None:
-    """Undo `offload_tables`: copy every table's rows back into the model's table parameters."""
-    for _, mhe in find_tables(model):
-        if mhe.table is not None:
-            uninstall(mhe)

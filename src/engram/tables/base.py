@@ -27,12 +27,19 @@ import contextvars
 
 import torch
 
-from ..errors import EngramError
+from ..config import ConfigError
 from ..memory import MultiHeadEmbedding
 
 
-class TableError(EngramError, ValueError):
-    """A table file is missing, short or corrupt, or a table does not fit its layer; the message names it."""
+class TableError(ConfigError):
+    """A table file is missing, short or corrupt, rows are asked of a tier that does not exist, or a table does not
+    fit its layer; the message names it and the fix. The one error of opening rows (`tables.open_rows`), in every
+    tier and format; a `ConfigError` (a file or setting that is not valid), so callers checking a configuration's
+    files catch it with the rest."""
+
+
+class GgufError(TableError):
+    """A GGUF file is missing, damaged or lacks what is asked of it; the message names the file and the fix."""
 
 
 def row_grads(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

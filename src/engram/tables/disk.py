@@ -90,7 +90,7 @@ class DiskTable(Table):
     """Read-only rows of a table file, gathered by `queue_depth` concurrent positioned reads (see module doc).
 
     `tensor`: the file's tensor holding the rows ("weight"; "codes" for a quantized file, whose
-    dequantization `tables.quant.open_quant_file(..., backend="disk")` adds). Gathers of fewer than
+    decoding `tables.open_rows(..., "disk")` adds). Gathers of fewer than
     `inline_below` rows (decoding steps) are read on the calling thread, with numba in one compiled
     call (no dedup by sorting, no pool hand-off; without numba, shared with one pool thread): on a
     low-latency device (this VM: ~50 us per 4 KiB read) handing 8 reads to the pool costs more than
@@ -133,7 +133,7 @@ class DiskTable(Table):
 
     def _map(self, path, tensor: str):
         """(numpy memmap, torch view (N, dim), file offset of row 0) of the rows of `tensor` in table file `path`
-        (a safetensors file; `tables.gguf` maps a GGUF file's tensor instead)."""
+        (a safetensors file; `tables.gguf` maps a GGUF tensor instead)."""
         n, meta, size = _read_header(path, required=(tensor,))
         arr, view = map_tensor(path, n, size, tensor, meta[tensor], dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
         return arr, view, 8 + n + meta[tensor]["data_offsets"][0]

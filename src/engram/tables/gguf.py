@@ -12,12 +12,12 @@ offset u64 into the data section), then the data section at the next multiple of
 default). A table is a 2-D tensor `[ne0 = dim, ne1 = rows]`: numpy/torch shape `(rows, dim)`, each row
 `dim / block * type_size` contiguous bytes, so a row is one read whatever its type.
 
-Row types (`GGML_TYPES`): F32, F16, BF16 and Q8_0 (32 int8 codes and one float16 scale per block, the type
-llama.cpp's converters write for these tables) and Q4_0 are decoded here (torch ops, no dependency); every other
-ggml type the `gguf` package can dequantize (the K-quants Q2_K..Q6_K that DeepSeek-V4.1 GGUFs use, IQ4_XS of
-the community Qwen3.8 files, the other IQ and TQ types, MXFP4, NVFP4, ...) is decoded by `gguf.quants` after
-the gather, one row's blocks at a time (install `gguf`). Writing: F32, F16, BF16, Q8_0 (ggml's reference
-rounding: the bytes equal `gguf.quants.quantize`'s, tested) and any type `gguf.quants` can quantize.
+Row types (`GGML_TYPES`, `tables.codecs.ggml`): F32, F16, BF16 and Q8_0 (32 int8 codes and one float16 scale per
+block, the type llama.cpp's converters write for these tables) and Q4_0 are decoded by engram (torch ops, no
+dependency); every other ggml type the `gguf` package can dequantize (the K-quants Q2_K..Q6_K that DeepSeek-V4.1
+GGUFs use, IQ4_XS of the community Qwen3.8 files, the other IQ and TQ types, MXFP4, NVFP4, ...) by `gguf.quants`
+after the gather (install `gguf`). Writing: F32, F16, BF16, Q8_0 (ggml's reference rounding: the bytes equal
+`gguf.quants.quantize`'s, tested) and any type `gguf.quants` can quantize.
 
 Why a reader and a writer of our own instead of `gguf.GGUFReader`/`GGUFWriter` (which the tests check both
 against): the tiers read rows at byte offsets without parsing the file into Python objects; tables larger than
@@ -25,10 +25,10 @@ RAM are written in row blocks through `persist.atomic_file` with 4 KiB block sum
 tier's checked reads), which `GGUFWriter` (whole tensors, its own file handling) does not do; and every damaged
 file is one `GgufError` line, where `GGUFReader` raises assorted numpy and struct errors.
 
-The released models' layouts (key names read off llama.cpp's sources, see docs/models.md): qwen4exp's table
-is `per_layer_token_embd.weight` with keys `{arch}.ple.*` (`PLE_KEYS`; llama.cpp reads one PLE layer);
-DeepSeek-V4.1's tables are `blk.{layer}.engram_embd.weight` with keys `deepseek41.engram.*` (`V41_KEYS`, as
-the open llama.cpp PR #28696 defines them).
+This module is the container (reading and writing the file); the row types are `tables.codecs.ggml`, the rows
+are opened in a tier by `tables.rows.open_rows` (`open_table` here), and the released models' layouts (which
+tensors and keys hold their Engram tables) live with their integrations (`integrations.qwen4_exp.gguf`,
+`integrations.deepseek_v41.gguf`).
 """
 
 from __future__ import annotations
@@ -40,33 +40,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._numba import LazyKernels
-from .base import Table, TableError
+from .base import GgufError, Table
 from .blocks import HEADER_IDS
-
-
-class GgufError(TableError):
-    """A GGUF file is missing, damaged or lacks what is asked of it; the message names the file and the fix."""
-
+from .codecs.ggml import FLOAT_TYPES, GGML_TYPES, NATIVE_TYPES, NP_FLOAT, TYPE_IDS, GgmlCodec, decode_rows, encode_rows
+from .encoded import GgufTable
+from .rows import FILE_OPENERS, StoredTensor, open_rows
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 FIX = "re-download or re-convert the file"
-
-# ggml tensor types: id -> (name, values per block, bytes per block). The tests check every entry against the
-# gguf package's GGML_QUANT_SIZES and GGMLQuantizationType.
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
-              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-              15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-              19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
-              23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-              28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
-              35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36)}
-TYPE_IDS = {name: i for i, (name, _, _) in GGML_TYPES.items()}
-NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")  # decoded here; the rest through gguf.quants
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # rows mapped as these dtypes
-_NP_FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 # metadata value types: id -> (name, struct format or None)
 VALUE_TYPES = {0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"), 4: ("UINT32", "<I"),
@@ -76,19 +58,6 @@ VALUE_IDS = {name: i for i, (name, _) in VALUE_TYPES.items()}
 _NP_VALUE = {"UINT8": "<u1", "INT8": "<i1", "UINT16": "<u2", "INT16": "<i2", "UINT32": "<u4", "INT32": "<i4",
              "FLOAT32": "<f4", "BOOL": "?", "UINT64": "<u8", "INT64": "<i8", "FLOAT64": "<f8"}
 
-# llama.cpp's key names (src/llama-arch.cpp, gguf-py/gguf/constants.py of the llama.cpp that llama-cpp-python
-# 0.3.36 vendors; DeepSeek-V4.1's from PR #28696). `{arch}` is general.architecture.
-PLE_TABLE = "per_layer_token_embd.weight"
-PLE_KEYS = {k: "{arch}.ple." + k for k in ("layers", "ngram_size", "heads_per_ngram", "conv_kernel",
-                                            "layer_multipliers", "head_offsets", "head_vocab_sizes",
-                                            "eos_token_id", "image_token_id")}
-PLE_KEYS["row_dim"] = "{arch}.embedding_length_per_layer_input"
-V41_TABLE = "blk.{layer}.engram_embd.weight"
-V41_TENSORS = {"wkv": "blk.{layer}.engram_wkv.weight", "q_weight": "blk.{layer}.engram_q.weight",
-               "k_weight": "blk.{layer}.engram_k.weight"}
-V41_KEYS = {k: "{arch}.engram." + k for k in ("layer_ids", "head_count", "key_length", "max_ngram_size",
-                                               "multipliers", "primes", "offsets", "token_map", "pad_id")}
-VOCAB_KEY = "{arch}.vocab_size"
 ENGRAM_NONCE = "engram.file_nonce"  # a fresh value per write: block sums of an older file never pass for this one
 
 
@@ -235,8 +204,8 @@ class GgufFile:
         if len(t.shape) != 2:
             raise GgufError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}; a table is 2-D (rows, dim)")
         n, d = t.shape
-        if t.type in _NP_FLOAT:
-            arr = np.memmap(self.path, dtype=_NP_FLOAT[t.type], mode="r", offset=t.offset, shape=(n, d))
+        if t.type in NP_FLOAT:
+            arr = np.memmap(self.path, dtype=NP_FLOAT[t.type], mode="r", offset=t.offset, shape=(n, d))
         else:
             arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(n, t.row_bytes))
         with warnings.catch_warnings():  # read-only mappings are only ever gathered from
@@ -268,153 +237,7 @@ def header_id(path) -> tuple[int, str]:
 HEADER_IDS[MAGIC] = header_id  # block sums of a GGUF file are bound to its header (`tables.blocks.header_id`)
 
 
-# ------------------------------------------------------------------------------------------ row codecs
-def _build_q8_kernel():
-    import numba
-
-    @numba.njit(nogil=True, cache=True)
-    def dequant_q8_0(raw, f16, out):  # out[i, 32b + j] = f16[d bytes of block b] * int8(code j), float32
-        n, w = raw.shape
-        for i in range(n):
-            for b in range(w // 34):
-                o = b * 34
-                d = f16[raw[i, o] | (np.int64(raw[i, o + 1]) << 8)]
-                for j in range(32):
-                    c = np.int64(raw[i, o + 2 + j])
-                    out[i, b * 32 + j] = d * np.float32(c - 256 if c > 127 else c)
-
-    return dequant_q8_0
-
-
-_Q8_KERNEL = LazyKernels(_build_q8_kernel)  # optional (engram-torch[fast]): ~5x the torch ops on gathered rows
-_F16_LUT = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()  # bits -> f32
-
-
-def decode_rows(raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows (N, dim) of `dtype` from their bytes `raw` (N, row_bytes) uint8 in ggml type `type_name` (float rows may
-    also come as (N, dim) of their own dtype). Q8_0: value = float16 scale * int8 code per 32 values; Q4_0:
-    scale * (nibble - 8), low nibbles first; what ggml's `dequantize_row_*` computes in float32."""
-    n = raw.shape[0]
-    if type_name in FLOAT_TYPES:
-        ft = FLOAT_TYPES[type_name]
-        x = raw if raw.dtype == ft else raw.contiguous().view(torch.uint8).view(ft).view(n, dim)
-        return x.to(dtype)
-    raw = raw.contiguous().view(torch.uint8)
-    kernel = _Q8_KERNEL.get() if type_name == "Q8_0" and n and dtype == torch.float32 else None
-    if kernel is not None:  # one compiled pass, the same float32 products as the torch ops below (tested)
-        out = torch.empty(n, dim, dtype=torch.float32)
-        kernel(raw.numpy(), _F16_LUT, out.numpy())
-        return out
-    if type_name == "Q8_0":
-        b = raw.view(n, dim // 32, 34)
-        d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)  # (N, blocks, 1)
-        q = b[..., 2:].contiguous().view(torch.int8).to(torch.float32)  # (N, blocks, 32)
-        return (d * q).view(n, dim).to(dtype)
-    if type_name == "Q4_0":
-        b = raw.view(n, dim // 32, 18)
-        d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)
-        qs = b[..., 2:].to(torch.int16)  # (N, blocks, 16): element j in the low nibble, j + 16 in the high one
-        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.float32) - 8
-        return (d * q).view(n, dim).to(dtype)
-    out = _gguf_quants("dequantize", raw.numpy(), type_name, "upgrade gguf")  # (N, dim) float32
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(n, dim).to(dtype)
-
-
-def _gguf_quants(fn: str, data: np.ndarray, type_name: str, fix: str) -> np.ndarray:
-    """`gguf.quants.<fn>(data, type)` (quantize or dequantize) for the types not coded here; one GgufError line
-    for an unknown type, a missing gguf package, or a type it cannot do (`fix` says what to do then)."""
-    if type_name not in TYPE_IDS:
-        raise GgufError(f"unknown ggml row type {type_name!r}")
-    try:
-        import gguf.quants
-    except ImportError:
-        raise GgufError(f"rows of ggml type {type_name} are coded by the gguf package: pip install gguf") from None
-    try:
-        return getattr(gguf.quants, fn)(data, gguf.GGMLQuantizationType[type_name])
-    except NotImplementedError:
-        raise GgufError(f"the installed gguf package cannot {fn} ggml type {type_name}; {fix}") from None
-
-
-def _round_away(x: torch.Tensor) -> torch.Tensor:
-    """C's roundf: halves away from zero (ggml's quantizers), not torch.round's halves to even."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
-
-
-def encode_rows(x: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Bytes (N, row_bytes) uint8 of rows `x` (N, dim) in ggml type `type_name`. Q8_0 as ggml's reference
-    quantizer: per 32 values d = max|x| / 127 (stored float16), code = roundf(x / d) (0 where d is 0)."""
-    n, dim = x.shape
-    if type_name in FLOAT_TYPES:
-        return x.to(FLOAT_TYPES[type_name]).contiguous().view(torch.uint8).view(n, -1)
-    if type_name == "Q8_0":
-        if dim % 32:
-            raise GgufError(f"Q8_0 rows need a multiple of 32 values, these have {dim}")
-        b = x.to(torch.float32).reshape(n, dim // 32, 32)
-        d = b.abs().amax(dim=-1, keepdim=True) / 127
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = _round_away(b * inv).to(torch.int8)
-        return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1).view(n, -1)
-    out = _gguf_quants("quantize", x.to(torch.float32).contiguous().numpy(), type_name, "write F16, BF16 or Q8_0")
-    return torch.from_numpy(np.ascontiguousarray(out)).view(n, -1)
-
-
 # ------------------------------------------------------------------------------------------ tables in place
-class GgufTable(Table):
-    """Read-only rows of one GGUF table tensor, read in place and decoded after each gather into `dtype`.
-
-    `src` holds the rows as stored: a mapped tensor (the mmap tier: pages read as touched, each block checked on
-    its first read when the file has block sums) or a `DiskTable` over them (the disk tier: positioned reads,
-    many in flight). Float rows come out of `src` as their dtype, quantized rows as raw bytes; `decode_rows`
-    turns them into values."""
-
-    def __init__(self, src, type_name: str, dim: int, dtype: torch.dtype, name: str, blocks=None, offset: int = 0):
-        self.src, self.type, self.dtype, self.name = src, type_name, dtype, name
-        self.num_rows = src.num_rows if isinstance(src, Table) else src.shape[0]
-        self.dim = dim
-        self.blocks, self._offset = blocks, offset
-        self.trainable = False
-        self.path = getattr(src, "path", None)
-
-    @property
-    def bytes_per_row(self) -> int:
-        _, block, size = GGML_TYPES[TYPE_IDS[self.type]]
-        return self.dim // block * size
-
-    def _raw(self, rows: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.src, Table):
-            return self.src.gather(rows)
-        if self.blocks is not None:  # (data offsets of the block sums are relative to the data section)
-            self.blocks.check_rows(rows, self._offset, self.bytes_per_row)
-        return self.src.index_select(0, rows)
-
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = rows.reshape(-1).long()
-        if not isinstance(self.src, Table) and rows.numel():  # (the disk tier checks its own; numpy: one thread)
-            r = rows.numpy()
-            if int(r.min()) < 0 or int(r.max()) >= self.num_rows:
-                raise GgufError(f"{self.name}: row ids must lie in [0, {self.num_rows})")
-        vals = decode_rows(self._raw(rows), self.type, self.dim, self.dtype)  # (N, dim)
-        return out.copy_(vals) if out is not None else vals
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """All rows decoded (N, dim): for saving or copying the table out (float rows: the mapping itself)."""
-        src = self.src.weight if isinstance(self.src, Table) else self.src
-        if self.type in FLOAT_TYPES and src.dtype == self.dtype:
-            return src
-        return torch.cat([decode_rows(src[s:s + (1 << 16)], self.type, self.dim, self.dtype)
-                          for s in range(0, self.num_rows, 1 << 16)]) if self.num_rows else \
-            torch.empty(0, self.dim, dtype=self.dtype)
-
-    def stats(self) -> dict:
-        extra = self.src.stats() if isinstance(self.src, Table) else {}
-        return {**extra, "format": f"gguf {self.type}", "bytes_per_row": self.bytes_per_row}
-
-    def close(self) -> None:
-        if isinstance(self.src, Table):
-            self.src.close()
-
-
 def _disk_table_class():
     from .disk import DiskTable
 
@@ -434,10 +257,49 @@ def _disk_table_class():
     return GgufDiskTable
 
 
+class GgufStoredTensor(StoredTensor):
+    """Where one 2-D GGUF tensor's rows lie (`StoredTensor` for `open_rows`): its first `rows` rows when given (a
+    table padded past the rows its hash heads address); `offset` counts from the data section, as the block sums."""
+
+    def __init__(self, f: GgufFile, name: str, rows: int | None = None):
+        t = f.tensor(name)
+        if len(t.shape) != 2:
+            raise GgufError(f"{f.path}: tensor {name!r} has shape {list(t.shape)}; a table is 2-D (rows, dim)")
+        if rows is not None and not 0 <= rows <= t.shape[0]:
+            raise GgufError(f"{f.path}: {name!r} has {t.shape[0]:,} rows, {rows:,} are needed; {FIX}")
+        self.file, self.key, self.path, self.type, self.limit = f, name, f.path, t.type, rows
+        self.offset = t.offset - f.data_start
+        self.shape = (t.shape[0] if rows is None else rows, t.shape[1])
+
+    def mapped(self) -> torch.Tensor:
+        return self.file.rows(self.key)[1][:self.limit]
+
+    def disk(self, **kwargs) -> Table:
+        return _disk_table_class()(self.path, tensor=self.key, rows=self.limit, **kwargs)
+
+
+def _stored(path, tensor: str | None, rows: int | None):
+    """`open_rows`' reader of GGUF files: ((the tensor's rows in place,), their ggml codec)."""
+    if tensor is None:
+        raise GgufError(f"{path} is a GGUF file: name the table tensor (open_rows(..., tensor=NAME))")
+    f = path if isinstance(path, GgufFile) else GgufFile(path)
+    st = GgufStoredTensor(f, tensor, rows)
+    if st.type not in NATIVE_TYPES:
+        try:
+            import gguf.quants  # noqa: F401
+        except ImportError:
+            raise GgufError(f"{f.path}: {tensor!r} has {st.type} rows, which the gguf package decodes: pip install "
+                            "gguf") from None
+    return (st,), GgmlCodec(st.type)
+
+
+FILE_OPENERS[MAGIC] = _stored
+
+
 def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None = None, rows: int | None = None,
                **disk_kwargs) -> Table:
-    """A read-only `GgufTable` over 2-D tensor `name` of GGUF file `gguf` (a path or `GgufFile`), in place; its
-    first `rows` rows only when given (a padded table: the rows its hash heads address).
+    """A read-only `GgufTable` over 2-D tensor `name` of GGUF file `gguf` (a path or `GgufFile`), in place
+    (`open_rows`); its first `rows` rows only when given (a padded table: the rows its hash heads address).
 
     backend "mmap": the rows memory-mapped, each block checked on its first read when the file has block sums
     (`write_gguf` writes them; a llama.cpp file has none: one warning); "disk": read by the cold tier (`DiskTable`:
@@ -445,38 +307,9 @@ def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None
     copied into RAM (checked once), decoded after each gather like the others.
     `dtype`: what a gather returns (default: the rows' own dtype for F32/F16/BF16, float32 for the others).
     """
-    from .blocks import BlockVerifier
-
     f = gguf if isinstance(gguf, GgufFile) else GgufFile(gguf)
-    t = f.tensor(name)
-    if len(t.shape) != 2:
-        raise GgufError(f"{f.path}: tensor {name!r} has shape {list(t.shape)}; a table is 2-D (rows, dim)")
-    if t.type not in NATIVE_TYPES:
-        try:
-            import gguf.quants  # noqa: F401
-        except ImportError:
-            raise GgufError(f"{f.path}: {name!r} has {t.type} rows, which the gguf package decodes: pip install "
-                            "gguf") from None
-    dtype = dtype or FLOAT_TYPES.get(t.type, torch.float32)
-    label = f"{f.path.name}:{name}"
-    if backend not in ("ram", "mmap", "disk"):
-        raise GgufError(f"backend must be 'ram', 'mmap' or 'disk', got {backend!r}")
-    if rows is not None and not 0 <= rows <= t.shape[0]:
-        raise GgufError(f"{f.path}: {name!r} has {t.shape[0]:,} rows, {rows:,} are needed; {FIX}")
-    if backend == "disk":
-        src = _disk_table_class()(f.path, tensor=name, rows=rows, **disk_kwargs)
-        table = GgufTable(src, t.type, t.shape[1], dtype, label)
-    else:
-        _, view = f.rows(name)
-        view = view[:rows]
-        blocks = BlockVerifier.open(f.path)
-        table = GgufTable(view, t.type, t.shape[1], dtype, label, blocks, t.offset - f.data_start)
-        if backend == "ram":  # the rows as stored (Q8_0 stays ~1 byte a value), copied into RAM and checked once
-            if blocks is not None:
-                blocks.check_bytes(t.offset - f.data_start, table.num_rows * t.row_bytes)
-            table = GgufTable(view.clone(), t.type, t.shape[1], dtype, label)
-    table.path = f.path
-    return table
+    (st,), codec = _stored(f, name, rows)
+    return open_rows(st, backend, codec=codec, dtype=dtype, name=f"{f.path.name}:{name}", **disk_kwargs)
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -592,100 +425,7 @@ def u64s(values) -> tuple[str, list]:
     return "ARRAY[UINT64]", [int(v) for v in np.asarray(values).reshape(-1)]
 
 
-# ------------------------------------------------------------------------------------------ the released layouts
-def ple_constants(f: GgufFile) -> dict:
-    """qwen4exp's PLE keys: {layer (0-indexed decoder layer), ngram_size, heads_per_ngram, conv_kernel,
-    eos_token_id, multipliers [ngram_size], head_offsets [H], head_vocab_sizes [H], vocab_size, row_dim}."""
-    layers = [int(x) for x in f.key(PLE_KEYS["layers"])]
-    if len(layers) != 1:
-        raise GgufError(f"{f.path}: {PLE_KEYS['layers'].format(arch=f.arch)} lists {len(layers)} layers; llama.cpp's "
-                        "qwen4exp (and this reader) take exactly one PLE layer")
-    c = {"layer": layers[0]}
-    for k in ("ngram_size", "heads_per_ngram", "conv_kernel", "eos_token_id"):
-        c[k] = int(f.key(PLE_KEYS[k]))
-    H = (c["ngram_size"] - 1) * c["heads_per_ngram"]
-    for k, n in (("layer_multipliers", c["ngram_size"]), ("head_offsets", H), ("head_vocab_sizes", H)):
-        v = np.asarray(f.key(PLE_KEYS[k]))
-        if v.ndim != 1 or len(v) != n or not np.issubdtype(v.dtype, np.integer):
-            raise GgufError(f"{f.path}: {PLE_KEYS[k].format(arch=f.arch)} must be {n} integers (ngram_size "
-                            f"{c['ngram_size']}, heads_per_ngram {c['heads_per_ngram']}); {FIX}")
-        c[k] = [int(x) for x in v]
-    c["multipliers"] = c.pop("layer_multipliers")
-    c["vocab_size"] = _vocab_size(f)
-    c["row_dim"] = int(f.key(PLE_KEYS["row_dim"], required=False) or f.tensor(PLE_TABLE).shape[1])
-    return c
-
-
-def ple_kv(mapping, layer_id: int, conv_kernel: int, row_dim: int) -> dict:
-    """The `{arch}.ple.*` metadata of PLE layer `layer_id` (1-indexed) of a qwen4_exp `mapping`, typed as llama.cpp's
-    converter writes them (`gguf_writer.add_ple_*`): the layer 0-indexed, u32 sizes, u64 constants."""
-    lid = int(layer_id)
-    kv = {PLE_KEYS["layers"]: ("ARRAY[INT32]", [lid - 1]),
-          PLE_KEYS["ngram_size"]: ("UINT32", mapping.max_ngram_size),
-          PLE_KEYS["heads_per_ngram"]: ("UINT32", mapping.n_head_per_ngram),
-          PLE_KEYS["conv_kernel"]: ("UINT32", int(conv_kernel)),
-          PLE_KEYS["eos_token_id"]: ("UINT32", int(mapping.reset_id)),
-          PLE_KEYS["row_dim"]: ("UINT32", int(row_dim)),
-          PLE_KEYS["layer_multipliers"]: u64s(mapping.layer_multipliers[lid]),
-          PLE_KEYS["head_offsets"]: u64s(mapping.head_offsets(lid)),
-          PLE_KEYS["head_vocab_sizes"]: u64s(mapping.head_sizes(lid)),
-          VOCAB_KEY: ("UINT32", int(mapping.raw_vocab_size))}
-    return kv
-
-
-def engram_kv(mapping, head_dim: int) -> dict:
-    """The `{arch}.engram.*` metadata of a DeepSeek-style `mapping` (DeepSeek-V4.1's, or an engram model's: the
-    constants are stored, not derived), typed as PR #28696's converter writes them: u32 sizes, i32 layer ids and
-    token map, u64 multipliers, primes and offsets flattened in (layer, order, head) order, the compressed pad."""
-    L = mapping.layer_ids
-    return {V41_KEYS["layer_ids"]: ("ARRAY[INT32]", [int(x) for x in L]),
-            V41_KEYS["head_count"]: ("UINT32", mapping.n_head_per_ngram),
-            V41_KEYS["key_length"]: ("UINT32", int(head_dim)),
-            V41_KEYS["max_ngram_size"]: ("UINT32", mapping.max_ngram_size),
-            V41_KEYS["multipliers"]: u64s([mapping.layer_multipliers[lid] for lid in L]),
-            V41_KEYS["primes"]: u64s([mapping.head_sizes(lid) for lid in L]),
-            V41_KEYS["offsets"]: u64s([mapping.head_offsets(lid) for lid in L]),
-            V41_KEYS["token_map"]: ("ARRAY[INT32]", [int(x) for x in mapping.compressed_tokenizer.lookup_table]),
-            V41_KEYS["pad_id"]: ("UINT32", int(mapping.pad_id))}
-
-
-def _vocab_size(f: GgufFile) -> int:
-    v = f.key(VOCAB_KEY, required=False)
-    if v is None:
-        toks = f.meta.get("tokenizer.ggml.tokens")
-        if toks is None:
-            raise GgufError(f"{f.path} has neither {VOCAB_KEY.format(arch=f.arch)!r} nor tokenizer.ggml.tokens: the "
-                            f"vocabulary size (which the hash multipliers derive from) is unknown; {FIX}")
-        v = len(toks)
-    return int(v)
-
-
-def v41_constants(f: GgufFile) -> dict:
-    """DeepSeek-V4.1's engram keys (PR #28696): {layer_ids, n_heads, head_dim, max_ngram_size, multipliers
-    {layer: [N]}, primes {layer: [[p] * H] * (N-1)}, offsets {layer: [(N-1)*H]}, token_map (int64 array),
-    pad_id (compressed)}."""
-    c = {"layer_ids": [int(x) for x in f.key(V41_KEYS["layer_ids"])]}
-    N, H = int(f.key(V41_KEYS["max_ngram_size"])), int(f.key(V41_KEYS["head_count"]))
-    c.update(max_ngram_size=N, n_heads=H, head_dim=int(f.key(V41_KEYS["key_length"])),
-             pad_id=int(f.key(V41_KEYS["pad_id"])))
-    L = len(c["layer_ids"])
-    arrays = {}
-    for k, per in (("multipliers", N), ("primes", (N - 1) * H), ("offsets", (N - 1) * H)):
-        v = np.asarray(f.key(V41_KEYS[k]))
-        if v.ndim != 1 or len(v) != L * per or not np.issubdtype(v.dtype, np.integer):
-            raise GgufError(f"{f.path}: {V41_KEYS[k].format(arch=f.arch)} must hold {L} x {per} integers "
-                            f"({L} layers, max_ngram_size {N}, head_count {H}); {FIX}")
-        arrays[k] = v.astype(np.int64).reshape(L, per)
-    c["multipliers"] = {lid: arrays["multipliers"][i] for i, lid in enumerate(c["layer_ids"])}
-    c["primes"] = {lid: arrays["primes"][i].reshape(N - 1, H).tolist() for i, lid in enumerate(c["layer_ids"])}
-    c["offsets"] = {lid: arrays["offsets"][i].tolist() for i, lid in enumerate(c["layer_ids"])}
-    tm = np.asarray(f.key(V41_KEYS["token_map"]))
-    if tm.ndim != 1 or not len(tm) or not np.issubdtype(tm.dtype, np.integer) or int(tm.min()) < 0:
-        raise GgufError(f"{f.path}: {V41_KEYS['token_map'].format(arch=f.arch)} must be non-negative integers; {FIX}")
-    c["token_map"] = tm.astype(np.int64)
-    return c
-
-
+# ------------------------------------------------------------------------------------------ hash constants in files
 def check_constants(path, got: dict, want: dict, source: str = "the family's rules derive from its other keys",
                     fix: str = "re-convert the file") -> None:
     """One GgufError naming the first hash constant in `got` (read from the file) that differs from `want` (what
@@ -704,7 +444,6 @@ def prime_base(first_prime: int) -> int:
     return int(prevprime(first_prime)) + 1 if first_prime > 2 else 2
 
 
-__all__ = ["FLOAT_TYPES", "GGML_TYPES", "GgufError", "GgufFile", "GgufTable", "NATIVE_TYPES", "PLE_KEYS",
-           "PLE_TABLE", "TYPE_IDS", "V41_KEYS", "V41_TABLE", "V41_TENSORS", "check_constants", "decode_rows",
-           "encode_rows", "engram_kv", "header_id", "open_table", "ple_constants", "ple_kv", "prime_base", "u64s",
-           "v41_constants", "write_gguf"]
+__all__ = ["FLOAT_TYPES", "GGML_TYPES", "GgufError", "GgufFile", "GgufStoredTensor", "GgufTable", "NATIVE_TYPES",
+           "TYPE_IDS", "check_constants", "decode_rows", "encode_rows", "header_id", "open_table", "prime_base",
+           "u64s", "write_gguf"]

@@ -39,7 +39,7 @@ def table_options(hf_config) -> TableOptions:
     """The options set on `hf_config` (by `--hf-overrides`), checked; engram's errors for bad values."""
     import torch.nn as nn
 
-    from ...tables.backends import offload_tables
+    from ...tables.offload import offload_tables
     from ...tables.quant import check_table_format
 
     if not isinstance(getattr(hf_config, "engram", None), dict):
