@@ -7,10 +7,23 @@ from pathlib import Path
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    """This process's peak resident memory so far, MiB.
+
+    Linux: the high-water mark of this process's own memory map (`VmHWM` in /proc/self/status), which starts
+    afresh at exec. Not `ru_maxrss`: Linux carries it across fork and exec, so a run started by a driver that
+    had grown to 5.8 GiB reported 5.8 GiB whatever it used itself (every test-seed run of the first
+    smollm2-adapt record; issue 48 saw the same in §8's). Elsewhere `ru_maxrss` (KiB on Linux, bytes on macOS).
+    """
     import resource
     import sys
 
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
