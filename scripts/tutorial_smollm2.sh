@@ -11,6 +11,9 @@ WORK="${2:-/tmp/engram-tutorial}"
 rm -rf "$VENV" "$WORK"
 mkdir -p "$WORK"
 cd "$WORK"
+# a new user's caches: engram's (corpora, tokenized data, the fetched GGUF file) start empty here
+export XDG_CACHE_HOME="$WORK/.cache"
+unset ENGRAM_CACHE_DIR ENGRAM_BASES_DIR
 
 step() {  # run one tutorial command (a string, as the page shows it) and say how long it took
   local t0 t1
