@@ -56,7 +56,7 @@ def main():
         res, resident = {k: [] for k in files}, []
         for ids in chunks:
             for fmt, f in files.items():
-                table = DiskTable(f) if fmt == "bfloat16" else open_quant_file(f, backend="disk")
+                table = DiskTable(f) if fmt == "bfloat16" else open_quant_file(f, tier="disk")
                 rate, left = cold_gather(table, f, ids, want[fmt](ids))
                 res[fmt].append(rate)
                 resident.append(left)

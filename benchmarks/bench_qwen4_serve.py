@@ -3,8 +3,8 @@
 A small random backbone (hidden 256, 4 layers, one PLE layer) with a ~2 GB n-gram table (16 heads x ~2M
 rows x 16 dims, float32), the table:
     transformers   in the model's own `nn.Embedding`, hashed by transformers' torch code (the reference)
-    engram-ram     `serve_tables(backend="ram")`: the same tensor, engram's kernel, prefetch thread
-    engram-mmap    `serve_tables(backend="mmap")`: memory-mapped file (warm page cache), prefetch thread
+    engram-ram     `serve_tables(tier="ram")`: the same tensor, engram's kernel, prefetch thread
+    engram-mmap    `serve_tables(tier="mmap")`: memory-mapped file (warm page cache), prefetch thread
 One model; the n-gram module is swapped between rounds, rounds interleaved. Prefill: B x T tokens,
 one forward. Decode: greedy `generate()` of N tokens after a short prompt. Outputs are checked
 identical. Target: mmap + prefetch >= 0.97x the in-RAM prefill tokens/s.
@@ -55,10 +55,10 @@ def main():
           f"{w.numel() * w.element_size() / 2**30:.2f} GiB, threads {torch.get_num_threads()}")
     modules = {"transformers": ple.ple_embedding}
     tmp = tempfile.TemporaryDirectory()
-    serve_tables(model, backend="ram")
+    serve_tables(model, tier="ram")
     modules["engram-ram"] = ple.ple_embedding
     ple.ple_embedding = modules["transformers"]
-    serve_tables(model, backend="mmap", dir=tmp.name)
+    serve_tables(model, tier="mmap", dir=tmp.name)
     modules["engram-mmap"] = ple.ple_embedding
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 32000, (args.batch, args.seq), generator=g)

@@ -171,7 +171,7 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch, capsys):
     (run / "final" / "config.json").write_text("{}")
     monkeypatch.delenv("ENGRAM_API_KEY", raising=False)
     parse = build_parser().parse_args
-    args = parse(["serve", str(run), "--engine", "vllm", "--port", "9001", "--api-key", "k", "--table-backend", "mmap",
+    args = parse(["serve", str(run), "--engine", "vllm", "--port", "9001", "--api-key", "k", "--table-tier", "mmap",
                   "--table-dir", str(tmp_path / "t"), "--table-format", "int8", "--overlay", str(tmp_path / "ov"),
                   "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
     argv, env = vllm_command(args)
@@ -191,7 +191,7 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch, capsys):
     with pytest.raises(VllmLaunchError, match="per request"):
         vllm_command(parse(["serve", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))
     with pytest.raises(VllmLaunchError, match="needs --table-dir"):
-        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--table-backend", "disk"]))
+        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--table-tier", "disk"]))
 
 
 def test_serve_engine_vllm_without_vllm_is_one_line(monkeypatch, capsys, tmp_path):

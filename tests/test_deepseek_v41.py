@@ -363,7 +363,7 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tok, tmp_path):
             with pytest.raises(err, match=msg) as e:
                 v41.load(b, backend)
             assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="backend must be"):
+    with pytest.raises(ConfigError, match="tier must be"):
         v41.load(d, "gpu")
 
 

@@ -235,7 +235,7 @@ def test_serve_chooses_the_overlay_per_request(edited, folder, tmp_path):
 
     model, tok, overlay, before = edited
     d = overlay.save(tmp_path / "ov")
-    engine = load_engine(folder / "qwen", overlays={"fact": d}, table_backend="mmap", table_dir=tmp_path / "t",
+    engine = load_engine(folder / "qwen", overlays={"fact": d}, table_tier="mmap", table_dir=tmp_path / "t",
                          name="qwen")
     try:
         assert engine.model_ids() == ["qwen", "qwen+fact"] and engine.resolve("qwen+fact") == "fact"
@@ -272,10 +272,10 @@ def test_cli_edit_on_a_qwen4_exp_folder(folder, tmp_path, capsys):
     assert sha256(folder / "qwen" / "model.safetensors") == ckpt
     code, stdout, err = cli(capsys, "verify", out)
     assert code == 0 and stdout.startswith("ok"), (stdout, err)
-    # the tables served from files (--table-backend mmap): the same overlay as from RAM
+    # the tables served from files (--table-tier mmap): the same overlay as from RAM
     code, _, err = cli(capsys, "edit", "--checkpoint", folder / "qwen", "--facts", facts, "--out", tmp_path / "ovm",
                        "--data", folder / "c.txt", "--split", "train", "--seq-len", 32, "--max-windows", 2,
-                       "--steps", 150, "--lr", 0.3, "--table-backend", "mmap", "--table-dir", tmp_path / "tables")
+                       "--steps", 150, "--lr", 0.3, "--table-tier", "mmap", "--table-dir", tmp_path / "tables")
     assert code == 0, err
     assert list((tmp_path / "tables").iterdir())  # the rows were read from files
     from safetensors.torch import load_file
@@ -283,7 +283,7 @@ def test_cli_edit_on_a_qwen4_exp_folder(folder, tmp_path, capsys):
     ram, mm = load_file(str(out / "overlay.safetensors")), load_file(str(tmp_path / "ovm" / "overlay.safetensors"))
     assert ram.keys() == mm.keys() and all(torch.equal(ram[k], mm[k]) for k in ram)
     code, _, err = cli(capsys, "edit", "--checkpoint", folder / "qwen", "--facts", facts, "--out", tmp_path / "no",
-                       "--table-backend", "mmap")
+                       "--table-tier", "mmap")
     assert code == 2 and "needs --table-dir DIR" in err and "Traceback" not in err and not (tmp_path / "no").exists()
     # stacked: a second edit on top of the first, on the same folder
     facts2 = tmp_path / "facts2.jsonl"
@@ -317,7 +317,7 @@ def test_cli_edit_then_engram_serve_end_to_end(folder, tmp_path, capsys):
                        "--steps", 150, "--lr", 0.3)
     assert code == 0, err
     p, port = start([folder / "qwen", "--overlay", f"fact={tmp_path / 'ov'}", "--name", "qwen",
-                     "--table-backend", "disk", "--table-dir", tmp_path / "t"])
+                     "--table-tier", "disk", "--table-dir", tmp_path / "t"])
     try:
         def ask(model, prompt, n):
             body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}).encode()

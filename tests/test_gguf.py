@@ -310,7 +310,7 @@ def test_qwen4exp_from_gguf_equals_the_safetensors_checkpoint(writer, backend, t
         want = ref(ids).logits
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnverifiedTableWarning)
-        m = from_pretrained(tmp_path / "ckpt", backend=backend, gguf=p)
+        m = from_pretrained(tmp_path / "ckpt", tier=backend, gguf=p)
     with torch.no_grad():
         assert torch.equal(m(ids).logits, want)
     if backend != "disk":
@@ -367,7 +367,7 @@ def test_qwen4exp_gguf_mismatches_are_one_line_and_load_nothing(tmp_path):
     m = tiny_qwen(seed=1)
     before = m.model.layers[0].ple.ple_embedding
     with pytest.raises(GgufError, match=r"'multipliers' differ from what this model's config derives"):
-        serve_tables(m, backend="disk", gguf=q)
+        serve_tables(m, tier="disk", gguf=q)
     assert m.model.layers[0].ple.ple_embedding is before  # nothing half-loaded
     with pytest.raises(ConfigError, match="2 PLE layers; llama.cpp's qwen4exp GGUF holds one"):
         export_gguf(tiny_qwen(ple_layer_ids=[1, 3]), tmp_path / "two.gguf")
@@ -415,7 +415,7 @@ def pr_style_v41_file(path, mem, type_name="Q8_0"):
                         u64)
     g.add_key_value("deepseek41.engram.token_map", [int(x) for x in m.compressed_tokenizer.lookup_table],
                     gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-    g.add_uint32("deepseek41.engram.pad_id", int(m.pad_id))
+    g.add_uint32("deepseek41.engram.pad_id", int(m.compressed_pad_id))
     for lid, layer in mem.layers.items():
         rows = layer.table.gather(torch.arange(layer.table.num_rows)).float().numpy()
         g.add_tensor(f"blk.{lid}.engram_embd.weight", gguf.quants.quantize(rows, Q[type_name]), raw_dtype=Q[type_name])

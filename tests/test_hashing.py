@@ -155,7 +155,7 @@ def test_spec_round_trip_and_tokenizer_mismatch(tmp_path, default_mapping):
     default_mapping.save_spec(p)
     spec = json.loads(p.read_text())
     assert spec["layers"]["1"]["head_offsets"] == default_mapping.head_offsets(1)
-    assert spec["compressed_pad_id"] == default_mapping.pad_id
+    assert spec["compressed_pad_id"] == default_mapping.compressed_pad_id == default_mapping.pad_id
     import base64
     table = np.frombuffer(base64.b64decode(spec["lookup_table_int32_le_b64"]), dtype="<i4")
     assert np.array_equal(table, default_mapping.compressed_tokenizer.lookup_table)

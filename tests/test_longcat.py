@@ -486,7 +486,7 @@ def test_checkpoint_errors_are_one_line_and_load_nothing(tmp_path):
                 lc.load(b, backend, dir=tmp_path / f"copy-{edit.__name__}" if backend == "disk" else None)
             assert "\n" not in str(e.value)
             assert not (tmp_path / f"copy-{edit.__name__}").exists()  # nothing written before the checks passed
-    with pytest.raises(ConfigError, match="backend must be"):
+    with pytest.raises(ConfigError, match="tier must be"):
         lc.load(d, "gpu")
     mem = lc.load(d, "ram")
     with pytest.raises(ConfigError, match=r"must lie in \[0, "):

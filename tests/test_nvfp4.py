@@ -191,7 +191,7 @@ def test_damaged_inputs_get_one_line_errors(tmp_path):
         (lambda: quantize_nvfp4(torch.randn(4, 24)), "multiple of 16"),
         (lambda: quantize_nvfp4(torch.tensor([[float("inf")] * 16])), "non-finite"),
         (lambda: open_nvfp4_file(tmp_path / "none.safetensors"), "not found"),
-        (lambda: open_nvfp4_file(tmp_path / "x", "gpu"), "backend must be"),
+        (lambda: open_nvfp4_file(tmp_path / "x", "gpu"), "tier must be"),
     ]
     for fn, msg in cases:
         with pytest.raises(TableError, match=msg) as e:
@@ -284,7 +284,7 @@ def test_a_qwen4exp_nvfp4_checkpoint_is_served_packed_from_every_tier(backend, t
         want = ref(ids).logits
         plain = tiny_model(ple_embed_dim=128)(ids).logits  # (the same model before its tables were quantized)
     assert not torch.equal(plain, want)
-    m = from_pretrained(ckpt, backend=backend, dir=tmp_path / "t")
+    m = from_pretrained(ckpt, tier=backend, dir=tmp_path / "t")
     t = m.model.layers[0].ple.ple_embedding.mhe.table
     assert isinstance(t, NvFp4Table) and t.bytes_per_row == 32 // 2 + 32 // 16
     with torch.no_grad():
@@ -321,7 +321,7 @@ def test_damaged_qwen4exp_nvfp4_checkpoints_get_one_line_errors(tmp_path):
     for i, (sd, err, msg) in enumerate(bad):
         save_file(sd, str(f), metadata={"format": "pt"})
         with pytest.raises(err, match=msg) as e:
-            from_pretrained(ckpt, backend="mmap", dir=tmp_path / f"t{i}")
+            from_pretrained(ckpt, tier="mmap", dir=tmp_path / f"t{i}")
         assert "\n" not in str(e.value)
 
 

@@ -107,8 +107,8 @@ def test_a_bad_tier_or_a_missing_file_is_one_table_error_naming_the_fix(tmp_path
     from engram.config import ConfigError
 
     cases = [(lambda: open_rows(tmp_path / "none.safetensors", "mmap"), "table file not found: .*write it first"),
-             (lambda: open_rows(W, "gpu"), "backend must be 'ram', 'mmap' or 'disk', got 'gpu'"),
-             (lambda: open_rows(W, "mmap"), "pass dir= .* or backend='ram'"),
+             (lambda: open_rows(W, "gpu"), "tier must be 'ram', 'mmap' or 'disk', got 'gpu'"),
+             (lambda: open_rows(W, "mmap"), "pass dir= .* or tier='ram'"),
              (lambda: open_rows(W, "mmap", tmp_path), "needs file="),
              (lambda: open_rows(W, "ram", queue_dept=3), "unknown option"),
              (lambda: open_rows(*encoded("fp8")[:1], "ram", codec=Ue8m0Codec()), "do not fit codes")]

@@ -44,9 +44,9 @@ def test_serve_takes_an_overlay_with_a_converted_table_format(run):
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "fp8"])
 def test_sample_with_mmap_tables_in_another_format(run, capsys, tmp_path, fmt):
-    """`engram sample --table-backend mmap --table-format bfloat16` (the conversion read the layer's parameter,
+    """`engram sample --table-tier mmap --table-format bfloat16` (the conversion read the layer's parameter,
     which offloading had emptied: "table holds [0, 8] rows")."""
-    code = main(["sample", "--checkpoint", str(run / "run"), "--table-backend", "mmap", "--table-dir",
+    code = main(["sample", "--checkpoint", str(run / "run"), "--table-tier", "mmap", "--table-dir",
                  str(tmp_path / "t"), "--table-format", fmt, "--overlay", str(run / "ov"), "--prompt", FACT.prompt,
                  "--temperature", "0", "--max-new-tokens", "2"])
     assert code == 0, capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_every_tier_gives_the_rows_of_ram_for_each_format_with_an_overlay(run, t
     changes them (it is in front of the converted tables)."""
     want = None
     for tier in ("ram", "mmap", "disk"):
-        model, tok = load_inference_model(run / "run", table_backend=tier, table_dir=tmp_path / tier)
+        model, tok = load_inference_model(run / "run", table_tier=tier, table_dir=tmp_path / tier)
         plain = logits(model, tok)
         prepare_inference(model, table_format=fmt, overlays={"ov": run / "ov"})
         got = logits(model, tok)

@@ -61,7 +61,7 @@ def test_the_disk_tier_serves_quantized_files(tmp_path, fmt, direct):
     f = write_quant_file(tmp_path / "q.safetensors", codes, scales, fmt, page_blocks=True)
     rows = torch.tensor([0, 5, 19999, 5, 7777])
     want = open_quant_file(f).gather(rows)
-    t = open_quant_file(f, backend="disk", direct=direct)
+    t = open_quant_file(f, tier="disk", direct=direct)
     assert torch.equal(t.gather(rows), want) and t.bytes_per_row == 40 + scales.element_size()
     every = torch.randperm(20000)
     assert torch.equal(t.gather(every), QuantTable(codes, scales, fmt).gather(every))
@@ -71,7 +71,7 @@ def test_the_disk_tier_serves_quantized_files(tmp_path, fmt, direct):
     b = bytearray(f.read_bytes())
     b[n + 1234 * 40 + 3] ^= 0xFF  # the codes of row 1234
     f.write_bytes(bytes(b))
-    bad = open_quant_file(f, backend="disk", direct=direct)
+    bad = open_quant_file(f, tier="disk", direct=direct)
     assert torch.equal(bad.gather(torch.tensor([19000])), QuantTable(codes, scales, fmt).gather(torch.tensor([19000])))
     with pytest.raises(TableError, match="fail their checksum"):
         bad.gather(torch.tensor([1234]))
@@ -79,9 +79,9 @@ def test_the_disk_tier_serves_quantized_files(tmp_path, fmt, direct):
     b[n + 20000 * 40 + 10] ^= 0xFF  # a scale
     f.write_bytes(bytes(b))
     with pytest.raises(TableError, match="fail their checksum"):
-        open_quant_file(f, backend="disk")
-    with pytest.raises(TableError, match="backend must be"):
-        open_quant_file(f, backend="ram")
+        open_quant_file(f, tier="disk")
+    with pytest.raises(TableError, match="tier must be"):
+        open_quant_file(f, tier="ram")
 
 
 def test_served_formats_keep_the_model_close(tmp_path):

@@ -121,7 +121,7 @@ def test_serving_bad_input_is_one_line(tmp_path):
     from engram.integrations.qwen4_exp import serve_tables
 
     with pytest.raises(ConfigError, match="needs dir="):
-        serve_tables(tiny_model(), backend="mmap")
+        serve_tables(tiny_model(), tier="mmap")
     m = serve_tables(tiny_model(), prefetch=False)
     with pytest.raises(ConfigError, match="already served"):
         serve_tables(m)
@@ -142,7 +142,7 @@ def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tm
         other = tiny_model(seed=3)  # a model whose own table rows are different: the rows must come from the shards
         other.load_state_dict({k: v for k, v in ref.state_dict().items() if "ngram_embedding" not in k}, strict=False)
         assert not torch.equal(other(ids).logits, want)
-    m = serve_tables(other, backend="mmap", dir=tmp_path / "t", checkpoint=tmp_path / "ckpt")
+    m = serve_tables(other, tier="mmap", dir=tmp_path / "t", checkpoint=tmp_path / "ckpt")
     with torch.no_grad():
         assert torch.equal(m(ids).logits, want)
     f = tmp_path / "ckpt" / "model.safetensors"
@@ -150,7 +150,7 @@ def test_table_files_stream_from_checkpoint_shards_and_bad_shards_are_refused(tm
     del sd["model.layers.0.ple.ple_embedding.ngram_embedding.shard_3.weight"]  # an incomplete download
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="shards hold .* rows in 3 shards; the config needs .* split_ngram_parts=4"):
-        serve_tables(tiny_model(), backend="mmap", dir=tmp_path / "t2", checkpoint=tmp_path / "ckpt")
+        serve_tables(tiny_model(), tier="mmap", dir=tmp_path / "t2", checkpoint=tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("backend", ["ram", "mmap", "disk"])
@@ -162,7 +162,7 @@ def test_from_pretrained_serves_tables_straight_from_the_shards(tmp_path, backen
     ref.save_pretrained(tmp_path / "ckpt")
     with torch.no_grad():
         want = ref(ids).logits
-    m = from_pretrained(tmp_path / "ckpt", backend=backend, dir=tmp_path / "t")
+    m = from_pretrained(tmp_path / "ckpt", tier=backend, dir=tmp_path / "t")
     assert m.model.layers[0].ple.ple_embedding.mhe.table.num_rows == sum(hash_mapping(config(
         ngram_vocab_size_base=5003)).head_sizes(1))
     with torch.no_grad():

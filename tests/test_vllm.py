@@ -306,14 +306,14 @@ def test_bad_table_option_gives_engrams_error(models, tmp_path):
                         json.dumps({"engram_table_tier": "tape"})], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=SRC))
     assert r.returncode != 0
-    assert "backend must be 'ram', 'mmap' or 'disk', got 'tape'" in r.stdout + r.stderr
+    assert "tier must be 'ram', 'mmap' or 'disk', got 'tape'" in r.stdout + r.stderr
 
 
 def test_engram_serve_engine_vllm_with_api_key_and_disk_tier(models, tmp_path):
     folder = models["conv"]
     prompts = prompts_of((5, 70, 120), 3)
     argv = [sys.executable, "-m", "engram.cli", "serve", str(folder), "--engine", "vllm", "--name", "m", "--port",
-            str(free_port()), "--api-key", "sekret", "--table-backend", "disk", "--table-dir", str(tmp_path / "t"),
+            str(free_port()), "--api-key", "sekret", "--table-tier", "disk", "--table-dir", str(tmp_path / "t"),
             "--vllm-args", " ".join(SETTINGS)]
     s = Server(argv, tmp_path / "launcher.log")
     try:

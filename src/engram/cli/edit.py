@@ -58,7 +58,7 @@ def add_commands(sub) -> None:
     windows = options.eval_windows(max_windows=64,
                                    data_help="text for the collision set and locality (default Shakespeare)")
     ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)",
-                        parents=[source, windows, options.overlays(), options.table_backend()],
+                        parents=[source, windows, options.overlays(), options.table_tier()],
                         epilog="--checkpoint also takes a qwen4_exp model folder (Qwen3.8-Flash-Next): its n-gram "
                         "table rows are edited, and engram serve PATH --overlay NAME=DIR serves them per request")
     ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '

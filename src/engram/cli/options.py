@@ -10,20 +10,23 @@ import each, here); those modules are light (no transformers), so `engram --help
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..analysis.allocation import SCALES
 from ..config import TABLE_DTYPES, TRAIN_TABLE_BACKENDS
 from ..editing.optimize import POSITIONS
-from ..tables.offload import BACKENDS as SERVE_TABLE_BACKENDS
 from ..tables.quant import TABLE_FORMATS
+from ..tables.rows import TIERS as TABLE_TIERS
 from ..training.data import SPLITS
 from ..training.presets import ADAPT_METHODS as METHODS
 from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
 __all__ = ["ALLOCATION_SCALES", "BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
-           "TABLE_DTYPES", "TABLE_FORMATS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "config", "eval_windows",
-           "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar", "run_options", "table_backend",
-           "table_format", "train_table_backend", "with_overlays"]
+           "TABLE_DTYPES", "TABLE_FORMATS", "TABLE_TIERS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "DeprecatedFlag",
+           "config", "eval_windows", "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar",
+           "run_options", "table_format", "table_tier", "train_table_backend", "with_overlays"]
+
+SERVE_TABLE_BACKENDS = TABLE_TIERS  # (the old name of TABLE_TIERS)
 
 ALLOCATION_SCALES = tuple(SCALES)  # `engram experiment allocation --scale`
 
@@ -69,19 +72,38 @@ def table_format() -> argparse.ArgumentParser:
     return p
 
 
-def table_backend() -> argparse.ArgumentParser:
-    """--table-backend / --table-dir of the commands that run a model: where its Engram tables live."""
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of flag `new`: stores into the same dest, and says once on stderr that it is deprecated
+    (`engram: warning: --old is deprecated; use --new`). Hidden from --help."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new, self.warned = new, False
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not self.warned:
+            print(f"engram: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+            self.warned = True
+        setattr(namespace, self.dest, values)
+
+
+def table_tier() -> argparse.ArgumentParser:
+    """--table-tier / --table-dir of the commands that run a model: the tier its Engram table rows are read from
+    (`--table-backend`: the deprecated spelling of --table-tier)."""
     p = _parent()
-    p.add_argument("--table-backend", default="ram", choices=SERVE_TABLE_BACKENDS,
+    p.add_argument("--table-tier", default="ram", choices=TABLE_TIERS,
                    help="ram (default), or mmap/disk: the tables as files under --table-dir, read row by row")
+    p.add_argument("--table-backend", dest="table_tier", choices=TABLE_TIERS, action=DeprecatedFlag,
+                   new="--table-tier")
     p.add_argument("--table-dir", help="where the mmap/disk table files go (an existing file's rows are used)")
     return p
 
 
 def train_table_backend(help: str) -> argparse.ArgumentParser:
-    """--table-backend of `engram train` / `adapt`: where the tables live while training (TrainConfig)."""
+    """--table-backend of `engram train` / `adapt`: the training table mode (TrainConfig.table_backend: "param",
+    tables as parameters, or "mmap", tables and their Adam moments in files), not an inference tier."""
     p = _parent()
-    p.add_argument("--table-backend", choices=TRAIN_TABLE_BACKENDS, help=help)
+    p.add_argument("--table-backend", choices=TRAIN_TABLE_BACKENDS, help=f"the training table mode: {help}")
     return p
 
 
@@ -122,10 +144,10 @@ def run_options(set_help: str = "override a training setting, e.g. lr=1e-3") -> 
 # ------------------------------------------------------------------------------------------ what they load
 def load_for_inference(args):
     """(model, tokenizer) from --checkpoint (an engram model or a qwen4_exp folder) or --base [--adapter] (a
-    transformers model), the tables where --table-backend/--table-dir put them (`serving.load_inference_model`)."""
+    transformers model), the tables in the tier --table-tier/--table-dir name (`serving.load_inference_model`)."""
     from ..serving.engine import load_inference_model
 
-    tables = {"table_backend": getattr(args, "table_backend", None) or "ram",  # (commands without the options: RAM)
+    tables = {"table_tier": getattr(args, "table_tier", None) or "ram",  # (commands without the options: RAM)
               "table_dir": getattr(args, "table_dir", None)}
     if args.base:
         if args.checkpoint:

@@ -74,7 +74,7 @@ def cmd_serve(args) -> int:
     for flag in ("max_body_bytes", "read_timeout", "shutdown_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_backend, args.table_format,
+    engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_tier, args.table_format,
                          args.table_dir, args.name, args.chat_template)
     serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None,
           max_body=args.max_body_bytes, read_timeout=args.read_timeout, shutdown_timeout=args.shutdown_timeout)
@@ -140,12 +140,12 @@ def _channel() -> argparse.ArgumentParser:
 def add_commands(sub) -> None:
     e = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint",
                        parents=[options.model_source(), options.eval_windows(max_windows=None), options.overlays(),
-                                options.table_format(), options.table_backend()])
+                                options.table_format(), options.table_tier()])
     e.set_defaults(func=cmd_eval)
 
     sm = sub.add_parser("sample", help="generate text from a checkpoint",
                         parents=[options.model_source(), options.overlays(), options.table_format(),
-                                 options.table_backend()])
+                                 options.table_tier()])
     sm.add_argument("--prompt", required=True)
     sm.add_argument("--max-new-tokens", type=int, default=60)
     sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
@@ -155,7 +155,7 @@ def add_commands(sub) -> None:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server for an Engram model (overlays chosen per request)",
                         parents=[options.model_source(checkpoint=False), options.table_format(),
-                                 options.table_backend()])
+                                 options.table_tier()])
     sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
     sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
                     help="load a fact overlay, served as model MODEL+NAME (repeatable); --engine vllm: DIR, applied "

@@ -16,7 +16,8 @@ from . import options
 
 
 def _table_flags(args) -> dict:
-    """--table-backend and --table-cache-mb -> TrainConfig overrides (they win over --set and a config file)."""
+    """--table-backend (the training table mode) and --table-cache-mb -> TrainConfig overrides (they win over
+    --set and a config file)."""
     overrides = {}
     if args.table_backend:
         overrides["table_backend"] = args.table_backend

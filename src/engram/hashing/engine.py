@@ -58,9 +58,10 @@ class NgramHashMapping:
     """The hashing engine: validates ids, dispatches to the fused kernel or the torch path, for any family.
 
     `NgramHashMapping(engram_vocab_size, ..., seed)` keeps the reference's constructor and attributes
-    (`layer_multipliers`, `vocab_size_across_layers`, `compressed_tokenizer`, `pad_id`,
-    `tokenizer_vocab_size`) and hashes the `DeepSeekFamily`; `NgramHashMapping.for_family(f)` any other
-    (each integration's `hash_mapping(config, ...)` builds its family and returns this engine over it).
+    (`layer_multipliers`, `vocab_size_across_layers`, `compressed_tokenizer`, `pad_id` (= `compressed_pad_id`),
+    `tokenizer_vocab_size` (= `compressed_vocab_size`)) and hashes the `DeepSeekFamily`;
+    `NgramHashMapping.for_family(f)` any other (each integration's `hash_mapping(config, ...)` builds its family
+    and returns this engine over it).
 
         m = NgramHashMapping.for_family(family)
         rows = m.hash(ids, offsets=True, dead=None)            # {layer_id: (B, T, H)} rows of the layer's table
@@ -116,7 +117,10 @@ class NgramHashMapping:
                     ) -> "NgramHashMapping":
         return cls.for_family(DeepSeekFamily.from_config(cfg, compressed_tokenizer))
 
-    # The family's constants under the reference's attribute names.
+    # The family's constants, each under the one name the family gives it (the reference's where it has one).
+    # Aliases, documented and kept for the reference's API: `pad_id` (= compressed_pad_id: the pad's x, not
+    # EngramConfig.pad_id, the token id) and `tokenizer_vocab_size` (= compressed_vocab_size); `tokenizer_len`
+    # (= raw_vocab_size) is deprecated. engram's own code reads the kept names.
     layer_ids = _from_family("layer_ids")
     max_ngram_size = _from_family("max_ngram_size")
     n_head_per_ngram = _from_family("n_head_per_ngram")
@@ -126,15 +130,21 @@ class NgramHashMapping:
     compressed_tokenizer = _from_family("compressed_tokenizer")
     compress = property(lambda self: getattr(self.family, "compress", False))
     hash_mode = _from_family("hash_mode")
-    pad_id = _from_family("pad_id", "The pad's compressed id (what positions before the start read).")
-    raw_pad_id = _from_family("raw_pad_id", "The pad's token id.")
+    compressed_pad_id = _from_family("compressed_pad_id", "The pad's compressed id x (what positions before the "
+                                     "start read; `raw_pad_id` is its token id).")
+    raw_pad_id = _from_family("raw_pad_id", "The pad's token id (`EngramConfig.pad_id`).")
     reset_id = _from_family("reset_id")
     index_dtype = _from_family("index_dtype", "dtype of the row ids `hash` returns (int64; int32 for some families).")
-    layer_multipliers = _from_family("multipliers", "`{layer_id: int64 [max_ngram_size]}` (reference name).")
-    vocab_size_across_layers = _from_family("moduli", "`{layer_id: [[p] * heads] * orders}` (reference name).")
+    layer_multipliers = _from_family("layer_multipliers", "`{layer_id: int64 [max_ngram_size]}`.")
+    vocab_size_across_layers = _from_family("vocab_size_across_layers", "`{layer_id: [[p] * heads] * orders}`: the "
+                                            "head moduli.")
     raw_vocab_size = _from_family("raw_vocab_size", "Token ids accepted: [0, raw_vocab_size).")
     compressed_vocab_size = _from_family("compressed_vocab_size", "Distinct compressed ids.")
-    tokenizer_vocab_size = compressed_vocab_size  # the reference's name for the compressed size
+    tokenizer_vocab_size = property(lambda self: self.family.compressed_vocab_size,
+                                    doc="The reference's name of `compressed_vocab_size` (an alias).")
+    pad_id = property(lambda self: self.family.compressed_pad_id,
+                      doc="The reference's name of `compressed_pad_id` (an alias: the reference's code reads it; "
+                          "not `EngramConfig.pad_id`, the token id, which is `raw_pad_id`).")
 
     @property
     def tokenizer_len(self) -> int:
@@ -263,9 +273,9 @@ class NgramHashMapping:
         B, T = raw.shape
         x = raw if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table[raw]
         if dead is not None:
-            x = np.where(dead, self.pad_id, x)  # a DEAD position's own id reads the pad
+            x = np.where(dead, self.compressed_pad_id, x)  # a DEAD position's own id reads the pad
         out = np.empty((L, B, T, O * H), dtype=self._np_index_dtype)
-        _fasthash.hash_into(x, self.pad_id, mult, consts, out, ends, off if offsets else None)
+        _fasthash.hash_into(x, self.compressed_pad_id, mult, consts, out, ends, off if offsets else None)
         return torch.from_numpy(out)
 
     def _windows(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
@@ -275,18 +285,18 @@ class NgramHashMapping:
         lut = self._lut(input_ids.device)
         B, T = input_ids.shape
         N = self.max_ngram_size
-        x = lut[input_ids.long()]  # (B, T) compressed
+        x, pad = lut[input_ids.long()], self.compressed_pad_id  # (B, T) compressed; the pad's x
         if dead is not None:
-            x = torch.where(torch.from_numpy(dead).to(x.device), self.pad_id, x)  # a DEAD position's own id: the pad
+            x = torch.where(torch.from_numpy(dead).to(x.device), pad, x)  # a DEAD position's own id: the pad
         if ends is None:
-            padded = torch.nn.functional.pad(x, (N - 1, 0), value=self.pad_id)
+            padded = torch.nn.functional.pad(x, (N - 1, 0), value=pad)
             return [padded[:, N - 1 - k: N - 1 - k + T].reshape(B * T) for k in range(N)]
         # n-grams do not reach back past their document's start: those positions read the pad id
         pos = torch.arange(T, device=x.device)
         last = torch.where(torch.from_numpy(ends).to(x.device), pos, -1).cummax(dim=1).values  # last end <= t
         since = pos - torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1) - 1  # (B, T): tokens since the start
         return [x.reshape(B * T)] + [
-            torch.where(since >= k, x[:, (pos - k).clamp_min(0)], self.pad_id).reshape(B * T) for k in range(1, N)]
+            torch.where(since >= k, x[:, (pos - k).clamp_min(0)], pad).reshape(B * T) for k in range(1, N)]
 
     def _lut(self, device: torch.device) -> torch.Tensor:
         key = ("lut", str(device))

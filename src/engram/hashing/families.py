@@ -79,8 +79,9 @@ class HashFamily:
     Attributes every family sets:
       `layer_ids`, `max_ngram_size` (N), `n_head_per_ngram` (heads per order),
       `compressed_tokenizer` (token id -> x: a `CompressedTokenizer` or `RawIds`),
-      `raw_pad_id` (token id of the pad) and `pad_id` (its x), `reset_id` (a token id after which a new
-      document starts, or None), `multipliers[layer]` (int64 `[N]`), `moduli[layer]` (`[[p] * heads] * (N-1)`),
+      `raw_pad_id` (token id of the pad) and `compressed_pad_id` (its x), `reset_id` (a token id after which a new
+      document starts, or None), `layer_multipliers[layer]` (int64 `[N]`), `vocab_size_across_layers[layer]` (the head
+      moduli, `[[p] * heads] * (N-1)`; both the reference's names),
       `seed`, `hash_mode` ("ngram", or an ablation: "shuffled", "constant").
     Class attributes: `name` (the manifest's "family"), `formula`, `index_dtype` (the dtype of the row ids
     `hash` returns: int64, or int32 where a released model hands out int32 ids).
@@ -102,6 +103,22 @@ class HashFamily:
     own_mix: ClassVar[bool] = False
     hash_mode: str = "ngram"
 
+    @property
+    def pad_id(self) -> int:
+        """The reference's name of `compressed_pad_id` (its `NgramHashMapping.pad_id`: the pad's x, not its token
+        id; `EngramConfig.pad_id` is the token id, here `raw_pad_id`). engram's own code reads `compressed_pad_id`."""
+        return self.compressed_pad_id
+
+    @property
+    def multipliers(self) -> dict:
+        """Alias of `layer_multipliers` (the name the manifest's per-layer key keeps)."""
+        return self.layer_multipliers
+
+    @property
+    def moduli(self) -> dict:
+        """Alias of `vocab_size_across_layers` (the head moduli)."""
+        return self.vocab_size_across_layers
+
     def mix_rows(self, windows: list[torch.Tensor]) -> torch.Tensor:
         """(L, B*T, H) int64 per-head rows from the N windows (B*T,) (families with `own_mix` only)."""
         raise NotImplementedError
@@ -119,7 +136,7 @@ class HashFamily:
 
     def head_sizes(self, layer_id: int) -> list[int]:
         """Flat list of the layer's per-head table sizes, in hash-column order."""
-        return [p for order in self.moduli[int(layer_id)] for p in order]
+        return [p for order in self.vocab_size_across_layers[int(layer_id)] for p in order]
 
     def head_offsets(self, layer_id: int) -> list[int]:
         """Row offset of each head inside the layer's concatenated table."""
@@ -136,7 +153,8 @@ class HashFamily:
         raise NotImplementedError
 
     def layers_spec(self) -> dict:
-        return {str(lid): {"multipliers": [int(m) for m in self.multipliers[lid]], "head_moduli": self.moduli[lid],
+        return {str(lid): {"multipliers": [int(m) for m in self.layer_multipliers[lid]],
+                           "head_moduli": self.vocab_size_across_layers[lid],
                            "head_offsets": self.head_offsets(lid), "table_rows": int(sum(self.head_sizes(lid)))}
                 for lid in self.layer_ids}
 
@@ -189,9 +207,11 @@ class DeepSeekFamily(HashFamily):
         if not 0 <= pad_id < self.raw_vocab_size:
             raise ConfigError(f"pad_id {pad_id} is outside the tokenizer's id range [0, {self.raw_vocab_size})")
         self.raw_pad_id = int(pad_id)
-        self.pad_id = int(self.compressed_tokenizer.lookup_table[pad_id])
-        self.multipliers = layer_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size, self.seed)
-        self.moduli = head_moduli(self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size, self.n_head_per_ngram)
+        self.compressed_pad_id = int(self.compressed_tokenizer.lookup_table[pad_id])
+        self.layer_multipliers = layer_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size,
+                                                   self.seed)
+        self.vocab_size_across_layers = head_moduli(self.layer_ids, self.vocab_size_per_ngram, self.max_ngram_size,
+                                                    self.n_head_per_ngram)
 
     @classmethod
     def from_config(cls, cfg: EngramConfig, compressed_tokenizer: CompressedTokenizer | None = None
@@ -209,7 +229,7 @@ class DeepSeekFamily(HashFamily):
             "compressed_vocab_size": self.compressed_vocab_size,
             "lookup_table_sha256": ct.lookup_sha256,
             "pad_id": self.raw_pad_id,
-            "compressed_pad_id": self.pad_id,
+            "compressed_pad_id": self.compressed_pad_id,
             "max_ngram_size": self.max_ngram_size,
             "n_embed_per_ngram": self.n_embed_per_ngram,
             "n_head_per_ngram": self.n_head_per_ngram,

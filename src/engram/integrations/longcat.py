@@ -6,7 +6,7 @@ safetensors index and the shards holding `model.embed_tokens.weight` and `model.
 
     mapping = hash_mapping(config)                            # config.json path, dict or config object
     ids = mapping.hash(input_ids, offsets=True)[0]            # (B, T, k*(n-1)) int32 rows of the concatenated table
-    mem = load("path/to/LongCat-Flash-Lite", backend="disk")  # "ram" | "mmap" | "disk"
+    mem = load("path/to/LongCat-Flash-Lite", tier="disk")      # "ram" | "mmap" | "disk"
     emb = mem.embedding(input_ids)                            # (B, T, hidden): the model's input embedding
     emb = mem.embedding(new_ids, history=last_ids)            # a chunk or a decode step after earlier ids
 
@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
+from ..deprecation import renamed_keywords
 from ..hashing import HashFamily, NgramHashMapping
 from ..persist import read_json
 from ..tables.base import Table
@@ -161,15 +162,15 @@ class LongCatFamily(HashFamily):
         self.layer_ids, self.seed = [0], 0
         self.max_ngram_size, self.n_head_per_ngram = cfg.emb_neighbor_num, cfg.emb_split_num
         self.compressed_tokenizer = RawIds(cfg.vocab_size)
-        self.raw_pad_id = self.pad_id = 0  # a missing position adds 0, as token 0 does
+        self.raw_pad_id = self.compressed_pad_id = 0  # a missing position adds 0, as token 0 does
         # vLLM: EOS ids are negated and any negative entry stops the walk, the current one included (-0 is not
         # negative: an EOS id of 0 stops nothing); SGLang: an EOS stops the walk only when looking back
         self.reset_id = None if eos_rule == "vllm" and cfg.eos_token_id == 0 else cfg.eos_token_id
         self.reset_reads_pad = eos_rule == "vllm"
         k, n, sizes = cfg.emb_split_num, cfg.emb_neighbor_num, cfg.sizes
-        self.moduli = {0: [sizes[i * k:(i + 1) * k] for i in range(n - 1)]}
+        self.vocab_size_across_layers = {0: [sizes[i * k:(i + 1) * k] for i in range(n - 1)]}
         self.weights = np.array([[pow(cfg.vocab_size, d, M) for d in range(n)] for M in sizes], dtype=np.int64)
-        self.multipliers = {0: self.weights}  # (H, n): the engines' ne_weights, per embedder
+        self.layer_multipliers = {0: self.weights}  # (H, n): the engines' ne_weights, per embedder
         self._device_cache: dict = {}
 
     def mix_rows(self, windows: list[torch.Tensor]) -> torch.Tensor:
@@ -188,7 +189,7 @@ class LongCatFamily(HashFamily):
         return torch.remainder(acc, M[:, None]).T.contiguous()[None]  # (1, BT, H)
 
     def layers_spec(self) -> dict:
-        return {"0": {"weights": self.weights.tolist(), "head_moduli": self.moduli[0],
+        return {"0": {"weights": self.weights.tolist(), "head_moduli": self.vocab_size_across_layers[0],
                       "head_offsets": self.head_offsets(0), "table_rows": int(sum(self.head_sizes(0))),
                       "reset_id": self.reset_id, "reset_reads_pad": self.reset_reads_pad}}
 
@@ -199,7 +200,7 @@ class LongCatFamily(HashFamily):
                 "eos_token_id": c.eos_token_id, "eos_rule": self.eos_rule, "hidden_size": c.hidden_size,
                 "max_ngram_size": self.max_ngram_size, "n_head_per_ngram": self.n_head_per_ngram,
                 "layer_ids": self.layer_ids, "lookup_table_sha256": self.compressed_tokenizer.lookup_sha256,
-                "compressed_pad_id": self.pad_id}
+                "compressed_pad_id": self.compressed_pad_id}
 
     @classmethod
     def from_spec(cls, spec: dict, tokenizer=None) -> "LongCatFamily":
@@ -261,11 +262,13 @@ class NgramEmbedding(nn.Module):
 
 class LongCatMemory:
     """What `load` returns: `.config` (LongCatConfig), `.mapping` (the engine of `hash_mapping`), `.table` (the
-    concatenated n-gram table), `.embedding` (`NgramEmbedding`), `.backend`. `close()` releases files and threads."""
+    concatenated n-gram table), `.embedding` (`NgramEmbedding`), `.tier` (`.backend`: its old name). `close()`
+    releases files and threads."""
 
-    def __init__(self, config, mapping, table, embedding, backend):
-        self.config, self.mapping, self.table, self.embedding, self.backend = \
-            config, mapping, table, embedding, backend
+    def __init__(self, config, mapping, table, embedding, tier):
+        self.config, self.mapping, self.table, self.embedding, self.tier = config, mapping, table, embedding, tier
+
+    backend = property(lambda self: self.tier, doc="The old name of `tier`.")
 
     def table_bytes(self) -> int:
         return self.table.num_rows * self.table.dim * torch.empty((), dtype=self.table.dtype).element_size()
@@ -274,11 +277,12 @@ class LongCatMemory:
         self.table.close()
 
 
-def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None, eos_rule: str = "vllm",
+@renamed_keywords(backend="tier")
+def load(path, tier: str = "ram", dir=None, dtype: torch.dtype | None = None, eos_rule: str = "vllm",
          **disk_kwargs) -> LongCatMemory:
     """LongCat's n-gram embedding from a checkpoint folder, without its backbone.
 
-    The tables are opened by `tables.open_rows`: backend "ram": the k*(n-1) tables copied into one tensor in RAM
+    The tables are opened by `tables.open_rows`: tier "ram": the k*(n-1) tables copied into one tensor in RAM
     (the concatenated layout); "mmap": each embedder memory-mapped in place from its shard; "disk": each read in
     place by the cold tier (`DiskTable`: positioned reads, many in flight; `disk_kwargs` such as `queue_depth`).
     `dir` (mmap/disk): first copy the tables, streamed a block of rows at a time, into one file
@@ -291,7 +295,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
     """
     from .checkpoint import CheckpointTensor, weight_map
 
-    check_tier(backend)
+    check_tier(tier)
     d = Path(path)
     if not d.is_dir():
         raise ConfigError(f"{d}: no such checkpoint folder")
@@ -323,11 +327,11 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype | None = None,
         raise ConfigError(f"{d}: the n-gram embedders are stored in several dtypes "
                           f"({sorted({r.info['dtype'] for r in rows})}); expected one")
     proj = torch.stack([t[f"{PREFIX}post_projs.{e}.weight"].load().T for e in range(E)])  # (E, d, hidden)
-    word = t[WORD_KEY].load() if backend == "ram" else t[WORD_KEY].mapped()
+    word = t[WORD_KEY].load() if tier == "ram" else t[WORD_KEY].mapped()
     # the concatenated layout: one tensor in RAM; in place, a segment per embedder; with dir, one checked file
-    table = open_rows(rows, backend, dir, file="longcat_ngram.safetensors", name=f"{d}: the n-gram tables",
+    table = open_rows(rows, tier, dir, file="longcat_ngram.safetensors", name=f"{d}: the n-gram tables",
                       metadata={"source": str(d)}, **disk_kwargs)
-    return LongCatMemory(cfg, mapping, table, NgramEmbedding(mapping, table, word, proj, dtype).eval(), backend)
+    return LongCatMemory(cfg, mapping, table, NgramEmbedding(mapping, table, word, proj, dtype).eval(), tier)
 
 
 __all__ = ["EOS_RULES", "LongCatConfig", "LongCatFamily", "LongCatMemory", "NgramEmbedding", "SegmentedTable",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..deprecation import renamed_keywords
 from ..errors import EngramError
 from ..persist import read_json
 
@@ -266,13 +267,14 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] 
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def load_inference_model(path=None, base=None, adapter=None, table_backend: str = "ram", table_dir=None):
+@renamed_keywords(table_backend="table_tier")
+def load_inference_model(path=None, base=None, adapter=None, table_tier: str = "ram", table_dir=None):
     """(model in eval mode, tokenizer) of an engram run dir / model folder (`path`), a qwen4_exp model folder
     (`path`; its n-gram tables served by engram), or a pretrained transformers `base` with its Engram `adapter`;
-    the tables in `table_backend` ("ram", or "mmap"/"disk" files under `table_dir`). What `engram serve`,
-    `edit`, `eval` and `sample` load."""
-    if table_backend != "ram" and not table_dir:
-        raise ValueError(f"--table-backend {table_backend} needs --table-dir DIR for the table files")
+    the tables in tier `table_tier` ("ram", or "mmap"/"disk" files under `table_dir`; `table_backend=` is its
+    deprecated spelling). What `engram serve`, `edit`, `eval` and `sample` load."""
+    if table_tier != "ram" and not table_dir:
+        raise ValueError(f"--table-tier {table_tier} needs --table-dir DIR for the table files")
     if base is not None:
         from ..training.adapt import load_with_adapter
 
@@ -280,27 +282,29 @@ def load_inference_model(path=None, base=None, adapter=None, table_backend: str 
     else:
         from ..integrations import qwen4_exp
 
-        if qwen4_exp.is_model_folder(path):  # (its tables go to the backend as they load: never whole in RAM)
-            return qwen4_exp.load_folder(path, table_backend, table_dir)
+        if qwen4_exp.is_model_folder(path):  # (its tables go to their tier as they load: never whole in RAM)
+            return qwen4_exp.load_folder(path, table_tier, table_dir)
         from ..model import load_model
 
         model, tok = load_model(path)
-    if table_backend != "ram":
+    if table_tier != "ram":
         from ..tables import offload_tables
 
-        offload_tables(model, table_backend, table_dir)
+        offload_tables(model, table_tier, table_dir)
     return model, tok
 
 
-def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_backend: str = "ram",
+@renamed_keywords(table_backend="table_tier")
+def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_tier: str = "ram",
                 table_format: str | None = None, table_dir=None, name: str | None = None,
                 chat_template: str | None = None) -> Engine:
     """An `Engine` for a run dir / model folder (`path`), a pretrained base + adapter, or a qwen4_exp model folder;
     `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does. `chat_template`:
-    "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one)."""
+    "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one). `table_tier`
+    (`table_backend=`: its deprecated spelling), `table_dir`: as `load_inference_model`."""
     from .prepare import prepare_inference
 
-    model, tok = load_inference_model(path, base, adapter, table_backend, table_dir)
+    model, tok = load_inference_model(path, base, adapter, table_tier, table_dir)
     if base is not None:
         template = chat_template_of(Path(base))
         name = name or Path(adapter or base).name

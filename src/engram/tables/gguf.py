@@ -2,7 +2,7 @@
 
     f = GgufFile("model.gguf")                       # header, metadata, tensor infos; no tensor byte is read
     f.meta["qwen4exp.ple.ngram_size"]                 # metadata values (int, float, str, bool, list, numpy array)
-    t = open_table(f, "per_layer_token_embd.weight", backend="disk")   # a read-only Table over the rows in place
+    t = open_table(f, "per_layer_token_embd.weight", tier="disk")     # a read-only Table over the rows in place
     rows = t.gather(ids)                              # (N, dim), decoded from the file's row type after the gather
     write_gguf(path, "qwen4exp", kv, [("per_layer_token_embd.weight", "Q8_0", rows)])   # streamed, atomic
 
@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..deprecation import renamed_keywords
 from .base import GgufError, Table
 from .blocks import HEADER_IDS
 from .codecs.ggml import FLOAT_TYPES, GGML_TYPES, NATIVE_TYPES, NP_FLOAT, TYPE_IDS, GgmlCodec, decode_rows, encode_rows
@@ -296,12 +297,13 @@ def _stored(path, tensor: str | None, rows: int | None):
 FILE_OPENERS[MAGIC] = _stored
 
 
-def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None = None, rows: int | None = None,
+@renamed_keywords(backend="tier")
+def open_table(gguf, name: str, tier: str = "mmap", dtype: torch.dtype | None = None, rows: int | None = None,
                **disk_kwargs) -> Table:
     """A read-only `GgufTable` over 2-D tensor `name` of GGUF file `gguf` (a path or `GgufFile`), in place
     (`open_rows`); its first `rows` rows only when given (a padded table: the rows its hash heads address).
 
-    backend "mmap": the rows memory-mapped, each block checked on its first read when the file has block sums
+    tier "mmap": the rows memory-mapped, each block checked on its first read when the file has block sums
     (`write_gguf` writes them; a llama.cpp file has none: one warning); "disk": read by the cold tier (`DiskTable`:
     positioned reads, many in flight, `disk_kwargs` such as `queue_depth`, `direct`); "ram": the stored rows
     copied into RAM (checked once), decoded after each gather like the others.
@@ -309,7 +311,7 @@ def open_table(gguf, name: str, backend: str = "mmap", dtype: torch.dtype | None
     """
     f = gguf if isinstance(gguf, GgufFile) else GgufFile(gguf)
     (st,), codec = _stored(f, name, rows)
-    return open_rows(st, backend, codec=codec, dtype=dtype, name=f"{f.path.name}:{name}", **disk_kwargs)
+    return open_rows(st, tier, codec=codec, dtype=dtype, name=f"{f.path.name}:{name}", **disk_kwargs)
 
 
 # ------------------------------------------------------------------------------------------ writing

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..deprecation import renamed_keywords
 from .base import TableError, find_tables, install
 from .codecs import (
     FORMATS,
@@ -124,15 +125,16 @@ def write_quant_file(path, codes: torch.Tensor, scales: torch.Tensor, fmt: str, 
     return write_rows(path, (codes, scales), ScaledRowCodec(fmt), page_blocks=page_blocks)
 
 
-def open_quant_file(path, dtype: torch.dtype = torch.float32, backend: str = "mmap", **disk_kwargs) -> QuantTable:
+@renamed_keywords(backend="tier")
+def open_quant_file(path, dtype: torch.dtype = torch.float32, tier: str = "mmap", **disk_kwargs) -> QuantTable:
     """A `QuantTable` over a quantized table file (`write_quant_file`) (`open_rows`).
 
-    backend "mmap": codes and scales memory-mapped, blocks checked on first read. "disk": the codes read
+    tier "mmap": codes and scales memory-mapped, blocks checked on first read. "disk": the codes read
     by the cold tier (`DiskTable`, positioned reads, `disk_kwargs` such as `queue_depth`, `direct`), the
     scales (one byte or two per row) loaded into RAM at open and checked there, so a cold row costs one read.
     """
-    check_tier(backend, ("mmap", "disk"))
-    return open_rows(path, backend, dtype=dtype, expect=QUANT_FILE_FORMAT, **disk_kwargs)
+    check_tier(tier, ("mmap", "disk"))
+    return open_rows(path, tier, dtype=dtype, expect=QUANT_FILE_FORMAT, **disk_kwargs)
 
 
 def write_nvfp4_file(path, chunks, num_rows: int, dim: int, global_scale, page_blocks: bool = False,
@@ -145,13 +147,14 @@ def write_nvfp4_file(path, chunks, num_rows: int, dim: int, global_scale, page_b
     return write_rows(path, (rows,), Nvfp4Codec(global_scale, str(path)), page_blocks, metadata)
 
 
-def open_nvfp4_file(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, name: str | None = None,
+@renamed_keywords(backend="tier")
+def open_nvfp4_file(path, tier: str = "mmap", dtype: torch.dtype = torch.bfloat16, name: str | None = None,
                     **disk_kwargs) -> NvFp4Table:
     """An `NvFp4Table` over an NVFP4 table file (`write_nvfp4_file`) in a tier (`open_rows`): "ram" (rows read into
     RAM), "mmap" (mapped; both checked against their block sums once, at open) or "disk" (`DiskTable`: positioned
     reads, each block checked on its first read; `disk_kwargs` such as `queue_depth`, `direct`)."""
-    check_tier(backend)
-    return open_rows(path, backend, dtype=dtype, name=name or str(path), expect=NVFP4_FILE_FORMAT, verify="open",
+    check_tier(tier)
+    return open_rows(path, tier, dtype=dtype, name=name or str(path), expect=NVFP4_FILE_FORMAT, verify="open",
                      **disk_kwargs)
 
 

@@ -56,9 +56,9 @@ def check_tier(tier: str, allowed: tuple = TIERS, needs_dir: bool = False, where
     file and no directory for it was given (`where` names the call, `dir_arg` its directory argument)."""
     if tier not in allowed:
         names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}" if len(allowed) > 1 else repr(allowed[0])
-        raise TableError(f"backend must be {names}, got {tier!r} (the tier the rows are read from)")
+        raise TableError(f"tier must be {names}, got {tier!r} (where the table rows are read from)")
     if needs_dir and tier != "ram":
-        raise TableError(f"{where}(backend={tier!r}) needs {dir_arg}= for the table files (or backend='ram')")
+        raise TableError(f"{where}(tier={tier!r}) needs {dir_arg}= for the table files (or tier='ram')")
 
 
 def tier_of(table) -> str:
@@ -162,7 +162,7 @@ def open_rows(source, tier: str = "mmap", dir=None, *, codec: RowCodec | None = 
         if tier != "ram" and (dir is not None or not in_place):
             if dir is None:
                 raise TableError(f"{where}: rows in RAM are read from a file on the {tier} tier: pass dir= (where to "
-                                 "write them) or backend='ram'")
+                                 "write them) or tier='ram'")
             if file is None:
                 raise TableError(f"{where}: open_rows(..., dir=) needs file= (the name of the file to write)")
             f = write_rows(Path(dir) / file, parts, codec, page_blocks=tier == "disk", metadata=metadata)

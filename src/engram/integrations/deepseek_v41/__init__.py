@@ -3,7 +3,7 @@
 Studying or serving DeepSeek's memory needs none of its backbone: `load` reads only the Engram parts of
 a checkpoint folder (config.json, tokenizer.json, the safetensors index and the shards it names).
 
-    mem = load("path/to/DeepSeek-V4.1-Flash", backend="disk")      # "ram" | "mmap" | "disk"
+    mem = load("path/to/DeepSeek-V4.1-Flash", tier="disk")         # "ram" | "mmap" | "disk"
     ids = mem.mapping.hash(input_ids, offsets=True)                  # {layer: (B, T, (N-1)*H) int32}: table rows
     hidden = mem.layers[layer](hidden, ids[layer], mask=None)        # (B, T, G, D) -> (B, T, G, D)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
+from ...deprecation import renamed_keywords
 from ...persist import read_json
 from ...tables.codecs import UE8M0_BLOCK, Ue8m0Codec
 from ...tables.rows import check_tier, open_rows
@@ -20,10 +21,13 @@ NEEDS = "a DeepSeek-V4.1 Engram layer needs embed.weight, embed.scale, wkv.weigh
 
 class V41Memory:
     """What `load` returns: `.config` (V41Config), `.mapping` (the `NgramHashMapping` of `hash_mapping`),
-    `.layers[layer_id]` (V41Engram, each with its `.table`), `.backend`. `close()` releases files and read threads."""
+    `.layers[layer_id]` (V41Engram, each with its `.table`), `.tier` (the rows' tier; `.backend`: its old name).
+    `close()` releases files and read threads."""
 
-    def __init__(self, config, mapping, layers, backend):
-        self.config, self.mapping, self.layers, self.backend = config, mapping, layers, backend
+    def __init__(self, config, mapping, layers, tier):
+        self.config, self.mapping, self.layers, self.tier = config, mapping, layers, tier
+
+    backend = property(lambda self: self.tier, doc="The old name of `tier`.")
 
     def __call__(self, layer_id: int, hidden, hash_ids, mask=None):
         return self.layers[layer_id](hidden, hash_ids, mask)
@@ -36,11 +40,12 @@ class V41Memory:
             m.table.close()
 
 
-def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
+@renamed_keywords(backend="tier")
+def load(path, tier: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
          **disk_kwargs) -> V41Memory:
     """DeepSeek-V4.1's Engram layers from a checkpoint folder, without its backbone.
 
-    The rows are opened by `tables.open_rows`: backend "ram": rows copied into RAM as FP8 bytes (264 bytes per
+    The rows are opened by `tables.open_rows`: tier "ram": rows copied into RAM as FP8 bytes (264 bytes per
     256-wide row); "mmap": rows and scales memory-mapped in place from the shards; "disk": read in place by the
     cold tier (`DiskTable`: positioned reads, many in flight; `disk_kwargs` such as `queue_depth`), the scales in
     RAM. Rows are never assembled in RAM for mmap/disk and stay FP8 on disk; a gather dequantizes them to
@@ -49,7 +54,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
     read that (every block checked on its first read; the released shards carry no sums: one warning a layer).
     Everything is checked before any table opens: keys, shapes, dtypes, shard sizes, the tokenizer.
     """
-    check_tier(backend)
+    check_tier(tier)
     d = Path(path)
     if not d.is_dir():
         raise ConfigError(f"{d}: no such checkpoint folder")
@@ -80,7 +85,7 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
     layers, opened = {}, []
     try:
         for lid, t in plan.items():
-            table = open_rows((t["embed.weight"], t["embed.scale"]), backend, dir, codec=Ue8m0Codec(), dtype=dtype,
+            table = open_rows((t["embed.weight"], t["embed.scale"]), tier, dir, codec=Ue8m0Codec(), dtype=dtype,
                               name=f"layer {lid}", file=f"engram_v41_L{lid}.safetensors",
                               metadata={"source": str(d)}, **disk_kwargs)
             opened.append(table)
@@ -95,4 +100,4 @@ def load(path, backend: str = "ram", dir=None, dtype: torch.dtype = torch.bfloat
         for table in opened:
             table.close()
         raise
-    return V41Memory(cfg, mapping, layers, backend)
+    return V41Memory(cfg, mapping, layers, tier)

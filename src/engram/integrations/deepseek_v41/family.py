@@ -83,10 +83,10 @@ class DeepSeekV41Family(HashFamily):
         self.cfg = cfg
         self.layer_ids, self.max_ngram_size, self.n_head_per_ngram = cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads
         self.seed, self.compressed_tokenizer = 0, ct
-        self.raw_pad_id, self.pad_id = cfg.pad_token_id, int(ct.lookup_table[cfg.pad_token_id])
-        self.multipliers = layer_multipliers(cfg.layer_ids, cfg.max_ngram_size, ct.compressed_vocab_size, 0)
-        self.moduli = head_moduli(cfg.layer_ids, [cfg.vocab_size] * (cfg.max_ngram_size - 1), cfg.max_ngram_size,
-                                  cfg.n_heads)
+        self.raw_pad_id, self.compressed_pad_id = cfg.pad_token_id, int(ct.lookup_table[cfg.pad_token_id])
+        self.layer_multipliers = layer_multipliers(cfg.layer_ids, cfg.max_ngram_size, ct.compressed_vocab_size, 0)
+        self.vocab_size_across_layers = head_moduli(cfg.layer_ids, [cfg.vocab_size] * (cfg.max_ngram_size - 1),
+                                                    cfg.max_ngram_size, cfg.n_heads)
         for lid, rows in zip(cfg.layer_ids, cfg.num_embeddings):
             if sum(self.head_sizes(lid)) > rows:
                 raise ConfigError(f"layer {lid}: its heads need {sum(self.head_sizes(lid)):,} rows, "
@@ -96,7 +96,8 @@ class DeepSeekV41Family(HashFamily):
         ct, c = self.compressed_tokenizer, self.cfg
         return {"tokenizer_sha256": ct.tokenizer_sha256, "tokenizer_len": ct.raw_vocab_size,
                 "compressed_vocab_size": ct.compressed_vocab_size, "lookup_table_sha256": ct.lookup_sha256,
-                "pad_id": c.pad_token_id, "compressed_pad_id": self.pad_id, "max_ngram_size": c.max_ngram_size,
+                "pad_id": c.pad_token_id, "compressed_pad_id": self.compressed_pad_id,
+                "max_ngram_size": c.max_ngram_size,
                 "n_head_per_ngram": c.n_heads, "head_dim": c.head_dim, "engram_vocab_size": c.vocab_size,
                 "num_embeddings": c.num_embeddings, "layer_ids": c.layer_ids, "hidden_size": c.hidden_size,
                 "hc_mult": c.hc_mult, "rms_norm_eps": c.rms_norm_eps}

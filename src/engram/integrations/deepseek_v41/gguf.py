@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...deprecation import renamed_keywords
 from ...hashing import NgramHashMapping
 from ...tables.gguf import FIX, GgufError, GgufFile, check_constants, open_table, prime_base, u64s, write_gguf
 from ...tables.rows import check_tier
@@ -35,7 +36,7 @@ def engram_kv(mapping, head_dim: int) -> dict:
             V41_KEYS["primes"]: u64s([mapping.head_sizes(lid) for lid in L]),
             V41_KEYS["offsets"]: u64s([mapping.head_offsets(lid) for lid in L]),
             V41_KEYS["token_map"]: ("ARRAY[INT32]", [int(x) for x in mapping.compressed_tokenizer.lookup_table]),
-            V41_KEYS["pad_id"]: ("UINT32", int(mapping.pad_id))}
+            V41_KEYS["pad_id"]: ("UINT32", int(mapping.compressed_pad_id))}
 
 
 def v41_constants(f: GgufFile) -> dict:
@@ -64,7 +65,8 @@ def v41_constants(f: GgufFile) -> dict:
     return c
 
 
-def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, **disk_kwargs) -> V41Memory:
+@renamed_keywords(backend="tier")
+def load_gguf(path, tier: str = "mmap", dtype: torch.dtype = torch.bfloat16, **disk_kwargs) -> V41Memory:
     """DeepSeek-V4.1's Engram layers from a llama.cpp GGUF file (`deepseek41`, the layout of llama.cpp PR #28696):
     tables `blk.{layer}.engram_embd.weight` read in place (`tables.gguf.open_table`: "ram" copies the stored rows
     into RAM, "mmap" maps them, "disk" reads them by the cold tier; decoded from their row type after each gather),
@@ -72,7 +74,7 @@ def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, 
     the family rebuilt by its rules from the token map, sizes and first table size, whose multipliers, primes and
     offsets must equal the file's (so hashing is the safetensors checkpoint's, the same identity digest).
     Everything is checked before any table opens."""
-    check_tier(backend)
+    check_tier(tier)
     f = GgufFile(path)
     c = v41_constants(f)
     lids, lut = c["layer_ids"], c["token_map"]
@@ -99,8 +101,8 @@ def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, 
     check_constants(f.path, {"multipliers": [c["multipliers"][lid] for lid in lids],
                              "primes": [c["primes"][lid] for lid in lids],
                              "offsets": [c["offsets"][lid] for lid in lids]},
-                    {"multipliers": [family.multipliers[lid] for lid in lids],
-                     "primes": [family.moduli[lid] for lid in lids],
+                    {"multipliers": [family.layer_multipliers[lid] for lid in lids],
+                     "primes": [family.vocab_size_across_layers[lid] for lid in lids],
                      "offsets": [family.head_offsets(lid) for lid in lids]})
     weights = {lid: {k: f.array(name.format(layer=lid)) for k, name in V41_TENSORS.items()} for lid in lids}
     for lid, w in weights.items():
@@ -113,7 +115,7 @@ def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, 
     layers, opened = {}, []
     try:
         for lid in lids:
-            table = open_table(f, V41_TABLE.format(layer=lid), backend, dtype=dtype, **disk_kwargs)
+            table = open_table(f, V41_TABLE.format(layer=lid), tier, dtype=dtype, **disk_kwargs)
             opened.append(table)
             m = V41Engram(lid, cfg, table, dtype=dtype)
             with torch.no_grad():
@@ -125,7 +127,7 @@ def load_gguf(path, backend: str = "mmap", dtype: torch.dtype = torch.bfloat16, 
         for table in opened:
             table.close()
         raise
-    return V41Memory(cfg, NgramHashMapping.for_family(family), layers, backend)
+    return V41Memory(cfg, NgramHashMapping.for_family(family), layers, tier)
 
 
 def export_gguf(mem: V41Memory, path, row_type: str = "Q8_0", arch: str = "deepseek41", chunk_rows: int = 1 << 16):

@@ -6,7 +6,7 @@ SplitMix64 multipliers, consecutive primes, EOS document resets: `Qwen4ExpFamily
 
     mapping = hash_mapping(model.config.text_config)     # or the text config itself
     rows = mapping.hash(input_ids)                       # {ple_layer_id (1-indexed): (B, T, H)} before offsets
-    model = from_pretrained(path, backend="disk", dir=d) # the tables served by engram, in any tier
+    model = from_pretrained(path, tier="disk", dir=d)    # the tables served by engram, in any tier
 
 Modules: `family.py` (the hash family), `served.py` (the module standing in for transformers'), `serving.py`
 (`serve_tables`, `from_pretrained`), `checkpoint.py` (the tables' shards: float or NVFP4), `gguf.py` (llama.cpp's

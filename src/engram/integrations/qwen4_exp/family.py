@@ -69,21 +69,22 @@ class Qwen4ExpFamily(HashFamily):
         self.prime_base, self.seed = int(ngram_vocab_size_base), int(seed)
         self.layer_ids = [int(i) for i in ple_layer_ids]
         self.compressed_tokenizer = RawIds(vocab_size)
-        self.reset_id = self.raw_pad_id = self.pad_id = int(eos_token_id)
+        self.reset_id = self.raw_pad_id = self.compressed_pad_id = int(eos_token_id)
         H = (self.max_ngram_size - 1) * self.n_head_per_ngram
         primes = consecutive_primes(self.prime_base - 1, H * len(self.layer_ids))
-        self.multipliers, self.moduli = {}, {}
+        self.layer_multipliers, self.vocab_size_across_layers = {}, {}
         for i, lid in enumerate(self.layer_ids):
-            self.multipliers[lid] = splitmix_multipliers(vocab_size, self.max_ngram_size, i, self.seed)
+            self.layer_multipliers[lid] = splitmix_multipliers(vocab_size, self.max_ngram_size, i, self.seed)
             heads = primes[i * H:(i + 1) * H]
-            self.moduli[lid] = [heads[o * self.n_head_per_ngram:(o + 1) * self.n_head_per_ngram]
+            self.vocab_size_across_layers[lid] = [heads[o * self.n_head_per_ngram:(o + 1) * self.n_head_per_ngram]
                                 for o in range(self.max_ngram_size - 1)]
 
     def config_spec(self) -> dict:
         return {"vocab_size": self.raw_vocab_size, "max_ngram_size": self.max_ngram_size,
                 "n_head_per_ngram": self.n_head_per_ngram, "prime_base": self.prime_base, "seed": self.seed,
                 "reset_id": self.reset_id, "layer_ids": self.layer_ids,
-                "lookup_table_sha256": self.compressed_tokenizer.lookup_sha256, "compressed_pad_id": self.pad_id}
+                "lookup_table_sha256": self.compressed_tokenizer.lookup_sha256,
+                "compressed_pad_id": self.compressed_pad_id}
 
     @classmethod
     def from_spec(cls, spec: dict, tokenizer=None) -> "Qwen4ExpFamily":

@@ -101,14 +101,14 @@ def gguf_hash_mapping(path, seed: int = 1234, ngram_vocab_size_base: int | None 
     family = Qwen4ExpFamily(c["vocab_size"], c["ngram_size"], c["heads_per_ngram"], [lid], base, seed,
                             c["eos_token_id"])
     check_constants(f.path, {k: c[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets")},
-                    {"multipliers": family.multipliers[lid], "head_vocab_sizes": family.head_sizes(lid),
+                    {"multipliers": family.layer_multipliers[lid], "head_vocab_sizes": family.head_sizes(lid),
                      "head_offsets": family.head_offsets(lid)},
                     f"qwen4_exp's rules derive from its other keys with seed {seed}",
                     "pass seed= (the checkpoint config's) if it is not 1234, else re-convert the file")
     return NgramHashMapping.for_family(family, backend)
 
 
-def serve_gguf_table(gguf, mapping: NgramHashMapping, lid: int, padded: int, backend: str, dim: int):
+def serve_gguf_table(gguf, mapping: NgramHashMapping, lid: int, padded: int, tier: str, dim: int):
     """(table, pad rows) of PLE layer `lid` read in place from a qwen4exp GGUF file (`tables.gguf.open_table`:
     "ram" decodes it into RAM, "mmap" maps it, "disk" reads it by the cold tier), after checking that the file's
     hash constants are `mapping`'s. The rows past those the heads address come back as the pad rows (zeros
@@ -123,7 +123,7 @@ def serve_gguf_table(gguf, mapping: NgramHashMapping, lid: int, padded: int, bac
                      "head_offsets": mapping.head_offsets(lid)}, "this model's config derives",
                     "use the GGUF converted from this checkpoint")
     used = int(sum(mapping.head_sizes(lid)))
-    table = open_table(f, PLE_TABLE, backend, rows=used)
+    table = open_table(f, PLE_TABLE, tier, rows=used)
     if table.dim != dim:
         table.close()
         raise ConfigError(f"{f.path}: {PLE_TABLE} rows are {table.dim} wide, this model's are {dim}")

@@ -6,16 +6,18 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ...config import ConfigError
+from ...deprecation import renamed_keywords
 from ...persist import read_json
 from .family import hash_mapping, text_config
 from .served import ServedNGramEmbedding, _ple_layers
 
 
-def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
+@renamed_keywords(backend="tier")
+def serve_tables(model, tier: str = "ram", dir=None, cache_mb: float = 0.0, prefetch: bool = True,
                  checkpoint=None, gguf=None):
-    """Serve a loaded Qwen4Exp model's n-gram tables from engram: our kernel hashes, an engram backend holds the rows.
+    """Serve a loaded Qwen4Exp model's n-gram tables from engram: our kernel hashes, an engram tier holds the rows.
 
-    The rows are opened by `tables.open_rows`: backend "ram": the table tensor is used where it is (no copy);
+    The rows are opened by `tables.open_rows`: tier "ram": the table tensor is used where it is (no copy);
     "mmap": each table is written, a block of rows at a time, to `dir/engram_table_L{ple layer}.safetensors` and
     memory-mapped (hot-row cache of `cache_mb`), and the model's copy is freed; "disk": written the same way
     (page-aligned, 4 KiB block sums) and read by the cold tier, `DiskTable` (many positioned reads in flight,
@@ -34,7 +36,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
     from .checkpoint import table_rows
     from .gguf import serve_gguf_table
 
-    check_tier(backend, needs_dir=dir is None and gguf is None, where="serve_tables")
+    check_tier(tier, needs_dir=dir is None and gguf is None, where="serve_tables")
     mapping = hash_mapping(model.config)
     cfg = text_config(model.config)
     owner, ples = _ple_layers(model)
@@ -51,7 +53,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
             raise ConfigError(f"layer {i}: the model's heads {orig.head_vocab_sizes[:3]}... differ from the hashing "
                               "its config derives")
         if gguf is not None:  # rows read in place from a llama.cpp file, no copy (the dir is not used)
-            table, pad_rows = serve_gguf_table(gguf, mapping, lid, padded, backend, dim)
+            table, pad_rows = serve_gguf_table(gguf, mapping, lid, padded, tier, dim)
         else:
             if checkpoint is None:  # the tensor transformers loaded (no copy in RAM)
                 if w.shape[0] != padded:
@@ -60,7 +62,7 @@ def serve_tables(model, backend: str = "ram", dir=None, cache_mb: float = 0.0, p
                 source, codec, pad_rows = w[:used], None, w[used:].clone()
             else:  # its shards, a shard at a time: float rows, or NVFP4 rows kept packed in any tier
                 source, codec, pad_rows = table_rows(checkpoint, i, padded, used, dim, cfg.split_ngram_parts, w.dtype)
-            table = open_rows(source, backend, dir, codec=codec, dtype=w.dtype, name=f"layer {i}",
+            table = open_rows(source, tier, dir, codec=codec, dtype=w.dtype, name=f"layer {i}",
                               file=f"engram_table_L{lid}{'.nvfp4' if codec else ''}.safetensors",
                               metadata={"layer": str(lid), **({"source": str(checkpoint)} if checkpoint else {})},
                               cache_bytes=int(cache_mb * 2**20))
@@ -105,20 +107,22 @@ def is_model_folder(path) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") in ("qwen4_exp", "qwen4_exp_text")
 
 
-def load_folder(path, backend: str = "ram", dir=None):
+@renamed_keywords(backend="tier")
+def load_folder(path, tier: str = "ram", dir=None):
     """(model, tokenizer) of a Qwen4Exp model folder: `from_pretrained` (tables served by engram) and the folder's
     tokenizer.json. What `engram serve PATH` and `engram edit --checkpoint PATH` load for such a folder."""
     from pathlib import Path
 
     from ...tokenizer import load_tokenizer
 
-    return from_pretrained(path, backend, dir), load_tokenizer(Path(path) / "tokenizer.json")
+    return from_pretrained(path, tier, dir), load_tokenizer(Path(path) / "tokenizer.json")
 
 
-def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, gguf=None,
+@renamed_keywords(backend="tier")
+def from_pretrained(path, tier: str = "mmap", dir=None, cache_mb: float = 0.0, prefetch: bool = True, gguf=None,
                     **kwargs):
     """Load a Qwen4Exp checkpoint with its n-gram tables served by engram, never holding a whole table in RAM
-    (backend "mmap"): the backbone loads through transformers with the table left out (its modules get an
+    (tier "mmap"): the backbone loads through transformers with the table left out (its modules get an
     empty table and its `split_ngram_parts` shards are skipped), then `serve_tables(..., checkpoint=path)`
     streams each table into `dir`, one shard at a time. `gguf`: the table is read in place from that llama.cpp
     GGUF file instead (its shards in `path` are not read). `kwargs` go to transformers' `from_pretrained`.
@@ -126,8 +130,8 @@ def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
 
-    if backend in ("mmap", "disk") and dir is None and gguf is None:
-        raise ConfigError(f"from_pretrained(backend={backend!r}) needs dir= for the table files")
+    if tier in ("mmap", "disk") and dir is None and gguf is None:
+        raise ConfigError(f"from_pretrained(tier={tier!r}) needs dir= for the table files")
     hash_mapping(AutoConfig.from_pretrained(path))  # a model without n-gram tables is refused before loading
     original = mq.Qwen4ExpTextNGramEmbedding
 
@@ -143,5 +147,5 @@ def from_pretrained(path, backend: str = "mmap", dir=None, cache_mb: float = 0.0
                                                      **kwargs)
     finally:
         mq.Qwen4ExpTextNGramEmbedding = original
-    return serve_tables(model, backend=backend, dir=dir, cache_mb=cache_mb, prefetch=prefetch,
+    return serve_tables(model, tier=tier, dir=dir, cache_mb=cache_mb, prefetch=prefetch,
                         checkpoint=None if gguf is not None else path, gguf=gguf)

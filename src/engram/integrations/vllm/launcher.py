@@ -1,6 +1,6 @@
 """`engram serve PATH --engine vllm`: vLLM's OpenAI server for an engram model, with engram's option names.
 
-    engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-backend mmap --table-dir /tmp/t
+    engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-tier mmap --table-dir /tmp/t
 
 becomes (then exec'd, so signals and the exit code are vLLM's)
 
@@ -114,10 +114,10 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         print(f"engram: {d} has no {TOKENIZER_CONFIG} (saved by an older engram): vLLM knows no EOS for it, so "
               "generation stops only at max_tokens or a stop string", file=sys.stderr, flush=True)
     overrides: dict = {}
-    if args.table_backend != "ram":
+    if args.table_tier != "ram":
         if not args.table_dir:
-            raise VllmLaunchError(f"--table-backend {args.table_backend} needs --table-dir DIR for the table files")
-        overrides.update(engram_table_tier=args.table_backend, engram_table_dir=str(Path(args.table_dir).resolve()))
+            raise VllmLaunchError(f"--table-tier {args.table_tier} needs --table-dir DIR for the table files")
+        overrides.update(engram_table_tier=args.table_tier, engram_table_dir=str(Path(args.table_dir).resolve()))
     if args.table_format:
         overrides["engram_table_format"] = args.table_format
     at_load = []

@@ -5,7 +5,7 @@
 
 | key | values | as in `engram serve` |
 |---|---|---|
-| `engram_table_tier` | `ram` (default), `mmap`, `disk` | `--table-backend` |
+| `engram_table_tier` | `ram` (default), `mmap`, `disk` | `--table-tier` |
 | `engram_table_dir` | folder for the mmap/disk table files | `--table-dir` |
 | `engram_table_format` | `float32`, `bfloat16`, `int8`, `fp8`, `fp8_ue8m0`, `nvfp4` | `--table-format` |
 | `engram_overlay` | an overlay folder or a list of them, stacked in order | `engram sample --overlay` |
