@@ -1,5 +1,7 @@
 """A real language model hosting Engram: attention (RoPE, GQA, KV cache), SwiGLU or DeepSeekMoE FFN, mHC.
 
+Over 450 lines on purpose: the whole model (blocks, Engram placement, generation cache) is read in one sitting.
+
     ids (B, T) -> embed_tokens -> (B, T, G, D) streams (G = hc_mult, D = hidden) -> blocks
         -> mean over streams -> norm -> lm_head
 

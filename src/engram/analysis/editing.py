@@ -1,5 +1,7 @@
 """`engram experiment edit`: facts written into table rows (`engram edit`) vs taught by fine-tuning.
 
+Over 450 lines on purpose: one experiment's design, driver and report, which its record is read against.
+
 1. The model: an `exp`-size Engram LM (hidden 128, 4 blocks) trained on Shakespeare plus a world-facts
    corpus (`world_facts`: every country of the PyPI wheel `countryinfo==1.0.1`, MIT, with its capital,
    subregion and demonym, each stated in three phrasings, 30 shuffled copies), so that it *knows* facts

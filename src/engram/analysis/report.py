@@ -1,5 +1,7 @@
 """`engram results`: docs/results.md and its plots, regenerated from the per-seed files in docs/results/.
 
+Over 450 lines on purpose: the results page's one renderer and its number guard, kept together.
+
 `engram experiment NAME --record docs/results` writes `docs/results/NAME.json`: every variant's final val
 loss for every seed, the seeds, parameter counts, the val curves (iso), and the environment each run
 recorded (library versions, threads, CPU, ENGRAM_FUSED, commit). `docs/results.in.md` is the text of

@@ -1,5 +1,7 @@
 """`engram experiment retrofit`: teach a pretrained model a knowledge-dense domain: Engram adapters vs LoRA vs full FT.
 
+Over 450 lines on purpose: one experiment's design, driver and report, which its record is read against.
+
 1. The base: a Llama (`transformers.LlamaForCausalLM`, `BASE`: hidden 192, 4 layers, 4.9M parameters)
    pretrained from scratch on Shakespeare + the King James Bible with its own byte-level BPE tokenizer
    (8,192 tokens, trained on that text), 1,000 steps x 2,048 tokens (~1 epoch). Cached in

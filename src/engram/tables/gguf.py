@@ -1,5 +1,7 @@
 """GGUF files (llama.cpp's format): n-gram tables and their hash constants read in place, and tables written as GGUF.
 
+Over 450 lines on purpose: the GGUF container (reader, writer, tensor table) is one format, kept whole.
+
     f = GgufFile("model.gguf")                       # header, metadata, tensor infos; no tensor byte is read
     f.meta["qwen4exp.ple.ngram_size"]                 # metadata values (int, float, str, bool, list, numpy array)
     t = open_table(f, "per_layer_token_embd.weight", tier="disk")     # a read-only Table over the rows in place
