@@ -11,7 +11,8 @@ clean tree, and the record stores the prereg's blob id and the commit that ran.
 
 The methods (`METHODS` maps the prereg's names to `training.adapt.adapt` arguments):
 * `engram`: the adapter's default sizes at the preregistered block, base frozen;
-* `engram-matched`: the same adapter with rows per head solved so its trainable count equals lora-all's;
+* `engram-matched`: the adapter at half the default width (`n_embed_per_ngram` 128 against SmolLM2's default 256,
+  as retrofit's matched adapter) with rows per head solved so its trainable count equals lora-all's;
 * `lora-all`: PEFT LoRA rank 8 on every linear layer;
 * `full`: every weight of the base.
 
