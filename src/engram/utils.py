@@ -54,12 +54,28 @@ def cache_dir() -> Path:
     return Path(base) / "engram"
 
 
+def git_state(where: Path) -> tuple[str | None, bool | None]:
+    """(HEAD commit, dirty) of the git checkout holding `where`; dirty: a tracked file differs from that commit
+    (untracked files do not count), so the commit alone does not name the code. (None, None) outside a checkout."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        if commit is None:
+            return None, None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit, dirty
+
+
 def environment() -> dict:
     """What a result depends on besides the code and the seed: library versions, threads, CPU, ENGRAM_FUSED, the
     commit of this checkout and `dirty` (its tracked files differ from it; both None outside a git checkout). Runs
     record it in summary.json."""
     import platform
-    import subprocess
     from importlib import metadata
 
     def version(name):
@@ -82,15 +98,7 @@ def environment() -> dict:
         threads = torch.get_num_threads()
     except ImportError:
         threads = None
-    try:
-        here = Path(__file__).parent
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-        # dirty: a tracked file differs from that commit, so the commit alone does not name the code that ran
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=5).stdout.strip()) if commit else None
-    except (OSError, subprocess.SubprocessError):
-        commit = dirty = None
+    commit, dirty = git_state(Path(__file__).parent)
     return {"torch": version("torch"), "numba": version("numba"), "transformers": version("transformers"),
             "tokenizers": version("tokenizers"), "engram": version("engram-torch"), "python": platform.python_version(),
             "threads": threads, "cpu": cpu, "cpus": os.cpu_count(), "ENGRAM_FUSED": os.environ.get("ENGRAM_FUSED", "1"),

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..utils import parse_toml
+from ..utils import git_state, parse_toml
 from .runs import ExperimentError
 
 PREREG_DIR = Path("docs") / "prereg"
@@ -36,11 +36,6 @@ def repo_root(start: Path | None = None) -> Path | None:
     r = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=start or Path.cwd(), capture_output=True,
                        text=True)
     return Path(r.stdout.strip()) if r.returncode == 0 else None
-
-
-def tree_state(repo: Path) -> tuple[str, bool]:
-    """(HEAD commit, dirty): dirty when a tracked file differs from HEAD (untracked files do not count)."""
-    return _git(repo, "rev-parse", "HEAD"), bool(_git(repo, "status", "--porcelain", "--untracked-files=no"))
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,9 @@ def load(name: str, record: bool, repo: Path | None = None) -> Prereg:
     if not f.is_file():
         raise ExperimentError(f"{f}: no preregistration for {name}; write and commit it before the runs")
     design = parse_toml(f.read_text(encoding="utf-8"), str(f), ExperimentError)
-    commit, dirty = tree_state(repo)
+    commit, dirty = git_state(repo)
+    if commit is None:
+        raise ExperimentError(f"{repo}: git cannot read this checkout's HEAD; commit something first")
     blob = _git(repo, "rev-parse", f"HEAD:{rel.as_posix()}", check=False) or None
     if blob and _git(repo, "hash-object", str(f)) != blob:
         blob = None  # the file on disk is not the committed one

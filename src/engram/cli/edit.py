@@ -35,13 +35,12 @@ def cmd_edit(args) -> int:
 
 def _chat_facts(args, facts, chat_contexts) -> list:
     """--chat: each fact with a "question" again inside the model's own chat template (`chat_contexts`)."""
-    from ..serving.engine import chat_renderer, chat_template_of
+    from ..serving.engine import chat_renderer, model_chat_template
 
-    folder = Path(args.base) if args.base else Path(args.checkpoint)
-    template = chat_template_of(folder if (folder / "tokenizer_config.json").is_file() else folder / "final")
+    template = model_chat_template(args.checkpoint, args.base)
     if not template:
-        raise ValueError(f"--chat: {folder} has no chat template (chat_template.jinja or tokenizer_config.json); "
-                         "edit without --chat")
+        raise ValueError(f"--chat: {args.base or args.checkpoint} has no chat template (chat_template.jinja or "
+                         "tokenizer_config.json); edit without --chat")
     if not any(f.question for f in facts):
         raise ValueError(f'--chat: no fact in {args.facts} has a "question" (the user turn its answer starts with)')
 

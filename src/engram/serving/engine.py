@@ -305,12 +305,11 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
     from .prepare import prepare_inference
 
     model, tok = load_inference_model(path, base, adapter, table_tier, table_dir)
+    template = model_chat_template(path, base)
     if base is not None:
-        template = chat_template_of(Path(base))
         name = name or Path(adapter or base).name
     else:
         p = Path(path)
-        template = chat_template_of(p if (p / "tokenizer_config.json").is_file() else p / "final")
         name = name or (p.name if p.name != "final" else p.parent.name)
     if chat_template == "plain":
         template = PLAIN_CHAT_TEMPLATE
@@ -346,6 +345,15 @@ def chat_renderer(template: str, refuse):
     compiled = env.from_string(template)
     return lambda messages: compiled.render(messages=messages, add_generation_prompt=True, bos_token="",
                                             eos_token="")
+
+
+def model_chat_template(path=None, base=None) -> str | None:
+    """The chat template of what `load_inference_model(path, base, ...)` loads: the base folder's, else the model
+    folder's (a run dir's `final/` when the folder itself holds no tokenizer_config.json). None when it has none."""
+    if base is not None:
+        return chat_template_of(Path(base))
+    p = Path(path)
+    return chat_template_of(p if (p / "tokenizer_config.json").is_file() else p / "final")
 
 
 def chat_template_of(d: Path) -> str | None:
