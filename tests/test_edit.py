@@ -427,8 +427,10 @@ def test_finetune_measured_at_a_budget_is_the_run_of_that_many_steps(run):
     def grab(step, model):
         with torch.no_grad():
             seen.setdefault(step, []).append(model(torch.tensor([[5, 6, 7, 8]])).logits.clone())
-    ed.finetune(root / "run", FACTS, "ft", (2, 3), grab, 1e-3, progress=False)
-    ed.finetune(root / "run", FACTS, "ft", (2,), grab, 1e-3, progress=False)
+    from engram.model import load_model
+
+    ed.finetune(lambda: load_model(root / "run"), FACTS, "ft", (2, 3), grab, 1e-3, progress=False)
+    ed.finetune(lambda: load_model(root / "run"), FACTS, "ft", (2,), grab, 1e-3, progress=False)
     assert set(seen) == {2, 3} and torch.equal(seen[2][0], seen[2][1]) and not torch.equal(seen[2][0], seen[3][0])
 
 

@@ -131,18 +131,18 @@ def _finetune_model(model, method: str, lr: float):
     return model, opts
 
 
-def finetune(model_dir: Path, facts: list[Fact], method: str, budgets, on_budget, lr: float, kl_weight: float = 0.0,
-             anchor=None, seed: int = 0, progress: bool = True) -> dict:
+def finetune(load, facts: list[Fact], method: str, budgets, on_budget, lr: float, kl_weight: float = 0.0,
+             anchor=None, seed: int = 0, progress: bool = True, kl_windows: int = 8) -> dict:
     """Teach `facts` by fine-tuning (`method` ft | ft+kl | lora) at a constant `lr` for max(`budgets`) steps,
-    calling `on_budget(step, model)` after each budget (the model as a run of that many steps leaves it). `ft+kl`
-    adds `kl_weight` x KL(original || tuned) of next-token distributions on 8 windows of `anchor` (general text)
-    per step. Returns {steps, seconds, trainable_params}."""
+    calling `on_budget(step, model)` after each budget (the model as a run of that many steps leaves it). `load()`
+    returns a fresh (model, tokenizer) of the model the edit starts from (engram's own, or a base with its adapter).
+    `ft+kl` adds `kl_weight` x KL(original || tuned) of next-token distributions on `kl_windows` windows of
+    `anchor` (general text, (W, T)) per step. Returns {steps, seconds, trainable_params}."""
     from ..editing.optimize import _batch, _sequences, _target_logprobs
-    from ..model import load_model
 
     torch.manual_seed(seed)
-    model, tok = load_model(model_dir)
-    ref = load_model(model_dir)[0].eval() if method == "ft+kl" else None
+    model, tok = load()
+    ref = load()[0].eval() if method == "ft+kl" else None
     model, opts = _finetune_model(model, method, lr)
     seqs = _sequences(tok, facts)
     ids = _batch([p + t for p, t in seqs], 1)
@@ -153,7 +153,7 @@ def finetune(model_dir: Path, facts: list[Fact], method: str, budgets, on_budget
         lps = _target_logprobs(model, ids, seqs)
         loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
         if ref is not None:
-            x = torch.from_numpy(anchor[torch.randint(len(anchor), (8,), generator=gen).numpy()]).long()
+            x = torch.from_numpy(anchor[torch.randint(len(anchor), (kl_windows,), generator=gen).numpy()]).long()
             with torch.no_grad():
                 p0 = F.log_softmax(ref(x).logits, -1)
             kl = F.kl_div(F.log_softmax(model(x).logits, -1), p0, log_target=True, reduction="batchmean") / x.shape[1]
@@ -309,7 +309,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                     extra = {"seconds": round(time.perf_counter() - t0, 1)}
                 else:
                     _say(progress, f"[edit] seed {seed}: {name} for {budgets[-1]} steps")
-                    extra = finetune(model_path, facts, c["method"], budgets,
+                    extra = finetune(lambda: load_model(model_path), facts, c["method"], budgets,
                                      lambda step, m: at.__setitem__(step, measure(m, tok, fs, damage, before)),
                                      c["lr"], c["kl"], anchor, seed=seed, progress=progress)
                 write_json(f, {"seed": seed, "config": name, **c, "facts": sizes,

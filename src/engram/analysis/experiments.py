@@ -32,6 +32,10 @@ Experiments:
                corpus it predicts worst: Engram adapters vs LoRA vs full fine-tuning; every choice read from the
                committed preregistration docs/prereg/smollm2-adapt.toml (`--seeds` does not apply; --record
                refuses a dirty tree) (`analysis/smollm2.py`; --jobs 2: about 70 min on 2 cores).
+  smollm2-edit counterfactual edits of capitals SmolLM2-135M-Instruct (+ an Engram adapter) knows: `engram edit`
+               vs fine-tuning, fine-tuning + KL and LoRA at fixed step budgets; efficacy, paraphrases,
+               specificity on known unedited facts, fluency; read from docs/prereg/smollm2-edit.toml
+               (`analysis/smollm2_edit.py`; about 25 min on 2 cores).
   adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
                bases adapted to Shakespeare and to the King James Bible: settings apart from
                benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).
@@ -54,7 +58,7 @@ from .report import experiment_record, plot, record_experiment, table_markdown
 from .runs import call_in_subprocess, difference, read_run_file, run_parallel, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
-               "adapter-init", "smollm2-adapt")
+               "adapter-init", "smollm2-adapt", "smollm2-edit")
 
 
 def variants(name: str, preset: str, size: str = "default") -> dict[str, dict]:
@@ -118,6 +122,10 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
         from .smollm2 import run
 
         return run(out, progress=progress, record=record, jobs=jobs, max_steps=max_steps)
+    if name == "smollm2-edit":  # the same base, edited; its design is its preregistration
+        from .smollm2_edit import run
+
+        return run(out, progress=progress, record=record, budgets=[max_steps] if max_steps else None)
     if name == "allocation":  # MoE backbones with fixed totals: its own plan and driver
         from .allocation import run
 
