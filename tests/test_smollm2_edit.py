@@ -32,10 +32,21 @@ def test_fact_sets_are_disjoint_known_facts_with_counterfactual_targets():
 
 
 def test_the_score_is_zero_when_any_part_is_and_rewards_balance():
-    m = {"efficacy": 1.0, "paraphrases": 1.0, "specificity_same": 1.0, "specificity_other": 1.0}
-    assert se.score(m) == 1.0
+    m = {"efficacy": 1.0, "paraphrases": 0.0, "specificity_same": 1.0, "specificity_other": 1.0, "fluency_change": 0}
+    assert se.score(m) == 1.0  # paraphrases are not selected on (amendment 1)
     assert se.score({**m, "specificity_same": 0.0}) == 0.0
-    assert se.score({**m, "efficacy": 0.5, "paraphrases": 0.5}) < se.score({**m, "efficacy": 0.75, "paraphrases": 0.75})
+    assert se.score({**m, "efficacy": 0.5}) < se.score({**m, "efficacy": 0.75})
+
+
+def test_selection_ranks_by_score_then_efficacy_then_damage_then_the_larger_rate():
+    m = {"efficacy": 0.0, "paraphrases": 0.0, "specificity_same": 1.0, "specificity_other": 1.0, "fluency_change": 0}
+    nothing = {1e-5: m, 3e-5: m, 1e-4: m}
+    assert se.selection_rank(nothing)[1e-4] == 0  # nothing learned anywhere: the grid grows upward
+    edits = {0.03: {**m, "efficacy": 0.4, "specificity_other": 0.95}, 0.1: {**m, "efficacy": 1.0,
+             "specificity_other": 0.95}, 0.3: {**m, "efficacy": 1.0, "specificity_other": 0.9}}
+    assert se.selection_rank(edits) == {0.1: 0, 0.3: 1, 0.03: 2}
+    tie = {0.1: {**m, "efficacy": 1.0, "fluency_change": 0.02}, 0.3: {**m, "efficacy": 1.0, "fluency_change": 0.01}}
+    assert se.selection_rank(tie)[0.3] == 0
 
 
 def synthetic(d, effect: float) -> dict:

@@ -59,13 +59,14 @@ METHODS = {"full": dict(method="full"), "lora-all": LORA_ALL, "engram": dict(met
            "engram-matched": dict(method="engram", engram_options={"n_embed_per_ngram": 128, "n_head_per_ngram": 4})}
 
 
-def smollm2_base(root: Path, name: str, progress: bool = True) -> Path:
-    """The imported base folder in `root/base` (fetched and imported the first time; reruns reuse it)."""
+def smollm2_base(root: Path, name: str, progress: bool = True, label: str = NAME) -> Path:
+    """The imported base folder in `root/base` (fetched and imported the first time; reruns reuse it); `label`
+    names the experiment in the progress line."""
     from ..integrations import gguf_bases
 
     folder = root / "base"
     if not (folder / "config.json").is_file():
-        _say(progress, f"[{NAME}] fetching and importing {name} -> {folder}")
+        _say(progress, f"[{label}] fetching and importing {name} -> {folder}")
         gguf_bases.import_gguf(gguf_bases.fetch(name, quiet=not progress), folder, overwrite=folder.exists())
     return folder
 
