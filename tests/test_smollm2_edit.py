@@ -45,8 +45,31 @@ def test_selection_ranks_by_score_then_efficacy_then_damage_then_the_larger_rate
     edits = {0.03: {**m, "efficacy": 0.4, "specificity_other": 0.95}, 0.1: {**m, "efficacy": 1.0,
              "specificity_other": 0.95}, 0.3: {**m, "efficacy": 1.0, "specificity_other": 0.9}}
     assert se.selection_rank(edits) == {0.1: 0, 0.3: 1, 0.03: 2}
-    tie = {0.1: {**m, "efficacy": 1.0, "fluency_change": 0.02}, 0.3: {**m, "efficacy": 1.0, "fluency_change": 0.01}}
-    assert se.selection_rank(tie)[0.3] == 0
+    damage = {1e-5: m, 3e-5: {**m, "fluency_change": 0.001}, 1e-4: {**m, "fluency_change": 0.002}}
+    assert se.selection_rank(damage)[1e-4] == 0  # fluency breaks no tie (amendment 2): the grid still grows upward
+
+
+def test_fine_tuning_trains_every_weight_of_a_base_with_an_adapter(tmp_path):
+    """ft and ft+kl unfreeze what attaching an adapter froze; LoRA trains its own weights only."""
+    from bases import tale_tokenizer, tiny_base
+
+    import engram
+    from engram.analysis.editing import _finetune_model
+
+    tok = tale_tokenizer(tmp_path / "tokenizer.json")
+
+    def adapted():
+        model = tiny_base("llama")
+        engram.attach(model, layer_ids=[1], tokenizer=tok)
+        assert not model.model.embed_tokens.weight.requires_grad
+        return model
+
+    model, opts = _finetune_model(adapted(), "ft", 1e-4)
+    assert all(p.requires_grad for p in model.parameters())
+    assert sum(p.numel() for o in opts for g in o.param_groups for p in g["params"]) == \
+        sum(p.numel() for p in model.parameters())
+    model, _ = _finetune_model(adapted(), "lora", 1e-3)
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
 def synthetic(d, effect: float) -> dict:

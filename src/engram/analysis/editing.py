@@ -123,6 +123,8 @@ def _finetune_model(model, method: str, lr: float):
         m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
         params = [p for p in m.parameters() if p.requires_grad]
         return m, [torch.optim.AdamW(params, lr=lr, weight_decay=0.0)]
+    for p in model.parameters():  # every weight: a base with an adapter arrives frozen (as PEFT freezes it)
+        p.requires_grad_(True)
     dense = [p for n, p in model.named_parameters() if not is_table_key(n)]
     tables = [p for n, p in model.named_parameters() if is_table_key(n) and p.numel()]
     opts = [torch.optim.AdamW(dense, lr=lr, weight_decay=0.0)]
@@ -167,7 +169,7 @@ def finetune(load, facts: list[Fact], method: str, budgets, on_budget, lr: float
             _say(progress, f"[edit] {method} lr {lr:g} kl {kl_weight:g}: step {step}, target NLL {loss.item():.3f}")
             model.eval()
             on_budget(step, model)
-    trainable = sum(p.numel() for o in opts for g in o.param_groups for p in g["params"])
+    trainable = sum(p.numel() for o in opts for g in o.param_groups for p in g["params"] if p.requires_grad)
     return {"steps": todo[-1], "seconds": round(time.perf_counter() - t0, 1), "trainable_params": trainable}
 
 

@@ -124,9 +124,9 @@ def score(m: dict) -> float:
 
 def selection_rank(at: dict[float, dict]) -> dict[float, int]:
     """{lr: rank} of a method's selection-set measurements {lr: metrics at the last budget}, 0 the best: the highest
-    score, then the highest efficacy, then the least fluency damage, then the larger rate (so that a grid where
-    nothing is learned yet is extended upward)."""
-    order = sorted(at, key=lambda lr: (-score(at[lr]), -at[lr]["efficacy"], at[lr]["fluency_change"], -lr))
+    score, then the highest efficacy, then the larger rate (so that a grid where nothing is learned yet is extended
+    upward; amendment 2 dropped the fluency tie-break, which had sent such a grid downward)."""
+    order = sorted(at, key=lambda lr: (-score(at[lr]), -at[lr]["efficacy"], -lr))
     return {lr: i for i, lr in enumerate(order)}
 
 
