@@ -31,22 +31,23 @@ def test_fact_sets_are_disjoint_known_facts_with_counterfactual_targets():
         se.fact_sets(few, d)
 
 
-def test_the_score_is_zero_when_any_part_is_and_rewards_balance():
+def test_the_score_weighs_efficacy_and_both_specificities_and_never_paraphrases():
     m = {"efficacy": 1.0, "paraphrases": 0.0, "specificity_same": 1.0, "specificity_other": 1.0, "fluency_change": 0}
     assert se.score(m) == 1.0  # paraphrases are not selected on (amendment 1)
-    assert se.score({**m, "specificity_same": 0.0}) == 0.0
+    assert se.score({**m, "specificity_same": 0.0}) == pytest.approx(2 / 3)  # a 0 no longer makes every rate tie
     assert se.score({**m, "efficacy": 0.5}) < se.score({**m, "efficacy": 0.75})
 
 
-def test_selection_ranks_by_score_then_efficacy_then_damage_then_the_larger_rate():
+def test_selection_ranks_by_score_then_efficacy_then_the_larger_rate():
     m = {"efficacy": 0.0, "paraphrases": 0.0, "specificity_same": 1.0, "specificity_other": 1.0, "fluency_change": 0}
-    nothing = {1e-5: m, 3e-5: m, 1e-4: m}
-    assert se.selection_rank(nothing)[1e-4] == 0  # nothing learned anywhere: the grid grows upward
+    nothing = {1e-5: m, 3e-5: {**m, "fluency_change": 0.001}, 1e-4: {**m, "fluency_change": 0.002}}
+    assert se.selection_rank(nothing)[1e-4] == 0  # nothing learned anywhere: the grid grows upward (amendment 2)
     edits = {0.03: {**m, "efficacy": 0.4, "specificity_other": 0.95}, 0.1: {**m, "efficacy": 1.0,
              "specificity_other": 0.95}, 0.3: {**m, "efficacy": 1.0, "specificity_other": 0.9}}
     assert se.selection_rank(edits) == {0.1: 0, 0.3: 1, 0.03: 2}
-    damage = {1e-5: m, 3e-5: {**m, "fluency_change": 0.001}, 1e-4: {**m, "fluency_change": 0.002}}
-    assert se.selection_rank(damage)[1e-4] == 0  # fluency breaks no tie (amendment 2): the grid still grows upward
+    broken = {1e-5: {**m, "efficacy": 1.0, "specificity_same": 0.0, "specificity_other": 0.21},
+              3e-4: {**m, "efficacy": 1.0, "specificity_same": 0.0, "specificity_other": 0.0}}
+    assert se.selection_rank(broken)[1e-5] == 0  # (amendment 3) what breaks less wins
 
 
 def test_fine_tuning_trains_every_weight_of_a_base_with_an_adapter(tmp_path):
