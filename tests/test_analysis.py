@@ -48,7 +48,8 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
         assert set(table) == {"reference", "v41", "v41, fp8_ue8m0 rows"} and table["v41"]["n"] == 2
         assert table["v41"]["params"] == table["reference"]["params"]  # (the unused conv weights are still built)
         assert table["v41"]["table_params"] == table["reference"]["table_params"]
-        assert "vs_reference" in table["v41, fp8_ue8m0 rows"] and "sd, n" in (root / "summary.md").read_text()
+        # no test of its own beside the results page's family (the Welch p it kept was stale beside the paired one)
+        assert "vs_reference" not in table["v41, fp8_ue8m0 rows"] and "sd, n" in (root / "summary.md").read_text()
         # the record: the command as run, the steps the runs trained, the FP8 evaluations paired by their runs' seeds
         run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)], max_steps=3,
                        progress=False, finished_only=True, record=tmp_path / "rec")

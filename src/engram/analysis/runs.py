@@ -75,17 +75,6 @@ def seed_stats(xs: list[float]) -> dict:
             "spread": (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0, "values": xs}
 
 
-def difference(a: dict, b: dict, seeds_a: list[int] | None = None, seeds_b: list[int] | None = None) -> dict:
-    """b - a of two `seed_stats` by the test of `significance.compare` (paired on shared seeds when both seed
-    lists are given, Welch otherwise): diff, se, p (two-sided), test ("paired"/"welch") and `finding`, which is
-    p < 0.05 for this comparison alone; in a family of comparisons adjust the p-values (`significance.holm`)
-    and call findings from the adjusted ones."""
-    from .significance import ALPHA, compare
-
-    t = compare(a["values"], b["values"], seeds_a, seeds_b)
-    return {"diff": t.diff, "se": t.se, "p": t.p, "test": t.kind, "finding": bool(t.p < ALPHA)}
-
-
 def index_environments(runs: list[dict]) -> list[dict]:
     """The distinct environments `runs` recorded; each run's `environment` replaced, in place, by its index there
     (None where a run recorded none): a record keeps each environment once."""
