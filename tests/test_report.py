@@ -7,7 +7,7 @@ import pytest
 
 stats = pytest.importorskip("scipy.stats", reason="scipy computes the tests")
 
-from engram.analysis import report  # noqa: E402
+from engram.analysis import records, report  # noqa: E402
 from engram.analysis import significance as sig  # noqa: E402
 from engram.analysis.runs import seed_stats  # noqa: E402
 
@@ -37,7 +37,7 @@ def test_placeholders_use_sample_sd_and_the_family_tests():
     assert "**Tests, family F** (2 comparisons, paired t-tests (shared seeds)" in table
     assert "| engram - no-engram | -0.1000 ± 0.0000 | paired t, n=3 |" in table
     assert "2 threads" in env and "abcdef1" in env
-    md = report.table_markdown(recs["iso"])
+    md = records.table_markdown(recs["iso"])
     assert "vs no-engram (difference of means)" in md and md.count("\n") == 4 and "| -0.1000 |" in md
 
 
@@ -91,7 +91,7 @@ def test_record_keeps_every_seed_and_environment(tmp_path):
                            "metrics": [{"step": 0, "val_loss": 8.0}, {"step": 10, "val_loss": 5.0}]} for s in range(3)]}
     summary = {"experiment": "iso", "preset": "exp", "seeds": 3,
                "variants": {"engram": seed_stats([r["val_loss"] for r in results["engram"]])}}
-    rec = report.record_experiment(tmp_path / "iso.json", summary, results)
+    rec = records.record_experiment(tmp_path / "iso.json", summary, results)
     back = json.loads((tmp_path / "iso.json").read_text())
     assert back == rec and back["seeds"] == {"engram": [0, 1, 2]}
     assert back["variants"]["engram"]["values"] == [4.6, 4.61, 4.62]

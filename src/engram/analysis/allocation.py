@@ -302,7 +302,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     plan) for `seeds` seeds and report the others' finished runs only. `finished_only`: train nothing.
     `record`: also write `record/allocation-accounting.json` and the per-seed results `record/allocation.json`."""
     from ..training.presets import train_config
-    from .report import recorded_runs
+    from .records import recorded_runs
 
     sc = _scale(scale)
     root = Path(out) / "allocation" if scale == "cpu" else Path(out) / f"allocation-{scale}"
@@ -373,7 +373,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
                "best_engram": best, "pure_moe": sweep[-1]}
     write_json(root / "summary.json", summary)
     if record is not None:
-        from .report import record_experiment
+        from .records import record_experiment
 
         rec_table = {v.name: table[v.name] | {"rho": v.rho, "params": v.accounting["total"],
                                               "activated": v.accounting["activated"],
@@ -396,8 +396,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
 
 # ------------------------------------------------------------------------------------------ reports
 def accounting_markdown(vs: list[Variant]) -> str:
-    """The accounting table of the plan `vs` (`report.accounting_markdown`, which also renders the committed one)."""
-    from .report import accounting_markdown
+    """The accounting table of the plan `vs` (`records.accounting_markdown`, which also renders the committed one)."""
+    from .records import accounting_markdown
 
     return accounting_markdown([dataclasses.asdict(v) for v in vs])
 

@@ -54,7 +54,7 @@ from ..persist import atomic_write_bytes, write_json
 from ..training.data import eval_windows, load_split
 from ..training.presets import get_preset
 from ..utils import environment
-from .report import experiment_record, plot, record_experiment, table_markdown
+from .records import experiment_record, plot, record_experiment, table_markdown
 from .runs import call_in_subprocess, read_run_file, run_parallel, seed_stats, trained_run
 
 EXPERIMENTS = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",

@@ -1,6 +1,6 @@
 """`engram results`: docs/results.md and its plots, regenerated from the per-seed files in docs/results/.
 
-Over 450 lines on purpose: the results page's one renderer and its number guard, kept together.
+How an experiment writes its record, and the record's table and plot, are `records.py`.
 
 `engram experiment NAME --record docs/results` writes `docs/results/NAME.json`: every variant's final val
 loss for every seed, the seeds, parameter counts, the val curves (iso), and the environment each run
@@ -32,170 +32,18 @@ the plots docs/img/exp-EXP.png; `--check` only compares.
 
 from __future__ import annotations
 
-import datetime
 import re
 from pathlib import Path
 
-from ..persist import atomic_write_bytes, write_json
+from ..persist import atomic_write_bytes
 from . import significance as sig
-from .runs import ExperimentError, read_result
-
-# the row every other row of an experiment's table is compared with
-BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
-            "design": "reference", "allocation": "moe-E16", "allocation-sweep": "moe-E16"}
-
-
-# experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
-OWN_REPORT = {"edit": "editing", "retrofit": "retrofit", "smollm2-adapt": "smollm2"}
-
-
-def _own_report(name: str):
-    from importlib import import_module
-
-    return import_module(f".{OWN_REPORT[name]}", __package__)
-
-
-# ------------------------------------------------------------------------------------------ recording
-def experiment_record(summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
-    """What `--record` commits: the summary's table (per-seed values included), each variant's seeds, the val
-    curves of `iso`, and the environments the runs recorded (deduplicated; `run_environment` indexes them)."""
-    name = summary["experiment"]
-    rec = {"experiment": name, "preset": summary["preset"], "date": datetime.date.today().isoformat(),
-           "command": command or f"engram experiment {name} --seeds {summary['seeds']} --record docs/results",
-           "variants": summary["variants"], "seeds": {v: [r["seed"] for r in rs] for v, rs in results.items()}}
-    steps = sorted({r["step"] for rs in results.values() for r in rs if "step" in r})  # what the runs trained
-    if steps:
-        rec["steps"] = steps
-    envs: list[dict] = []
-    rec["run_environment"] = {}
-    for v, rs in results.items():
-        for r in rs:
-            env = r.get("environment")
-            if env is None:
-                continue
-            if env not in envs:
-                envs.append(env)
-            rec["run_environment"][f"{v}/seed{r['seed']}"] = envs.index(env)
-    rec["environments"] = envs
-    if name == "iso":
-        rec["curves"] = {v: [[[m["step"], m["val_loss"]] for m in r["metrics"] if "val_loss" in m] for r in rs]
-                         for v, rs in results.items()}
-    return rec
-
-
-def recorded_runs(path: Path) -> dict[str, list[dict]]:
-    """The runs an existing record `path` holds, as `{variant: [{"seed", "val_loss", "environment",
-    "recorded": True}]}` (`{}` when there is none): a sweep that adds seeds to a committed record trains only
-    the (variant, seed) pairs it lacks and records the others as they were recorded, environments included."""
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    rec = read_result(path, "experiment record")
-    envs, where = rec.get("environments") or [], rec.get("run_environment") or {}
-    out: dict[str, list[dict]] = {}
-    for v, seeds in (rec.get("seeds") or {}).items():
-        values = rec["variants"][v]["values"]
-        if len(values) != len(seeds):
-            raise ExperimentError(f"{path}: {v} has {len(values)} values for {len(seeds)} seeds; "
-                                  f"delete the file and record the experiment again")
-        out[v] = [{"seed": s, "val_loss": x, "recorded": True,
-                   "environment": envs[where[f"{v}/seed{s}"]] if f"{v}/seed{s}" in where else None}
-                  for s, x in zip(seeds, values)]
-    return out
-
-
-def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
-    rec = experiment_record(summary, results, command)
-    write_json(path, rec)
-    return rec
-
-
-# ------------------------------------------------------------------------------------------ formatting
-def fmt_stat(s: dict) -> str:
-    return f"{s['mean']:.4f} ± {s['std']:.4f} (n={s['n']})"
+from .records import OWN_REPORT, fmt_env, fmt_stat, own_report, plot, table_markdown
+from .runs import read_result
 
 
 def fmt_diff(test: sig.TestResult, p_holm: float) -> str:
     """One comparison of a family: difference ± se, the test, p, Holm-adjusted p, the verdict."""
     return sig.describe(test, p_holm)
-
-
-def fmt_env(rec: dict) -> str:
-    envs = rec.get("environments") or ([rec["environment"]] if rec.get("environment") else [])
-    if not envs:
-        return "environment not recorded"
-    parts = []
-    for e in envs:
-        libs = ", ".join(f"{k} {e[k]}" for k in ("torch", "numba", "transformers", "tokenizers") if e.get(k))
-        commit = (e.get("commit") or "?")[:7]
-        threads = f"{e.get('threads')} thread{'' if e.get('threads') == 1 else 's'}"
-        parts.append(f"{libs}, {threads}, {e.get('cpu')}, ENGRAM_FUSED={e.get('ENGRAM_FUSED')}, code at {commit}")
-    return "; ".join(parts) if len(parts) == 1 else f"{len(parts)} environments: " + "; ".join(parts)
-
-
-def table_markdown(rec: dict, name: str | None = None) -> str:
-    """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key)."""
-    name = rec.get("experiment", name)
-    if name == "allocation-accounting":  # `experiment allocation --plan-only --record`: the accounting table
-        return accounting_markdown(rec["variants"]).rstrip("\n")
-    if name == "stats":  # `engram stats --record`: row usage and collisions per order and table size
-        return stats_markdown(rec)
-    if name in OWN_REPORT:  # edit: methods x metrics over fact sets; retrofit: the sweep and chosen points
-        return _own_report(name).markdown(rec).rstrip("\n")
-    table = rec["variants"]
-    if name == "sensitivity":
-        lines = ["| token category | tokens | loss with Engram | Engram suppressed | increase (mean ± sd, n) |",
-                 "|---|---|---|---|---|"]
-        for cat, r in table.items():
-            lines.append(f"| {cat} | {r['tokens']:,} | {r['on']['mean']:.3f} | {r['off']['mean']:.3f} | "
-                         f"{r['increase']['mean']:+.3f} ± {r['increase']['std']:.3f} (n={r['increase']['n']}) |")
-        return "\n".join(lines)
-    if rec.get("quoted"):  # summary statistics kept from runs whose per-seed values were not (allocation-sweep)
-        lines = ["| variant | rho | seeds | final val loss (mean ± half-range) | sd used by the tests | vs "
-                 f"{BASELINE.get(name, '-')} |", "|---|---|---|---|---|---|"]
-        base = table.get(BASELINE.get(name, ""))
-        for v, r in table.items():
-            rho = f"{100 * r['rho']:.1f}%" if r.get("rho") is not None else "-"
-            vs = f"{r['mean'] - base['mean']:+.4f}" if base else ""
-            lines.append(f"| {v} | {rho} | {r['n']} | {r['mean']:.4f} ± {r['half_range']:.4f} | {r['std']:.4f} | "
-                         f"{vs} |")
-        return "\n".join(lines)
-    base = BASELINE.get(name)
-    lines = [f"| variant | final val loss (mean ± sd, n) | vs {base} (difference of means) | params | table params |",
-             "|---|---|---|---|---|"]
-    for v, r in table.items():
-        vs = "" if base is None or v == base or base not in table else f"{r['mean'] - table[base]['mean']:+.4f}"
-        lines.append(f"| {v} | {fmt_stat(r)} | {vs} | {r['params']:,} | {r['table_params']:,} |")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------ rendering
-def accounting_markdown(vs: list[dict]) -> str:
-    """The allocation sweep's accounting table from its variants (`allocation.Variant` as dicts: what
-    `experiment allocation --plan-only --record` writes to allocation-accounting.json)."""
-    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
-             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
-        a = v["accounting"]
-        E = v["model_overrides"].get("n_routed_experts", "-") if v["kind"] != "dense" else "-"
-        rho = f"{100 * v['rho']:.1f}%" if v["rho"] is not None else "-"
-        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
-        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
-        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
-        lines.append(f"| {v['name']} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
-                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
-    return "\n".join(lines) + "\n"
-
-
-def stats_markdown(rec: dict) -> str:
-    """`engram stats --record`'s row usage: one head per order, per table size."""
-    lines = ["| order | rows | distinct n-grams | rows used | usage | n-grams sharing their row with another |",
-             "|---|---|---|---|---|---|"]
-    for u in rec["row_usage"]:
-        lines.append(f"| {u['order']} | {u['table_rows']:,} | {u['distinct_ngrams']:,} | {u['rows_used']:,} | "
-                     f"{u['row_usage']:.1%} | {u['collision_rate']:.1%} |")
-    return "\n".join(lines)
 
 
 def load(results_dir: str | Path) -> dict[str, dict]:
@@ -369,63 +217,6 @@ def unsourced_numbers(template: str) -> list[tuple[int, str]]:
     return out
 
 
-# ------------------------------------------------------------------------------------------ plots
-def plot(rec: dict, path: str | Path) -> None:
-    """The experiment's plot from its record (error bars: sample standard deviation over seeds)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    import numpy as np
-
-    name, table = rec["experiment"], rec["variants"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if name == "iso" and rec.get("curves"):
-        for v, curves in rec["curves"].items():
-            steps = [s for s, _ in curves[0]]
-            mean = np.mean([[x for _, x in c] for c in curves], axis=0)
-            ax.plot(steps[1:], mean[1:], "o-", label=f"{v} (mean of {len(curves)} seeds)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("val loss")
-        ax.legend()
-    elif name == "placement":
-        xs = list(range(len(table)))
-        ax.errorbar(xs, [table[v]["mean"] for v in table], yerr=[table[v]["std"] for v in table], fmt="o-", capsize=3)
-        ax.set_xticks(xs, list(table))
-        ax.set_xlabel("Engram block (0-based)")
-        ax.set_ylabel("final val loss (± sd)")
-    elif name == "capacity":
-        pts = sorted((int(v[4:]), table[v]) for v in table if v.startswith("rows"))
-        ax.errorbar([p for p, _ in pts], [t["mean"] for _, t in pts], yerr=[t["std"] for _, t in pts], fmt="o-",
-                    capsize=3, label="Engram")
-        if "no-engram" in table:
-            t = table["no-engram"]
-            ax.axhline(t["mean"], color="gray", ls="--", label="no Engram (± sd shaded)")
-            ax.axhspan(t["mean"] - t["std"], t["mean"] + t["std"], color="gray", alpha=0.15)
-        ax.set_xscale("log")
-        ax.set_xlabel("rows per head")
-        ax.set_ylabel("final val loss (± sd)")
-        ax.legend()
-    elif name == "sensitivity":
-        cats = list(table)
-        ax.bar(cats, [table[c]["increase"]["mean"] for c in cats], yerr=[table[c]["increase"]["std"] for c in cats],
-               capsize=3)
-        ax.set_ylabel("val loss increase when Engram is suppressed")
-    else:
-        vs = list(table)
-        ax.barh(vs, [table[v]["mean"] for v in vs], xerr=[table[v]["std"] for v in vs], capsize=3)
-        lo = min(table[v]["mean"] for v in vs)
-        ax.set_xlim(lo - 0.1, max(table[v]["mean"] for v in vs) + 0.05)
-        ax.set_xlabel("final val loss (± sd)")
-    ax.grid(alpha=0.3)
-    ax.set_title(f"engram experiment {name}")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------------------------------ CLI
 def main(results_dir: str, template: str, out: str, img: str = "", check: bool = False) -> int:
     """Write `out` (and the plots into `img`) from `template` and the per-seed files; `check`: exit 1 if stale."""
@@ -448,6 +239,6 @@ def main(results_dir: str, template: str, out: str, img: str = "", check: bool =
             if name in ("iso", "placement", "capacity", "ablations", "sensitivity", "allocation"):
                 plot(rec, Path(img) / f"exp-{name}{'-4seeds' if name == 'allocation' else ''}.png")
             elif name in OWN_REPORT:
-                _own_report(name).plot(rec, Path(img) / f"{name}.png")
+                own_report(name).plot(rec, Path(img) / f"{name}.png")
     print(f"wrote {out} from {len(recs)} per-seed files" + (f" and their plots in {img}/" if img else ""))
     return 0
