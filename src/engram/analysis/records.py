@@ -1,6 +1,6 @@
 """The committed records (`docs/results/*.json`) as the pages show them: how an experiment writes one
 (`engram experiment NAME --record DIR`: every variant's per-seed values, the seeds, parameter counts, the val curves
-of `iso`, the environments its runs recorded), and each record's table, environment line and plot.
+of `iso`, the environments its runs recorded), and each record's table, environment line, plot and machine.
 `report.py` renders the pages from them."""
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def fmt_stat(s: dict) -> str:
 
 
 def fmt_env(rec: dict) -> str:
-    envs = rec.get("environments") or ([rec["environment"]] if rec.get("environment") else [])
+    envs = rec.get("environments") or ([rec["environment"]] if rec.get("environment") else []) or \
+        record_environments(rec)
     if not envs:
         return "environment not recorded"
     parts = []
@@ -162,6 +163,75 @@ def stats_markdown(rec: dict) -> str:
     for u in rec["row_usage"]:
         lines.append(f"| {u['order']} | {u['table_rows']:,} | {u['distinct_ngrams']:,} | {u['rows_used']:,} | "
                      f"{u['row_usage']:.1%} | {u['collision_rate']:.1%} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ environments
+def record_environments(rec) -> list[dict]:
+    """Every environment a record holds, wherever its writer put it ("environments", "environment", per run)."""
+    out: list[dict] = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "environments" and isinstance(v, list):
+                    out.extend(e for e in v if isinstance(e, dict) and e not in out)
+                elif k == "environment" and isinstance(v, dict):
+                    if v not in out:
+                        out.append(v)
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(rec)
+    return out
+
+
+def _runs_per_environment(rec: dict) -> dict[int, int]:
+    """How many of the record's runs recorded each of its `environments` (where runs point at them by index)."""
+    where = rec.get("run_environment")
+    idx = list(where.values()) if isinstance(where, dict) else [
+        r.get("environment") for r in rec.get("runs", []) if isinstance(r, dict)]
+    counts: dict[int, int] = {}
+    for i in idx:
+        if isinstance(i, int):
+            counts[i] = counts.get(i, 0) + 1
+    return counts
+
+
+def machines_markdown(recs: dict[str, dict], pattern: str = "*") -> str:
+    """One row per environment the records matching `pattern` (fnmatch, comma-separated) recorded: CPU, threads,
+    library versions, which records (and how many of their runs) ran there; records without one say so."""
+    from fnmatch import fnmatch
+
+    names = [n for n in sorted(recs) if any(fnmatch(n, p.strip()) for p in pattern.split(","))]
+    rows: dict[tuple, dict[str, int]] = {}  # machine -> {record: its runs there}
+    bare = []
+    for n in names:
+        rec, envs = recs[n], record_environments(recs[n])
+        if not envs:
+            bare.append(n)
+        counts = _runs_per_environment(rec) if rec.get("environments") else {}
+        keys = set()
+        for i, e in enumerate(envs):
+            key = (e.get("cpu"), e.get("cpus"), e.get("threads"), e.get("torch"), e.get("numba"),
+                   e.get("ENGRAM_FUSED"))
+            keys.add(key)
+            where = rows.setdefault(key, {})
+            where[n] = where.get(n, 0) + counts.get(i, 0)
+        if len(keys) == 1 or not counts:  # all its runs on one machine, or no count of them: name it only
+            for key in keys:
+                rows[key][n] = 0
+    total = {n: sum(_runs_per_environment(recs[n]).values()) for n in names}
+    lines = ["| CPU (as recorded) | vCPUs | threads | torch | numba | ENGRAM_FUSED | records |",
+             "|---|---|---|---|---|---|---|"]
+    for (cpu, cpus, threads, torch, numba, fused), who in sorted(rows.items(), key=lambda kv: str(kv[0])):
+        named = ", ".join(f"{n} ({k} of {total[n]} runs)" if k else n for n, k in who.items())
+        lines.append(f"| {cpu} | {cpus} | {threads} | {torch} | {numba} | {fused} | {named} |")
+    if bare:
+        lines.append(f"| not recorded | | | | | | {', '.join(bare)} |")
     return "\n".join(lines)
 
 

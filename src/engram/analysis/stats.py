@@ -12,6 +12,8 @@ from ..hashing import layer_multipliers, next_unused_prime
 from ..tokenizer import CompressedTokenizer, load_tokenizer
 from ..training.data import load_manifest, load_split, prepare
 
+ZIPF_TOP = 100  # `zipf_top`: the share of occurrences the top 1/ZIPF_TOP of an order's distinct n-grams cover
+
 
 def compression_report(ct, tokenizer, top: int = 5) -> dict:
     """Compression ratio and the largest groups of token ids merged into one compressed id."""
@@ -126,7 +128,8 @@ def report(data: list[str] | None, tokenizer: str, sizes: list[int]) -> dict:
     return {"tokenizer_file": m["tokenizer_file"],
             "compression": compression_report(ct, load_tokenizer(m["tokenizer_file"])),
             "train_tokens": len(comp), "row_usage": row_usage(comp, sizes), "zipf": z,
-            "zipf_top": {n: {"distinct": len(c), "top1pct_share": float(c[: max(1, len(c) // 100)].sum() / c.sum())}
+            "zipf_top": {n: {"distinct": len(c),
+                             "top1pct_share": float(c[: max(1, len(c) // ZIPF_TOP)].sum() / c.sum())}
                          for n, c in z.items()}}
 
 

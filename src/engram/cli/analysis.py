@@ -151,12 +151,16 @@ def add_commands(sub) -> None:
     ex.set_defaults(func=cmd_experiment)
 
     rs = sub.add_parser("results",
-                        help="regenerate docs/results.md and its plots from the per-seed files in docs/results/")
+                        help="regenerate docs/results.md, docs/performance.md and the plots from the committed "
+                             "records in docs/results/ (every number rendered from a record or marked quoted)")
     rs.add_argument("--dir", default="docs/results", help="per-seed JSON files (default docs/results)")
-    rs.add_argument("--template", default="docs/results.in.md")
-    rs.add_argument("--out", default="docs/results.md")
+    rs.add_argument("--template", help="one page's template (default: docs/results.in.md and "
+                                       "docs/performance.in.md)")
+    rs.add_argument("--out", help="the page --template renders to (default: its name without .in)")
     rs.add_argument("--img", default="docs/img", help="where the plots go ('' for none)")
-    rs.add_argument("--check", action="store_true", help="only check that OUT is up to date (exit 1 if not)")
+    rs.add_argument("--check", action="store_true",
+                    help="write nothing: exit 1 if a page is not what its template and the records give, or its "
+                         "template holds a number or verdict not rendered from a record")
     rs.set_defaults(func=cmd_results)
 
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)",
