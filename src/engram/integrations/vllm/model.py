@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -49,6 +48,7 @@ from ...model import MoE, check_saved_spec, resolve_tokenizer_path
 from ...persist import verify_manifest
 from .options import table_options
 from .state import SlotState, StepView
+from .step import engram_delta, hash_ids, step_view
 
 # checkpoint name piece -> (vLLM parameter name piece, shard id) for the fused projections
 STACKED = [(".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -168,47 +168,16 @@ class EngramForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def _step_view(self, input_ids, positions) -> StepView | None:
-        """This step's `StepView`; None for vLLM's profiling and dummy runs (no forward context, or no attention
-        metadata at all), whose tokens are hashed as one sequence. A real step's metadata that lacks what the
-        slot store reads raises (`SlotState.view`), never a silently wrong step."""
-        if not is_forward_context_available():
-            return None
-        md = get_forward_context().attn_metadata
-        if isinstance(md, list):  # one dict per micro-batch (not used on this path)
-            md = md[0] if md else None
-        if md is None:
-            return None
-        layer = self.model.layers[0].self_attn.attn.layer_name
-        return self.state.view(md.get(layer) if isinstance(md, dict) else md, input_ids, positions)
+        """This step's `StepView` (`step.step_view`); None for vLLM's profiling and dummy runs."""
+        return step_view(self.state, self.model.layers[0].self_attn.attn.layer_name, input_ids, positions)
 
     def _hash_ids(self, input_ids: torch.Tensor, view: StepView | None) -> dict:
         """{layer: (n, H)} per-head hash ids of the step's tokens, each after its own previous N-1 ids."""
-        if view is None:  # profiling / dummy run: the tokens as one sequence (no state read or written)
-            return {k: v[0] for k, v in self.mapping.hash(input_ids.cpu().long()[None]).items()}
-        depth = self.mapping.max_ngram_size - 1
-        self.state.write_ids(view)
-        hist, lengths = self.state.history(view, depth)
-        out: dict = {}
-        for h in lengths.unique().tolist():  # tokens grouped by how many ids precede them (< N-1 near the start)
-            sel = (lengths == h).nonzero().squeeze(1)
-            got = self.mapping.hash_continuation(view.ids[sel, None], hist[sel, depth - h:] if h else None)
-            for lid, rows in got.items():
-                if lid not in out:
-                    out[lid] = rows.new_empty(view.n, rows.shape[-1])
-                out[lid][sel] = rows[:, 0]
-        return out
+        return hash_ids(self.state, self.mapping, input_ids, view)
 
-    def _engram_delta(self, layer: EngramDecoderLayer, x: torch.Tensor, hash_ids: dict, view) -> torch.Tensor:
+    def _engram_delta(self, layer: EngramDecoderLayer, x: torch.Tensor, ids: dict, view) -> torch.Tensor:
         """Engram layer's delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs."""
-        eng = layer.engram
-        rows = eng.multi_head_embedding(hash_ids[layer.idx]).unsqueeze(1)  # (n, 1, H, d)
-        value, gate = eng.gated_value(x.unsqueeze(1), rows)  # (n, 1, D), (n, 1, G)
-        past = None
-        if eng.use_short_conv and view is not None:  # the conv's taps read earlier positions' kept (value, gate)
-            self.state.write_conv(layer.idx, view, value[:, 0], gate[:, 0])
-            hv, hg = self.state.conv_history(layer.idx, view, eng.short_conv.lookback)
-            past = eng.branch_value(hv, hg)  # (n, lookback, G, D)
-        return eng.mix(eng.branch_value(value, gate), past)[:, 0]  # as Engram.forward steps 4-5
+        return engram_delta(self.state, layer.engram, x, ids, view)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if input_ids is None:
