@@ -169,19 +169,10 @@ def read_adapter_config(directory: str | os.PathLike, verify: bool = True) -> di
 def load_adapter_weights(target: nn.Module, d: Path, meta: dict | None = None) -> None:
     """Load the weights of adapter folder `d` (either layout) into `target`'s attached adapter, and the unfrozen base
     modules saved with it. `meta`: its `engram_adapter.json` (default: read and checked)."""
-    from safetensors.torch import load_file
-
     meta = meta if meta is not None else read_adapter_config(d)
     adapter = adapter_of(target)
     weights = d / meta.get("weights_file", WEIGHTS_FILE)
-    sd = load_file(str(weights), device=str(target.get_input_embeddings().weight.device))
-    base_sd, base_file = {}, d / BASE_MODULES_FILE
-    if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
-        base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
-        sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
-        base_file = weights
-    elif meta.get("base_modules"):
-        base_sd = load_file(str(base_file))
+    sd, base_sd, base_file = adapter_tensors(d, meta, str(target.get_input_embeddings().weight.device))
     missing, unexpected = adapter.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise AdapterError(f"{weights} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -190,3 +181,21 @@ def load_adapter_weights(target: nn.Module, d: Path, meta: dict | None = None) -
         if unexpected:
             raise AdapterError(f"{base_file}: the model has no {unexpected[:3]}")
         adapter.base_modules = list(meta["base_modules"])
+
+
+def adapter_tensors(d: Path, meta: dict, device: str = "cpu") -> tuple[dict, dict, Path]:
+    """(the adapter's tensors by the adapter's names, the base modules saved with it by the base's names, the file
+    those came from) of adapter folder `d`, either layout (`save_adapter`'s or `save_pretrained`'s)."""
+    from safetensors.torch import load_file
+
+    d = Path(d)
+    weights = d / meta.get("weights_file", WEIGHTS_FILE)
+    sd = load_file(str(weights), device=device)
+    base_sd, base_file = {}, d / BASE_MODULES_FILE
+    if weights.name == TRAINER_WEIGHTS_FILE:  # `save_pretrained`'s layout: the model's names, base modules too
+        base_sd = {k: v for k, v in sd.items() if not k.startswith(ADAPTER_PREFIX)}
+        sd = {k[len(ADAPTER_PREFIX):]: v for k, v in sd.items() if k.startswith(ADAPTER_PREFIX)}
+        base_file = weights
+    elif meta.get("base_modules"):
+        base_sd = load_file(str(base_file), device=device)
+    return sd, base_sd, base_file
