@@ -11,15 +11,21 @@ with it), the architecture `EngramForCausalLM` with vLLM's `ModelRegistry` in th
 (the model module, which imports vLLM's layers, is imported by the workers only), and a config hook that
 checks engram's table options (`--hf-overrides`, `options.py`) in the API server, before any worker starts.
 
-Pieces: `model.py` (the model, written with vLLM's layers), `state.py` (the n-gram ids and conv inputs of
-earlier positions, kept per KV-cache slot), `options.py` (table options), `launcher.py` (`engram serve
---engine vllm`).
+A pretrained base + Engram adapter: `pair.py` writes a folder naming `EngramAdapter<Arch>` (the base's own
+files linked), served by `adapter_model.py` (vLLM's own model for the base, engram's adapter layers hooked in).
+
+Pieces: `model.py` (the model, written with vLLM's layers), `step.py` (a step's hashing and Engram deltas),
+`state.py` (the n-gram ids and conv inputs of earlier positions, kept per KV-cache slot), `options.py` (table
+options, the config hooks), `launcher.py` (`engram serve --engine vllm`), `pair.py`, `adapter_model.py`.
 """
 
 from __future__ import annotations
 
 ARCHITECTURE = "EngramForCausalLM"
 MODEL_CLASS = "engram.integrations.vllm.model:EngramForCausalLM"
+# a pretrained base + adapter (pair.py, adapter_model.py): vLLM's own model per base architecture, wrapped
+ADAPTER_ARCHITECTURES = {f"EngramAdapter{a}": f"engram.integrations.vllm.adapter_model:EngramAdapter{a}"
+                         for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
 
 _registered = False
 
@@ -35,14 +41,18 @@ def register() -> None:
     from ...model_config import EngramLMConfig
 
     AutoConfig.register("engram", EngramLMConfig, exist_ok=True)
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    archs = ModelRegistry.get_supported_archs()
+    for arch, cls in {ARCHITECTURE: MODEL_CLASS, **ADAPTER_ARCHITECTURES}.items():
+        if arch not in archs:
+            ModelRegistry.register_model(arch, cls)
     try:  # the config hook: validates the table options in the API server (a vLLM-internal table)
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-        from .options import EngramVllmConfig
+        from .options import EngramAdapterVllmConfig, EngramVllmConfig
 
         MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, EngramVllmConfig)
+        for arch in ADAPTER_ARCHITECTURES:
+            MODELS_CONFIG_MAP.setdefault(arch, EngramAdapterVllmConfig)
     except ImportError:  # another vLLM layout: the workers still validate the options when they load the model
         pass
     _registered = True

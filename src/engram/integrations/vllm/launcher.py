@@ -1,6 +1,7 @@
 """`engram serve PATH --engine vllm`: vLLM's OpenAI server for an engram model, with engram's option names.
 
     engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-tier mmap --table-dir /tmp/t
+    engram serve --base BASE --adapter ADAPTER --engine vllm     (the pair folder of pair.py, cached)
 
 becomes (then exec'd, so signals and the exit code are vLLM's)
 
@@ -100,14 +101,30 @@ def check_cpu_attention(d: Path, sizes: tuple[int, ...] | None = None) -> None:
                               "train a model whose head_dim is one of these")
 
 
+def pair_dir(args) -> Path:
+    """The pair folder (`pair.py`) of --base/--adapter, written under engram's cache dir (checked first)."""
+    from ...adapters.introspect import AdapterError
+    from .pair import cached_pair
+
+    if args.path is not None:
+        raise VllmLaunchError("give either PATH (an engram model) or --base DIR --adapter DIR, not both")
+    if args.base is None or args.adapter is None:
+        raise VllmLaunchError("--engine vllm serves a base with its Engram adapter: give both --base and --adapter "
+                              "(a base alone: serve it with vLLM itself)")
+    try:
+        return cached_pair(args.base, args.adapter)
+    except AdapterError as e:
+        raise VllmLaunchError(str(e)) from None
+
+
 def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that start vLLM's OpenAI server for `engram serve` options `args`."""
     if args.base is not None or args.adapter is not None:
-        raise VllmLaunchError("--engine vllm serves engram model folders (PATH); --base/--adapter stay with "
-                              "engram's own engine")
-    if args.path is None:
-        raise VllmLaunchError("give the model: engram serve PATH --engine vllm")
-    d = model_dir(args.path)
+        d = pair_dir(args)
+    elif args.path is None:
+        raise VllmLaunchError("give the model: engram serve PATH --engine vllm, or --base DIR --adapter DIR")
+    else:
+        d = model_dir(args.path)
     if on_cpu():
         check_cpu_attention(d)
     if not (d / TOKENIZER_CONFIG).is_file():  # a folder saved before engram named its EOS there
@@ -129,7 +146,10 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         at_load.append(str(Path(spec).resolve()))
     if at_load:
         overrides["engram_overlay"] = at_load
-    name = args.name or (d.name if d.name != "final" else d.parent.name)
+    if args.base is not None:  # (as engram's own engine names a pair: the adapter's folder)
+        name = args.name or Path(args.adapter).name
+    else:
+        name = args.name or (d.name if d.name != "final" else d.parent.name)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--served-model-name",
             name, "--host", args.host, "--port", str(args.port), "--dtype", "float32", "--enforce-eager"]
     key = args.api_key or os.environ.get("ENGRAM_API_KEY")

@@ -35,17 +35,20 @@ class TableOptions:
     scale: float = 1.0
 
 
-def table_options(hf_config) -> TableOptions:
-    """The options set on `hf_config` (by `--hf-overrides`), checked; engram's errors for bad values."""
+def table_options(hf_config, engram: dict | None = None) -> TableOptions:
+    """The options set on `hf_config` (by `--hf-overrides`), checked; engram's errors for bad values. `engram`: the
+    Engram config they apply to (default: the model's own, `hf_config.engram`; an adapter's for a pair)."""
     import torch.nn as nn
 
     from ...tables.offload import offload_tables
     from ...tables.quant import check_table_format
 
-    if not isinstance(getattr(hf_config, "engram", None), dict):
-        raise ConfigError("config.engram must be the saved Engram config (a JSON object); set table options with "
-                          f"the flat --hf-overrides keys {', '.join(KEYS)}, never a dict under 'engram'")
-    if hf_config.engram.get("hash_mode") == "shuffled":
+    if engram is None:
+        if not isinstance(getattr(hf_config, "engram", None), dict):
+            raise ConfigError("config.engram must be the saved Engram config (a JSON object); set table options "
+                              f"with the flat --hf-overrides keys {', '.join(KEYS)}, never a dict under 'engram'")
+        engram = hf_config.engram
+    if engram.get("hash_mode") == "shuffled":
         raise ConfigError("hash_mode 'shuffled' (an ablation) keys each lookup by its position inside one hash call; "
                           "vLLM hashes step by step and cannot reproduce it: serve this model with engram serve")
     o = TableOptions(tier=getattr(hf_config, "engram_table_tier", None) or "ram",
@@ -62,11 +65,11 @@ def table_options(hf_config) -> TableOptions:
     return o
 
 
-def check(hf_config) -> TableOptions:
+def check(hf_config, engram: dict | None = None) -> TableOptions:
     """`table_options`, plus each overlay folder read and verified (`Overlay.load`: checksums, format)."""
     from ...editing import Overlay
 
-    o = table_options(hf_config)
+    o = table_options(hf_config, engram)
     for d in o.overlays:
         Overlay.load(d)
     return o
@@ -93,3 +96,27 @@ class EngramVllmConfig(VerifyAndUpdateConfig):
         if getattr(vllm_config, "kv_transfer_config", None) is not None:
             raise ConfigError("engram's vLLM model does not support KV connectors: KV imported from elsewhere "
                               "arrives without the n-gram ids and conv inputs Engram keeps per slot")
+
+
+class EngramAdapterVllmConfig(VerifyAndUpdateConfig):
+    """The config hook of the base + adapter architectures (`adapter_model.py`): the pair checked (`pair.read_pair`:
+    the wrong base refused in engram's words), the table options and overlays checked, eager mode forced."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        from .pair import read_pair
+
+        check(model_config.hf_config, read_pair(model_config.hf_config)["meta"]["engram"])
+        model_config.enforce_eager = True
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        EngramVllmConfig.verify_and_update_config(vllm_config)
+        pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and getattr(pc, "pipeline_parallel_size", 1) > 1:
+            raise ConfigError("engram's adapter in vLLM does not support pipeline parallel (the n-gram hashing runs "
+                              "on the first stage's token ids); use --tensor-parallel-size")
+        mc = vllm_config.model_config
+        if getattr(mc, "enable_prompt_embeds", False):
+            raise ConfigError("engram's adapter in vLLM does not support prompt embeddings (Engram hashes token ids)")
+        mc.enforce_eager = True  # hooks and host-side hashing: no graph capture (decided after this hook)
