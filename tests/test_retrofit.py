@@ -136,3 +136,22 @@ def test_the_new_record_renders_from_every_test_seed(tmp_path):
     assert md.count("\n| a") + md.count("\n| b") >= 4 and "Holm p" in md and "3/3" in md
     rf.plot(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_the_retrofit_page_shows_forgetting_ratios_per_seed_and_no_inherited_peak_rss():
+    """Issue 48 item 4: each at-budget point's shared/general forgetting ratio is the mean ± sd of per-seed ratios; a
+    record whose peak RSS was `ru_maxrss` (inherited across fork+exec) shows no RSS column."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from engram.analysis import retrofit
+
+    rec = json.loads((Path(__file__).parents[1] / "docs/results/retrofit.json").read_text())
+    cell = next(c for c in rec["at_budget"] if c["method"] == "engram")
+    r = retrofit.forgetting_ratio(cell)
+    per_seed = [s / g for s, g in zip(cell["forgetting_shared"]["values"], cell["forgetting"]["values"])]
+    assert r["mean"] == statistics.fmean(per_seed) and r["n"] == len(rec["test_seeds"])
+    md = retrofit.markdown(rec)
+    assert f"{r['mean']:.2f} ± {r['std']:.2f} |" in md and "peak RSS (MiB)" not in md
+    assert "peak RSS (MiB)" in retrofit.markdown({**rec, "peak_rss_measure": "VmHWM"})

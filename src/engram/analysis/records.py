@@ -17,7 +17,7 @@ BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", 
 
 
 # experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
-OWN_REPORT = {"edit": "editing", "retrofit": "retrofit", "smollm2-adapt": "smollm2"}
+OWN_REPORT = {"edit": "editing", "retrofit": "retrofit", "smollm2-adapt": "smollm2", "smollm2-edit": "smollm2_edit"}
 
 
 def own_report(name: str):

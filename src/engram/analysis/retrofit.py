@@ -400,7 +400,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                            for m, (kw, _) in methods.items()},
                "before": before, "shared_set": shared_info, "points": points, "pareto_front": front,
                "optimum": optimum, "at_budget": chosen, "tests": tests, "cost": cost, "runs": runs,
-               "environments": envs or [environment()]}
+               "peak_rss_measure": "VmHWM", "environments": envs or [environment()]}
     return publish(summary, root, record, "retrofit.json", markdown, plot)
 
 
@@ -438,11 +438,13 @@ def markdown(s: dict) -> str:
         for m, o in s["optimum"].items()) + ".", "",
         "At each forgetting budget, each method's point with the lowest domain loss within it on the selection seed, "
         "at the test seeds:", "",
-        "| budget | method | lr | domain val loss | forgetting (general) | forgetting (shared) |",
-        "|---|---|---|---|---|---|"]
+        "| budget | method | lr | domain val loss | forgetting (general) | forgetting (shared) | shared / general |",
+        "|---|---|---|---|---|---|---|"]
     for c in s["at_budget"]:
+        r = forgetting_ratio(c)
         lines.append(f"| {c['budget']:g} | {c['method']} | {c['lr']:g} | {_fmt(c['domain_val'])} | "
-                     f"{_fmt(c['forgetting'], True)} | {_fmt(c['forgetting_shared'], True)} |")
+                     f"{_fmt(c['forgetting'], True)} | {_fmt(c['forgetting_shared'], True)} | "
+                     f"{r['mean']:.2f} ± {r['std']:.2f} |")
     if s["tests"]:
         lines += ["", f"Tests (the family fixed in advance, {len(s['tests'])} comparisons: B - A at each budget, "
                       "paired t over test seeds, Holm-adjusted; a finding when Holm p < 0.05, otherwise the "
@@ -453,13 +455,24 @@ def markdown(s: dict) -> str:
             metric = METRIC[t["metric"]]
             lines.append(f"| {t['budget']:g} | {t['a']} | {t['b']} | {metric} | {t['diff']:+.4f} ± {t['se']:.4f} | "
                          f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
-    lines += ["", "| method | trainable dense | trainable table | step (ms) | peak RSS (MiB) |",
-              "|---|---|---|---|---|"]
+    rss = s.get("peak_rss_measure") == "VmHWM"  # records before it measured each run's own peak: not shown
+    lines += ["", "| method | trainable dense | trainable table | step (ms) |" + (" peak RSS (MiB) |" if rss else ""),
+              "|---|---|---|---|" + ("---|" if rss else "")]
     for m, c in s["cost"].items():
         tr = c["trainable"]
         lines.append(f"| {m} | {tr['engram_dense'] + tr['base_trainable']:,} | {tr['engram_table']:,} | "
-                     f"{c['step_ms']['mean']:.0f} | {c['peak_rss_mib']['mean']:.0f} |")
+                     f"{c['step_ms']['mean']:.0f} |" + (f" {c['peak_rss_mib']['mean']:.0f} |" if rss else ""))
+    if not rss:
+        lines += ["", "Peak RSS is not shown: these runs measured it with `ru_maxrss`, which Linux carries across "
+                      "fork and exec, so every run reported its driver's peak, the same for all of them; "
+                      "`utils.peak_rss_mib` now reads each process's own high-water mark (VmHWM)."]
     return "\n".join(lines) + "\n"
+
+
+def forgetting_ratio(cell: dict) -> dict:
+    """`seed_stats` of forgetting on the shared-n-gram set over forgetting on the general set, per test seed, of
+    an at-budget cell: where a method's damage falls (above 1: on the text that shares the domain's n-grams)."""
+    return seed_stats([sh / g for sh, g in zip(cell["forgetting_shared"]["values"], cell["forgetting"]["values"])])
 
 
 COLORS = {"full": "tab:red", "lora-all": "tab:purple", "engram": "tab:blue",
