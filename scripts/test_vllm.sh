@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build a vLLM environment for engram on a CPU-only Linux machine and run the vLLM tests (tests/test_vllm.py).
+# Build a vLLM environment for engram on a CPU-only Linux machine and run the vLLM tests (tests/test_vllm.py,
+# tests/test_vllm_adapter.py).
 #
 #   scripts/test_vllm.sh [VENV_DIR]      (default .venv-vllm; reused when it exists)
 #
@@ -25,4 +26,4 @@ fi
 "$VENV/bin/pip" install -q -e '.[vllm]' pytest
 # a vLLM that does not import would only skip the tests: fail here instead (CI runs this script)
 "$VENV/bin/python" -c "import vllm, engram.integrations.vllm" || { echo "test_vllm.sh: vLLM does not import in $VENV" >&2; exit 1; }
-exec "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py "${@:2}"
+exec "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_adapter.py "${@:2}"
