@@ -38,10 +38,13 @@ def save_base(folder: Path, kind: str = "llama", seed: int = 0) -> Path:
     return folder
 
 
-def save_adapter_for(base: Path, out: Path, layer: int = 1, seed: int = 0, lora: bool = False) -> Path:
-    """An adapter on `base` at `layer` with random value rows, conv and table (so its delta is not 0), saved."""
+def save_adapter_for(base: Path, out: Path, layer: int = 1, seed: int = 0, lora: bool = False,
+                     unfreeze=()) -> Path:
+    """An adapter on `base` at `layer` with random value rows, conv and table (so its delta is not 0), saved;
+    `unfreeze`: base modules saved with it (`engram.adapters.unfreeze`), their weights moved too."""
     import engram
     from engram.adapters import add_lora, save_adapter
+    from engram.adapters import unfreeze as unfreeze_modules
     from engram.training.adapt import load_base
 
     model, tok = load_base(base)
@@ -51,13 +54,20 @@ def save_adapter_for(base: Path, out: Path, layer: int = 1, seed: int = 0, lora:
         for name, p in model.engram_adapter.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "multi_head_embedding" in name else 0.3))
+        for name in unfreeze_modules(model, list(unfreeze)) if unfreeze else ():
+            for p in model.get_submodule(name).parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
     if lora:
         model = add_lora(model, rank=2)
     save_adapter(model, out)
     return Path(out)
 
 
+# the Qwen3 pair's adapter also carries base modules (the final norm, a projection vLLM fuses into qkv_proj)
+UNFROZEN = {"qwen3": ("model.norm", "model.layers.0.self_attn.k_proj")}
+
+
 def base_and_adapter(root: Path, kind: str = "llama") -> tuple[Path, Path]:
     root = Path(root)
     base = save_base(root / f"{kind}-base", kind)
-    return base, save_adapter_for(base, root / f"{kind}-adapter")
+    return base, save_adapter_for(base, root / f"{kind}-adapter", unfreeze=UNFROZEN.get(kind, ()))
