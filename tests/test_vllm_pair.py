@@ -159,3 +159,36 @@ def test_table_options_take_the_adapters_engram_config():
         table_options(SimpleNamespace(), {"hash_mode": "shuffled"})
     with pytest.raises(ConfigError, match="config.engram must be"):
         table_options(SimpleNamespace())
+
+
+def test_config_hook_checks_the_pair_forces_eager_and_refuses_what_cannot_run(llama, tmp_path):
+    """vLLM's per-architecture config hook for the pair (run in the API server before any worker starts)."""
+    from engram.config import ConfigError
+    from engram.integrations.vllm.options import EngramAdapterVllmConfig
+
+    base, adapter = llama
+    cfg = json.loads((write_pair(base, adapter, tmp_path / "pair") / "config.json").read_text())
+    mc = SimpleNamespace(hf_config=SimpleNamespace(**{KEY: cfg[KEY]}), enforce_eager=False, enable_prompt_embeds=False)
+    EngramAdapterVllmConfig.verify_and_update_model_config(mc)
+    assert mc.enforce_eager
+
+    def vc(pp=1, embeds=False, spec=None):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False, enable_prompt_embeds=embeds),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=pp), speculative_config=spec,
+                               kv_transfer_config=None)
+
+    ok = vc()
+    EngramAdapterVllmConfig.verify_and_update_config(ok)
+    assert ok.model_config.enforce_eager  # decided before vLLM chooses compilation
+    for bad, what in ((vc(pp=2), "pipeline parallel"), (vc(embeds=True), "prompt embeddings"),
+                      (vc(spec=object()), "speculative decoding")):
+        with pytest.raises(ConfigError, match=what):
+            EngramAdapterVllmConfig.verify_and_update_config(bad)
+
+
+def test_a_lora_only_adapter_points_to_vllms_own_lora(llama, tmp_path):
+    base, _ = llama
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(AdapterError) as e:
+        check_pair(base, tmp_path)
+    assert "--enable-lora" in one_line(e)
