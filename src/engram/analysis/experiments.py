@@ -36,6 +36,11 @@ Experiments:
                vs fine-tuning, fine-tuning + KL and LoRA at fixed step budgets; efficacy, paraphrases,
                specificity on known unedited facts, fluency; read from docs/prereg/smollm2-edit.toml
                (`analysis/smollm2_edit.py`; about 25 min on 2 cores).
+  NAME-replication  a claim of preset experiment NAME (ablations, sensitivity) run again on seeds no record used,
+               every choice (variants, seeds, n from the power at the original effect, the family, the test) read
+               from the committed preregistration docs/prereg/NAME-replication.toml; recorded to
+               docs/results/NAME-replication.json beside the original (`analysis/replication.py`; the CLI
+               dispatches it: replication.py imports this module).
   adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
                bases adapted to Shakespeare and to the King James Bible: settings apart from
                benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).
@@ -142,8 +147,33 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     vs = variants(name, preset, size)
-    if jobs > 1 and not finished_only:  # the unfinished runs first, `jobs` at once, each in its own process
-        dirs = {(seed, v): run_dir_of(out, name, v, seed, preset) for seed in range(seeds) for v in vs}
+    results = train_runs(name, out, vs, list(range(seeds)), preset, data, max_steps, progress, jobs, finished_only)
+    if not results:
+        raise ConfigError(f"no finished runs of {name!r} under {out}")
+    table = results_table(name, results, data)
+    summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
+    write_json(root / "summary.json", summary)
+    flags = {"--preset": preset if preset != "exp" else None, "--max-steps": max_steps,
+             "--size": size if size != "default" else None,
+             "--data": " ".join(Path(d).name for d in data) if data else None}
+    command = " ".join([f"engram experiment {name} --seeds {seeds}",
+                        *(f"{k} {v}" for k, v in flags.items() if v), "--record docs/results"])
+    rec = record_experiment(Path(record) / f"{name}.json", summary, results, command) if record is not None \
+        else experiment_record(summary, results, command)
+    md = table_markdown(rec) + "\n"
+    atomic_write_bytes(root / "summary.md", md.encode())
+    plot(rec, root / "plot.png")
+    print(md)
+    return summary
+
+
+def train_runs(name: str, out: str | Path, vs: dict[str, dict], seed_list: list[int], preset: str, data,
+               max_steps: int | None, progress: bool, jobs: int = 1, finished_only: bool = False) -> dict[str, list]:
+    """Train (or reuse) every (variant of `vs`, seed of `seed_list`) run of experiment `name` under `out`:
+    {variant: [trained_run result per seed]}. `jobs` > 1: the unfinished runs first, `jobs` at once, each in its
+    own process. `finished_only`: train nothing; the runs that have finished."""
+    if jobs > 1 and not finished_only:
+        dirs = {(seed, v): run_dir_of(out, name, v, seed, preset) for seed in seed_list for v in vs}
         todo = [k for k, d in dirs.items() if not (d / "summary.json").is_file()]
 
         def train_apart(item: tuple[int, str]) -> None:
@@ -159,38 +189,27 @@ def run_experiment(name: str, out: str | Path = "runs/experiments", seeds: int =
 
         run_parallel(train_apart, todo, jobs)
     results: dict[str, list[dict]] = {}
-    for seed in range(seeds):
+    for seed in seed_list:
         for vname, kw in vs.items():
             run_dir = run_dir_of(out, name, vname, seed, preset)
             if finished_only and not (run_dir / "summary.json").is_file():
                 continue
             results.setdefault(vname, []).append(trained_run(run_dir, f"[{name}] {vname}", seed, preset, data=data,
                                                              max_steps=max_steps, progress=progress, **kw))
-    if not results:
-        raise ConfigError(f"no finished runs of {name!r} under {out}")
+    return results
+
+
+def results_table(name: str, results: dict[str, list[dict]], data=None) -> dict:
+    """The summary's table of a preset experiment's runs: sensitivity's token categories, design's FP8 rows, or
+    each variant's final val loss over seeds."""
     if name == "sensitivity":
-        table = sensitivity(results["engram"], data)
-    elif name == "design":
+        return sensitivity(results["engram"], data)
+    if name == "design":
         table = design_table(results)
         results["v41, fp8_ue8m0 rows"] = results["v41"]  # the same runs evaluated with FP8 rows: their seeds pair
-    else:
-        table = {v: seed_stats([r["val_loss"] for r in rs])
-                 | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]}
-                 for v, rs in results.items()}
-    summary = {"experiment": name, "preset": preset, "seeds": seeds, "variants": table, "environment": environment()}
-    write_json(root / "summary.json", summary)
-    flags = {"--preset": preset if preset != "exp" else None, "--max-steps": max_steps,
-             "--size": size if size != "default" else None,
-             "--data": " ".join(Path(d).name for d in data) if data else None}
-    command = " ".join([f"engram experiment {name} --seeds {seeds}",
-                        *(f"{k} {v}" for k, v in flags.items() if v), "--record docs/results"])
-    rec = record_experiment(Path(record) / f"{name}.json", summary, results, command) if record is not None \
-        else experiment_record(summary, results, command)
-    md = table_markdown(rec) + "\n"
-    atomic_write_bytes(root / "summary.md", md.encode())
-    plot(rec, root / "plot.png")
-    print(md)
-    return summary
+        return table
+    return {v: seed_stats([r["val_loss"] for r in rs])
+            | {"params": rs[0]["params"], "table_params": rs[0]["table_params"]} for v, rs in results.items()}
 
 
 def design_table(results: dict) -> dict:

@@ -102,8 +102,9 @@ def fmt_env(rec: dict) -> str:
 
 
 def table_markdown(rec: dict, name: str | None = None) -> str:
-    """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key)."""
-    name = rec.get("experiment", name)
+    """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key; a replication's
+    table is its original experiment's)."""
+    name = rec.get("replicates") or rec.get("experiment", name)
     if name == "allocation-accounting":  # `experiment allocation --plan-only --record`: the accounting table
         return accounting_markdown(rec["variants"]).rstrip("\n")
     if name == "stats":  # `engram stats --record`: row usage and collisions per order and table size

@@ -15,6 +15,11 @@ Placeholders (`render`), filled section by section (a section starts at `## `):
     {{family:LABEL          a family of comparisons, one `REF_A:REF_B` (B - A) per line: tested by
     A:B ...}}               `significance.compare` (paired on shared seeds, Welch otherwise), Holm-adjusted within
                             the family, rendered as a table with p, Holm p and the verdict; labels are unique
+    {{replication:EXP}}     a replication record's family (`replication.py`: the comparisons its preregistration
+                            names, paired, Holm within it) beside the same comparisons in the original family
+                            the record names (declared on the page): difference ± se, Holm p and verdict of each,
+                            and whether it replicated (a finding of the original's sign); the family's label is
+                            EXP, so `{{diff:A:B@EXP}}` and `{{verdict:A:B@EXP}}` name its rows
     {{diff:A:B}}            one comparison of a family declared in the same section (or of family LABEL, anywhere
                             on the page: `A:B@LABEL`): "+0.0253 ± 0.0081 (paired t, n=3; p 0.012, Holm 0.048): a
                             finding" or "...: not a finding (detectable at 80% power: ±0.031)"
@@ -201,6 +206,47 @@ def family_markdown(label: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def replication_pairs(rec: dict, label: str) -> list[tuple[str, str]]:
+    """The family of replication record `rec` (named `label` on the page): `EXP/A:EXP/B` per preregistered pair."""
+    try:
+        return [(f"{label}/{a}", f"{label}/{b}") for a, b in rec["design"]["test"]["family"]]
+    except (KeyError, TypeError, ValueError):
+        raise KeyError(f"{{{{replication:{label}}}}}: the record holds no preregistered family "
+                       "(design.test.family)") from None
+
+
+def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]]) -> str:
+    """Each comparison of replication record `rec` beside the same comparison in its original family: difference ±
+    se, Holm p, verdict, then whether it replicated. The record's own tests must agree with the page's."""
+    orig_label, orig = rec["design"]["original_family"], rec["replicates"]
+    if orig_label not in fams:
+        raise KeyError(f"{label}: its original family {orig_label!r} is not declared on the page")
+    rows, stored = fams[label], rec.get("tests") or []
+    if len(stored) != len(rows) or any(abs(s["p_holm"] - r["p_holm"]) > 1e-9 or s["finding"] != r["finding"]
+                                       for s, r in zip(stored, rows)):
+        raise ValueError(f"{label}: the record's tests disagree with the page's test of its family")
+
+    def cells(r: dict) -> str:
+        t = r["test"]
+        verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
+        return f"{t.diff:+.4f} ± {t.se:.4f} ({t.label}) | {sig.fmt_p(r['p_holm'])} | {verdict}"
+
+    n = len(rec["design"]["seeds"])
+    lines = [f"**Replication, family {label}** (preregistered in `{rec['prereg']['file']}`, committed before the "
+             f"runs; {n} new seeds; the original rows are family {orig_label}'s, Holm within it; the replication's "
+             f"are Holm within its own family of {len(rows)}; replicated: a finding of the original's sign):", "",
+             "| comparison (b - a) | original: difference ± se | Holm p | verdict | replication: difference ± se | "
+             "Holm p | verdict | replicated |", "|---|---|---|---|---|---|---|---|"]
+    for r, s in zip(rows, stored):
+        a, b = f"{orig}/{s['a']}", f"{orig}/{s['b']}"
+        o = [x for x in fams[orig_label] if (x["a"], x["b"]) == (a, b)]
+        if not o:
+            raise KeyError(f"{label}: {a}:{b} is not a comparison of family {orig_label!r}")
+        lines.append(f"| {_short(b, a)} - {_short(a, b)} | {cells(o[0])} | {cells(r)} | "
+                     f"{'**yes**' if s['replicated'] else 'no'} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ verdicts, counts
 _WORDS = "no one two three four five six seven eight nine ten eleven twelve".split()
 
@@ -264,7 +310,7 @@ def _set(arg: str) -> str:
 
 # ------------------------------------------------------------------------------------------ rendering
 PLACEHOLDER = re.compile(r"\{\{(table|stat|diff|welch|env|family|value|quoted|cited|set|verdict|findings|count|seeds|"
-                         r"range|machines):([^}]+)\}\}")
+                         r"range|machines|replication):([^}]+)\}\}")
 # a quoted number's source: the date it was measured and the machine ("2026-12-01, 2-vCPU VM, CPU not recorded")
 _QUOTED_SOURCE = re.compile(r"^\d{4}-\d{2}-\d{2}(?: to \d{4}-\d{2}-\d{2})?, \S")
 
@@ -306,7 +352,10 @@ def render(template: str, recs: dict[str, dict], also: str = "") -> str:
     own: list[list[str]] = []
     for part in [also] + parts:
         own.append([])
-        for label, pairs in _declared_families(part):
+        declared = _declared_families(part) + [
+            (m.group(2).strip(), replication_pairs(recs.get(m.group(2).strip(), {}), m.group(2).strip()))
+            for m in PLACEHOLDER.finditer(part) if m.group(1) == "replication"]
+        for label, pairs in declared:
             if label in fams:
                 raise ValueError(f"family {label!r} is declared twice; give each family its own label")
             fams[label] = family(recs, pairs)
@@ -367,6 +416,8 @@ def render(template: str, recs: dict[str, dict], also: str = "") -> str:
             if kind == "family":
                 label = arg.strip().splitlines()[0].strip()
                 return family_markdown(label, fams[label])
+            if kind == "replication":
+                return replication_markdown(arg.strip(), rec(arg.strip()), fams)
             if kind == "value":
                 ref, _, spec = arg.partition("|")
                 exp, _, path = ref.partition("/")

@@ -171,6 +171,28 @@ def min_detectable(test: TestResult, power: float = POWER, alpha: float = ALPHA)
     return float(optimize.brentq(gap, 0.0, hi, xtol=1e-10) * test.se)
 
 
+def paired_power(effect: float, sd: float, n: int, alpha: float = ALPHA) -> float:
+    """The power of a two-sided paired t-test at `alpha` with `n` pairs whose differences have true mean `effect`
+    and sd `sd`: P(|T'| > t_{1-alpha/2, n-1}) for T' noncentral t with n - 1 df and noncentrality
+    effect / (sd / sqrt(n)) (what `min_detectable` inverts)."""
+    from scipy import stats
+
+    if n < 2 or not sd > 0:
+        raise SignificanceError(f"paired_power: n {n} and sd {sd}; a paired t-test needs n >= 2 and a positive sd")
+    df = n - 1
+    return _power(abs(effect) / (sd / math.sqrt(n)), df, stats.t.ppf(1 - alpha / 2, df))
+
+
+def n_for_power(effect: float, sd: float, power: float = POWER, alpha: float = ALPHA, n_max: int = 1000) -> int:
+    """The smallest number of pairs (>= 2) at which a two-sided paired t-test at `alpha` detects a true mean
+    difference `effect` (sd of the differences `sd`) with probability `power` (`paired_power`): the n a
+    replication needs to see the original's effect."""
+    for n in range(2, n_max + 1):
+        if paired_power(effect, sd, n, alpha) >= power:
+            return n
+    raise SignificanceError(f"n_for_power: more than {n_max} pairs for effect {effect} at sd {sd}")
+
+
 def _power(nc: float, df: float, crit: float) -> float:
     """P(|T'| > crit) for T' noncentral t(df, nc): scipy's nct, or (where it returns nan: df = 1 at large nc) the
     same probability integrated over the chi-square of the denominator, T' = (Z + nc) / sqrt(V / df)."""

@@ -9,10 +9,13 @@ from . import options
 
 
 def cmd_experiment(args) -> int:
-    from ..analysis import experiments
+    from ..analysis import experiments, replication
 
     if args.list or not args.name:
         print(experiments.__doc__.split("Experiments:")[1].rstrip())
+        return 0
+    if args.name.endswith(replication.SUFFIX):  # a claim run again on new seeds: its design is its preregistration
+        replication.run(args.name, args.out, record=args.record, jobs=args.jobs, max_steps=args.max_steps)
         return 0
     for n in experiments.EXPERIMENTS if args.name == "all" else [args.name]:
         experiments.run_experiment(n, out=args.out, seeds=args.seeds, preset=args.preset, data=args.data,
@@ -121,7 +124,7 @@ def _stats_v41(args, S) -> int:
 def add_commands(sub) -> None:
     ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, "
                                            "retrofit, edit, allocation, adapter-init, smollm2-adapt, smollm2-edit, "
-                                           "all)")
+                                           "all; ablations-replication, sensitivity-replication)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=3)
