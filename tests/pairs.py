@@ -1,4 +1,4 @@
-"""Tiny saved bases (Llama, Qwen3, Mistral) with a trained-looking Engram adapter, for the vLLM adapter tests.
+"""Tiny saved bases (Llama, Qwen3, Mistral, Qwen2) with a trained-looking Engram adapter, for the vLLM adapter tests.
 
 Not a test module (tests import it as `from pairs import ...`). The bases fit vLLM's CPU attention (head_dim 32,
 float32); the adapter's value projection, conv and table rows are randomized before saving: a fresh adapter's
@@ -15,7 +15,8 @@ SHAPE = dict(vocab_size=400, hidden_size=64, num_attention_heads=2, num_key_valu
              initializer_range=0.3)
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-           "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 32})}
+           "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 32}),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
 ENGRAM = dict(engram_vocab_size=[1009, 1013], n_embed_per_ngram=16, n_head_per_ngram=2, conv_zero_init=False)
 
 

@@ -1,5 +1,5 @@
 """A pretrained base + Engram adapter served by vLLM (vLLM's own Llama / Qwen3 / Mistral, engram's adapter layers
-hooked in: `engram.integrations.vllm.adapter_model`): greedy tokens equal `engram sample --base --adapter
+hooked in: `engram.integrations.vllm.adapter_model`; Qwen2 too): greedy tokens equal `engram sample --base --adapter
 --temperature 0`'s.
 
 Needs vLLM (marker `vllm`; `scripts/test_vllm.sh` runs it). Tiny random bases (hidden 64, head_dim 32, float32) with
@@ -54,7 +54,7 @@ def reference(base, adapter, prompts, overlays=(), new=NEW, adapter_on=True, tab
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_pairs")
-    return {k: base_and_adapter(root, k) for k in ("llama", "qwen3", "mistral")}
+    return {k: base_and_adapter(root, k) for k in ("llama", "qwen3", "mistral", "qwen2")}
 
 
 def pair_folder(base, adapter, out):
@@ -118,7 +118,7 @@ def test_engram_sample_base_adapter_cli_equals_vllm(llama):
 
 
 # ------------------------------------------------------------------------------------------- other bases
-@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "qwen2"])
 def test_other_bases_16_concurrent_prompts(pairs, kind, tmp_path):
     """Also: started without --enforce-eager, which the pair's config hook turns on (hooks, host-side hashing)."""
     base, adapter = pairs[kind]

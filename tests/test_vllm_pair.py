@@ -33,7 +33,7 @@ def one_line(e) -> str:
     return msg
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "qwen2"])
 def test_files_give_what_the_loaded_pair_gives(kind, tmp_path):
     """Fingerprint, hashing and overlay digest read from the folders equal those of the transformers-loaded pair."""
     from engram.editing import model_digest
@@ -192,3 +192,14 @@ def test_a_lora_only_adapter_points_to_vllms_own_lora(llama, tmp_path):
     with pytest.raises(AdapterError) as e:
         check_pair(base, tmp_path)
     assert "--enable-lora" in one_line(e)
+
+
+def test_pair_command_line(llama, tmp_path, capsys):
+    from engram.integrations.vllm.pair import main
+
+    base, adapter = llama
+    assert main(["--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "p")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "p")
+    assert main(["--base", str(tmp_path / "none"), "--adapter", str(adapter), "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --base") and "\n" not in err
