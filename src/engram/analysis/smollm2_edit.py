@@ -292,7 +292,8 @@ def markdown(s: dict) -> str:
                      and str(r["budget"]) == last)
             txt = f"{lr:g}: {score(r):.3f}"
             cells.append(f"**{txt}**" if lr == s["chosen_lr"][m] else txt)
-        lines.append(f"| {m} | " + "; ".join(cells) + " |")
+        edge = "" if min(lrs) < s["chosen_lr"][m] < max(lrs) else " (edge: the grid's end after its extension)"
+        lines.append(f"| {m} | " + "; ".join(cells) + edge + " |")
     lines += ["", f"Test sets at the chosen learning rates (mean ± sd over n={n} fact sets):", "",
               "| method | lr | steps | " + " | ".join(LABELS[k] for k in METRICS) + " | old answer kept |",
               "|---" * (len(METRICS) + 4) + "|"]
@@ -304,7 +305,8 @@ def markdown(s: dict) -> str:
     cost = {m: seed_stats([r["seconds_per_step"] for r in s["runs"] if r["method"] == m and r["set"].startswith(
         "test-") and r["lr"] == s["chosen_lr"][m] and str(r["budget"]) == last]) for m in s["chosen_lr"]}
     params = {m: next((r["trainable_params"] for r in s["runs"] if r["method"] == m), None) for m in s["chosen_lr"]}
-    lines += ["", "Cost per step (seconds, the training steps alone; one process, 2 threads) and what each method "
+    lines += ["", "Cost per step (seconds, the training steps alone, over the test sets; one process, 2 threads, on a "
+                  "machine running other work beside it: a rough cost, not a benchmark) and what each method "
                   "changes:", "", "| method | s/step | trainable parameters |", "|---|---|---|"]
     for m, c in cost.items():
         rows = next((r["rows_changed"] for r in s["runs"] if r["method"] == m and "rows_changed" in r), None)
