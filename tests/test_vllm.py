@@ -168,14 +168,20 @@ def api_server(folder, log, *extra, env=None) -> Server:
 # ------------------------------------------------------------------------------------------- engram's side
 def reference(folder, prompts, overlays=(), table_format=None, new=NEW):
     """engram's greedy tokens (`engram sample --temperature 0`'s generate call) and each step's top-2 gap."""
-    import torch
-
-    from engram.adapters import generation_pad_id
     from engram.cli.options import with_overlays
     from engram.model import load_model
 
     model, _ = load_model(folder)
     with_overlays(model, list(overlays), table_format)
+    return greedy_with_gaps(model, prompts, new)
+
+
+def greedy_with_gaps(model, prompts, new=NEW):
+    """[(greedy tokens, each step's top-2 logit gap)] per prompt: what `engram sample --temperature 0` generates."""
+    import torch
+
+    from engram.adapters import generation_pad_id
+
     out = []
     for p in prompts:
         g = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,

@@ -21,7 +21,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
                                                    reason="vLLM is not installed (scripts/test_vllm.sh sets one up)")]
 
 from pairs import base_and_adapter, save_base  # noqa: E402
-from test_vllm import LENGTHS, LONG, NEW, SETTINGS, SRC, Server, api_server, assert_same, free_port  # noqa: E402
+from test_vllm import (  # noqa: E402
+    LENGTHS,
+    LONG,
+    NEW,
+    SETTINGS,
+    SRC,
+    Server,
+    api_server,
+    assert_same,
+    free_port,
+    greedy_with_gaps,
+)
 
 VOCAB = 400
 
@@ -33,22 +44,13 @@ def prompts_of(lengths, seed):
 
 def reference(base, adapter, prompts, overlays=(), new=NEW, adapter_on=True, table_format=None):
     """`engram sample --base --adapter --temperature 0`'s greedy tokens (its generate call), each step's top-2 gap."""
-    import torch
-
-    from engram.adapters import generation_pad_id
     from engram.cli.options import with_overlays
     from engram.training.adapt import load_with_adapter
 
     model, _ = load_with_adapter(base, adapter if adapter_on else None)
     if overlays or table_format:
         with_overlays(model, list(overlays), table_format)
-    out = []
-    for p in prompts:
-        g = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
-                           pad_token_id=generation_pad_id(model), output_scores=True, return_dict_in_generate=True)
-        gaps = [float(s[0].topk(2).values.diff().abs()) for s in g.scores]
-        out.append((g.sequences[0, len(p):].tolist(), gaps))
-    return out
+    return greedy_with_gaps(model, prompts, new)
 
 
 @pytest.fixture(scope="module")
