@@ -194,3 +194,69 @@ def test_run_records_the_preregistered_design_with_its_stamp(tmp_path, monkeypat
     (tmp_path / "docs/prereg/ablations-replication.toml").write_text("status = 'confirmatory'\n")
     with pytest.raises(ExperimentError, match="not committed"):
         replication.run("ablations-replication", tmp_path / "out", record=tmp_path / "rec", repo=tmp_path)
+
+
+def test_allocation_replication_trains_the_original_runs(recs):
+    """allocation has its own driver (`allocation.run`): the replication's runs are its plan's variants at the
+    design's scale, each with the model overrides and Engram use the committed accounting records, the scale's
+    training overrides, data and steps (`allocation._train`'s arguments); its table is allocation's record table."""
+    from engram.analysis import allocation
+
+    d = design_of(REPO / "docs" / "prereg" / "allocation-replication.toml")
+    rs = replication.runs_of(d)
+    sc = allocation.SCALES[d["scale"]]
+    acc = json.loads((REPO / "docs" / "results" / "allocation-accounting.json").read_text())
+    assert sorted(rs.variants) == sorted(v["name"] for v in acc["variants"])
+    for v in acc["variants"]:
+        assert rs.variants[v["name"]] == {"overrides": sc.train, "use_engram": v["use_engram"],
+                                          "model_overrides": v["model_overrides"]}
+    assert (rs.data, rs.max_steps) == (["shakespeare", "kjv"], 1000)
+    fake = {v: [{"seed": s, "val_loss": 4.3 + 0.01 * i} for i, s in enumerate(d["seeds"])] for v in d["variants"]}
+    table = rs.table(fake)
+    orig = recs["allocation"]["variants"]
+    for v in d["variants"]:
+        assert {k: table[v][k] for k in ("rho", "params", "activated", "table_params")} == \
+            {k: orig[v][k] for k in ("rho", "params", "activated", "table_params")}
+        assert table[v]["values"] == [r["val_loss"] for r in fake[v]]
+    with pytest.raises(ExperimentError, match="trains preset"):
+        replication.runs_of({**d, "preset": "tiny"})
+    with pytest.raises(ExperimentError, match="no variant"):
+        replication.check_design({**d, "variants": ["moe-E16", "moe-E15+engram"]}, recs, "allocation-replication")
+
+
+def test_run_trains_allocation_variants_with_its_data_and_steps(tmp_path, monkeypatch):
+    """run() of allocation-replication without training: train_runs gets allocation's runs (its data, its 1,000
+    steps, each variant's trained_run arguments) at the new seeds; the record is allocation's kind of table."""
+    import subprocess
+
+    from engram.analysis import experiments
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    for rel in ("docs/prereg/allocation-replication.toml", "docs/results/allocation.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
+    (tmp_path / ".gitignore").write_text("out/\nrec/\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "prereg")
+    fake = {"moe-E16": [4.33, 4.32, 4.33, 4.325], "moe-E14+engram": [4.30, 4.30, 4.29, 4.305]}
+    asked = []
+
+    def train_runs(name, out, vs, seed_list, preset, data, max_steps, progress, jobs=1, finished_only=False):
+        asked.append((name, vs, seed_list, preset, data, max_steps, jobs))
+        return {v: [{"seed": s, "val_loss": x, "environment": {"torch": "x"}} for s, x in zip(seed_list, fake[v])]
+                for v in vs}
+
+    monkeypatch.setattr(experiments, "train_runs", train_runs)
+    rec = replication.run("allocation-replication", tmp_path / "out", progress=False, record=tmp_path / "rec",
+                          jobs=2, repo=tmp_path)
+    (name, vs, seeds, preset, data, steps, jobs), = asked
+    assert (name, sorted(vs), seeds, preset, data, steps, jobs) == (
+        "allocation", ["moe-E14+engram", "moe-E16"], [2000, 2100, 2200, 2300], "exp", ["shakespeare", "kjv"], 1000, 2)
+    assert vs == {v: replication.runs_of(rec["design"]).variants[v] for v in vs}
+    assert rec["variants"]["moe-E14+engram"]["rho"] == pytest.approx(12 / 14) and rec["power"]["n"] == 4
+    assert rec["tests"][0]["replicated"] and rec["tests"][0]["diff"] < 0
+    assert prereg.check_record(rec, tmp_path) == []

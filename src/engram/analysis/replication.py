@@ -1,4 +1,5 @@
-"""`engram experiment NAME-replication`: a claim of a preset experiment (`ablations`, `sensitivity`) run again on
+"""`engram experiment NAME-replication`: a claim of a recorded experiment (`ablations`, `sensitivity`, `allocation`) run
+again on
 seeds no committed record used, every choice read from the committed preregistration
 `docs/prereg/NAME-replication.toml` (`prereg.py`: `--record` refuses an uncommitted design or a dirty tree).
 
@@ -6,8 +7,10 @@ The preregistration names (keys of its TOML):
 
 * `replicates`: the original experiment (its record `docs/results/<replicates>.json`), `original_family`: the
   label of the results page's family the claim was tested in, `claim`: the claim in words;
-* `preset` and `variants`: the runs (only the variants the claim compares; `experiments.variants` gives their
-  training arguments, so they train exactly as the original's did);
+* `preset` and `variants`: the runs (only the variants the claim compares; `runs_of` gives their training
+  arguments from the original experiment's own plan, so they train exactly as the original's did: a preset
+  experiment's `experiments.variants`, or allocation's `allocation.plan` at the design's `scale`, its data, steps
+  and training overrides);
 * `seeds`: the new seed indices. A seed sets the init (`torch.manual_seed`) and the data order (the train
   windows of epoch e in the order `default_rng(seed + e).permutation`, `training.data.Batcher`), so a seed at
   least `ORDER_GAP` from every seed a record used and from each other gives a new init and a data order no other
@@ -31,6 +34,8 @@ it with `{{replication:NAME-replication}}` beside the original family's rows (`r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
@@ -39,11 +44,48 @@ from ..utils import environment
 from . import prereg
 from . import significance as sig
 from .records import experiment_record, table_markdown
-from .runs import ExperimentError
+from .runs import ExperimentError, seed_stats
 
 SUFFIX = "-replication"
-REPLICABLE = ("ablations", "sensitivity")  # preset experiments whose runs `experiments.train_runs` trains
+REPLICABLE = ("ablations", "sensitivity", "allocation")  # experiments whose runs `runs_of` knows
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
+
+
+@dataclass
+class Runs:
+    """How the original experiment trained its runs: `variants` (name -> `runs.trained_run` keyword arguments), the
+    `data` and `max_steps` every run shares, and `table(results)`, the record's table of per-seed results."""
+
+    variants: dict[str, dict]
+    data: list[str] | None
+    max_steps: int | None
+    table: Callable[[dict], dict]
+
+
+def runs_of(design: dict) -> Runs:
+    """The original experiment's runs (all its variants) as its own driver trains them: a preset experiment's
+    `experiments.variants` at the design's `preset`; allocation's `plan` at the design's `scale` (each variant's
+    model overrides and Engram use, the scale's training overrides, data and steps: `allocation._train`'s)."""
+    from .experiments import results_table, variants
+
+    orig, preset = design.get("replicates"), design.get("preset")
+    if orig != "allocation":
+        return Runs(variants(orig, preset), None, None, lambda results: results_table(orig, results))
+    from . import allocation
+
+    sc = allocation._scale(design.get("scale", "cpu"))
+    if sc.preset != preset:
+        raise ExperimentError(f"allocation's {design.get('scale', 'cpu')} scale trains preset {sc.preset!r}, "
+                              f"not {preset!r}")
+    plan = {v.name: v for v in allocation.plan(sc)}
+
+    def table(results: dict) -> dict:  # allocation's record table (`allocation.run`'s rec_table)
+        return {n: seed_stats([r["val_loss"] for r in rs]) | {
+            "rho": plan[n].rho, "params": plan[n].accounting["total"], "activated": plan[n].accounting["activated"],
+            "table_params": plan[n].accounting["table"]} for n, rs in results.items()}
+
+    return Runs({n: {"overrides": dict(sc.train), "use_engram": v.use_engram, "model_overrides": v.model_overrides}
+                 for n, v in plan.items()}, list(sc.data) or None, sc.max_steps, table)
 
 
 def refs(exp: str, family: list) -> list[tuple[str, str]]:
@@ -105,15 +147,13 @@ def used_seeds(recs: dict) -> set[int]:
 def check_design(design: dict, recs: dict, name: str) -> dict:
     """The design's problems as one error, else its power plan: the experiment and variants it names, seeds at
     least `ORDER_GAP` from every seed a record used, `[power]` equal to `power_plan`, at least n seeds."""
-    from .experiments import variants
-
     where = f"docs/prereg/{name}.toml"
     orig = design.get("replicates")
     if design.get("experiment") != name or orig not in REPLICABLE or f"{orig}{SUFFIX}" != name:
         raise ExperimentError(f"{where}: experiment must be {name!r} and replicates one of {', '.join(REPLICABLE)}")
     if orig not in recs:
         raise ExperimentError(f"{where}: no record docs/results/{orig}.json to replicate")
-    known = variants(orig, design["preset"])
+    known = runs_of(design).variants
     unknown = [v for v in design["variants"] if v not in known]
     if unknown:
         raise ExperimentError(f"{where}: {orig} has no variant {', '.join(unknown)}")
@@ -152,7 +192,7 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
         jobs: int = 1, max_steps: int | None = None, repo: Path | None = None) -> dict:
     """Train the preregistered variants on the preregistered seeds (finished runs reused, under OUT as the original
     experiment's runs), test the family and write OUT/NAME/summary.json (and `record`/NAME.json)."""
-    from .experiments import results_table, train_runs, variants
+    from .experiments import train_runs
     from .report import load
 
     if record is not None and max_steps is not None:
@@ -162,12 +202,14 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
     recs = load((repo or prereg.repo_root() or Path.cwd()) / "docs" / "results")
     plan = check_design(d, recs, name)
     orig = d["replicates"]
-    vs = {v: variants(orig, d["preset"])[v] for v in d["variants"]}
-    results = train_runs(orig, out, vs, list(d["seeds"]), d["preset"], None, max_steps, progress, jobs)
+    rs = runs_of(d)
+    vs = {v: rs.variants[v] for v in d["variants"]}
+    results = train_runs(orig, out, vs, list(d["seeds"]), d["preset"], rs.data, max_steps or rs.max_steps, progress,
+                         jobs)
     if any(len(rs) != len(d["seeds"]) for rs in results.values()):
         raise ConfigError(f"{name}: a variant lacks a seed; nothing recorded")
     summary = {"experiment": name, "preset": d["preset"], "seeds": len(d["seeds"]),
-               "variants": results_table(orig, results), "environment": environment()}
+               "variants": rs.table(results), "environment": environment()}
     rec = experiment_record(summary, results, f"engram experiment {name} --record docs/results")
     rec |= {"replicates": orig, "prereg": pre.stamp(), "design": d, "power": plan}
     rec["tests"] = tests(rec, plan)
