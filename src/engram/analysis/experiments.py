@@ -35,8 +35,8 @@ Experiments:
   smollm2-edit counterfactual edits of capitals SmolLM2-135M-Instruct (+ an Engram adapter) knows: `engram edit`
                vs fine-tuning, fine-tuning + KL and LoRA at fixed step budgets; efficacy, paraphrases,
                specificity on known unedited facts, fluency; read from docs/prereg/smollm2-edit.toml
-               (`analysis/smollm2_edit.py`; about 25 min on 2 cores).
-  NAME-replication  a claim of preset experiment NAME (ablations, sensitivity) run again on seeds no record used,
+               (`analysis/smollm2_edit.py`; the recorded run took 54 min on 2 cores shared with other work).
+  NAME-replication  a claim of experiment NAME (ablations, sensitivity, allocation) run again on seeds no record used,
                every choice (variants, seeds, n from the power at the original effect, the family, the test) read
                from the committed preregistration docs/prereg/NAME-replication.toml; recorded to
                docs/results/NAME-replication.json beside the original (`analysis/replication.py`; the CLI
