@@ -153,24 +153,25 @@ def test_each_committed_replication_record_checks_out(path, recs):
     assert rec["tests"] == replication.tests(rec, rec["power"])
 
 
+def committed_copy(repo: Path, *rels: str) -> None:
+    """A scratch git repo in `repo` holding this repository's files `rels`, committed (runs go to out/, rec/)."""
+    from test_prereg import git
+
+    for rel in rels:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_bytes((REPO / rel).read_bytes())
+    (repo / ".gitignore").write_text("out/\nrec/\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "prereg")
+
+
 def test_run_records_the_preregistered_design_with_its_stamp(tmp_path, monkeypatch):
     """run() end to end without training (train_runs replaced): the prereg committed in a scratch repo, the record
     holds the stamp, the design, the plan and the family's tests, and check_record passes on it."""
-    import subprocess
-
     from engram.analysis import experiments
 
-    def git(*args):
-        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
-                       capture_output=True)
-
-    for rel in ("docs/prereg/ablations-replication.toml", "docs/results/ablations.json"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
-    (tmp_path / ".gitignore").write_text("out/\nrec/\n")
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "prereg")
+    committed_copy(tmp_path, *("docs/prereg/ablations-replication.toml", "docs/results/ablations.json"))
     env = {"torch": "x", "threads": 2}
     fake = {"full": [4.64, 4.65, 4.66], "shuffled-hash": [4.69, 4.71, 4.70]}
     asked = []
@@ -227,21 +228,9 @@ def test_allocation_replication_trains_the_original_runs(recs):
 def test_run_trains_allocation_variants_with_its_data_and_steps(tmp_path, monkeypatch):
     """run() of allocation-replication without training: train_runs gets allocation's runs (its data, its 1,000
     steps, each variant's trained_run arguments) at the new seeds; the record is allocation's kind of table."""
-    import subprocess
-
     from engram.analysis import experiments
 
-    def git(*args):
-        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
-                       capture_output=True)
-
-    for rel in ("docs/prereg/allocation-replication.toml", "docs/results/allocation.json"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
-    (tmp_path / ".gitignore").write_text("out/\nrec/\n")
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "prereg")
+    committed_copy(tmp_path, *("docs/prereg/allocation-replication.toml", "docs/results/allocation.json"))
     fake = {"moe-E16": [4.33, 4.32, 4.33, 4.325], "moe-E14+engram": [4.30, 4.30, 4.29, 4.305]}
     asked = []
 
