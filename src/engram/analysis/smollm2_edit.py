@@ -30,6 +30,7 @@ import datetime
 import random
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ import torch
 from ..editing import Fact, applied, edit_facts
 from ..persist import write_json
 from . import prereg
-from .editing import finetune, greedy
+from .editing import _share, finetune, greedy
 from .known_facts import all_facts, counterfactuals
 from .retrofit import _say, extend_grid
 from .runs import ExperimentError, detectable, index_environments, publish, read_result, seed_stats, verdict
@@ -100,10 +101,7 @@ def measure(model, tok, edited: list[tuple[str, Fact, str]], facts: list[tuple[s
     prompts = {f.prompt for _, f, _ in edited}
     rels = {r for r, _, _ in edited}
     rest = [(r, f) for r, f in facts if f.prompt not in prompts]
-
-    def share(pairs):
-        return sum(greedy(model, tok, pairs)) / len(pairs) if pairs else None
-
+    share = partial(_share, model, tok)  # the share of (prompt, target) pairs greedy decoding gets right
     return {"efficacy": share([(f.prompt, f.target) for _, f, _ in edited]),
             "paraphrases": share([(p, f.target) for _, f, _ in edited for p in f.paraphrases]),
             "old_kept": share([(f.prompt, true) for _, f, true in edited]),
