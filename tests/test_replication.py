@@ -53,25 +53,46 @@ def test_paired_power_and_n_for_power():
         sig.paired_power(0.1, 0.0, 3)
 
 
+def original_diffs(recs: dict, d: dict, a: str, b: str) -> list[float]:
+    """The original's per-seed differences b - a, by hand from its record: its variants' values, or (an original
+    that tested its own family, retrofit's `tests`) the runs of points `a` and `b` at its test seeds."""
+    orig = recs[d["replicates"]]
+    if d["original_family"] != f"{d['replicates']}/tests":
+        sa, sb = (report._stat(recs, f"{d['replicates']}/{x}") for x in (a, b))
+        return [y - x for x, y in zip(sa["values"], sb["values"])]
+
+    def values(x: str) -> dict:
+        point, _, metric = x.partition("#")
+        return {r["seed"]: r[metric] for r in orig["runs"]
+                if f"{r['method']} lr {r['lr']:g}" == point and r["seed"] in orig["test_seeds"]}
+
+    va, vb = values(a), values(b)
+    assert sorted(va) == sorted(vb) == orig["test_seeds"]
+    return [vb[s] - va[s] for s in orig["test_seeds"]]
+
+
 @pytest.mark.parametrize("path", PREREGS, ids=lambda p: p.stem)
 def test_each_replication_prereg_has_new_seeds_and_the_power_plans_n(path, recs):
     d = design_of(path)
     orig = recs[d["replicates"]]
-    orig_seeds = {s for ss in orig["seeds"].values() for s in ss}
+    orig_seeds = replication.used_seeds({d["replicates"]: orig})
     assert orig_seeds and not orig_seeds & set(d["seeds"])
     used = replication.used_seeds(recs)
     assert used >= orig_seeds and all(abs(s - u) >= replication.ORDER_GAP for s in d["seeds"] for u in used)
     plan = replication.check_design(d, recs, path.stem)  # raises on any problem
     assert (d["power"]["n_80"], d["power"]["n"]) == (plan["n_80"], plan["n"])
     assert len(d["seeds"]) >= plan["n"]
-    # the plan by hand: the original's per-seed differences, their mean and sd, the power at n_80 and below it
-    (a, b), = d["test"]["family"]
-    sa, sb = (report._stat(recs, f"{d['replicates']}/{x}") for x in (a, b))
-    diffs = [y - x for x, y in zip(sa["values"], sb["values"])]
-    row = plan["comparisons"][0]
-    assert row["effect"] == pytest.approx(np.mean(diffs)) and row["sd"] == pytest.approx(np.std(diffs, ddof=1))
-    assert sig.paired_power(row["effect"], row["sd"], plan["n_80"]) >= 0.8
-    assert plan["n_80"] == 2 or sig.paired_power(row["effect"], row["sd"], plan["n_80"] - 1) < 0.8
+    # the plan by hand: the original's per-seed differences, their mean and sd, the power at n_80 (alpha / family
+    # size, Holm's first step) for every comparison and below it for at least one
+    family = d["test"]["family"]
+    alpha = sig.ALPHA / len(family)
+    short = []
+    for (a, b), row in zip(family, plan["comparisons"], strict=True):
+        diffs = original_diffs(recs, d, a, b)
+        assert row["effect"] == pytest.approx(np.mean(diffs)) and row["sd"] == pytest.approx(np.std(diffs, ddof=1))
+        assert row["alpha"] == alpha and sig.paired_power(row["effect"], row["sd"], plan["n_80"], alpha) >= 0.8
+        short.append(plan["n_80"] > 2 and sig.paired_power(row["effect"], row["sd"], plan["n_80"] - 1, alpha) < 0.8)
+    assert plan["n_80"] == 2 or any(short)
     assert plan["n"] == max(plan["n_80"], len(diffs))
     assert d["original_family"] in (REPO / "docs" / "results.in.md").read_text(encoding="utf-8")
 
@@ -248,4 +269,79 @@ def test_run_trains_allocation_variants_with_its_data_and_steps(tmp_path, monkey
     assert vs == {v: replication.runs_of(rec["design"]).variants[v] for v in vs}
     assert rec["variants"]["moe-E14+engram"]["rho"] == pytest.approx(12 / 14) and rec["power"]["n"] == 4
     assert rec["tests"][0]["replicated"] and rec["tests"][0]["diff"] < 0
+    assert prereg.check_record(rec, tmp_path) == []
+
+
+def _fake_retrofit_replication(recs: dict, shift: float) -> dict:
+    """A retrofit-replication record from its prereg: each point's runs at the new seeds are the original's test-seed
+    values (seeds 1, 2, 3 and again 1) plus `shift` on the Engram points' domain loss."""
+    d = design_of(REPO / "docs" / "prereg" / "retrofit-replication.toml")
+    orig = recs["retrofit"]
+    results = {}
+    for name in d["variants"]:
+        runs = {r["seed"]: r for r in orig["runs"] if f"{r['method']} lr {r['lr']:g}" == name}
+        up = shift * name.startswith("engram")
+        results[name] = [runs[s] | {"seed": new, "domain_val": runs[s]["domain_val"] + up}
+                         for s, new in zip([1, 2, 3, 1], d["seeds"], strict=True)]
+    from engram.analysis import retrofit
+
+    rec = {"experiment": "retrofit-replication", "replicates": "retrofit", "design": d,
+           "prereg": {"file": "docs/prereg/retrofit-replication.toml"},
+           "variants": retrofit.replication_table(results), "seeds": {v: d["seeds"] for v in d["variants"]}}
+    rec["tests"] = replication.tests(rec, replication.power_plan(d, recs))
+    return rec
+
+
+def test_retrofit_replication_renders_beside_its_records_family(recs):
+    """retrofit's original family is its record's `tests` (`original_family` "retrofit/tests"): each replicated row
+    sits beside that record's row of the same points and metric, the metric named (the family compares two)."""
+    orig = recs["retrofit"]["tests"]
+    same = _fake_retrofit_replication(recs, 0.0)  # the original's values again: every row a finding, same sign
+    assert all(t["replicated"] for t in same["tests"]) and len(same["tests"]) == 10
+    text = report.render("## 8. x\n{{replication:retrofit-replication}}\n@{{verdict:retrofit-replication/engram lr "
+                         "0.003#domain_val:retrofit-replication/full lr 1e-05#domain_val@retrofit-replication}}",
+                         {**recs, "retrofit-replication": same})
+    rows = [x for x in text.splitlines() if x.startswith("| full lr 1e-05 - engram lr 0.003 (")]
+    assert [r.split(" | ")[0] for r in rows] == ["| full lr 1e-05 - engram lr 0.003 (domain_val)",
+                                                 "| full lr 1e-05 - engram lr 0.003 (forgetting_shared)"]
+    assert f"{orig[0]['diff']:+.4f} ± {orig[0]['se']:.4f} (paired t, n=3)" in rows[0]
+    assert rows[0].endswith("| **yes** |") and "paired t, n=4" in rows[0] and text.endswith("a finding")
+    # the Engram points' domain loss 0.6 nats higher: the rows where Engram was below flip sign, and do not replicate
+    worse = _fake_retrofit_replication(recs, 0.6)
+    flips = {(t["a"], t["b"]): t["replicated"] for t in worse["tests"]}
+    assert not flips[("engram lr 0.003#domain_val", "full lr 1e-05#domain_val")]
+    assert flips[("engram lr 0.003#forgetting_shared", "full lr 1e-05#forgetting_shared")]  # untouched
+    d = same["design"]
+    bad = {**d, "test": {**d["test"], "family": [["engram lr 0.003#domain_val", "full lr 0.0001#domain_val"]]}}
+    with pytest.raises(ExperimentError, match="not a row"):
+        replication.power_plan(bad, recs)
+
+
+def test_run_records_retrofit_points_from_retrofit_replicate(tmp_path, monkeypatch):
+    """run() of retrofit-replication without training: `retrofit.replicate` gets the original record, the
+    preregistered points and seeds; the record holds retrofit's replication table, the base's losses and the tests."""
+    from engram.analysis import retrofit
+
+    committed_copy(tmp_path, *("docs/prereg/retrofit-replication.toml", "docs/results/retrofit.json"))
+    recs = report.load(REPO / "docs" / "results")
+    fake = _fake_retrofit_replication(recs, 0.0)
+    asked = []
+
+    def replicate(rec, names, seeds, out, progress, jobs, max_steps):
+        asked.append((rec["experiment"], names, seeds, jobs, max_steps))
+        results = {n: [{"seed": s, "method": fake["variants"][n]["method"], "lr": fake["variants"][n]["lr"],
+                        "trainable": 1, "environment": {"torch": "x"},
+                        **{k: fake["variants"][n][k]["values"][i] for k in ("domain_val", "forgetting",
+                                                                            "forgetting_shared", "step_ms",
+                                                                            "peak_rss_mib")}}
+                       for i, s in enumerate(seeds)] for n in names}
+        return results, {"before": {"domain": 6.0}}
+
+    monkeypatch.setattr(retrofit, "replicate", replicate)
+    rec = replication.run("retrofit-replication", tmp_path / "out", progress=False, record=tmp_path / "rec",
+                          repo=tmp_path)
+    d = rec["design"]
+    assert asked == [("retrofit", d["variants"], [3000, 3100, 3200, 3300], 1, None)]
+    assert rec["before"] == {"domain": 6.0} and rec["power"]["n"] == 4 and rec["tests"] == fake["tests"]
+    assert rec["variants"]["engram lr 0.003"]["forgetting_ratio"]["n"] == 4
     assert prereg.check_record(rec, tmp_path) == []

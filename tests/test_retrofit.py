@@ -155,3 +155,40 @@ def test_the_retrofit_page_shows_forgetting_ratios_per_seed_and_no_inherited_pea
     md = retrofit.markdown(rec)
     assert f"{r['mean']:.2f} ± {r['std']:.2f} |" in md and "peak RSS (MiB)" not in md
     assert "peak RSS (MiB)" in retrofit.markdown({**rec, "peak_rss_measure": "VmHWM"})
+
+
+def test_replicate_trains_the_chosen_points_as_the_original_did(monkeypatch, tmp_path):
+    """`replicate` (retrofit-replication's runs): only the points the selection seed chose, at the new seeds, with
+    `Sweep` (replaced here: no training); it refuses points that were not chosen and a design that is no longer the
+    record's."""
+    from engram.analysis.runs import ExperimentError
+
+    rec = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "retrofit.json").read_text())
+    trained = []
+
+    class FakeSweep:
+        def __init__(self, out, max_steps=None, progress=True, jobs=1, methods=None):
+            self.domain, self.general, self.steps = rf.DOMAIN, rf.GENERAL, max_steps or 100
+            self.tcfg = type("T", (), {"seq_len": 128, "batch_size": 16})
+            solved = {"engram_vocab_size": [1394, 1394]}  # what matched_engram solves on the base
+            self.methods = {m: ({**kw, "engram_options": {**kw["engram_options"], **solved}}
+                                if m == "engram-matched" else kw, lrs) for m, (kw, lrs) in methods.items()}
+            self.before, self.shared_info = {"general": 4.0}, {"windows": 64}
+
+        def train_all(self, keys):
+            trained.extend(keys)
+
+        def measure(self, m, lr, seed):
+            return {"method": m, "lr": lr, "seed": seed}
+
+    monkeypatch.setattr(rf, "Sweep", FakeSweep)
+    names = ["engram lr 0.003", "engram-matched lr 0.001", "full lr 0.0001"]
+    results, extra = rf.replicate(rec, names, [3000, 3100], tmp_path)
+    assert trained == [("engram", 0.003, 3000), ("engram-matched", 0.001, 3000), ("full", 0.0001, 3000),
+                       ("engram", 0.003, 3100), ("engram-matched", 0.001, 3100), ("full", 0.0001, 3100)]
+    assert [r["seed"] for r in results["full lr 0.0001"]] == [3000, 3100] and extra["before"] == {"general": 4.0}
+    with pytest.raises(ExperimentError, match="not a point"):
+        rf.replicate(rec, ["full lr 0.009"], [3000], tmp_path)  # in the grid, never chosen
+    monkeypatch.setitem(rf.METHODS, "full", (dict(method="full", lora_rank=4), ()))
+    with pytest.raises(ExperimentError, match="no longer trains"):
+        rf.replicate(rec, names, [3000], tmp_path)

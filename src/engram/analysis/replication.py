@@ -1,5 +1,5 @@
-"""`engram experiment NAME-replication`: a claim of a recorded experiment (`ablations`, `sensitivity`, `allocation`) run
-again on
+"""`engram experiment NAME-replication`: a claim of a recorded experiment (`ablations`, `sensitivity`, `allocation`,
+`retrofit`) run again on
 seeds no committed record used, every choice read from the committed preregistration
 `docs/prereg/NAME-replication.toml` (`prereg.py`: `--record` refuses an uncommitted design or a dirty tree).
 
@@ -10,13 +10,16 @@ The preregistration names (keys of its TOML):
 * `preset` and `variants`: the runs (only the variants the claim compares; `runs_of` gives their training
   arguments from the original experiment's own plan, so they train exactly as the original's did: a preset
   experiment's `experiments.variants`, or allocation's `allocation.plan` at the design's `scale`, its data, steps
-  and training overrides);
+  and training overrides; retrofit's variants are the grid points its selection seed chose, "engram lr 0.003",
+  trained by `retrofit.replicate` with retrofit's own `Sweep`);
 * `seeds`: the new seed indices. A seed sets the init (`torch.manual_seed`) and the data order (the train
   windows of epoch e in the order `default_rng(seed + e).permutation`, `training.data.Batcher`), so a seed at
   least `ORDER_GAP` from every seed a record used and from each other gives a new init and a data order no other
   run saw (in any epoch below `ORDER_GAP`);
 * `[test]`: `family`, the comparisons `[a, b]` (b - a, variant names of the replication's own record, a `#FIELD`
-  for a nested value as in sensitivity's `#increase`), each a comparison of the original family; the test
+  for a nested value as in sensitivity's `#increase`), each a comparison of the original family (`original_family`:
+  a family label of the results page, or `EXP/tests` for an original that tested its own family, retrofit's: its
+  rows are matched by points and metric, `a#metric`; `original_tests`); the test
   (paired t over the seeds, Holm over this family, `significance.py`) and what counts as replicated (a finding
   of the original's sign);
 * `[power]`: `n_80` and `n` as `power_plan` computes them from the original record: for each comparison the
@@ -43,11 +46,12 @@ from ..persist import write_json
 from ..utils import environment
 from . import prereg
 from . import significance as sig
-from .records import experiment_record, table_markdown
+from .records import OWN_REPORT, experiment_record, table_markdown
 from .runs import ExperimentError, seed_stats
 
 SUFFIX = "-replication"
-REPLICABLE = ("ablations", "sensitivity", "allocation")  # experiments whose runs `runs_of` knows
+REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit")  # `runs_of` knows their runs (retrofit's:
+# `retrofit.replicate`)
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
 
 
@@ -93,18 +97,32 @@ def refs(exp: str, family: list) -> list[tuple[str, str]]:
     return [(f"{exp}/{a}", f"{exp}/{b}") for a, b in family]
 
 
+def original_tests(design: dict, recs: dict) -> list[sig.TestResult]:
+    """The original's test of each comparison of the design's family: recomputed from the original's per-seed
+    values (`report.comparison`), or, where the original tested its own family (`original_family` "EXP/tests"), that
+    record's row of the same comparison (`report.record_family`)."""
+    from .report import comparison, record_family
+
+    family, orig = design["test"]["family"], design["replicates"]
+    if design.get("original_family") != f"{orig}/tests":
+        return [comparison(recs, ra, rb) for ra, rb in refs(orig, family)]
+    rows = {(r["a"], r["b"]): r["test"] for r in record_family(recs[orig], orig)}
+    missing = [f"{b} - {a}" for a, b in refs(orig, family) if (a, b) not in rows]
+    if missing:
+        raise ExperimentError(f"{', '.join(missing)}: not a row of docs/results/{orig}.json's tests (name them "
+                              "`POINT#metric`, as its rows' a, b and metric)")
+    return [rows[ab] for ab in refs(orig, family)]
+
+
 def power_plan(design: dict, recs: dict) -> dict:
     """What the replication's n must be, from the original record: for each comparison of the design's family the
     original's paired test (effect = mean difference b - a, sd of the per-seed differences = se * sqrt(n)) and
     n_80, the smallest n at which a two-sided paired t-test at alpha / (family size) (Holm's first step) has
     `significance.POWER` at that effect and sd; n = max(every n_80, the original's n)."""
-    from .report import comparison
-
     family = design["test"]["family"]
     alpha = sig.ALPHA / len(family)
     rows = []
-    for (a, b), (ra, rb) in zip(family, refs(design["replicates"], family)):
-        t = comparison(recs, ra, rb)
+    for (a, b), (ra, rb), t in zip(family, refs(design["replicates"], family), original_tests(design, recs)):
         if t.kind != "paired":
             raise ExperimentError(f"{rb} - {ra}: the original test is {t.label}, not paired; this plan needs the "
                                   "sd of per-seed differences")
@@ -153,7 +171,12 @@ def check_design(design: dict, recs: dict, name: str) -> dict:
         raise ExperimentError(f"{where}: experiment must be {name!r} and replicates one of {', '.join(REPLICABLE)}")
     if orig not in recs:
         raise ExperimentError(f"{where}: no record docs/results/{orig}.json to replicate")
-    known = runs_of(design).variants
+    if orig == "retrofit":
+        from .retrofit import replication_points
+
+        known = replication_points(recs[orig])
+    else:
+        known = runs_of(design).variants
     unknown = [v for v in design["variants"] if v not in known]
     if unknown:
         raise ExperimentError(f"{where}: {orig} has no variant {', '.join(unknown)}")
@@ -202,23 +225,32 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
     recs = load((repo or prereg.repo_root() or Path.cwd()) / "docs" / "results")
     plan = check_design(d, recs, name)
     orig = d["replicates"]
-    rs = runs_of(d)
-    vs = {v: rs.variants[v] for v in d["variants"]}
-    results = train_runs(orig, out, vs, list(d["seeds"]), d["preset"], rs.data, max_steps or rs.max_steps, progress,
-                         jobs)
+    if orig == "retrofit":  # adapters of retrofit's own base (`retrofit.replicate`), not preset runs
+        from . import retrofit
+
+        results, extra = retrofit.replicate(recs[orig], d["variants"], list(d["seeds"]), out, progress, jobs,
+                                            max_steps)
+        table = retrofit.replication_table
+    else:
+        rs = runs_of(d)
+        vs = {v: rs.variants[v] for v in d["variants"]}
+        results = train_runs(orig, out, vs, list(d["seeds"]), d["preset"], rs.data, max_steps or rs.max_steps,
+                             progress, jobs)
+        table, extra = rs.table, {}
     if any(len(rs) != len(d["seeds"]) for rs in results.values()):
         raise ConfigError(f"{name}: a variant lacks a seed; nothing recorded")
-    summary = {"experiment": name, "preset": d["preset"], "seeds": len(d["seeds"]),
-               "variants": rs.table(results), "environment": environment()}
+    summary = {"experiment": name, "preset": d.get("preset"), "seeds": len(d["seeds"]),
+               "variants": table(results), "environment": environment()}
     rec = experiment_record(summary, results, f"engram experiment {name} --record docs/results")
-    rec |= {"replicates": orig, "prereg": pre.stamp(), "design": d, "power": plan}
+    rec |= extra | {"replicates": orig, "prereg": pre.stamp(), "design": d, "power": plan}
     rec["tests"] = tests(rec, plan)
     root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "summary.json", rec)
     if record is not None:
         write_json(Path(record) / f"{name}.json", rec)
-    print(table_markdown(rec))
+    if orig not in OWN_REPORT:  # an experiment with its own report renders its own record's shape only
+        print(table_markdown(rec))
     for t in rec["tests"]:
         print(f"{t['b']} - {t['a']}: {t['diff']:+.4f} ± {t['se']:.4f} ({t['test']}; p {sig.fmt_p(t['p'])}, Holm "
               f"{sig.fmt_p(t['p_holm'])}): {'replicated' if t['replicated'] else 'not replicated'}")

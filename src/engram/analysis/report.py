@@ -215,10 +215,27 @@ def replication_pairs(rec: dict, label: str) -> list[tuple[str, str]]:
                        "(design.test.family)") from None
 
 
-def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]]) -> str:
-    """Each comparison of replication record `rec` beside the same comparison in its original family: difference ±
-    se, Holm p, verdict, then whether it replicated. The record's own tests must agree with the page's."""
+def record_family(rec: dict, exp: str) -> list[dict]:
+    """The family an experiment tested itself and keeps in its record's `tests` (retrofit's), as `family` gives a
+    page family's rows: `EXP/A#METRIC` vs `EXP/B#METRIC` (the row's points and metric), its test, Holm p and
+    verdict as the record holds them (the record's verdict checked against the rule, `_record_finding`)."""
+    out = []
+    for i, t in enumerate(rec["tests"]):
+        m = f"#{t['metric']}" if "metric" in t else ""
+        test = sig.TestResult(t["kind"], t["diff"], t["se"], t["df"], t["diff"] / t["se"], t["p"], t["n"], t["n"])
+        out.append({"a": f"{exp}/{t['a']}{m}", "b": f"{exp}/{t['b']}{m}", "test": test, "p_holm": t["p_holm"],
+                    "finding": _record_finding(t, f"{exp}/tests.{i}")})
+    return out
+
+
+def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]], recs: dict | None = None) -> str:
+    """Each comparison of replication record `rec` beside the same comparison in its original family (a family of
+    the page, or `EXP/tests`, the family the original's record tested: `record_family`): difference ± se, Holm p,
+    verdict, then whether it replicated; the compared field (`#FIELD`) is named where the family compares more
+    than one. The record's own tests must agree with the page's."""
     orig_label, orig = rec["design"]["original_family"], rec["replicates"]
+    if orig_label == f"{orig}/tests" and recs and orig in recs:
+        fams = {**fams, orig_label: record_family(recs[orig], orig)}
     if orig_label not in fams:
         raise KeyError(f"{label}: its original family {orig_label!r} is not declared on the page")
     rows, stored = fams[label], rec.get("tests") or []
@@ -231,6 +248,7 @@ def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]]) -> 
         verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
         return f"{t.diff:+.4f} ± {t.se:.4f} ({t.label}) | {sig.fmt_p(r['p_holm'])} | {verdict}"
 
+    fields = {x.partition("#")[2] for s in stored for x in (s["a"], s["b"])}
     n = len(rec["design"]["seeds"])
     lines = [f"**Replication, family {label}** (preregistered in `{rec['prereg']['file']}`, committed before the "
              f"runs; {n} new seeds; the original rows are family {orig_label}'s, Holm within it; the replication's "
@@ -242,7 +260,8 @@ def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]]) -> 
         o = [x for x in fams[orig_label] if (x["a"], x["b"]) == (a, b)]
         if not o:
             raise KeyError(f"{label}: {a}:{b} is not a comparison of family {orig_label!r}")
-        lines.append(f"| {_short(b, a)} - {_short(a, b)} | {cells(o[0])} | {cells(r)} | "
+        field = f" ({s['b'].partition('#')[2]})" if len(fields) > 1 else ""
+        lines.append(f"| {_short(b, a)} - {_short(a, b)}{field} | {cells(o[0])} | {cells(r)} | "
                      f"{'**yes**' if s['replicated'] else 'no'} |")
     return "\n".join(lines)
 
@@ -417,7 +436,7 @@ def render(template: str, recs: dict[str, dict], also: str = "") -> str:
                 label = arg.strip().splitlines()[0].strip()
                 return family_markdown(label, fams[label])
             if kind == "replication":
-                return replication_markdown(arg.strip(), rec(arg.strip()), fams)
+                return replication_markdown(arg.strip(), rec(arg.strip()), fams, recs)
             if kind == "value":
                 ref, _, spec = arg.partition("|")
                 exp, _, path = ref.partition("/")

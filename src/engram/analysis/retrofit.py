@@ -30,12 +30,15 @@ Over 450 lines on purpose: one experiment's design, driver and report, which its
      (Shakespeare + KJV val split, the first 64 windows), and `shared`, the 64 windows of that val split whose
      token 2- and 3-grams occur most in the domain's train split: the text where the rows the adapters
      changed fire (`shared_windows`).
+5. Its replication (`engram experiment retrofit-replication`, `replication.py`): `replicate` trains only the points
+   the selection seed chose (the record's `at_budget`) on new seeds, with the same `Sweep` as `run`.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import json
 import statistics
 from pathlib import Path
 
@@ -212,12 +215,17 @@ def budget_tests(runs: list[dict], budgets, pairs, selection_seed: int, test_see
             pc = next(x for x in chosen if x["budget"] == b and x["method"] == c)
             for k in ("domain_val", "forgetting_shared"):
                 t = compare(pa[k]["values"], pc[k]["values"], pa["seeds"], pc["seeds"])
-                tests.append({"budget": b, "a": f"{a} lr {pa['lr']:g}", "b": f"{c} lr {pc['lr']:g}", "metric": k,
+                tests.append({"budget": b, "a": point_name(a, pa["lr"]), "b": point_name(c, pc["lr"]), "metric": k,
                               "kind": t.kind, "diff": t.diff, "se": t.se, "df": t.df, "p": t.p, "n": t.n_a,
                               "min_detectable": detectable(t)})
     for t, adj in zip(tests, holm([t["p"] for t in tests])):
         t["p_holm"], t["finding"] = adj, is_finding(adj)
     return chosen, tests
+
+
+def point_name(method: str, lr: float) -> str:
+    """A grid point as the record's tests name it: "engram lr 0.003"."""
+    return f"{method} lr {lr:g}"
 
 
 def shared_windows(base_tok: str, domain: list[str], general: list[str], seq_len: int,
@@ -284,6 +292,89 @@ def _eval_shared(base: Path, run_dir: Path, method: str, windows: np.ndarray, ba
 
 
 # ------------------------------------------------------------------------------------------ the experiment
+class Sweep:
+    """One retrofit setup under OUT/retrofit, shared by `run` (the grids) and `replicate` (chosen points on new
+    seeds), so both train and measure a run the same way: the pretrained base (`pretrained_base`, cached), the
+    adaptation settings, the shared-n-gram set, the base's losses before adaptation (`before`) and the methods
+    (engram-matched's rows solved on this base for LoRA-all's count). `measure` trains (or reuses) one run (method,
+    lr, seed: the seed sets the adapter's init and the data order) and reads its numbers."""
+
+    def __init__(self, out: str | Path = "runs/experiments", max_steps: int | None = None,
+                 pretrain_steps: int | None = None, progress: bool = True, methods: dict | None = None,
+                 domain: list[str] | None = None, general: list[str] | None = None, base_shape: dict | None = None,
+                 tokenizer: str = TOKENIZER, isolate: bool = True, jobs: int = 1):
+        from ..config import TrainConfig
+        from ..training.adapt import evaluate_on, load_base
+        from ..training.train import evaluate
+
+        self.progress, self.isolate, self.jobs = progress, isolate, jobs
+        methods = {m: (dict(kw), tuple(lrs)) for m, (kw, lrs) in (methods or METHODS).items()}
+        self.domain, self.general = domain or DOMAIN, general if general is not None else GENERAL
+        self.root = root = Path(out) / "retrofit"
+        root.mkdir(parents=True, exist_ok=True)
+        self.base = base = pretrained_base(root, pretrain_steps, progress, base_shape, tokenizer, self.general)
+        self.tcfg = tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"],
+                                          "tokenizer": str((base / "tokenizer.json").resolve())})
+        self.shared, self.shared_info = shared_windows(tcfg.tokenizer, self.domain, self.general, tcfg.seq_len,
+                                                       SHARED_WINDOWS)
+        before_file = root / "base_eval.json"
+        if not before_file.is_file():
+            model, _ = load_base(base)
+            before = {"domain": evaluate_on(model, self.domain, tcfg),
+                      "general": evaluate_on(model, self.general or None, tcfg),
+                      "shared": evaluate(model.eval(), self.shared, tcfg.batch_size, torch.device("cpu"))}
+            write_json(before_file, before, indent=None)
+        self.before = read_result(before_file, "base evaluation")
+        self.steps = max_steps or ADAPT["max_steps"]
+        lora_n = None
+        for m, (kw, lrs) in methods.items():  # engram-matched: its rows solved on this base for LoRA-all's count
+            if kw.get("method") == "engram" and "engram_vocab_size" not in (kw.get("engram_options") or {}):
+                lora_n = lora_n or lora_trainable(base)
+                methods[m] = ({**kw, "engram_options": matched_engram(base, lora_n, kw["engram_options"],
+                                                                      kw.get("layers", LAYERS))}, lrs)
+        self.methods = methods
+
+    def dir_of(self, name: str, lr: float, seed: int) -> Path:
+        return self.root / f"{name}-lr{lr:g}-seed{seed}"
+
+    def train(self, name: str, lr: float, seed: int) -> None:
+        """Adapt the base with method `name` at `lr` on seed `seed` for `steps` steps (skipped when finished; resumed
+        from its checkpoints), in its own process when `isolate` (its own peak RSS)."""
+        kw0, _ = self.methods[name]
+        run_dir = self.dir_of(name, lr, seed)
+        if not (run_dir / "summary.json").is_file():
+            _say(self.progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
+            kw = dict(base=str(self.base), data=self.domain, out=str(run_dir), max_steps=self.steps,
+                      overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
+                      progress=False, extra_eval={"general": self.general or None}, **kw0)
+            if self.isolate:
+                call_in_subprocess("engram.training.adapt:adapt", kw, self.root / f"runs-{run_dir.name}.log",
+                                   f"retrofit run {run_dir}", self.jobs)
+            else:
+                from ..training.adapt import adapt
+
+                adapt(**kw)
+
+    def train_all(self, keys: list[tuple[str, float, int]]) -> None:
+        """Train the runs `keys` (name, lr, seed), `jobs` at once when each has its own process."""
+        run_parallel(lambda k: self.train(*k), keys, self.jobs if self.isolate else 1)
+
+    def measure(self, name: str, lr: float, seed: int) -> dict:
+        """One run's numbers (trained first if needed): domain loss, general and shared-set losses and their
+        forgetting (after minus the base's before), step time, peak RSS, trainable counts and environment."""
+        kw0, _ = self.methods[name]
+        run_dir = self.dir_of(name, lr, seed)
+        self.train(name, lr, seed)
+        s = read_run_file(run_dir, "summary.json")
+        shared_val = _eval_shared(self.base, run_dir, kw0["method"], self.shared, self.tcfg.batch_size)
+        before = self.before
+        return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
+                "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
+                "shared_val": shared_val, "forgetting_shared": shared_val - before["shared"],
+                "step_ms": _step_ms(run_dir, self.tcfg.seq_len * self.tcfg.batch_size),
+                "peak_rss_mib": s["peak_rss_mib"], "trainable": s["trainable"], "environment": s.get("environment")}
+
+
 def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | None = None,
         pretrain_steps: int | None = None, progress: bool = True, record: str | Path | None = None,
         methods: dict | None = None, domain: list[str] | None = None, general: list[str] | None = None,
@@ -293,67 +384,11 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     plot.png in OUT/retrofit; `record`: also `record/retrofit.json` (every run) and `docs/img/retrofit.png` beside it.
     `seeds`: the number of test seeds (1..seeds); `isolate`: each run in its own process (its own peak RSS);
     `jobs`: that many such processes at once (each run's numbers are its own; step times then share the machine)."""
-    from ..config import TrainConfig
-    from ..training.adapt import evaluate_on, load_base
-    from ..training.train import evaluate
-
-    methods = {m: (dict(kw), tuple(lrs)) for m, (kw, lrs) in (methods or METHODS).items()}
-    domain, general = domain or DOMAIN, general if general is not None else GENERAL
-    root = Path(out) / "retrofit"
-    root.mkdir(parents=True, exist_ok=True)
-    base = pretrained_base(root, pretrain_steps, progress, base_shape, tokenizer, general)
-    tcfg = TrainConfig(**{**TrainConfig().to_dict(), **ADAPT["overrides"],
-                          "tokenizer": str((base / "tokenizer.json").resolve())})
-    shared, shared_info = shared_windows(tcfg.tokenizer, domain, general, tcfg.seq_len, SHARED_WINDOWS)
-    before_file = root / "base_eval.json"
-    if not before_file.is_file():
-        model, _ = load_base(base)
-        before = {"domain": evaluate_on(model, domain, tcfg), "general": evaluate_on(model, general or None, tcfg),
-                  "shared": evaluate(model.eval(), shared, tcfg.batch_size, torch.device("cpu"))}
-        write_json(before_file, before, indent=None)
-    before = read_result(before_file, "base evaluation")
-    steps = max_steps or ADAPT["max_steps"]
-    lora_n = None
-    for m, (kw, lrs) in methods.items():  # engram-matched: its rows solved on this base for LoRA-all's count
-        if kw.get("method") == "engram" and "engram_vocab_size" not in (kw.get("engram_options") or {}):
-            lora_n = lora_n or lora_trainable(base)
-            methods[m] = ({**kw, "engram_options": matched_engram(base, lora_n, kw["engram_options"],
-                                                                  kw.get("layers", LAYERS))}, lrs)
-
-    def dir_of(name: str, lr: float, seed: int) -> Path:
-        return root / f"{name}-lr{lr:g}-seed{seed}"
-
-    def train_one(name: str, lr: float, seed: int) -> None:
-        kw0, _ = methods[name]
-        run_dir = dir_of(name, lr, seed)
-        if not (run_dir / "summary.json").is_file():
-            _say(progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
-            kw = dict(base=str(base), data=domain, out=str(run_dir), max_steps=steps,
-                      overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
-                      progress=False, extra_eval={"general": general or None}, **kw0)
-            if isolate:
-                call_in_subprocess("engram.training.adapt:adapt", kw, root / f"runs-{run_dir.name}.log",
-                                   f"retrofit run {run_dir}", jobs)
-            else:
-                from ..training.adapt import adapt
-
-                adapt(**kw)
-
-    def train_all(keys: list[tuple[str, float, int]]) -> None:
-        """Train the runs `keys` (name, lr, seed), `jobs` at once when each has its own process."""
-        run_parallel(lambda k: train_one(*k), keys, jobs if isolate else 1)
-
-    def one(name: str, lr: float, seed: int) -> dict:
-        kw0, _ = methods[name]
-        run_dir = dir_of(name, lr, seed)
-        train_one(name, lr, seed)
-        s = read_run_file(run_dir, "summary.json")
-        shared_val = _eval_shared(base, run_dir, kw0["method"], shared, tcfg.batch_size)
-        return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
-                "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
-                "shared_val": shared_val, "forgetting_shared": shared_val - before["shared"],
-                "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
-                "trainable": s["trainable"], "environment": s.get("environment")}
+    sw = Sweep(out, max_steps, pretrain_steps, progress, methods, domain, general, base_shape, tokenizer, isolate,
+               jobs)
+    methods, root, tcfg, steps = sw.methods, sw.root, sw.tcfg, sw.steps
+    domain, general, before, shared_info = sw.domain, sw.general, sw.before, sw.shared_info
+    train_all, one = sw.train_all, sw.measure
 
     # 1. the selection seed: the grids, extended until each method's lowest domain loss is interior
     grids, extended = {m: sorted(lrs) for m, (_, lrs) in methods.items()}, {m: {} for m in methods}
@@ -402,6 +437,57 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                "optimum": optimum, "at_budget": chosen, "tests": tests, "cost": cost, "runs": runs,
                "peak_rss_measure": "VmHWM", "environments": envs or [environment()]}
     return publish(summary, root, record, "retrofit.json", markdown, plot)
+
+
+# ------------------------------------------------------------------------------------------ its replication
+REPLICATED = ("domain", "general", "base", "tokenizer", "adapt_steps", "tokens_per_step")  # equal to the original's
+
+
+def replication_points(rec: dict) -> dict[str, tuple[str, float]]:
+    """The points the selection seed chose in the original record `rec` (its `at_budget` cells), by the names its
+    tests give them: {"engram lr 0.003": ("engram", 0.003), ...}."""
+    return {point_name(c["method"], c["lr"]): (c["method"], c["lr"]) for c in rec["at_budget"]}
+
+
+def replicate(rec: dict, names: list[str], seeds: list[int], out: str | Path = "runs/experiments",
+              progress: bool = True, jobs: int = 1, max_steps: int | None = None) -> tuple[dict, dict]:
+    """Train the chosen points `names` of the original record `rec` on `seeds` exactly as `run` trained its test
+    seeds (`Sweep`: the same base recipe, pretrained once on seed 0 and shared by every seed, the same adaptation
+    on the same data; a seed is the adapter's init and the data order). Refuses when this code's design differs
+    from the record's (`REPLICATED`, each method's settings). Returns ({name: runs in seed order}, what the
+    replication's record adds: the base's losses before adaptation and the shared set)."""
+    pts = replication_points(rec)
+    unknown = [n for n in names if n not in pts]
+    if unknown:
+        raise ExperimentError(f"{', '.join(unknown)}: not a point the original's selection seed chose "
+                              f"({', '.join(pts)})")
+    sw = Sweep(out, max_steps, progress=progress, jobs=jobs,
+               methods={m: v for m, v in METHODS.items() if m in {pts[n][0] for n in names}})
+    design = {"domain": sw.domain, "general": sw.general, "base": BASE, "tokenizer": TOKENIZER,
+              "adapt_steps": ADAPT["max_steps"], "tokens_per_step": sw.tcfg.seq_len * sw.tcfg.batch_size}
+    design |= {f"methods.{m}": kw for m, (kw, _) in sw.methods.items()}
+    orig = {k: rec[k] for k in REPLICATED} | {
+        f"methods.{m}": {k: v for k, v in rec["methods"][m].items() if k not in ("lrs", "extended")}
+        for m in sw.methods}
+    differ = [k for k in design if json.loads(json.dumps(design[k])) != orig[k]]
+    if differ:
+        raise ExperimentError(f"retrofit's code no longer trains as docs/results/retrofit.json did ({', '.join(differ)}"
+                              "); replicate from the commit that recorded it")
+    sw.train_all([(*pts[n], s) for s in seeds for n in names])
+    return ({n: [sw.measure(*pts[n], s) for s in seeds] for n in names},
+            {"before": sw.before, "shared_set": sw.shared_info, "adapt_steps": sw.steps})
+
+
+def replication_table(results: dict[str, list[dict]]) -> dict:
+    """A replication record's variants: per point its method and lr, and over the seeds (in order) domain loss,
+    forgetting on the general and on the shared set, their ratio (`forgetting_ratio`), step time and peak RSS."""
+    out = {}
+    for n, rs in results.items():
+        cell = {k: seed_stats([r[k] for r in rs]) for k in ("domain_val", "forgetting", "forgetting_shared", "step_ms",
+                                                            "peak_rss_mib")}
+        out[n] = {"method": rs[0]["method"], "lr": rs[0]["lr"], **cell, "forgetting_ratio": forgetting_ratio(cell),
+                  "trainable": rs[0]["trainable"]}
+    return out
 
 
 def _fmt(s: dict, sign: bool = False) -> str:
