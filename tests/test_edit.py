@@ -401,6 +401,12 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     # the family: each default setting vs the edit, at each budget, on FAMILY_METRICS; Holm-adjusted
     assert len(s["tests"]) == 2 * 3 * len(ed.FAMILY_METRICS)
     assert all(t["kind"] == "paired" and t["n"] == 2 and t["p_holm"] >= t["p"] for t in s["tests"])
+    # damage on known facts: every known fact this set neither edits nor uses as a neighbour, measured and tested
+    assert s["family_metrics"] == list(ed.FAMILY_METRICS) and "known_kept" in {t["metric"] for t in s["tests"]}
+    assert "world_change" not in {t["metric"] for t in s["tests"]}  # descriptive: never-trained countries
+    for seed, other in s["known_other"].items():
+        fs_i = fact_sets(known, facts, 3, int(seed))
+        assert other["n"] == len(known) - len(fs_i["counterfactual"]) - len(fs_i["neighbours"])
     # per-relation cells pooled over fact sets with their n
     cell = s["by_relation"]["ft-lr0.0001"]["3"]
     assert sum(x["efficacy_n"] for x in cell.values()) == 3 * 2
@@ -453,3 +459,87 @@ def test_the_committed_edit_record_is_tested_by_the_fixed_rule():
         assert sum(int(x.split(",")[0].split("/")[1]) for x in c.strip("| \n").split(" | ")[2:]) == \
             rec["n_facts"] * rec["seeds"]
 
+
+
+def test_unedited_known_leaves_out_exactly_the_edited_facts_and_neighbours():
+    """Damage on known facts reads every known fact the set neither edits nor uses as a neighbour, by its main
+    phrasing and true object; another relation of an edited subject is still read (it was not edited)."""
+    from engram.analysis import editing as ed
+    from engram.analysis.facts import WORLD_RELATIONS, fact_sets
+
+    known = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJKL" for rel, o in
+             (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]
+    fs = fact_sets(known, known, 3, seed=4000)
+    other = ed.unedited_known(known, fs)
+    used = {f.prompt for f in fs["counterfactual"]} | {x["prompt"] for x in fs["neighbours"]}
+    assert len(used) == 3 + 9 and len(other) == len(known) - len(used)
+    assert not {p for p, _ in other} & used
+    phrased = [(WORLD_RELATIONS[r][1].format(s=s), o) for s, r, o in known]
+    assert other == [(p, o) for p, o in phrased if p not in used]
+    edited_subject = fs["counterfactual"][0].prompt
+    assert any(s in edited_subject and WORLD_RELATIONS[r][1].format(s=s) != edited_subject and
+               (WORLD_RELATIONS[r][1].format(s=s), o) in other for s, r, o in known)
+    draws = [fact_sets(known, known, 3, seed=s)["counterfactual"] for s in (4000, 0)]
+    assert draws[0] != draws[1]  # a new seed draws another fact set
+
+
+def test_the_edit_family_is_the_records_and_the_old_record_keeps_its_own():
+    """A record names its family (`family_metrics`); edit.json (2026-12-02), which does not, keeps the family it was
+    tested on (the held-out countries' loss in it, no known facts) and its table shows no known-facts column; a
+    record that names another family is tested on it, and a replication's editing family is its `known_tests`."""
+    from pathlib import Path
+
+    from engram.analysis import editing as ed
+
+    rec = json.loads((Path(__file__).parents[1] / "docs/results/edit.json").read_text())
+    assert "family_metrics" not in rec and {t["metric"] for t in rec["tests"]} == set(ed.FAMILY_METRICS_HELD_OUT)
+    assert "known_kept" not in ed.FAMILY_METRICS_HELD_OUT and "world_change" not in ed.FAMILY_METRICS
+    head = next(x for x in ed.markdown(rec).splitlines() if x.startswith("| method | steps |"))
+    assert ed.LABELS["known_kept"] not in head and ed.LABELS["world_change"] in head
+    for r in rec["runs"]:  # a record that measured known facts (made-up values) and names a family of them
+        r["known_kept"] = 0.9 if r["config"] == "engram-edit" else 0.8 + 0.01 * r["seed"]
+    new = {**rec, "family_metrics": ["known_kept"]}
+    new |= ed.analyse(new)
+    assert len(new["tests"]) == 9 and {t["metric"] for t in new["tests"]} == {"known_kept"}
+    assert new["tests"][0]["diff"] == pytest.approx(-0.09)
+    head = next(x for x in ed.markdown(new).splitlines() if x.startswith("| method | steps |"))
+    assert ed.LABELS["known_kept"] in head
+    rep = {**new, "replicates": "edit", "known_tests": new["tests"], "tests": [{"a": "x"}], "seeds": {"c": [4, 5, 6]}}
+    assert ed.family_tests(rep) == new["tests"] and ed._n_sets(rep) == 3
+    assert sum(x.split(" | ")[2:3] == [ed.LABELS["known_kept"]] for x in ed.markdown(rep).splitlines()) == 9
+
+
+def test_replicate_refuses_a_design_that_is_not_the_originals(tmp_path):
+    """`editing.replicate` runs the original record's design: another fact-set size, budget list, base, window count,
+    a swept setting or a config missing from the family's sides is refused in one line, before anything runs."""
+    from pathlib import Path
+
+    from engram.analysis import editing as ed
+    from engram.analysis.runs import ExperimentError
+    from engram.utils import parse_toml
+
+    repo = Path(__file__).parents[1]
+    rec = json.loads((repo / "docs/results/edit.json").read_text())
+    d = parse_toml((repo / "docs/prereg/edit-replication.toml").read_text(), "prereg", ValueError)
+    for bad, match in [({"n_facts": 10}, "n_facts"), ({"budgets": [10, 300]}, "budgets"),
+                       ({"base_steps": 300}, "base_steps"), ({"max_windows": 32}, "max_windows"),
+                       ({"variants": ["engram-edit", "ft-lr0.0003", "ft+kl-w1", "lora-lr0.001"]}, "default setting"),
+                       ({"variants": ["engram-edit", "ft-lr0.0001", "ft+kl-w1"]}, "default setting")]:
+        with pytest.raises(ExperimentError, match=match):
+            ed.replicate(rec, {**d, **bad}, tmp_path)
+    assert not any(tmp_path.iterdir())
+    assert ed.replication_point("ft+kl-w1", 300) == "ft+kl-w1 at 300"
+
+
+def test_overlap_counts_the_facts_an_original_seed_would_also_edit(tmp_path, monkeypatch):
+    """`editing.overlap`: a seed of the original's overlaps fully with itself; another seed's draw from the same known
+    facts shares at most a few edited facts (counted, not assumed zero)."""
+    from engram.analysis import editing as ed
+
+    facts = [(f"Land{c}{d}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJ" for d in "xyz" for rel, o in
+             (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]
+    monkeypatch.setattr(ed, "world_facts", lambda: facts)
+    (tmp_path / "known.json").write_text(json.dumps(facts))
+    got = ed.overlap(tmp_path, [0, 1], [1, 4000], 6)
+    assert got["1"] == {"counterfactual": 6, "new": 6, "of": 6}
+    assert got["4000"]["counterfactual"] < 6 and got["4000"]["new"] < 6

@@ -57,6 +57,15 @@ def original_diffs(recs: dict, d: dict, a: str, b: str) -> list[float]:
     """The original's per-seed differences b - a, by hand from its record: its variants' values, or (an original
     that tested its own family, retrofit's `tests`) the runs of points `a` and `b` at its test seeds."""
     orig = recs[d["replicates"]]
+    if d["replicates"] == "edit":  # POINT is "CONFIG at BUDGET": that config's runs at that budget, per fact set
+        def cell(x: str) -> dict:
+            point, _, metric = x.partition("#")
+            config, _, budget = point.rpartition(" at ")
+            return {r["seed"]: r[metric] for r in orig["runs"] if r["config"] == config and r["budget"] == int(budget)}
+
+        ca, cb = cell(a), cell(b)
+        assert sorted(ca) == sorted(cb) and len(ca) == orig["seeds"]
+        return [cb[s] - ca[s] for s in sorted(ca)]
     if d["original_family"] != f"{d['replicates']}/tests":
         sa, sb = (report._stat(recs, f"{d['replicates']}/{x}") for x in (a, b))
         return [y - x for x, y in zip(sa["values"], sb["values"])]
@@ -344,4 +353,71 @@ def test_run_records_retrofit_points_from_retrofit_replicate(tmp_path, monkeypat
     assert asked == [("retrofit", d["variants"], [3000, 3100, 3200, 3300], 1, None)]
     assert rec["before"] == {"domain": 6.0} and rec["power"]["n"] == 4 and rec["tests"] == fake["tests"]
     assert rec["variants"]["engram lr 0.003"]["forgetting_ratio"]["n"] == 4
+    assert prereg.check_record(rec, tmp_path) == []
+
+
+def _fake_edit_replication(recs: dict, shift: float) -> tuple[dict, dict]:
+    """(results, record) of edit-replication as `editing.replicate` and `run` would make them, without running:
+    each fact set's values the original's (set i % 3), ft+kl's val_change moved by `shift`."""
+    from engram.analysis import editing
+
+    d = design_of(REPO / "docs" / "prereg" / "edit-replication.toml")
+    orig = recs["edit"]
+    results = {}
+    for c in d["variants"]:
+        for b in d["budgets"]:
+            rs = sorted((r for r in orig["runs"] if r["config"] == c and r["budget"] == b), key=lambda r: r["seed"])
+            results[editing.replication_point(c, b)] = [
+                {**rs[i % len(rs)], "seed": s, "known_kept": 0.9 - 0.01 * i, "environment": {"torch": "x"},
+                 "val_change": rs[i % len(rs)]["val_change"] + (shift if c == "ft+kl-w1" else 0.0)}
+                for i, s in enumerate(d["seeds"])]
+    rec = {"experiment": "edit-replication", "replicates": "edit", "design": d,
+           "prereg": {"file": "docs/prereg/edit-replication.toml"}, "variants": editing.replication_table(results),
+           "seeds": {v: [r["seed"] for r in rs] for v, rs in results.items()}}
+    rec["tests"] = replication.tests(rec, replication.power_plan(d, recs))
+    return results, rec
+
+
+def test_edit_replication_renders_beside_edit_records_family(recs):
+    """edit's original family is its record's `tests`, which tests the same pair at three budgets: the replicated
+    row (`CONFIG at BUDGET#metric`, edit.json tests.38) sits beside exactly that row, and a shift that removes the
+    difference does not replicate."""
+    _, same = _fake_edit_replication(recs, 0.0)  # the original's values again (one set twice): a finding, same sign
+    t38 = recs["edit"]["tests"][38]
+    assert (t38["budget"], t38["b"], t38["metric"]) == (300, "ft+kl-w1", "val_change")
+    assert same["tests"][0]["replicated"]
+    text = report.render("## 9. x\n{{replication:edit-replication}}\n@{{verdict:edit-replication/engram-edit at "
+                         "300#val_change:edit-replication/ft+kl-w1 at 300#val_change@edit-replication}}",
+                         {**recs, "edit-replication": same})
+    row, = [x for x in text.splitlines() if x.startswith("| ft+kl-w1 at 300 - engram-edit at 300 |")]
+    assert f"{t38['diff']:+.4f} ± {t38['se']:.4f} (paired t, n=3) | {sig.fmt_p(t38['p_holm'])} | **finding**" in row
+    assert "paired t, n=4" in row and row.endswith("| **yes** |") and text.endswith("a finding")
+    _, gone = _fake_edit_replication(recs, -t38["diff"])  # ft+kl's damage brought down to the edit's
+    assert not gone["tests"][0]["replicated"]
+
+
+def test_run_records_edit_replication_from_editing_replicate(tmp_path, monkeypatch):
+    """run() of edit-replication without editing: `editing.replicate` gets edit.json and the design; the record holds
+    the cells by `CONFIG at BUDGET`, the seeds, what replicate adds (the editing family as `known_tests`), the
+    claim's test and the stamp, and check_record passes."""
+    from engram.analysis import editing
+
+    committed_copy(tmp_path, *("docs/prereg/edit-replication.toml", "docs/results/edit.json"))
+    recs = report.load(REPO / "docs" / "results")
+    results, fake = _fake_edit_replication(recs, 0.0)
+    asked = []
+
+    def replicate(original, design, out, progress):
+        asked.append((original["experiment"], design["seeds"], design["variants"]))
+        return results, {"known_tests": [{"p_holm": 0.5, "finding": False}]}
+
+    monkeypatch.setattr(editing, "replicate", replicate)
+    with pytest.raises(ExperimentError, match="--max-steps"):
+        replication.run("edit-replication", tmp_path / "out", progress=False, max_steps=3, repo=tmp_path)
+    rec = replication.run("edit-replication", tmp_path / "out", progress=False, record=tmp_path / "rec",
+                          repo=tmp_path)
+    assert asked == [("edit", [4000, 4100, 4200, 4300], ["engram-edit", "ft-lr0.0001", "ft+kl-w1", "lora-lr0.001"])]
+    assert rec["tests"] == fake["tests"] and rec["power"]["n"] == 3 and rec["known_tests"][0]["p_holm"] == 0.5
+    assert rec["seeds"]["ft+kl-w1 at 300"] == [4000, 4100, 4200, 4300]
+    assert rec["variants"]["lora-lr0.001 at 10"]["known_kept"]["n"] == 4
     assert prereg.check_record(rec, tmp_path) == []

@@ -24,9 +24,15 @@ Over 450 lines on purpose: one experiment's design, driver and report, which its
 4. Measured per method, budget and fact set: efficacy (greedy produces the new target; counterfactuals and
    new entities apart), generalization (paraphrases), specificity (neighbour prompts still produce their
    true object), per-relation hits with their n, and damage: the loss change on Shakespeare's validation
-   split and on the held-out countries' world-facts sentences. The test (`analysis/significance`): each
-   fine-tuning at its default setting vs the edit, paired by fact set, Holm over the family `FAMILY`.
-Every stage is cached under OUT/edit, so a stopped experiment resumes.
+   split and on the held-out countries' world-facts sentences, and **damage on known facts** (`known_kept`):
+   the share of the facts the base knows (greedy) that this fact set neither edits nor uses as neighbours
+   which the edited model still completes correctly. The test (`analysis/significance`): each fine-tuning at
+   its default setting vs the edit, paired by fact set, Holm over the family `FAMILY_METRICS` (the record
+   names it, `family_metrics`). The held-out countries' loss is descriptive: those countries were never in the
+   base's training, so every method lowers it by learning the templates (issue 48); edit.json (2026-12-02),
+   which predates `known_kept`, was tested on `FAMILY_METRICS_HELD_OUT`, as a record without `family_metrics` is.
+Every stage is cached under OUT/NAME (OUT/edit), so a stopped experiment resumes. `replicate` runs the design of
+a preregistered replication (`analysis/replication.py`, `docs/prereg/edit-replication.toml`) with this code.
 """
 
 from __future__ import annotations
@@ -78,10 +84,20 @@ def known_facts(model, tok, facts: list[tuple[str, str, str]]) -> list[tuple[str
     return [f for f, h in zip(facts, hits) if h]
 
 
+def unedited_known(known: list[tuple[str, str, str]], fs: dict) -> list[tuple[str, str]]:
+    """(prompt, true object) of every fact in `known` (facts the base completes greedily) that fact set `fs`
+    neither edits nor uses as a neighbour: the known facts an edit should leave alone and that no other measure
+    reads, so their share kept after editing (`known_kept`) is damage on what the model knew."""
+    used = {f.prompt for f in fs["counterfactual"]} | {x["prompt"] for x in fs["neighbours"]}
+    pairs = [(WORLD_RELATIONS[r][1].format(s=s), o) for s, r, o in known]
+    return [p for p in pairs if p[0] not in used]
+
+
 # ------------------------------------------------------------------------------------------ measuring
 def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
     """Efficacy and generalization (counterfactuals and new entities apart), specificity, per-relation hits
-    with their n, and the loss change on each damage set (`damage` {name: windows}, `before` {name: loss})."""
+    with their n, the loss change on each damage set (`damage` {name: windows}, `before` {name: loss}) and, where
+    `fs` holds `known_other` (`unedited_known`), the share of those known facts kept (`known_kept`)."""
     from ..training.train import evaluate
 
     model.eval()
@@ -103,6 +119,8 @@ def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
         by_rel[rel] = {"efficacy_hits": sum(eff), "efficacy_n": len(eff), "specificity_hits": sum(spec),
                        "specificity_n": len(spec)}
     out["by_relation"] = by_rel
+    if fs.get("known_other") is not None:
+        out["known_kept"] = _share(model, tok, fs["known_other"])
     for name, windows in damage.items():
         out[f"{name}_change"] = evaluate(model, windows, 16, torch.device("cpu")) - before[name]
     return out
@@ -184,10 +202,13 @@ LORA_LRS = (1e-3,)  # LoRA at its one default lr (the issue sweeps fine-tuning's
 KL_WEIGHTS = (0.3, 1.0, 3.0)  # ft+kl at the default ft learning rate
 DEFAULTS = {"ft": "ft-lr0.0001", "ft+kl": "ft+kl-w1", "lora": "lora-lr0.001"}  # each method's tested setting
 METRICS = ("efficacy_counterfactual", "efficacy_new", "generalization_counterfactual", "generalization_new",
-           "specificity", "val_change", "world_change")
-# the family of comparisons fixed before the runs: each fine-tuning's default setting vs the edit, paired by fact
-# set, on these metrics at every budget; Holm over all of them
-FAMILY_METRICS = ("efficacy_counterfactual", "efficacy_new", "specificity", "val_change", "world_change")
+           "specificity", "known_kept", "val_change", "world_change")
+# the family of comparisons: each fine-tuning's default setting vs the edit, paired by fact set, on these metrics
+# at every budget; Holm over all of them. Damage on known facts replaces the held-out countries' loss (issue 48:
+# those countries were never trained on, so every method lowers their loss), which stays descriptive
+FAMILY_METRICS = ("efficacy_counterfactual", "efficacy_new", "specificity", "val_change", "known_kept")
+# the family edit.json (2026-12-02) was tested on, fixed before its runs: a record without `family_metrics`
+FAMILY_METRICS_HELD_OUT = ("efficacy_counterfactual", "efficacy_new", "specificity", "val_change", "world_change")
 BASE_STEPS = 1000  # x 2,048 tokens: the base that knew most world facts on 2026-12-02 (a 300-step base trained on
 # 120 copies knew too few demonyms for 3 neighbours per edit)
 WORLD_COPIES = 30
@@ -257,19 +278,22 @@ def _windows_of(tok, text: str, seq_len: int):
     return eval_windows(np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32), seq_len)
 
 
-def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20, seeds: int = 3,
-        max_windows: int = 64, progress: bool = True, record: str | Path | None = None,
+def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20,
+        seeds: int | list[int] = 3, max_windows: int = 64, progress: bool = True, record: str | Path | None = None,
         base_steps: int | None = None, preset: str = "exp", budgets=BUDGETS, general: list[str] | None = None,
-        grid: dict | None = None) -> dict:
-    """The experiment (see the module doc); `general`: the corpus of the validation loss and the KL anchor
-    (default Shakespeare); `grid`: `configs(...)` (default: every sweep). Writes OUT/edit/summary.{json,md},
-    plot.png; `record`: also `record/edit.json`."""
+        grid: dict | None = None, name: str = "edit", family_metrics=FAMILY_METRICS) -> dict:
+    """The experiment (see the module doc); `seeds`: a number of fact sets (seeds 0..n-1) or the fact-set seeds;
+    `general`: the corpus of the validation loss and the KL anchor (default Shakespeare); `grid`: `configs(...)`
+    (default: every sweep); `name`: the experiment's name (its folder OUT/NAME and record NAME.json; a
+    replication's); `family_metrics`: the tested metrics (stored in the record). Writes OUT/NAME/summary.{json,md},
+    plot.png; `record`: also `record/NAME.json`."""
     from ..model import load_model
     from ..training.train import evaluate
 
     grid = grid or configs()
     budgets = tuple(sorted(set(budgets)))
-    root = Path(out) / "edit"
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(x) for x in seeds]
+    root = Path(out) / name
     root.mkdir(parents=True, exist_ok=True)
     model_dir = base_model(root, checkpoint, progress, base_steps, preset)
     model_path = model_dir / "final" if (model_dir / "final").is_dir() else model_dir
@@ -290,12 +314,15 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
         raise ValueError(f"the model knows only {len(known)} of {len(all_facts)} world facts, fewer than the {n_facts} "
                          "counterfactuals per set; train the base longer (base_steps) or lower n_facts")
     runs: list[dict] = []
-    for seed in range(seeds):
+    known_other = {}  # per fact set: how many known facts it leaves alone, and the share the base itself gets right
+    for seed in seed_list:
         fs = fact_sets(known, all_facts, n_facts, seed)
+        fs["known_other"] = unedited_known(known, fs)
         facts = fs["counterfactual"] + fs["new"]
-        sizes = {k: len(fs[k]) for k in ("counterfactual", "new", "neighbours")}
-        for name, c in grid.items():
-            f = root / f"seed{seed}-{name}.json"
+        sizes = {k: len(fs[k]) for k in ("counterfactual", "new", "neighbours", "known_other")}
+        known_other[str(seed)] = {"n": len(fs["known_other"]), "kept_before": _share(model, tok, fs["known_other"])}
+        for cname, c in grid.items():
+            f = root / f"seed{seed}-{cname}.json"
             if not f.is_file():
                 at: dict[int, dict] = {}
                 t0 = time.perf_counter()
@@ -310,22 +337,23 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                                   "steps_run": overlay.meta["optimization"]["steps_run"]}
                     extra = {"seconds": round(time.perf_counter() - t0, 1)}
                 else:
-                    _say(progress, f"[edit] seed {seed}: {name} for {budgets[-1]} steps")
+                    _say(progress, f"[edit] seed {seed}: {cname} for {budgets[-1]} steps")
                     extra = finetune(lambda: load_model(model_path), facts, c["method"], budgets,
                                      lambda step, m: at.__setitem__(step, measure(m, tok, fs, damage, before)),
                                      c["lr"], c["kl"], anchor, seed=seed, progress=progress)
-                write_json(f, {"seed": seed, "config": name, **c, "facts": sizes,
+                write_json(f, {"seed": seed, "config": cname, **c, "facts": sizes,
                                "budgets": {str(b): r for b, r in at.items()}, **extra, "environment": environment()})
             rec = read_result(f, "edit result")
             for b in budgets:
-                runs.append({"seed": seed, "config": name, "method": c["method"], "lr": c["lr"], "kl": c["kl"],
+                runs.append({"seed": seed, "config": cname, "method": c["method"], "lr": c["lr"], "kl": c["kl"],
                              "budget": b, **rec["budgets"][str(b)], "facts": rec["facts"],
                              "environment": rec.get("environment")})
     envs = index_environments(runs)
-    summary = {"experiment": "edit", "date": datetime.date.today().isoformat(),
-               "command": f"engram experiment edit --seeds {seeds} --record docs/results",
+    summary = {"experiment": name, "date": datetime.date.today().isoformat(),
+               "command": (f"engram experiment edit --seeds {len(seed_list)} --record docs/results" if name == "edit"
+                           else f"engram experiment {name} --record docs/results"),
                # where the model came from, without this machine's paths, and which weights exactly
-               "model": ("--checkpoint " + Path(checkpoint).name) if checkpoint else "OUT/edit/base (trained here)",
+               "model": ("--checkpoint " + Path(checkpoint).name) if checkpoint else f"OUT/{name}/base (trained here)",
                "model_sha256": sha256_file(model_path / "model.safetensors"),
                "model_train": info.get("train", {}), "before": before,
                "damage_sets": {"val": f"{len(damage['val'])} windows x 256 tokens of the general val split",
@@ -333,11 +361,89 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                                         f"{len(held)} held-out countries"},
                "held_out_subjects": sorted(held), "world_facts": len(all_facts), "known_facts": len(known),
                "known_by_relation": {r: sum(f[1] == r for f in known) for r in WORLD_RELATIONS},
-               "n_facts": n_facts, "seeds": seeds, "budgets": list(budgets), "configs": grid, "defaults": DEFAULTS,
-               "edit_target_prob": EDIT_TARGET_PROB, "table_lr_mult": TABLE_LR_MULT,
+               "n_facts": n_facts, "seeds": len(seed_list), "fact_set_seeds": seed_list, "budgets": list(budgets),
+               "configs": grid, "defaults": DEFAULTS, "family_metrics": list(family_metrics),
+               "known_other": known_other, "edit_target_prob": EDIT_TARGET_PROB, "table_lr_mult": TABLE_LR_MULT,
                "runs": runs, "environments": envs or [environment()]}
     summary |= analyse(summary)
-    return publish(summary, root, record, "edit.json", markdown, plot)
+    return publish(summary, root, record, f"{name}.json", markdown, plot)
+
+
+def replicate(original: dict, design: dict, out: str | Path = "runs/experiments",
+              progress: bool = True) -> tuple[dict, dict]:
+    """A preregistered replication's runs (`analysis/replication.py` records them with the stamp and tests its
+    claim): `run` at the design's fact-set `seeds` on its `variants` (the edit and each method's default setting,
+    as the original record ran them; the sweeps left out), with the original's fact-set size, budgets, base
+    training steps and damage windows, which the design must state as the original record has them. The base is
+    trained afresh in OUT/NAME/base by the original's recipe (`base_model`, seed 0): no base was kept. The editing
+    family is the design's `[known]` metrics (each default vs the edit at every budget), kept as `known_tests`.
+    Returns ({"CONFIG at BUDGET": that cell's runs in seed order}, what the record adds: this experiment's own
+    summary, `run`'s, less what `records.experiment_record` writes)."""
+    from .runs import ExperimentError
+
+    where = f"docs/prereg/{design['experiment']}.toml"
+    grid = configs()
+    same = {"n_facts": original["n_facts"], "budgets": original["budgets"],
+            "base_steps": original["model_train"]["max_steps"],
+            "max_windows": int(original["damage_sets"]["val"].split()[0])}
+    differ = [k for k, v in same.items() if design.get(k) != v]
+    differ += [v for v in design["variants"] if grid.get(v) != original["configs"].get(v)]
+    if differ:
+        raise ExperimentError(f"{where}: {', '.join(map(str, differ))} differ from docs/results/edit.json's "
+                              f"({same}, its configs); a replication runs the original's design")
+    if sorted(design["variants"]) != sorted({"engram-edit", *DEFAULTS.values()}):
+        raise ExperimentError(f"{where}: variants must be engram-edit and each method's default setting "
+                              f"({', '.join(DEFAULTS.values())}), the family's sides")
+    s = run(out, n_facts=design["n_facts"], seeds=design["seeds"], max_windows=design["max_windows"],
+            progress=progress, base_steps=design["base_steps"], preset=design["preset"], budgets=design["budgets"],
+            grid={v: grid[v] for v in design["variants"]}, name=design["experiment"],
+            family_metrics=design["known"]["metrics"])
+    envs = s["environments"]
+    results = {}
+    for r in s["runs"]:
+        env = r.pop("environment", None)
+        results.setdefault(replication_point(r["config"], r["budget"]), []).append(
+            {**r, "environment": envs[env] if isinstance(env, int) else env})
+    for rs in results.values():
+        rs.sort(key=lambda r: r["seed"])
+    extra = {k: v for k, v in s.items() if k not in ("experiment", "date", "command", "seeds", "environments", "tests")}
+    return results, extra | {"known_tests": s["tests"], "overlap": overlap(
+        Path(out) / design["experiment"], sorted({r["seed"] for r in original["runs"]}), design["seeds"], s["n_facts"])}
+
+
+def overlap(root: Path, old_seeds: list[int], new_seeds: list[int], n_facts: int) -> dict:
+    """How new each new fact set's draw is: per new seed, how many of its edited counterfactual prompts and new
+    entities the fact sets of `old_seeds` (the original's) would also edit, drawn on the same base's known facts
+    (ROOT/known.json, as `run` reads them). The seeds draw independently from one pool, so a few can recur."""
+    all_facts = world_facts()
+    held = held_out_subjects(all_facts)
+    known = [tuple(f) for f in read_result(root / "known.json", "known facts", expect=list) if f[0] not in held]
+
+    def drawn(seed: int) -> tuple[set, set]:
+        fs = fact_sets(known, all_facts, n_facts, seed)
+        return {f.prompt for f in fs["counterfactual"]}, {f.prompt for f in fs["new"]}
+
+    old = [drawn(x) for x in old_seeds]
+    out = {}
+    for x in new_seeds:
+        cf, new = drawn(x)
+        out[str(x)] = {"counterfactual": len(cf & set().union(*(o[0] for o in old))),
+                       "new": len(new & set().union(*(o[1] for o in old))), "of": n_facts}
+    return out
+
+
+def replication_point(config: str, budget: int) -> str:
+    """A cell's name in a replication record: the name `report.record_family` gives the original's tested rows
+    (`CONFIG at BUDGET`, the budget in steps)."""
+    return f"{config} at {budget}"
+
+
+def replication_table(results: dict[str, list[dict]]) -> dict:
+    """A replication record's variants: per cell (`CONFIG at BUDGET`) its config, method and budget, and over the
+    fact sets (in seed order) each metric `METRICS` holds that every run measured."""
+    return {n: {"config": rs[0]["config"], "method": rs[0]["method"], "budget": rs[0]["budget"]} |
+            {k: seed_stats([r[k] for r in rs]) for k in METRICS if all(k in r for r in rs)}
+            for n, rs in results.items()}
 
 
 def _cell(runs: list[dict], config: str, budget: int, key: str) -> dict:
@@ -347,10 +453,12 @@ def _cell(runs: list[dict], config: str, budget: int, key: str) -> dict:
 
 def analyse(s: dict) -> dict:
     """The per-cell statistics (mean ± sd over fact sets), the family of tests (each default fine-tuning vs the
-    edit, paired by fact set, Holm-adjusted), and the per-relation hits pooled over fact sets with their n."""
+    edit on the record's `family_metrics`, `FAMILY_METRICS_HELD_OUT` where it names none, paired by fact set,
+    Holm-adjusted), and the per-relation hits pooled over fact sets with their n."""
     from .significance import compare, holm, is_finding
 
     runs, budgets = s["runs"], s["budgets"]
+    family_metrics = s.get("family_metrics", FAMILY_METRICS_HELD_OUT)
     table = {c: {str(b): {k: seed_stats(_cell(runs, c, b, k)["values"]) for k in METRICS if
                           all(k in r for r in runs if r["config"] == c)}
                  for b in budgets} for c in s["configs"]}
@@ -359,7 +467,7 @@ def analyse(s: dict) -> dict:
         for c in s["defaults"].values():
             if c not in s["configs"] or "engram-edit" not in s["configs"]:
                 continue
-            for k in FAMILY_METRICS:
+            for k in family_metrics:
                 a, x = _cell(runs, "engram-edit", b, k), _cell(runs, c, b, k)
                 t = compare(a["values"], x["values"], a["seeds"], x["seeds"])
                 tests.append({"budget": b, "a": "engram-edit", "b": c, "metric": k, "kind": t.kind, "diff": t.diff,
@@ -382,24 +490,37 @@ def analyse(s: dict) -> dict:
 
 LABELS = {"efficacy_counterfactual": "efficacy (cf.)", "efficacy_new": "efficacy (new)",
           "generalization_counterfactual": "paraphrases (cf.)", "generalization_new": "paraphrases (new)",
-          "specificity": "specificity", "val_change": "Δ val loss", "world_change": "Δ held-out facts loss"}
+          "specificity": "specificity", "known_kept": "known facts kept", "val_change": "Δ val loss",
+          "world_change": "Δ held-out facts loss"}
+
+
+def family_tests(s: dict) -> list[dict]:
+    """The editing family's tested rows of record `s`: its `tests`, or a replication's `known_tests` (a replication
+    record's `tests` is its preregistered claim's family, `analysis/replication.py`)."""
+    return (s.get("known_tests") if "replicates" in s else s.get("tests")) or []
 
 
 def markdown(s: dict) -> str:
-    """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n."""
+    """Every config at every budget (mean ± sd over fact sets), the family of tests, and per-relation hits/n; only
+    the metrics the record measured (edit.json, 2026-12-02, predates `known_kept`)."""
     from .significance import fmt_p
 
-    head = "| method | steps | " + " | ".join(LABELS[k] for k in METRICS) + " |"
+    metrics = [k for k in METRICS if any(k in t for per in s["table"].values() for t in per.values())]
+    head = "| method | steps | " + " | ".join(LABELS[k] for k in metrics) + " |"
+    other = s.get("known_other") or {}
+    known_line = (" Known facts neither edited nor neighbours, per fact set (seed: n, share the base gets right): "
+                  + ", ".join(f"{k}: {v['n']}, {v['kept_before']:.3f}" for k, v in other.items()) + "."
+                  if other else "")
     lines = [f"Model: {s['known_facts']} of {s['world_facts']} world facts known (greedy; held-out countries "
              f"excluded) ({', '.join(f'{r} {n}' for r, n in s['known_by_relation'].items())}); before: val loss "
              f"{s['before']['val']:.4f}, held-out facts loss {s['before']['world']:.4f}. {s['n_facts']} "
              f"counterfactuals + {s['n_facts']} new entities per fact set; every cell mean ± sample sd over "
-             f"n={s['seeds']} fact sets; every method run for a fixed number of steps.", "",
-             head, "|---" * (len(METRICS) + 2) + "|"]
+             f"n={_n_sets(s)} fact sets; every method run for a fixed number of steps.{known_line}", "",
+             head, "|---" * (len(metrics) + 2) + "|"]
     for c, per in s["table"].items():
         for b, t in per.items():
             cells = []
-            for k in METRICS:
+            for k in metrics:
                 if k not in t:
                     cells.append("")
                     continue
@@ -407,19 +528,20 @@ def markdown(s: dict) -> str:
                 cells.append(f"{x['mean']:+.4f} ± {x['std']:.4f}" if k.endswith("_change")
                              else f"{x['mean']:.2f} ± {x['std']:.2f}")
             lines.append(f"| {c} | {b} | " + " | ".join(cells) + " |")
-    if s.get("tests"):
+    tests = family_tests(s)
+    if tests:
         lines += ["", f"Tests (the family fixed in advance: each fine-tuning at its default setting vs the edit, "
-                      f"{len(s['tests'])} comparisons; difference = method - edit ± se, paired t over fact sets, "
+                      f"{len(tests)} comparisons; difference = method - edit ± se, paired t over fact sets, "
                       "Holm-adjusted p; a finding when Holm p < 0.05; otherwise the difference the test could have "
                       "detected at 80% power):", "",
                   "| steps | method | metric | difference | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
-        for t in s["tests"]:
+        for t in tests:
             v = verdict(t, "fact set")
             lines.append(f"| {t['budget']} | {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
                          f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
     if s.get("by_relation"):
         rels = list(s["known_by_relation"])
-        lines += ["", f"Counterfactuals by relation, pooled over the {s['seeds']} fact sets: efficacy hits/n, "
+        lines += ["", f"Counterfactuals by relation, pooled over the {_n_sets(s)} fact sets: efficacy hits/n, "
                       "specificity hits/n (each method's default setting).", "",
                   "| method | steps | " + " | ".join(rels) + " |", "|---" * (len(rels) + 2) + "|"]
         for c in ["engram-edit", *s["defaults"].values()]:
@@ -431,9 +553,16 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _n_sets(s: dict) -> int:
+    """The number of fact sets of record `s` (`seeds`: a count, or a replication's seeds per config)."""
+    seeds = s["seeds"]
+    return seeds if isinstance(seeds, int) else len(next(iter(seeds.values())))
+
+
 def plot(s: dict, path: Path) -> None:
-    """Two panels from every fact set: specificity vs counterfactual efficacy, and held-out facts damage vs overall
-    efficacy; one line per config through its budgets (mean ± sd over fact sets), small dots per fact set."""
+    """Two panels from every fact set: specificity vs counterfactual efficacy, and damage vs overall efficacy (known
+    facts kept where the record measured them, else the held-out facts' loss); one line per config through its
+    budgets (mean ± sd over fact sets), small dots per fact set."""
     try:
         import matplotlib
 
@@ -445,9 +574,10 @@ def plot(s: dict, path: Path) -> None:
     colors = {"engram-edit": "tab:blue", "ft": "tab:red", "ft+kl": "tab:green", "lora": "tab:purple"}
     styles = ["-", "--", ":"]
     seen: dict[str, int] = {}
+    damage = "known_kept" if all("known_kept" in r for r in s["runs"]) else "world_change"
     for c, cfg in s["configs"].items():
         k = seen[cfg["method"]] = seen.get(cfg["method"], -1) + 1
-        for ax, (xk, yk) in zip(axes, [("efficacy_counterfactual", "specificity"), ("efficacy_all", "world_change")]):
+        for ax, (xk, yk) in zip(axes, [("efficacy_counterfactual", "specificity"), ("efficacy_all", damage)]):
             xs, ys, xe, ye = [], [], [], []
             for b in s["budgets"]:
                 rs = [r for r in s["runs"] if r["config"] == c and r["budget"] == b]
@@ -460,11 +590,12 @@ def plot(s: dict, path: Path) -> None:
     axes[0].set_xlabel("efficacy on counterfactuals (greedy)")
     axes[0].set_ylabel("specificity (neighbours kept)")
     axes[1].set_xlabel("efficacy on all edited facts (greedy)")
-    axes[1].set_ylabel("Δ loss on held-out countries' sentences")
+    axes[1].set_ylabel("known facts kept (neither edited nor neighbours)" if damage == "known_kept"
+                       else "Δ loss on held-out countries' sentences")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(f"engram experiment edit: budgets {', '.join(map(str, s['budgets']))} steps "
-                 f"(mean ± sd over {s['seeds']} fact sets; dots: each fact set)")
+                 f"(mean ± sd over {_n_sets(s)} fact sets; dots: each fact set)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

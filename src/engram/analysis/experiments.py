@@ -36,11 +36,11 @@ Experiments:
                vs fine-tuning, fine-tuning + KL and LoRA at fixed step budgets; efficacy, paraphrases,
                specificity on known unedited facts, fluency; read from docs/prereg/smollm2-edit.toml
                (`analysis/smollm2_edit.py`; the recorded run took 54 min on 2 cores shared with other work).
-  NAME-replication  a claim of experiment NAME (ablations, sensitivity, allocation, retrofit) run again on seeds no
-               record used, every choice (variants, seeds, n from the power at the original effect, the family,
-               the test) read from the committed preregistration docs/prereg/NAME-replication.toml; recorded to
-               docs/results/NAME-replication.json beside the original (`analysis/replication.py`; the CLI
-               dispatches it: replication.py imports this module).
+  NAME-replication  a claim of experiment NAME (ablations, sensitivity, allocation, retrofit, edit) run again on
+               seeds (edit: fact sets) no record used, every choice (variants, seeds, n from the power at the
+               original effect, the family, the test) read from the committed preregistration
+               docs/prereg/NAME-replication.toml; recorded to docs/results/NAME-replication.json beside the
+               original (`analysis/replication.py`; the CLI dispatches it: replication.py imports this module).
   adapter-init the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
                bases adapted to Shakespeare and to the King James Bible: settings apart from
                benchmarks/bench_peers.py, which reports it (`analysis/adapter_init.py`).

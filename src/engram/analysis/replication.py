@@ -1,5 +1,5 @@
 """`engram experiment NAME-replication`: a claim of a recorded experiment (`ablations`, `sensitivity`, `allocation`,
-`retrofit`) run again on
+`retrofit`, `edit`: its fact sets, on a base of its recipe, `editing.replicate`) run again on
 seeds no committed record used, every choice read from the committed preregistration
 `docs/prereg/NAME-replication.toml` (`prereg.py`: `--record` refuses an uncommitted design or a dirty tree).
 
@@ -52,6 +52,7 @@ from .runs import ExperimentError, seed_stats
 SUFFIX = "-replication"
 REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit")  # `runs_of` knows their runs (retrofit's:
 # `retrofit.replicate`)
+REPLICABLE += ("edit",)  # `editing.replicate`: fact sets edited on a base trained by the original's recipe
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
 
 
@@ -73,6 +74,10 @@ def runs_of(design: dict) -> Runs:
     from .experiments import results_table, variants
 
     orig, preset = design.get("replicates"), design.get("preset")
+    if orig == "edit":  # its settings (`editing.configs`), run by `editing.replicate`
+        from .editing import configs, replication_table
+
+        return Runs(configs(), None, None, replication_table)
     if orig != "allocation":
         return Runs(variants(orig, preset), None, None, lambda results: results_table(orig, results))
     from . import allocation
@@ -231,6 +236,13 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
         results, extra = retrofit.replicate(recs[orig], d["variants"], list(d["seeds"]), out, progress, jobs,
                                             max_steps)
         table = retrofit.replication_table
+    elif orig == "edit":  # fact sets edited on a base of the original's recipe (`editing.replicate`)
+        from . import editing
+
+        if max_steps is not None:
+            raise ExperimentError(f"{name}: --max-steps does not apply; the design fixes the step budgets")
+        results, extra = editing.replicate(recs[orig], d, out, progress)
+        table = editing.replication_table
     else:
         rs = runs_of(d)
         vs = {v: rs.variants[v] for v in d["variants"]}

@@ -218,13 +218,17 @@ def replication_pairs(rec: dict, label: str) -> list[tuple[str, str]]:
 def record_family(rec: dict, exp: str) -> list[dict]:
     """The family an experiment tested itself and keeps in its record's `tests` (retrofit's), as `family` gives a
     page family's rows: `EXP/A#METRIC` vs `EXP/B#METRIC` (the row's points and metric), its test, Holm p and
-    verdict as the record holds them (the record's verdict checked against the rule, `_record_finding`)."""
+    verdict as the record holds them (the record's verdict checked against the rule, `_record_finding`). Where the
+    same points and metric are tested at several budgets (edit's, in steps), each point is named `POINT at BUDGET`."""
     out = []
+    same = [(t["a"], t["b"], t.get("metric")) for t in rec["tests"]]
     for i, t in enumerate(rec["tests"]):
         m = f"#{t['metric']}" if "metric" in t else ""
-        test = sig.TestResult(t["kind"], t["diff"], t["se"], t["df"], t["diff"] / t["se"], t["p"], t["n"], t["n"])
-        out.append({"a": f"{exp}/{t['a']}{m}", "b": f"{exp}/{t['b']}{m}", "test": test, "p_holm": t["p_holm"],
-                    "finding": _record_finding(t, f"{exp}/tests.{i}")})
+        at = f" at {t['budget']}" if "budget" in t and same.count(same[i]) > 1 else ""
+        test = sig.TestResult(t["kind"], t["diff"], t["se"], t["df"], sig._t_and_p(t["diff"], t["se"], t["df"])[0],
+                              t["p"], t["n"], t["n"])  # t: the rule's, also where se is 0 (no spread, edit's rows)
+        out.append({"a": f"{exp}/{t['a']}{at}{m}", "b": f"{exp}/{t['b']}{at}{m}", "test": test,
+                    "p_holm": t["p_holm"], "finding": _record_finding(t, f"{exp}/tests.{i}")})
     return out
 
 

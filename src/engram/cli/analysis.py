@@ -125,7 +125,7 @@ def add_commands(sub) -> None:
     ex = sub.add_parser("experiment", help="evidence experiments (iso, placement, capacity, ablations, sensitivity, "
                                            "retrofit, edit, allocation, adapter-init, smollm2-adapt, smollm2-edit, "
                                            "all; ablations-replication, sensitivity-replication, "
-                                           "allocation-replication, retrofit-replication)")
+                                           "allocation-replication, retrofit-replication, edit-replication)")
     ex.add_argument("name", nargs="?")
     ex.add_argument("--list", action="store_true")
     ex.add_argument("--seeds", type=int, default=3)
