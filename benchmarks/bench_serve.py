@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 
 
-def build(d: Path):
+def build(d: Path, design: str = "reference"):
+    """The benchmark model in `d`: `cpu_small` (the reference's Engram design) or, with design="v41", DeepSeek-V4.1's
+    (`cpu_small_v41`, no short conv), random weights, its BPE tokenizer and one fact overlay (`d/fact`)."""
     from engram.adapters import generation_pad_id
     from engram.editing import Fact, edit_facts
     from engram.model import EngramForCausalLM, load_model
     from engram.tokenizer import train_bpe
-    from engram.training.presets import cpu_small
+    from engram.training.presets import cpu_small, cpu_small_v41
     from engram.training.train import save_final
 
     text = [f"Line {i}: the quick brown fox jumps over the lazy dog, said the king to the queen of the tale."
@@ -42,7 +44,8 @@ def build(d: Path):
     from engram.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
-    cfg = cpu_small(vocab_size=load_tokenizer(tok_file).get_vocab_size(with_added_tokens=True))
+    preset = cpu_small_v41 if design == "v41" else cpu_small
+    cfg = preset(vocab_size=load_tokenizer(tok_file).get_vocab_size(with_added_tokens=True))
     cfg.engram = {**cfg.engram, "tokenizer_name_or_path": str(tok_file)}
     save_final(EngramForCausalLM(cfg).eval(), d / "run", {"tokenizer_file": str(tok_file)})
     model, tok = load_model(d / "run")

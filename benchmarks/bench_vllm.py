@@ -1,14 +1,24 @@
-"""One engram model served four ways on loopback, at 1, 4 and 16 concurrent clients: tokens/s and p50/p99 latency.
+"""Engram served by vLLM on loopback, at 1, 4 and 16 concurrent clients: tokens/s and p50/p99 latency.
 
+engram's own model (`--design reference`: the reference's short conv; `v41`: DeepSeek-V4.1's, no conv), four ways:
 (a) vLLM with engram's plugin (tables in RAM), (b) `engram serve` (engram's own engine), (c) vLLM serving the
-same backbone with Engram switched off (`engram_scale: 0`), (d) = (a) with the tables on the disk tier.
-The model is `bench_serve.py`'s (the `cpu-small` architecture, random weights, a BPE tokenizer trained on
-the prompts' text). Every request: a different prompt, 32 greedy tokens (`ignore_eos` on vLLM's side, so
-both engines produce the same count). Needs vLLM (docs/serve.md, "The vLLM engine"); run it in that env:
+same model with Engram switched off (`engram_scale: 0`), (d) = (a) with the tables on the disk tier. The model is
+`bench_serve.py`'s (the `cpu-small` architecture, random weights, a BPE tokenizer trained on the prompts' text).
 
-    python benchmarks/bench_vllm.py [--runs 3] [--requests 16] [--tokens 32]
+A pretrained base with an Engram adapter (`--base DIR`, e.g. SmolLM2-135M-Instruct from `engram base import
+smollm2-135m-instruct runs/bases/smollm2`; the adapter: `engram.attach` at layer 1 with its defaults, value rows
+randomized so its delta is not 0), three ways: (e) vLLM serving the base alone, (f) vLLM serving base + adapter
+(the pair folder `integrations/vllm/pair.py` writes), (g) `engram serve --base --adapter`.
 
-Prints a table, the ratios the issue asks for (a/b at 16 clients, a/c, d/a), and one JSON line.
+Every request: a different prompt, `--tokens` greedy tokens (`ignore_eos` on vLLM's side, so every engine produces
+the same count). The servers of a group run side by side and are measured in turn (a round: every setup once,
+in rotating order), so the machine's noise falls on all of them. Needs vLLM (docs/serve.md, "The vLLM engine");
+run it in that env:
+
+    python benchmarks/bench_vllm.py [--design reference|v41] [--base DIR] [--runs 3] [--tokens 64] [--record FILE]
+
+Prints a table, the ratios the issues ask for (a/b, a/c, d/a; f/e and f/g) with their range over the rounds, and
+one JSON line; `--record FILE` appends it, with the environment, to a record (docs/results/bench-vllm.json).
 """
 
 import argparse
@@ -25,9 +35,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from bench_serve import build, free_port  # noqa: E402  (the same model as engram serve's benchmark)
 
 VLLM = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
+RATIOS = {"a/b": ("a vllm+engram", "b engram serve"), "a/c": ("a vllm+engram", "c vllm engram off"),
+          "d/a": ("d vllm+engram disk", "a vllm+engram"), "f/e": ("f vllm base+adapter", "e vllm base"),
+          "f/g": ("f vllm base+adapter", "g engram serve base+adapter")}
 
 
 def start(argv, log, env=None):
@@ -75,74 +89,162 @@ def measure(port, prompts, tokens, clients, vllm):
             "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "texts": [r[2] for r in res]}
 
 
+def adapter_for(base: Path, out: Path) -> Path:
+    """An Engram adapter on `base` at layer 1 with `engram.attach`'s defaults (what `engram adapt` attaches), its
+    value projection and conv randomized (a fresh adapter's delta is 0), saved to `out`."""
+    import engram
+    from engram.adapters import save_adapter
+    from engram.training.adapt import load_base
+
+    model, tok = load_base(base)
+    engram.attach(model, [1], tokenizer=tok, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.engram_adapter.named_parameters():
+            if "norm" not in name and "multi_head_embedding" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    save_adapter(model, out)
+    return out
+
+
+def engram_setups(d: Path, design: str, prompts, tokens):
+    """Setups a-d on engram's own model (built in `d`) and its greedy ids / text per prompt, in process."""
+    model, tok, pad = build(d, design)
+    want = {}
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.encode(p, add_special_tokens=False).ids
+            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                 pad_token_id=pad)[0, len(ids):].tolist()
+            want[p] = (out, tok.decode(out))
+    del model
+    run, api = str(d / "run"), [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return {
+        "a vllm+engram": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM], True),
+        "b engram serve": ([sys.executable, "-m", "engram.cli", "serve", run, "--name", "m"], False),
+        "c vllm engram off": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
+                               json.dumps({"engram_scale": 0})], True),
+        "d vllm+engram disk": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
+                                json.dumps({"engram_table_tier": "disk", "engram_table_dir": str(d / "t")})], True),
+    }, want
+
+
+def adapter_setups(d: Path, base: Path, prompts, tokens):
+    """Setups e-g on `base` + an adapter, and the pair's greedy ids / text per prompt (`load_with_adapter`)."""
+    from engram.integrations.vllm.pair import write_pair
+    from engram.training.adapt import load_with_adapter
+
+    adapter = adapter_for(base, d / "adapter")
+    pair = write_pair(base, adapter, d / "pair")
+    model, tok = load_with_adapter(base, adapter)
+    want = {}
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.encode(p, add_special_tokens=False).ids
+            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                 min_new_tokens=tokens)[0, len(ids):].tolist()
+            want[p] = (out, tok.decode(out))
+    del model
+    api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", "m", *VLLM]
+    return {
+        "e vllm base": ([*api, "--model", str(base)], True),
+        "f vllm base+adapter": ([*api, "--model", str(pair)], True),
+        "g engram serve base+adapter": ([sys.executable, "-m", "engram.cli", "serve", "--base", str(base),
+                                         "--adapter", str(adapter), "--name", "m"], False),
+    }, want
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--design", choices=("reference", "v41"), default="reference",
+                    help="engram's model: the reference's Engram design (short conv) or DeepSeek-V4.1's (no conv)")
+    ap.add_argument("--base", type=Path, help="a pretrained base folder: run setups e-g (its adapter) too")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--setups", default="abcdefg", help="which setups to run, by letter (default all: abcdefg)")
+    ap.add_argument("--record", metavar="FILE", help="append the JSON line, with the environment, to this record "
+                                                     "(docs/results/bench-vllm.json)")
     args = ap.parse_args()
+    if args.base is not None and not (args.base / "config.json").is_file():
+        sys.exit(f"bench_vllm: --base {args.base} is not a model folder (make one: engram base import "
+                 f"smollm2-135m-instruct {args.base})")
     prompts = [f"Line {i}: the quick brown fox" for i in range(args.requests)]
-    rows = []
+    rows, texts, want, startup = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        import torch
-
-        model, tok, pad = build(d)
-        want = {}  # engram's greedy ids and text per prompt, in process (what `engram sample --temperature 0` gives)
-        with torch.no_grad():
-            for p in prompts:
-                ids = tok.encode(p, add_special_tokens=False).ids
-                out = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
-                                     pad_token_id=pad)[0, len(ids):].tolist()
-                want[p] = (out, tok.decode(out))
-        del model
-        run = str(d / "run")
-        setups = {
-            "a vllm+engram": ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", run + "/final",
-                               "--served-model-name", "m", *VLLM], True),
-            "b engram serve": ([sys.executable, "-m", "engram.cli", "serve", run, "--name", "m"], False),
-            "c vllm engram off": ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                   run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
-                                   json.dumps({"engram_scale": 0})], True),
-            "d vllm+engram disk": ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                    run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
-                                    json.dumps({"engram_table_tier": "disk", "engram_table_dir": str(d / "t")})],
-                                   True),
-        }
-        texts = {}
-        for name, (argv, vllm) in setups.items():
-            t0 = time.perf_counter()
-            p, port = start(argv + ["--port", str(free_port())], d / f"{name[0]}.log")
-            startup = time.perf_counter() - t0
+        groups = [engram_setups(Path(tmp) / "engram", args.design, prompts, args.tokens)]
+        if args.base is not None:
+            groups.append(adapter_setups(Path(tmp) / "adapter", args.base, prompts, args.tokens))
+        for setups, w in groups:
+            setups = {k: v for k, v in setups.items() if k[0] in args.setups}
+            want.update({k: w for k in setups})
+            servers = {}
             try:
-                measure(port, prompts[:2], 4, 2, vllm)  # warm-up
-                for n in (1, 4, 16):
+                for name, (argv, vllm) in setups.items():  # side by side: measured in turn below
+                    t0 = time.perf_counter()
+                    servers[name] = (*start(argv + ["--port", str(free_port())], Path(tmp) / f"{name[0]}.log"), vllm)
+                    startup[name] = time.perf_counter() - t0
+                    measure(servers[name][1], prompts[:2], 4, 2, vllm)  # warm-up
+                names = list(servers)
+                for n in args.clients:
                     for r in range(args.runs):
-                        m = measure(port, prompts, args.tokens, n, vllm)
-                        texts.setdefault(name, m.pop("texts"))
-                        rows.append({"setup": name, "clients": n, "run": r, "startup_s": startup, **m})
+                        for name in names[r % len(names):] + names[: r % len(names)]:  # rotating order
+                            _, port, vllm = servers[name]
+                            m = measure(port, prompts, args.tokens, n, vllm)
+                            texts.setdefault(name, m.pop("texts"))
+                            rows.append({"setup": name, "clients": n, "run": r, "startup_s": startup[name], **m})
             finally:
-                stop(p)
+                for p, _, _ in servers.values():
+                    stop(p)
     # vLLM: token ids (its detokenizer holds back a trailing partial UTF-8 character, so texts may differ there);
-    # engram serve: text. (c runs without Engram: it is expected to differ.)
-    agree = {k: v == [want[p][0 if isinstance(v[0], list) else 1] for p in prompts] for k, v in texts.items()}
+    # engram serve: text. (c runs without Engram and e without the adapter: they are expected to differ.)
+    agree = {k: v == [want[k][p][0 if isinstance(v[0], list) else 1] for p in prompts] for k, v in texts.items()}
 
     def med(setup, n, key="tok_s"):
-        return statistics.median(r[key] for r in rows if r["setup"] == setup and r["clients"] == n)
+        got = [r[key] for r in rows if r["setup"] == setup and r["clients"] == n]
+        return statistics.median(got) if got else float("nan")
 
-    print(f"{'setup':<20} {'clients':>7} {'tokens/s (runs)':>26} {'p50 s':>7} {'p99 s':>7}")
-    for s in setups:
-        for n in (1, 4, 16):
-            rs = [r for r in rows if r["setup"] == s and r["clients"] == n]
-            runs = ", ".join(f"{r['tok_s']:.0f}" for r in rs)
-            print(f"{s:<20} {n:>7} {runs:>26} {med(s, n, 'p50_s'):>7.2f} {med(s, n, 'p99_s'):>7.2f}")
-    ratios = {f"a/b at {n}": med("a vllm+engram", n) / med("b engram serve", n) for n in (1, 4, 16)}
-    ratios.update({f"a/c at {n}": med("a vllm+engram", n) / med("c vllm engram off", n) for n in (1, 4, 16)})
-    ratios.update({f"d/a at {n}": med("d vllm+engram disk", n) / med("a vllm+engram", n) for n in (1, 4, 16)})
-    print("ratios (medians):", ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    names = list(texts)
+    print(f"{'setup':<28} {'clients':>7} {'tokens/s (runs)':>26} {'p50 s':>7} {'p99 s':>7}")
+    for s in names:
+        for n in args.clients:
+            runs = ", ".join(f"{r['tok_s']:.0f}" for r in rows if r["setup"] == s and r["clients"] == n)
+            print(f"{s:<28} {n:>7} {runs:>26} {med(s, n, 'p50_s'):>7.2f} {med(s, n, 'p99_s'):>7.2f}")
+    ratios = {f"{k} at {n}": med(x, n) / med(y, n) for k, (x, y) in RATIOS.items() for n in args.clients
+              if x in names and y in names}
+    # the same ratio run by run (a round measures every setup once, back to back): its range over the rounds
+    spread = {}
+    for k, (x, y) in RATIOS.items():
+        for n in args.clients:
+            rs = [a["tok_s"] / b["tok_s"] for a in rows for b in rows if a["setup"] == x and b["setup"] == y
+                  and a["clients"] == b["clients"] == n and a["run"] == b["run"]]
+            if rs:
+                spread[f"{k} at {n}"] = (min(rs), max(rs))
+    print("ratios (medians; per-round range):",
+          ", ".join(f"{k} {v:.2f} ({spread[k][0]:.2f}-{spread[k][1]:.2f})" for k, v in ratios.items()))
     print("greedy output equal to engram's in-process generate():", agree)
-    print(json.dumps({"bench": "vllm", "ratios": {k: round(v, 3) for k, v in ratios.items()}, "agree": agree,
-                      "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}))
+    from engram.integrations.vllm.state import vllm_version
+
+    out = {"bench": "vllm", "design": args.design, "base": args.base.name if args.base else None,
+           "tokens": args.tokens, "requests": args.requests, "vllm": vllm_version(),
+           "server_threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
+           "ratios": {k: round(v, 3) for k, v in ratios.items()},
+           "ratio_ranges": {k: [round(a, 3), round(b, 3)] for k, (a, b) in spread.items()},
+           "startup_s": {k: round(v, 1) for k, v in startup.items()}, "agree": agree,
+           "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "startup_s"}
+                    for r in rows]}
+    print(json.dumps(out))
+    if args.record:
+        from engram.persist import write_json
+        from engram.utils import environment
+
+        rec = Path(args.record)
+        data = (json.loads(rec.read_text()) if rec.exists()
+                else {"command": "python benchmarks/bench_vllm.py", "runs": []})
+        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
+                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        write_json(rec, data)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels
+from ._numba import LazyKernels, serial_only
 from ._numba import launch as _launch
 
 
@@ -122,7 +122,7 @@ def hash_into(x: np.ndarray, pad: int, mult: np.ndarray, consts: tuple, out: np.
     """
     p, c32, c48, inv = consts
     parallel, serial = _kernels.get()
-    fn = serial if x.size < SERIAL_BELOW else parallel
+    fn = serial if x.size < SERIAL_BELOW or serial_only() else parallel
     if offsets is None:
         offsets = np.zeros_like(p)
     with _launch():

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels
+from ._numba import LazyKernels, serial_only
 from ._numba import launch as _launch
 
 
 def available() -> bool:
-    """True when numba imports (and ENGRAM_FUSED is not 0); compiles the kernels on first call."""
-    return _kernels.get() is not None
+    """True when numba imports (and ENGRAM_FUSED is not 0) and parallel kernels may run here (not after
+    `_numba.leave_threads_to_host`: the torch path then); compiles the kernels on first call."""
+    return not serial_only() and _kernels.get() is not None
 
 
 def _build():

@@ -23,9 +23,31 @@ import threading
 lock = threading.Lock()
 
 
+_host_threads = False  # True where another runtime owns the process's OpenMP threads (`leave_threads_to_host`)
+
+
+def leave_threads_to_host() -> None:
+    """From now on this process's kernels run serially on the calling thread and `launch` never touches a thread
+    count: for processes whose OpenMP threads another runtime owns. vLLM's CPU worker binds its threads and ignores
+    `torch.set_num_threads`; starting numba's parallel pool there reset the count its attention kernels were
+    planned with (with OMP_NUM_THREADS=1 on 2 cores vLLM stopped: "thread_num 1 vs. 2", measured 2026-12-04)."""
+    global _host_threads
+    _host_threads = True
+
+
+def serial_only() -> bool:
+    """True after `leave_threads_to_host`: callers use a kernel's serial flavor or their torch path."""
+    return _host_threads
+
+
 @contextlib.contextmanager
 def launch():
-    """Hold the kernels' lock, with numba's thread count for this thread set to torch's (see the module doc)."""
+    """Hold the kernels' lock, with numba's thread count for this thread set to torch's (see the module doc);
+    after `leave_threads_to_host` only the lock (serial kernels start no pool)."""
+    if _host_threads:
+        with lock:
+            yield
+        return
     import numba
     import torch
 

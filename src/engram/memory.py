@@ -193,6 +193,15 @@ class ShortConv(nn.Module):
         """How many earlier positions an output reads: (K-1) * dilation (what incremental decoding keeps)."""
         return (self.kernel_size - 1) * self.dilation
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """How far back each tap reads, tap 0 first: ((K-1) * dilation, ..., dilation, 0), 0 the current token."""
+        return tuple((self.kernel_size - 1 - k) * self.dilation for k in range(self.kernel_size))
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The conv's input after RMSNorm per branch: x (..., G, D) -> (..., G, D)."""
+        return (x * _rstd(x, self.norm_eps)).mul_(self.norm_weight)
+
     def forward(self, x: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, G, D) -> (B, T, G, D); `history` (B, S, G, D): the inputs of the S positions before x
         (incremental decoding), read by the taps instead of zeros. Same values as one call over both."""
@@ -200,17 +209,31 @@ class ShortConv(nn.Module):
             S = history.shape[1]
             return self.forward(torch.cat([history.to(x.dtype), x], dim=1))[:, S:]
         B, T, G, D = x.shape
-        xn = (x * _rstd(x, self.norm_eps)).mul_(self.norm_weight).view(B, T, G * D)  # RMSNorm per branch -> (B, T, C)
+        xn = self.normed(x).view(B, T, G * D)  # (B, T, C)
         w = self.conv.weight.squeeze(1).t()  # (K, C); tap K-1 is the current token
-        K, dil = self.kernel_size, self.dilation
+        K = self.kernel_size
         y = xn * w[K - 1]
-        for k in range(K - 1):
-            s = (K - 1 - k) * dil  # how far back tap k looks; earlier positions read zeros (causal)
+        for k, s in enumerate(self.taps[:-1]):  # tap k looks s positions back; earlier positions read zeros (causal)
             if s < T:
                 y[:, s:].addcmul_(xn[:, : T - s], w[k])
         if self.activation:
             y = F.silu(y, inplace=not torch.is_grad_enabled())  # in place only when no backward will need y
         return y.view(B, T, G, D)
+
+    def at_taps(self, x: torch.Tensor) -> torch.Tensor:
+        """The output at n single positions from their inputs at the taps only: x (n, K, G, D), x[:, k] the input
+        `taps[k]` positions back (zeros before the sequence; x[:, K-1] the position's own) -> (n, G, D). The same
+        multiply-adds in the same order as `forward`'s at that position, on K inputs instead of the whole
+        (K-1) * dilation + 1 window (what a server keeping per-position inputs reads, `integrations/vllm`)."""
+        n, K, G, D = x.shape
+        xn = self.normed(x)  # (n, K, G, D)
+        w = self.conv.weight.squeeze(1).t().reshape(K, G, D)  # (K, G, D)
+        y = xn[:, K - 1] * w[K - 1]
+        for k in range(K - 1):
+            y.addcmul_(xn[:, k], w[k])
+        if self.activation:
+            y = F.silu(y, inplace=not torch.is_grad_enabled())
+        return y
 
 
 class Engram(nn.Module):
@@ -290,10 +313,19 @@ class Engram(nn.Module):
             return v
         return self.short_conv(v, past).add_(v)  # the conv output is a fresh buffer no backward needs: add in place
 
-    def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_at_taps(self, v: torch.Tensor) -> torch.Tensor:
+        """`mix` at n single positions from the gated values at the conv's taps (`ShortConv.taps`): v (n, K, G, D),
+        v[:, -1] each position's own -> delta (n, G, D). Without the conv, v (n, 1, G, D): delta = v[:, 0]."""
+        if not self.use_short_conv:
+            return v[:, -1]
+        return self.short_conv.at_taps(v).add_(v[:, -1])
+
+    def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor, fused_gate=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-3 of `forward`: (value (B, T, D), gate (B, T, G)); the gated value is `gate[..., None] *
         value[:, :, None]`. Apart so that a server keeping per-position state (engram.integrations.vllm) stores
-        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does."""
+        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does. `fused_gate(kv, h, w_k *
+        w_q) -> (B, T, Gk)`: step 3 in one kernel call (`_faststep.gate`, a serving step's; its own rounding)."""
         B, T, G, D = hidden_states.shape
         # 1. retrieved memory e_t: the heads' rows concatenated                     (B, T, E)
         e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
@@ -303,6 +335,8 @@ class Engram(nn.Module):
         # 3. gate per branch: sigmoid(signed sqrt(<RMSNorm_k(key), RMSNorm_q(h)> / sqrt(D)))  (B, T, G)
         if self.use_gate:
             h = hidden_states.mean(dim=2, keepdim=True) if self.single_branch else hidden_states  # (B, T, Gk, D)
+            if fused_gate is not None:
+                return value, fused_gate(kv, h, self.key_norm_weight * self.query_norm_weight).expand(B, T, G)
             key = kv[..., D:].view(B, T, h.shape[2], D)  # (B, T, Gk, D), pre-norm
             # <RMSNorm_k(key), RMSNorm_q(h)> = rstd_k * rstd_q * <key, h * w_k * w_q>: no normalized copies needed
             hw = h * (self.key_norm_weight * self.query_norm_weight)  # (B, T, Gk, D)

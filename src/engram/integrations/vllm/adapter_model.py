@@ -38,8 +38,7 @@ from ...adapters.hooks import EngramAdapter
 from ...memory import defer_table_allocation, is_table_key
 from .options import table_options
 from .pair import LAYERS_PATH, read_pair
-from .state import SlotState
-from .step import engram_delta, hash_ids, step_view
+from .step import engram_delta, hash_ids, new_state, step_view
 
 PREFIX = "engram_adapter."
 
@@ -85,7 +84,7 @@ class EngramAdapterMixin:
             self.engram_adapter = EngramAdapter(ecfg, meta["hidden_size"], cfg.num_hidden_layers, mapping,
                                                 LAYERS_PATH, meta["base"])
         self.engram_adapter.eval()
-        self.state = SlotState(vllm_config.cache_config.block_size)
+        self.state = new_state(vllm_config)
         self._step = None  # (hash ids, StepView, n) of the step being run
         self._attn_name = self.model.layers[0].self_attn.attn.layer_name
         for i in ecfg.layer_ids:

@@ -47,8 +47,8 @@ from ...memory import Engram, defer_table_allocation
 from ...model import MoE, check_saved_spec, resolve_tokenizer_path
 from ...persist import verify_manifest
 from .options import table_options
-from .state import SlotState, StepView
-from .step import engram_delta, hash_ids, step_view
+from .state import StepView
+from .step import engram_delta, hash_ids, new_state, step_view
 
 # checkpoint name piece -> (vLLM parameter name piece, shard id) for the fused projections
 STACKED = [(".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -160,7 +160,7 @@ class EngramForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
-        self.state = SlotState(vllm_config.cache_config.block_size)
+        self.state = new_state(vllm_config)
         self.engram_layers = [layer for layer in self.model.layers if layer.engram is not None]
 
     # ------------------------------------------------------------------------------------- forward

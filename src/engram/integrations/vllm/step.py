@@ -1,7 +1,9 @@
 """One vLLM step's Engram work, shared by engram's own vLLM model (`model.py`) and the base + adapter models
 (`adapter_model.py`): locate the step's tokens in the per-slot store (`state.py`), hash each token after its own
-previous N-1 ids, and compute an Engram layer's delta with the short conv reading earlier positions' inputs.
+previous N-1 ids, and compute an Engram layer's delta with the short conv reading its taps' inputs (K positions,
+not its whole window).
 
+    state = new_state(vllm_config)                                   # in the model's __init__
     view = step_view(state, attn_layer_name, input_ids, positions)   # None: a profiling / dummy run
     ids = hash_ids(state, mapping, input_ids[:n], view)             # {layer: (n, H)}
     delta = engram_delta(state, engram, x[:n], ids, view)           # (n, G, D), as Engram.forward's
@@ -10,9 +12,18 @@ previous N-1 ids, and compute an Engram layer's delta with the short conv readin
 from __future__ import annotations
 
 import torch
-from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from ... import _faststep
 from .state import SlotState, StepView
+
+
+def new_state(vllm_config) -> SlotState:
+    """A model's per-slot store, made in vLLM's worker, which owns the process's OpenMP threads: engram's numba
+    kernels run serially from here on (`_numba.leave_threads_to_host`; a step's hashing is small)."""
+    from ..._numba import leave_threads_to_host
+
+    leave_threads_to_host()
+    return SlotState(vllm_config.cache_config.block_size)
 
 
 def step_view(state: SlotState, attn_layer_name: str, input_ids, positions) -> StepView | None:
@@ -20,6 +31,8 @@ def step_view(state: SlotState, attn_layer_name: str, input_ids, positions) -> S
     metadata at all), whose tokens are hashed as one sequence. A real step's metadata that lacks what the
     slot store reads raises (`SlotState.view`), never a silently wrong step. `attn_layer_name`: any attention
     layer's name (every layer of these models shares one KV layout)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available  # (the rest runs without vLLM)
+
     if not is_forward_context_available():
         return None
     md = get_forward_context().attn_metadata
@@ -34,18 +47,11 @@ def hash_ids(state: SlotState, mapping, input_ids: torch.Tensor, view: StepView 
     """{layer: (n, H)} per-head hash ids of the step's tokens, each after its own previous N-1 ids."""
     if view is None:  # profiling / dummy run: the tokens as one sequence (no state read or written)
         return {k: v[0] for k, v in mapping.hash(input_ids.cpu().long()[None]).items()}
-    depth = mapping.max_ngram_size - 1
     state.write_ids(view)
-    hist, lengths = state.history(view, depth)
-    out: dict = {}
-    for h in lengths.unique().tolist():  # tokens grouped by how many ids precede them (< N-1 near the start)
-        sel = (lengths == h).nonzero().squeeze(1)
-        got = mapping.hash_continuation(view.ids[sel, None], hist[sel, depth - h:] if h else None)
-        for lid, rows in got.items():
-            if lid not in out:
-                out[lid] = rows.new_empty(view.n, rows.shape[-1])
-            out[lid][sel] = rows[:, 0]
-    return out
+    hist, valid = state.history(view, mapping.max_ngram_size - 1)  # (n, N-1) oldest first
+    dead = None if bool(valid.all()) else ~valid  # positions before 0: every n-gram reaching one reads the pad there
+    got = mapping.hash_continuation(view.ids[:, None], hist, history_dead=dead)  # one call for the whole step
+    return {lid: rows[:, 0] for lid, rows in got.items()}
 
 
 def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None) -> torch.Tensor:
@@ -53,10 +59,15 @@ def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepVi
     (kept in `state` under the layer's id)."""
     lid = eng.layer_id
     rows = eng.multi_head_embedding(ids[lid]).unsqueeze(1)  # (n, 1, H, d)
-    value, gate = eng.gated_value(x.unsqueeze(1), rows)  # (n, 1, D), (n, 1, G)
-    past = None
-    if eng.use_short_conv and view is not None:  # the conv's taps read earlier positions' kept (value, gate)
+    fused = view is not None and _faststep.usable(x)  # the gate and the conv in one kernel call each
+    value, gate = eng.gated_value(x.unsqueeze(1), rows, _faststep.gate if fused else None)  # (n, 1, D), (n, 1, G)
+    if fused and eng.use_short_conv:
+        vs, gs = state.conv_store(lid, view, value[:, 0], gate[:, 0])  # written by the kernel
+        slots, valid = view.at(eng.short_conv.taps)
+        return _faststep.conv(value[:, 0], gate[:, 0], slots, valid, vs, gs, eng.short_conv)
+    if eng.use_short_conv and view is not None:  # the conv reads its K taps' kept (value, gate), its own included
         state.write_conv(lid, view, value[:, 0], gate[:, 0])
-        hv, hg = state.conv_history(lid, view, eng.short_conv.lookback)
-        past = eng.branch_value(hv, hg)  # (n, lookback, G, D)
-    return eng.mix(eng.branch_value(value, gate), past)[:, 0]  # as Engram.forward steps 4-5
+        value, gate = state.conv_taps(lid, view, eng.short_conv.taps)  # (n, K, D), (n, K, G)
+    elif eng.use_short_conv:  # profiling / dummy run: the tokens as one sequence (no state)
+        return eng.mix(eng.branch_value(value, gate).transpose(0, 1))[0]
+    return eng.mix_at_taps(eng.branch_value(value, gate))  # as Engram.forward steps 4-5
