@@ -254,8 +254,10 @@ def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]], rec
 
     fields = {x.partition("#")[2] for s in stored for x in (s["a"], s["b"])}
     n = len(rec["design"]["seeds"])
+    where = (f"the family {orig}'s record tested (`{orig_label}`)" if orig_label == f"{orig}/tests" else
+             f"family {orig_label}'s")
     lines = [f"**Replication, family {label}** (preregistered in `{rec['prereg']['file']}`, committed before the "
-             f"runs; {n} new seeds; the original rows are family {orig_label}'s, Holm within it; the replication's "
+             f"runs; {n} new seeds; the original rows are {where}, Holm within it; the replication's "
              f"are Holm within its own family of {len(rows)}; replicated: a finding of the original's sign):", "",
              "| comparison (b - a) | original: difference ± se | Holm p | verdict | replication: difference ± se | "
              "Holm p | verdict | replicated |", "|---|---|---|---|---|---|---|---|"]
