@@ -34,10 +34,11 @@ HERE = Path(__file__).resolve().parent
 PIECES = [("engram.integrations.vllm.model", "step_view", "step view"),
           ("engram.integrations.vllm.model", "hash_ids", "hashing"),
           ("engram.integrations.vllm.model", "engram_delta", "Engram layers"),
-          ("engram.memory.MultiHeadEmbedding", "forward", "  table gather"),
-          ("engram.memory.Engram", "gated_value", "  value + gate"),
-          ("engram._faststep", "conv", "  conv step (fused)"),
-          ("engram.memory.Engram", "mix_at_taps", "  conv step (torch)")]
+          ("engram.memory.MultiHeadEmbedding", "forward", "table gather"),
+          ("engram.memory.Engram", "gated_value", "value + gate"),
+          ("engram._faststep", "conv", "conv step (fused)"),
+          ("engram.memory.Engram", "mix_at_taps", "conv step (torch)")]
+PARTS = ("table gather", "value + gate", "conv step (fused)", "conv step (torch)")  # parts of "Engram layers"
 
 
 def main():
@@ -119,7 +120,7 @@ def profile(llm, sampling, args) -> dict:
     med = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items() if v}
     print(f"{'per step (median, ms)':<28} {'':>8}")
     for k, v in med.items():
-        print(f"{k:<28} {v:>8.3f}")
+        print(f"{'  ' * (k in PARTS) + k:<28} {v:>8.3f}")
     print(f"tokens/s Engram on {statistics.median(tok_s['on']):.0f}, off {statistics.median(tok_s['off']):.0f}: "
           f"on/off {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f} over {args.rounds} rounds)")
     return {"bench": "vllm_profile", "design": args.design, "requests": args.requests, "tokens": args.tokens,
