@@ -176,11 +176,15 @@ def main():
     prompts = [f"Line {i}: the quick brown fox" for i in range(args.requests)]
     rows, texts, want, startup = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        groups = [engram_setups(Path(tmp) / "engram", args.design, prompts, args.tokens)]
-        if args.base is not None:
+        groups = []
+        if set(args.setups) & set("abcd"):
+            groups.append(engram_setups(Path(tmp) / "engram", args.design, prompts, args.tokens))
+        if args.base is not None and set(args.setups) & set("efg"):
             groups.append(adapter_setups(Path(tmp) / "adapter", args.base, prompts, args.tokens))
         for setups, w in groups:
             setups = {k: v for k, v in setups.items() if k[0] in args.setups}
+            if not setups:
+                continue
             want.update({k: w for k in setups})
             servers = {}
             try:
