@@ -107,9 +107,8 @@ def adapter_for(base: Path, out: Path) -> Path:
     return out
 
 
-def engram_setups(d: Path, design: str, prompts, tokens):
-    """Setups a-d on engram's own model (built in `d`) and its greedy ids / text per prompt, in process."""
-    model, tok, pad = build(d, design)
+def greedy(model, tok, pad, prompts, tokens) -> dict:
+    """{prompt: (ids, text)}: `tokens` greedy tokens of `model` (its in-process `generate`) after each prompt."""
     want = {}
     with torch.no_grad():
         for p in prompts:
@@ -117,6 +116,13 @@ def engram_setups(d: Path, design: str, prompts, tokens):
             out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
                                  pad_token_id=pad)[0, len(ids):].tolist()
             want[p] = (out, tok.decode(out))
+    return want
+
+
+def engram_setups(d: Path, design: str, prompts, tokens):
+    """Setups a-d on engram's own model (built in `d`) and its greedy ids / text per prompt, in process."""
+    model, tok, pad = build(d, design)
+    want = greedy(model, tok, pad, prompts, tokens)
     del model
     run, api = str(d / "run"), [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     return {
@@ -140,13 +146,7 @@ def adapter_setups(d: Path, base: Path, prompts, tokens):
     # as vLLM's ignore_eos: an EOS that wins is emitted and decoding goes on (min_new_tokens would forbid it instead)
     pad = model.generation_config.pad_token_id
     model.generation_config.eos_token_id = None
-    want = {}
-    with torch.no_grad():
-        for p in prompts:
-            ids = tok.encode(p, add_special_tokens=False).ids
-            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
-                                 pad_token_id=pad)[0, len(ids):].tolist()
-            want[p] = (out, tok.decode(out))
+    want = greedy(model, tok, pad, prompts, tokens)
     del model
     api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", "m", *VLLM]
     return {
