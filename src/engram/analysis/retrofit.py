@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import statistics
 from pathlib import Path
 
@@ -449,6 +448,13 @@ def replication_points(rec: dict) -> dict[str, tuple[str, float]]:
     return {point_name(c["method"], c["lr"]): (c["method"], c["lr"]) for c in rec["at_budget"]}
 
 
+def _as_record(x):
+    """`x` as a JSON record holds it (tuples as lists), to compare a design with the record's."""
+    if isinstance(x, dict):
+        return {str(k): _as_record(v) for k, v in x.items()}
+    return [_as_record(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 def replicate(rec: dict, names: list[str], seeds: list[int], out: str | Path = "runs/experiments",
               progress: bool = True, jobs: int = 1, max_steps: int | None = None) -> tuple[dict, dict]:
     """Train the chosen points `names` of the original record `rec` on `seeds` exactly as `run` trained its test
@@ -469,7 +475,7 @@ def replicate(rec: dict, names: list[str], seeds: list[int], out: str | Path = "
     orig = {k: rec[k] for k in REPLICATED} | {
         f"methods.{m}": {k: v for k, v in rec["methods"][m].items() if k not in ("lrs", "extended")}
         for m in sw.methods}
-    differ = [k for k in design if json.loads(json.dumps(design[k])) != orig[k]]
+    differ = [k for k in design if _as_record(design[k]) != orig[k]]
     if differ:
         raise ExperimentError(f"retrofit's code no longer trains as docs/results/retrofit.json did ({', '.join(differ)}"
                               "); replicate from the commit that recorded it")
