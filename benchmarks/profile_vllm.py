@@ -30,14 +30,15 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 HERE = Path(__file__).resolve().parent
 
-# what is timed: (module, attribute) -> label; module functions are looked up by the model's module at call time
-PIECES = [("engram.integrations.vllm.model", "step_view", "step view"),
-          ("engram.integrations.vllm.model", "hash_ids", "hashing"),
-          ("engram.integrations.vllm.model", "engram_delta", "Engram layers"),
-          ("engram.memory.MultiHeadEmbedding", "forward", "table gather"),
-          ("engram.memory.Engram", "gated_value", "value + gate"),
-          ("engram._faststep", "conv", "conv step (fused)"),
-          ("engram.memory.Engram", "mix_at_taps", "conv step (torch)")]
+# what is timed: (module, class or None, attribute) -> label; module functions are looked up by the model's module
+# at call time, so replacing the module's name times every call
+PIECES = [("engram.integrations.vllm.model", None, "step_view", "step view"),
+          ("engram.integrations.vllm.model", None, "hash_ids", "hashing"),
+          ("engram.integrations.vllm.model", None, "engram_delta", "Engram layers"),
+          ("engram.memory", "MultiHeadEmbedding", "forward", "table gather"),
+          ("engram.memory", "Engram", "gated_value", "value + gate"),
+          ("engram._faststep", None, "conv", "conv step (fused)"),
+          ("engram.memory", "Engram", "mix_at_taps", "conv step (torch)")]
 PARTS = ("table gather", "value + gate", "conv step (fused)", "conv step (torch)")  # parts of "Engram layers"
 
 
@@ -93,10 +94,14 @@ def profile(llm, sampling, args) -> dict:
             return r
         setattr(owner, name, g)
 
-    for mod, name, label in PIECES:
-        path, _, cls = mod.rpartition(".") if mod.endswith(("Embedding", "Engram")) else (mod, "", "")
-        owner = getattr(importlib.import_module(path), cls) if cls else importlib.import_module(mod)
-        timed(owner, name, label)
+    for mod, cls, name, label in PIECES:
+        try:  # (an older engram, profiled for comparison, lacks the newer pieces)
+            owner = importlib.import_module(mod)
+        except ImportError:
+            continue
+        owner = getattr(owner, cls) if cls else owner
+        if hasattr(owner, name):
+            timed(owner, name, label)
     fwd = vm.EngramForCausalLM.forward
 
     def forward(self, *a, **k):

@@ -50,9 +50,9 @@ from .records import OWN_REPORT, experiment_record, table_markdown
 from .runs import ExperimentError, seed_stats
 
 SUFFIX = "-replication"
-REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit")  # `runs_of` knows their runs (retrofit's:
-# `retrofit.replicate`)
-REPLICABLE += ("edit",)  # `editing.replicate`: fact sets edited on a base trained by the original's recipe
+# experiments whose runs a replication knows: `runs_of` (retrofit's trained by `retrofit.replicate`; edit's, fact
+# sets edited on a base trained by the original's recipe, by `editing.replicate`)
+REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit", "edit")
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
 
 

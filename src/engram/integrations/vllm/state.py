@@ -53,7 +53,7 @@ class StepView:
 
     ids: (n,) int64 tensor; pos, slots, req: (n,) int64 arrays, req the row of each token's request in
     `block_table` (num_reqs, max_blocks). The index math is numpy: a step's few dozen integers cost less there
-    than a torch op's dispatch each (measured 2026-12-04, `benchmarks/bench_vllm.py`'s profile in docs/performance.md).
+    than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md, "Serving in vLLM").
     `need`: one past the largest slot any position of the step can read (the stores grow to it once per step).
     """
 
