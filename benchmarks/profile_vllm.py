@@ -35,11 +35,14 @@ HERE = Path(__file__).resolve().parent
 PIECES = [("engram.integrations.vllm.model", None, "step_view", "step view"),
           ("engram.integrations.vllm.model", None, "hash_ids", "hashing"),
           ("engram.integrations.vllm.model", None, "engram_delta", "Engram layers"),
-          ("engram.memory", "MultiHeadEmbedding", "forward", "table gather"),
-          ("engram.memory", "Engram", "gated_value", "value + gate"),
-          ("engram._faststep", None, "conv", "conv step (fused)"),
-          ("engram.memory", "Engram", "mix_at_taps", "conv step (torch)")]
-PARTS = ("table gather", "value + gate", "conv step (fused)", "conv step (torch)")  # parts of "Engram layers"
+          ("engram.memory", "MultiHeadEmbedding", "gather", "table gather"),
+          ("engram._faststep", "Layer", "project", "projection (fused)"),
+          ("engram._faststep", "Layer", "delta", "gate + conv (fused)"),
+          ("engram.memory", "Engram", "gated_value", "value + gate (torch)"),
+          ("engram.memory", "Engram", "mix_at_taps", "conv step (torch)"),
+          ("engram._faststep", None, "conv", "conv step (fused)")]  # an older engram's (profiled for comparison)
+PARTS = ("table gather", "projection (fused)", "gate + conv (fused)", "value + gate (torch)", "conv step (torch)",
+         "conv step (fused)")  # parts of "Engram layers"
 
 
 def main():

@@ -254,3 +254,53 @@ def test_dead_positions_and_resets_are_one_mechanism(default_mapping, backend):
             assert np.array_equal(cont[lid].numpy(), got[lid][:, 6:])
     finally:
         m.backend = "auto"
+
+
+def _window_cases():
+    """(name, mapping factory) for each kind of family `hash_windows` serves: the reference's (the fused kernel on
+    numba, the torch path), one with resets and raw ids (qwen4_exp), one with its own mix and resets (LongCat)."""
+    cases = [("deepseek-" + b, lambda b=b: NgramHashMapping.for_family(get_hash_mapping(EngramConfig()).family,
+                                                                       backend=b)) for b in BACKENDS]
+    from engram.integrations import longcat
+
+    cases.append(("longcat", lambda: longcat.hash_mapping(dict(
+        vocab_size=50, ngram_vocab_size_ratio=3, emb_split_num=2, emb_neighbor_num=3, eos_token_id=2, hidden_size=16,
+        model_type="longcat_flash_ngram"))))
+    try:
+        from bases import qwen4_config
+
+        from engram.integrations.qwen4_exp import hash_mapping as qwen4_mapping
+
+        cases.append(("qwen4_exp", lambda: qwen4_mapping(qwen4_config())))
+    except ImportError:  # (a transformers without qwen4_exp: that case is skipped)
+        pass
+    return cases
+
+
+@pytest.mark.parametrize("name,make", _window_cases(), ids=[c[0] for c in _window_cases()])
+def test_hash_windows_equal_hash_at_each_position(name, make):
+    """`hash_windows` (a serving step: each token's N-id window, gathered per request, positions before its sequence
+    marked by `start`) gives what `hash` gives those tokens inside their whole sequences, with and without offsets,
+    resets (EOS) included."""
+    m = make()
+    N = m.max_ngram_size
+    g = np.random.default_rng(7)
+    V = min(m.raw_vocab_size, 50)  # small ids: EOS / reset ids recur
+    seqs = g.integers(0, V, size=(3, 11))
+    for offsets in (False, True):
+        whole = m.hash(seqs, offsets=offsets)
+        b, t = np.meshgrid(np.arange(3), np.arange(11), indexing="ij")
+        b, t = b.ravel(), t.ravel()
+        cols = t[:, None] - np.arange(N - 1, -1, -1)  # (M, N) positions, oldest first
+        windows = np.where(cols >= 0, seqs[b[:, None], np.maximum(cols, 0)], g.integers(0, V, size=cols.shape))
+        got = m.hash_windows(windows, np.maximum(N - 1 - t, 0), offsets=offsets)  # placeholders before the start
+        for lid in m.layer_ids:
+            assert torch.equal(torch.as_tensor(got[lid]), torch.as_tensor(whole[lid][b, t])), (name, offsets, lid)
+
+
+def test_hash_windows_bad_input_is_one_line(default_mapping):
+    m = default_mapping
+    with pytest.raises(HashInputError, match=r"windows must be \(M, 3\)"):
+        m.hash_windows(np.zeros((4, 2), dtype=np.int64))
+    with pytest.raises(HashInputError, match=r"token id \d+ at position \(0, 0\) is outside"):
+        m.hash_windows(np.full((2, 3), m.raw_vocab_size, dtype=np.int64))

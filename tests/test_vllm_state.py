@@ -4,6 +4,7 @@ through the store (chunks, decode tokens, blocks out of order) equal one forward
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,8 +33,9 @@ def test_metadata_without_what_the_store_reads_raises(field):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
-@pytest.mark.parametrize("hc_mult,conv", [(1, True), (4, True), (2, False)])
-def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, fused, monkeypatch):
+@pytest.mark.parametrize("hc_mult,conv,single", [(1, True, False), (4, True, False), (2, False, False),
+                                                  (4, True, True)])
+def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, single, fused, monkeypatch):
     """Two requests whose blocks are out of order, scheduled in uneven pieces (a prefill chunk, decode tokens, a
     chunk, both requests in one step): each step's hash ids and delta (`step.hash_ids`, `step.engram_delta`, the
     conv reading only its K taps from the store; `_faststep`'s kernels or the torch path) equal `Engram.forward`
@@ -41,14 +43,16 @@ def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, fused, mo
     GEMM's blocking for n does; the kernels sum in float64)."""
     from engram import _faststep
 
-    if fused:
-        assert _faststep.usable(torch.zeros(1)), "numba (a test dependency) should compile the step kernels"
-    else:
-        monkeypatch.setattr(_faststep, "usable", lambda x: False)
     torch.manual_seed(0)
     e = EngramConfig(engram_vocab_size=[101, 111], max_ngram_size=3, n_embed_per_ngram=16, n_head_per_ngram=2,
-                     layer_ids=[0], kernel_size=4, use_short_conv=conv)
+                     layer_ids=[0], kernel_size=4, use_short_conv=conv, single_branch=single)
     eng = Engram(0, e, BackBoneConfig(hidden_size=32, hc_mult=hc_mult, vocab_size=1000, num_layers=2)).eval()
+    if fused:
+        assert _faststep.usable(eng, torch.zeros(1)), "numba (a test dependency) should compile the step kernels"
+    else:  # the torch ops, and the slot store's index math in numpy
+        monkeypatch.setattr(_faststep, "usable", lambda eng, x: False)
+        for name in ("place", "locate", "windows"):
+            monkeypatch.setattr(_faststep, name, lambda *a: None)
     torch.nn.init.normal_(eng.short_conv.conv.weight)  # (zero-init would hide the taps)
     T, bs = 23, 4
     seqs = torch.randint(0, 1000, (2, T))
@@ -62,11 +66,13 @@ def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, fused, mo
             req = torch.tensor([r for r, k in enumerate(sizes) for _ in range(k)])
             pos = torch.tensor([done[r] + i for r, k in enumerate(sizes) for i in range(k)])
             slots = block_table[req, pos // bs] * bs + pos % bs
-            view = StepView(seqs[req, pos], pos, slots, req, block_table, bs)
+            qsl = torch.tensor([0, *np.cumsum(sizes)])  # each request's first token in the step
+            view = StepView(seqs[req, pos], pos, slots, qsl, block_table, bs)
+            assert view.req.tolist() == req.tolist()
             ids = hash_ids(state, eng.hash_mapping, view.ids, view)
             got = engram_delta(state, eng, hidden[req, pos], ids, view)  # (n, G, D)
-            assert torch.equal(ids[0], eng.hash_mapping.hash(seqs)[0][req, pos])
-            torch.testing.assert_close(got, want[req, pos], rtol=0, atol=1e-6)
+            assert torch.equal(ids[0], eng.hash_mapping.hash(seqs, offsets=True)[0][req, pos])
+            torch.testing.assert_close(got, want[req, pos], rtol=1e-6 if fused else 0, atol=1e-6)
             done = [d + k for d, k in zip(done, sizes)]
         assert done == [T, T]
         assert state.conv.keys() == ({0} if conv else set())
@@ -78,9 +84,9 @@ def test_conv_taps_are_all_the_store_reads():
     st = SlotState(block_size=4)
     bt = torch.tensor([[0, 1, 2]])
     zero = torch.zeros(12, dtype=torch.long)
-    v = StepView(zero, torch.arange(12), torch.arange(12), zero, bt, 4)
+    v = StepView(zero, torch.arange(12), torch.arange(12), torch.tensor([0, 12]), bt, 4)
     st.write_conv(0, v, torch.arange(12.)[:, None].expand(12, 3), torch.ones(12, 1))
-    value, gate = st.conv_taps(0, v, (9, 6, 3, 0))
+    value, gate = st.conv_taps(0, v, (9, 6, 3, 0), 3)
     assert value.shape == (12, 4, 3) and gate.shape == (12, 4, 1)
     assert value[11, :, 0].tolist() == [2, 5, 8, 11] and gate[11, :, 0].tolist() == [1, 1, 1, 1]
     assert gate[4, :, 0].tolist() == [0, 0, 1, 1] and value[4, 2:, 0].tolist() == [1, 4]
@@ -108,3 +114,23 @@ def test_kernels_stay_serial_where_the_host_owns_the_threads(monkeypatch):
     _fasthash.hash_into(big, 0, one, (one,) * 4, np.zeros((1, 4, big.shape[1], 1), dtype=np.int64))
     assert called == ["serial"]
     assert not _fastsinkhorn.available()
+
+
+def test_the_fused_layer_follows_in_place_weight_writes():
+    """`_faststep.layer` keeps an Engram layer's weights in the kernel's layouts across steps, and makes them again
+    after any of them is written in place (vLLM reloading weights): a stale copy would serve the old weights."""
+    from engram import _faststep
+
+    e = EngramConfig(engram_vocab_size=[101, 111], max_ngram_size=3, n_embed_per_ngram=16, n_head_per_ngram=2,
+                     layer_ids=[0], kernel_size=4)
+    eng = Engram(0, e, BackBoneConfig(hidden_size=32, hc_mult=2, vocab_size=1000, num_layers=2)).eval()
+    first = _faststep.layer(eng)
+    assert _faststep.layer(eng) is first  # made once
+    with torch.no_grad():
+        eng.short_conv.conv.weight.add_(1.0)
+    conv = _faststep.layer(eng)
+    norm = eng.short_conv.norm_weight.detach().double().numpy()[:, None, :]  # (G, 1, D): folded into conv_w
+    assert conv is not first and np.allclose(conv.conv_w, first.conv_w + norm)
+    with torch.no_grad():
+        eng.kv_proj.weight.mul_(2)
+    assert torch.equal(_faststep.layer(eng).kv_t, 2 * conv.kv_t)

@@ -125,7 +125,8 @@ class MultiHeadEmbedding(nn.Module):
 
     def lookup(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The `Table` interface for rows in this module's parameter: flat row ids (N,) -> (N, D)."""
-        vals = self.embedding(rows.to(self.embedding.weight.device))
+        w = self.embedding.weight  # (nn.Embedding's own call, without a module call's cost: serving steps add up)
+        vals = nn.functional.embedding(rows.to(w.device), w, sparse=self.embedding.sparse)
         return out.copy_(vals) if out is not None else vals
 
     def take_grads(self):
@@ -320,12 +321,11 @@ class Engram(nn.Module):
             return v[:, -1]
         return self.short_conv.at_taps(v).add_(v[:, -1])
 
-    def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor, fused_gate=None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-3 of `forward`: (value (B, T, D), gate (B, T, G)); the gated value is `gate[..., None] *
         value[:, :, None]`. Apart so that a server keeping per-position state (engram.integrations.vllm) stores
-        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does. `fused_gate(kv, h, w_k *
-        w_q) -> (B, T, Gk)`: step 3 in one kernel call (`_faststep.gate`, a serving step's; its own rounding)."""
+        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does (`engram._faststep` computes
+        steps 2-5 at a serving step's few positions in a few calls, its own rounding)."""
         B, T, G, D = hidden_states.shape
         # 1. retrieved memory e_t: the heads' rows concatenated                     (B, T, E)
         e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)
@@ -335,8 +335,6 @@ class Engram(nn.Module):
         # 3. gate per branch: sigmoid(signed sqrt(<RMSNorm_k(key), RMSNorm_q(h)> / sqrt(D)))  (B, T, G)
         if self.use_gate:
             h = hidden_states.mean(dim=2, keepdim=True) if self.single_branch else hidden_states  # (B, T, Gk, D)
-            if fused_gate is not None:
-                return value, fused_gate(kv, h, self.key_norm_weight * self.query_norm_weight).expand(B, T, G)
             key = kv[..., D:].view(B, T, h.shape[2], D)  # (B, T, Gk, D), pre-norm
             # <RMSNorm_k(key), RMSNorm_q(h)> = rstd_k * rstd_q * <key, h * w_k * w_q>: no normalized copies needed
             hw = h * (self.key_norm_weight * self.query_norm_weight)  # (B, T, Gk, D)

@@ -47,7 +47,7 @@ from ..persist import atomic_write_bytes, read_json
 from ..tokenizer import CompressedTokenizer, RawIds
 from .families import DeepSeekFamily, HashFamily, family_class
 from .identity import SPEC_FORMAT, check_identity, identity_digest, spec_identity
-from .inputs import dead_mask, validate_ids
+from .inputs import HashInputError, dead_mask, validate_ids
 
 
 def _from_family(attr: str, doc: str = ""):
@@ -358,6 +358,50 @@ class NgramHashMapping:
         if as_numpy:
             out = out.numpy()
         return {layer_id: out[i] for i, layer_id in enumerate(self.layer_ids)}
+
+    def hash_windows(self, windows: np.ndarray, start: np.ndarray | None = None, offsets: bool = False) -> dict:
+        """Hash ids of each window's last position: `{layer_id: (M, H)}` tensors, what `hash` gives that position.
+
+        `windows` (M, N) int64, N = `max_ngram_size`: a token's own id last, the N-1 ids before it oldest first;
+        `start` (M,): each window's first position inside its sequence (0: all N are; the positions before it
+        lie before the sequence, hold any valid id and read the pad), or None (0 everywhere). Equal to
+        `hash(windows, offsets, dead=arange(N) < start[:, None])[:, -1]`.
+
+        For a serving step whose tokens belong to different requests (`integrations.vllm.step`): one window per
+        token, gathered from a per-slot store. Where the fused kernel applies (CPU numba, the XOR mix, no reset
+        id, the normal hash mode) the windows go to it directly, without `hash`'s DEAD-mask and document-end
+        bookkeeping, which a start-of-sequence prefix does not need (it reads the pad either way); elsewhere
+        this is the call above.
+        """
+        w = np.ascontiguousarray(windows, dtype=np.int64)
+        if w.ndim != 2 or w.shape[1] != self.max_ngram_size:
+            raise HashInputError(f"windows must be (M, {self.max_ngram_size}) (max_ngram_size ids each), got "
+                                 f"{list(w.shape)}")
+        begins = start is not None and bool(np.any(start))  # some window begins before its sequence
+        plan = self._windows_plan()
+        if plan is None:
+            dead = np.arange(w.shape[1]) < np.asarray(start)[:, None] if begins else None  # (M, N)
+            return {k: v[:, -1] for k, v in self.hash(w, offsets, dead).items()}
+        lut, mult, consts, (L, O, H), off = plan
+        if w.size and (w.min() < 0 or w.max() >= self.raw_vocab_size):
+            self.validate(w)  # (raises, naming the id)
+        x = w.copy() if lut is None else lut[w]
+        if begins:
+            x[np.arange(w.shape[1]) < np.asarray(start)[:, None]] = self.compressed_pad_id  # before the sequence
+        out = np.empty((L, w.shape[0], w.shape[1], O * H), dtype=self._np_index_dtype)  # every position (N is tiny)
+        _fasthash.hash_into(x, self.compressed_pad_id, mult, consts, out, None, off if offsets else None)
+        last = torch.from_numpy(out[:, :, -1].copy())  # (L, M, O*H)
+        return dict(zip(self.layer_ids, last))
+
+    def _windows_plan(self) -> tuple | None:
+        """What `hash_windows` hands the fused kernel (lookup table or None for raw ids, and `_numba_constants`), or
+        None where it does not apply (no numba, a torch backend, resets, another mix, an ablation hash mode)."""
+        if (self.hash_mode in ("constant", "shuffled") or self.family.reset_id is not None or self.family.own_mix
+                or self.backend not in ("auto", "numba") or self.max_prime > _fasthash.MAX_PRIME
+                or not _fasthash.available()):
+            return None
+        lut = None if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table
+        return (lut, *self._numba_constants())
 
     def hash_continuation(self, input_ids, history=None, offsets: bool = False, dead=None, history_dead=None) -> dict:
         """Hash ids of new tokens whose n-grams reach back into earlier ones: `{layer_id: (B, T, H)}`.

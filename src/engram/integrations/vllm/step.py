@@ -5,7 +5,7 @@ not its whole window).
 
     state = new_state(vllm_config)                                   # in the model's __init__
     view = step_view(state, attn_layer_name, input_ids, positions)   # None: a profiling / dummy run
-    ids = hash_ids(state, mapping, input_ids[:n], view)             # {layer: (n, H)}
+    ids = hash_ids(state, mapping, input_ids[:n], view)             # {layer: (n, H)} table rows
     delta = engram_delta(state, engram, x[:n], ids, view)           # (n, G, D), as Engram.forward's
 """
 
@@ -44,30 +44,30 @@ def step_view(state: SlotState, attn_layer_name: str, input_ids, positions) -> S
 
 
 def hash_ids(state: SlotState, mapping, input_ids: torch.Tensor, view: StepView | None) -> dict:
-    """{layer: (n, H)} per-head hash ids of the step's tokens, each after its own previous N-1 ids."""
+    """{layer: (n, H)} rows of each layer's table (head offsets added) for the step's tokens, each hashed after its
+    own previous N-1 ids: one `hash_windows` call for the whole step."""
     if view is None:  # profiling / dummy run: the tokens as one sequence (no state read or written)
-        return {k: v[0] for k, v in mapping.hash(input_ids.cpu().long()[None]).items()}
-    state.write_ids(view)
-    hist, valid = state.history(view, mapping.max_ngram_size - 1)  # (n, N-1) oldest first
-    dead = None if bool(valid.all()) else ~valid  # positions before 0: every n-gram reaching one reads the pad there
-    got = mapping.hash_continuation(view.ids[:, None], hist, history_dead=dead)  # one call for the whole step
-    return {lid: rows[:, 0] for lid, rows in got.items()}
+        return {k: v[0] for k, v in mapping.hash(input_ids.cpu().long()[None], offsets=True).items()}
+    return mapping.hash_windows(*state.windows(view, mapping.max_ngram_size), offsets=True)
 
 
 def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None) -> torch.Tensor:
     """Engram layer `eng`'s delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs
-    (kept in `state` under the layer's id)."""
+    (kept in `state` under the layer's id). On CPU a few calls (`_faststep`: the projection, then one kernel for
+    gate, gated value and conv); elsewhere, or with ENGRAM_FUSED=0, the torch ops of `Engram.forward`."""
     lid = eng.layer_id
-    rows = eng.multi_head_embedding(ids[lid]).unsqueeze(1)  # (n, 1, H, d)
-    fused = view is not None and _faststep.usable(x)  # the gate and the conv in one kernel call each
-    value, gate = eng.gated_value(x.unsqueeze(1), rows, _faststep.gate if fused else None)  # (n, 1, D), (n, 1, G)
-    if fused and eng.use_short_conv:
-        vs, gs = state.conv_store(lid, view, value[:, 0], gate[:, 0])  # written by the kernel
-        slots, valid = view.at(eng.short_conv.taps)
-        return _faststep.conv(value[:, 0], gate[:, 0], slots, valid, vs, gs, eng.short_conv)
+    rows = eng.multi_head_embedding.gather(ids[lid])  # (n, H, d): ids are table rows
+    if view is not None and _faststep.usable(eng, x):
+        fused = _faststep.layer(eng)
+        kv = fused.project(rows.flatten(start_dim=1).to(x.dtype))  # (n, (Gk+1)*D)
+        if not eng.use_short_conv:
+            return fused.delta(kv, x)
+        store = state.conv_store(lid, view, eng.hidden_size, eng.hc_mult, x)
+        return fused.delta(kv, x, view, store)  # the kernel writes this step's entries, then reads the taps
+    value, gate = eng.gated_value(x.unsqueeze(1), rows.unsqueeze(1))  # (n, 1, D), (n, 1, G)
     if eng.use_short_conv and view is not None:  # the conv reads its K taps' kept (value, gate), its own included
         state.write_conv(lid, view, value[:, 0], gate[:, 0])
-        value, gate = state.conv_taps(lid, view, eng.short_conv.taps)  # (n, K, D), (n, K, G)
+        value, gate = state.conv_taps(lid, view, eng.short_conv.taps, eng.hidden_size)  # (n, K, D), (n, K, G)
     elif eng.use_short_conv:  # profiling / dummy run: the tokens as one sequence (no state)
         return eng.mix(eng.branch_value(value, gate).transpose(0, 1))[0]
     return eng.mix_at_taps(eng.branch_value(value, gate))  # as Engram.forward steps 4-5
