@@ -14,13 +14,34 @@ from ._numba import LazyKernels, serial_only
 from ._numba import launch as _launch
 
 
+def split_mix(v):  # pragma: no cover - compiled inline into the kernels (here and `_faststep`'s)
+    """An int64 mix as floats: v = hi * 2^48 + mid * 2^32 + lo, hi signed 16-bit, mid 16-bit, lo 32-bit."""
+    return np.float64(v >> 48), np.float64((v >> 32) & 0xFFFF), np.float64(v & 0xFFFFFFFF)
+
+
+def reduce_mix(hi, mid, lo, pv, a48, a32, iv):  # pragma: no cover - compiled inline, as `split_mix`
+    """The mix `split_mix` split, modulo the head's prime pv (a48 = 2^48 mod pv, a32 = 2^32 mod pv, iv = 1/pv): an
+    exact integer in [0, pv) as a float64."""
+    # congruent to v mod p, an exact integer: |.| < 2^15 p + 2^16 p + 2^32 < 2^53
+    w = hi * a48 + (mid * a32 + lo)
+    r = w - np.floor(w * iv) * pv  # the floor may be off by one: corrected next
+    return r + pv * (r < 0) - pv * (r >= pv)
+
+
+# the two above, compiled (by `_build`; `_faststep` compiles its own from the same source)
+_split = _reduce = None
+
+
 def available() -> bool:
     """True when numba imports; compiles the kernel on first call."""
     return _kernels.get() is not None
 
 
 def _build():
+    global _split, _reduce
     from numba import njit, prange
+
+    _split, _reduce = njit(inline="always")(split_mix), njit(inline="always")(reduce_mix)
 
     # Every value below is an integer held exactly in float64, so fused multiply-adds give the same results;
     # no reassociation or reciprocal approximations (`reassoc`, `arcp`) are allowed.
@@ -70,20 +91,13 @@ def _build():
                             tok = x[b, t - k] if t - k >= start[i] else pad
                             v = mix[i] ^ (tok * m)  # wrapping int64, as numpy/torch
                             mix[i] = v
-                            # v = hi * 2^48 + mid * 2^32 + lo: hi signed 16-bit, mid 16-bit, lo 32-bit
-                            hi[i] = np.float64(v >> 48)
-                            mid[i] = np.float64((v >> 32) & 0xFFFF)
-                            lo[i] = np.float64(v & 0xFFFFFFFF)
+                            hi[i], mid[i], lo[i] = _split(v)
                         for h in range(H):
                             pv, a48, a32 = p[l, k - 1, h], c48[l, k - 1, h], c32[l, k - 1, h]
                             iv, ov = inv[l, k - 1, h], off[l, k - 1, h]
                             row = tile[(k - 1) * H + h]
                             for i in range(n):
-                                # congruent to v mod p, an exact integer: |.| < 2^15 p + 2^16 p + 2^32 < 2^53
-                                w = hi[i] * a48 + (mid[i] * a32 + lo[i])
-                                r = w - np.floor(w * iv) * pv  # the floor may be off by one: corrected next
-                                r = r + pv * (r < 0) - pv * (r >= pv)
-                                row[i] = r + ov
+                                row[i] = _reduce(hi[i], mid[i], lo[i], pv, a48, a32, iv) + ov
                     for i in range(n):
                         for j in range(O * H):
                             out[l, b, t0 + i, j] = tile[j, i]

@@ -32,6 +32,7 @@ import weakref
 import numpy as np
 import torch
 
+from . import _fasthash
 from ._numba import LazyKernels
 from ._numba import launch as _launch
 
@@ -77,6 +78,23 @@ def windows(store: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.ndarr
     return out, start
 
 
+def hash_step(store: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, req: np.ndarray,
+              block_table: np.ndarray, block_size: int, plan) -> np.ndarray | None:
+    """Write the step's `ids` at their `slots` of the id `store`, then hash each token after the N-1 ids before it
+    (`state.SlotState.hash`): (L, n, O*H) rows of the family's index dtype, offsets as `plan` (`NgramHashMapping.
+    kernel_plan`) has them; None without numba. An id outside the tokenizer raises `plan.validate`'s error."""
+    kernels = _kernels.get()
+    if kernels is None:
+        return None
+    out = np.empty((len(plan.layer_ids), len(ids), plan.heads), dtype=plan.dtype)
+    with _launch():
+        bad = kernels[4](store, ids, pos, slots, req, block_table, block_size, plan.lut, plan.pad, plan.vocab,
+                         plan.mult, *plan.consts, plan.offsets, out)
+    if bad >= 0:
+        plan.validate(ids[None])  # (raises, naming the id)
+    return out
+
+
 # ---------------------------------------------------------------------------------------- an Engram layer's step
 def usable(eng, x: torch.Tensor) -> bool:
     """True when the kernels compile here (numba, ENGRAM_FUSED not 0), `x` is a float32 CPU tensor and Engram layer
@@ -84,11 +102,52 @@ def usable(eng, x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and eng.use_gate and _kernels.get() is not None
 
 
+_split = _reduce = None  # `_fasthash.split_mix` / `reduce_mix`, compiled here too (by `_build`)
+
+
 def _build():
+    global _split, _reduce
     from numba import njit
 
     # float64 sums may be reordered (vectorized); no approximate functions
     fm = {"contract", "reassoc", "nsz"}
+    _split, _reduce = njit(inline="always")(_fasthash.split_mix), njit(inline="always")(_fasthash.reduce_mix)
+
+    # the hash's integers are exact in float64: no reassociation (as `_fasthash`)
+    @njit(cache=True, boundscheck=False, fastmath={"contract", "nnan", "ninf", "nsz"})
+    def hash_step(store, ids, pos, slots, req, block_table, block_size, lut, pad, vocab, mult, p, c32, c48, inv, off,
+                  out):  # pragma: no cover - compiled
+        # store (S,) int64: the raw id at each KV slot; ids, pos, slots, req (n,): the step's tokens. Writes
+        # store[slots[i]] = ids[i] for every token first (a window may read an earlier token of the step), then
+        # hashes each token after the N-1 ids before it, read from the store through the block table, as
+        # `_fasthash`'s kernel hashes a sequence: x = lut[id] (lut empty: the raw id), the pad before position 0,
+        # mix_k = XOR_{j<=k} x_{t-j} * mult[l, j], head h of order k+1 the row of mix_k modulo p[l, k-1, h], plus
+        # off[l, k-1, h] -> out (L, n, O*H). Returns the first token whose id is outside [0, vocab), or -1.
+        n = ids.shape[0]
+        L, N = mult.shape
+        H = p.shape[2]
+        raw = lut.shape[0] == 0
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= vocab:
+                return i
+            store[slots[i]] = ids[i]
+        for i in range(n):
+            x0 = ids[i] if raw else lut[ids[i]]
+            for l in range(L):
+                mix = x0 * mult[l, 0]
+                for k in range(1, N):
+                    q = pos[i] - k
+                    if q < 0:
+                        tok = pad
+                    else:
+                        tok = store[block_table[req[i], q // block_size] * block_size + q % block_size]
+                        tok = tok if raw else lut[tok]
+                    mix = mix ^ (tok * mult[l, k])  # wrapping int64, as numpy/torch
+                    hi, mid, lo = _split(mix)
+                    for h in range(H):
+                        out[l, i, (k - 1) * H + h] = _reduce(hi, mid, lo, p[l, k - 1, h], c48[l, k - 1, h],
+                                                             c32[l, k - 1, h], inv[l, k - 1, h]) + off[l, k - 1, h]
+        return -1
 
     @njit(cache=True, boundscheck=False, fastmath=fm)
     def delta(kv, h, wkq, gate_eps, pos, req, block_table, block_size, taps, store, w, conv_eps, y, v
@@ -195,7 +254,7 @@ def _build():
                 out[i, j] = ids[i] if p < 0 else store[block_table[req[i], p // block_size] * block_size
                                                         + p % block_size]
 
-    return delta, locate, place, windows
+    return delta, locate, place, windows, hash_step
 
 
 _kernels = LazyKernels(_build, switchable=True)

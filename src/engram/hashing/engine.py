@@ -35,8 +35,9 @@ import json
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +53,21 @@ from .inputs import HashInputError, dead_mask, validate_ids
 
 def _from_family(attr: str, doc: str = ""):
     return property(lambda self: getattr(self.family, attr), doc=doc or f"The family's `{attr}`.")
+
+
+class HashPlan(NamedTuple):
+    """A mapping's hash as a fused CPU kernel computes it (`NgramHashMapping.kernel_plan`)."""
+
+    layer_ids: list
+    lut: np.ndarray  # (V,) int64: raw id -> compressed id; empty: the raw ids themselves
+    pad: int  # the compressed pad id, read before the sequence
+    vocab: int  # raw ids lie in [0, vocab)
+    mult: np.ndarray  # (L, N) int64 multipliers
+    consts: tuple  # (p, 2^32 mod p, 2^48 mod p, 1/p), each (L, N-1, H) float64 (`_fasthash.kernel_constants`)
+    offsets: np.ndarray  # (L, N-1, H) float64 added to each head's row (zeros: per-head rows)
+    heads: int  # (N-1) * H: rows per token per layer
+    dtype: np.dtype  # the family's index dtype
+    validate: Callable  # raises `HashInputError` naming a bad id
 
 
 class NgramHashMapping:
@@ -378,30 +394,38 @@ class NgramHashMapping:
             raise HashInputError(f"windows must be (M, {self.max_ngram_size}) (max_ngram_size ids each), got "
                                  f"{list(w.shape)}")
         begins = start is not None and bool(np.any(start))  # some window begins before its sequence
-        plan = self._windows_plan()
+        plan = self.kernel_plan(offsets)
         if plan is None:
             dead = np.arange(w.shape[1]) < np.asarray(start)[:, None] if begins else None  # (M, N)
             return {k: v[:, -1] for k, v in self.hash(w, offsets, dead).items()}
-        lut, mult, consts, (L, O, H), off = plan
         if w.size and (w.min() < 0 or w.max() >= self.raw_vocab_size):
             self.validate(w)  # (raises, naming the id)
-        x = w.copy() if lut is None else lut[w]
+        x = w.copy() if plan.lut.size == 0 else plan.lut[w]
         if begins:
-            x[np.arange(w.shape[1]) < np.asarray(start)[:, None]] = self.compressed_pad_id  # before the sequence
-        out = np.empty((L, w.shape[0], w.shape[1], O * H), dtype=self._np_index_dtype)  # every position (N is tiny)
-        _fasthash.hash_into(x, self.compressed_pad_id, mult, consts, out, None, off if offsets else None)
+            x[np.arange(w.shape[1]) < np.asarray(start)[:, None]] = plan.pad  # before the sequence
+        out = np.empty((len(self.layer_ids), w.shape[0], w.shape[1], plan.heads), dtype=plan.dtype)  # (N is tiny)
+        _fasthash.hash_into(x, plan.pad, plan.mult, plan.consts, out, None, plan.offsets)
         last = torch.from_numpy(out[:, :, -1].copy())  # (L, M, O*H)
         return dict(zip(self.layer_ids, last))
 
-    def _windows_plan(self) -> tuple | None:
-        """What `hash_windows` hands the fused kernel (lookup table or None for raw ids, and `_numba_constants`), or
-        None where it does not apply (no numba, a torch backend, resets, another mix, an ablation hash mode)."""
+    def kernel_plan(self, offsets: bool = False) -> HashPlan | None:
+        """What a fused CPU kernel needs to hash as this mapping does (`HashPlan`), or None where the fused kernels
+        do not apply: no numba, a torch backend, resets (EOS), another mix than the XOR one, an ablation hash mode.
+        For kernels that read their ids elsewhere than `hash` takes them (a serving step's per-slot store:
+        `_faststep.hash_step`); the constants are built once per mapping."""
         if (self.hash_mode in ("constant", "shuffled") or self.family.reset_id is not None or self.family.own_mix
                 or self.backend not in ("auto", "numba") or self.max_prime > _fasthash.MAX_PRIME
                 or not _fasthash.available()):
             return None
-        lut = None if isinstance(self.compressed_tokenizer, RawIds) else self.compressed_tokenizer.lookup_table
-        return (lut, *self._numba_constants())
+        key = ("plan", bool(offsets))
+        if key not in self._device_cache:
+            mult, consts, (L, O, H), off = self._numba_constants()
+            lut = (np.zeros(0, dtype=np.int64) if isinstance(self.compressed_tokenizer, RawIds)
+                   else np.ascontiguousarray(self.compressed_tokenizer.lookup_table, dtype=np.int64))
+            self._device_cache[key] = HashPlan(self.layer_ids, lut, int(self.compressed_pad_id), self.raw_vocab_size,
+                                               mult, consts, off if offsets else np.zeros_like(off), O * H,
+                                               self._np_index_dtype, self.validate)
+        return self._device_cache[key]
 
     def hash_continuation(self, input_ids, history=None, offsets: bool = False, dead=None, history_dead=None) -> dict:
         """Hash ids of new tokens whose n-grams reach back into earlier ones: `{layer_id: (B, T, H)}`.

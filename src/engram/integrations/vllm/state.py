@@ -123,6 +123,19 @@ class SlotState:
         return StepView(host(input_ids), host(positions), host(m.slot_mapping), m.query_start_loc.cpu().numpy(),
                         m.block_table.cpu().numpy(), self.block_size)
 
+    def hash(self, v: StepView, mapping) -> dict:
+        """Write the step's ids at their slots, then hash each token after its own previous N-1 ids: {layer: (n, H)}
+        rows of each layer's table (head offsets added). One kernel call (`_faststep.hash_step`) where the mapping's
+        `kernel_plan` applies; else the windows and `NgramHashMapping.hash_windows`."""
+        plan = mapping.kernel_plan(offsets=True)
+        if plan is not None:
+            self.ids = self._grow(self.ids, v.need)
+            got = _faststep.hash_step(self.ids.numpy(), v.ids, v.pos, v.slots, v.req, v.block_table, v.block_size,
+                                      plan)
+            if got is not None:
+                return dict(zip(plan.layer_ids, torch.from_numpy(got)))
+        return mapping.hash_windows(*self.windows(v, mapping.max_ngram_size), offsets=True)
+
     def windows(self, v: StepView, N: int) -> tuple[np.ndarray, np.ndarray]:
         """Write the step's ids at their slots, then read each token's n-gram window: (windows (n, N) int64, its
         own id last and the N-1 before it oldest first, start (n,) the first column inside the sequence; the

@@ -45,10 +45,10 @@ def step_view(state: SlotState, attn_layer_name: str, input_ids, positions) -> S
 
 def hash_ids(state: SlotState, mapping, input_ids: torch.Tensor, view: StepView | None) -> dict:
     """{layer: (n, H)} rows of each layer's table (head offsets added) for the step's tokens, each hashed after its
-    own previous N-1 ids: one `hash_windows` call for the whole step."""
+    own previous N-1 ids (`SlotState.hash`: one kernel call for the whole step on CPU)."""
     if view is None:  # profiling / dummy run: the tokens as one sequence (no state read or written)
         return {k: v[0] for k, v in mapping.hash(input_ids.cpu().long()[None], offsets=True).items()}
-    return mapping.hash_windows(*state.windows(view, mapping.max_ngram_size), offsets=True)
+    return state.hash(view, mapping)
 
 
 def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None) -> torch.Tensor:
