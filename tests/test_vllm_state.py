@@ -134,3 +134,7 @@ def test_the_fused_layer_follows_in_place_weight_writes():
     with torch.no_grad():
         eng.kv_proj.weight.mul_(2)
     assert torch.equal(_faststep.layer(eng).kv_t, 2 * conv.kv_t)
+    eng.kv_proj.weight = torch.nn.Parameter(torch.zeros_like(eng.kv_proj.weight))  # replaced: not seen per step ...
+    assert _faststep.layer(eng).kv_t.abs().sum() > 0
+    _faststep.refresh(eng)  # ... until refreshed
+    assert _faststep.layer(eng).kv_t.abs().sum() == 0

@@ -36,9 +36,9 @@ from . import _fasthash
 from ._numba import LazyKernels
 from ._numba import launch as _launch
 
-# ---------------------------------------------------------------------------------------- the slot store's index math
-# (`integrations.vllm.state`: where each token of a step and its history live; exact integers, so no ENGRAM_FUSED
-# switch; without numba each returns None and the caller's numpy does the same)
+# ------------------------------------------------------------------------------ the slot store's index math and hash
+# (`integrations.vllm.state`: where each token of a step and its history live, and its hash; exact integers, equal to
+# the numpy / `hash` path. Without numba, or with ENGRAM_FUSED=0, each returns None and the caller takes that path.)
 
 def place(qsl: np.ndarray, slots: np.ndarray, block_table: np.ndarray, block_size: int
           ) -> tuple[np.ndarray, int, int] | None:

@@ -55,10 +55,10 @@ class StepView:
 
     ids, pos, slots, req: (n,) int64 arrays, req the row of each token's request in `block_table` (num_reqs,
     max_blocks), found from the request starts `qsl` (num_reqs + 1,). The index math is one numba kernel call
-    per piece (`_faststep.place`, `locate`, `windows`), numpy without numba: a step's few dozen integers cost
-    less there than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md, "Serving in
-    vLLM"). `need`: one past the largest slot any position of the step can read (the stores grow to it once per
-    step).
+    per piece (`_faststep.place`, `locate`, `windows`, `hash_step`), numpy without numba: a step's few dozen
+    integers cost less there than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md,
+    "Serving in vLLM"). `need`: one past the largest slot any position of the step can read (the stores grow to
+    it once per step).
     """
 
     def __init__(self, ids, pos, slots, qsl, block_table, block_size: int):
@@ -92,7 +92,7 @@ class StepView:
 
 
 class SlotState:
-    """The per-slot arrays of one model (`ids` and, per conv Engram layer, `value` and `gate`)."""
+    """The per-slot arrays of one model (`ids`, and per conv Engram layer one `[value | gate]` row per slot)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
