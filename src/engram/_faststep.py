@@ -13,9 +13,9 @@ an Engram layer's fused step, the math of `Engram.gated_value` steps 2-3 and `En
                                         the SiLU and the residual add: (n, G, D) delta
 
 It keeps what the kernels read in their own layouts, made once per layer (and again when a weight changes): the
-projection's weight transposed, which a CPU GEMM multiplies faster at a few rows (30 vs 48 us at 16 x 256 -> 512,
-one thread of the 2-core VM, with the same bits there), the gate's two norm weights multiplied, and the conv's
-weight tap-major with its norm weight folded in, in float64.
+projection's weight transposed, which a CPU GEMM multiplies faster at a few rows (measured on one thread of the
+2-core VM at 1-1024 rows of 256 -> 512), the gate's two norm weights multiplied, and the conv's weight tap-major
+with its norm weight folded in, in float64.
 
 Rounding: the kernel accumulates in float64 (summation order left to the compiler) and rounds once to float32,
 where torch sums in float32 in its own order; the SiLU is torch's, on that float32. Results differ from the torch
