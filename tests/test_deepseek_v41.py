@@ -455,3 +455,30 @@ def test_the_v41_preset_trains_saves_and_serves_in_v41_rows(tmp_path):
     for fmt in ("float32", "fp8_ue8m0"):
         assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(corpus), "--seq-len", "32",
                      "--max-windows", "2", "--table-format", fmt]) == 0
+
+
+def test_hash_windows_and_the_step_kernel_equal_hash(tok):
+    """A serving step's hash (`hash_windows`, and `_faststep.hash_step` reading a per-slot store) gives V4.1's rows
+    (int32, offsets added) as `hash` does inside the whole sequences."""
+    from engram import _faststep
+    from engram.integrations.vllm.state import SlotState, StepView
+
+    ct = CompressedTokenizer(tok)
+    m = v41.hash_mapping(config(tok), ct)
+    g = np.random.default_rng(11)
+    seqs = g.integers(0, ct.raw_vocab_size, size=(2, 9))
+    whole = m.hash(seqs, offsets=True)
+    N = m.max_ngram_size
+    b, t = np.repeat([0, 1], 9), np.tile(np.arange(9), 2)
+    cols = t[:, None] - np.arange(N - 1, -1, -1)
+    windows = np.where(cols >= 0, seqs[b[:, None], np.maximum(cols, 0)], 0)
+    got = m.hash_windows(windows, np.maximum(N - 1 - t, 0), offsets=True)
+    bt, bs = np.array([[3, 0, 5], [1, 4, 2]]), 4
+    view = StepView(seqs[b, t], t, bt[b, t // bs] * bs + t % bs, np.array([0, 9, 18]), bt, bs)
+    state = SlotState(bs)
+    stepped = state.hash(view, m)
+    for lid in m.layer_ids:
+        assert got[lid].dtype == torch.int32 and torch.equal(got[lid], torch.from_numpy(whole[lid][b, t]))
+        assert torch.equal(stepped[lid], got[lid])
+    if _faststep._kernels.get() is not None:
+        assert m.kernel_plan(offsets=True) is not None  # (the kernel path was the one taken)
