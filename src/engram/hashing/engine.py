@@ -26,7 +26,12 @@ On CPU a fused numba kernel (`engram-torch[fast]`, `_fasthash.py`) does all head
 one parallel pass with a three-way split, `mix = hi * 2^48 + mid * 2^32 + lo`, that needs a
 single floor-division per head, SIMD across tokens, optionally adding the head offsets
 (`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
-`torch.remainder`.
+`torch.remainder`. A serving step hashes each token after its own window (`hash_windows`), or hands a fused kernel
+the mapping's constants (`kernel_plan`: `_faststep.hash_step` reads the ids from vLLM's per-slot store).
+
+Over 450 lines on purpose: `NgramHashMapping` is one class whose paths (numba, torch, a family's own mix, a serving
+step's windows and kernel plan) share its constants and caches; split apart they would reach into each other's
+private state.
 """
 
 from __future__ import annotations
