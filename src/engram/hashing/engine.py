@@ -1,5 +1,9 @@
 """The hashing engine: token ids -> per-head row indices into the Engram tables, for every hash family.
 
+Over 450 lines on purpose: `NgramHashMapping` is one class whose paths (numba, torch, a family's own mix, a serving
+step's windows and kernel plan) share its constants and caches; split apart they would reach into each other's
+private state.
+
 For every Engram layer, n-gram order n = 2..N and head k, position t gets
 
     mix_n(t) = (x_t * m_0) XOR (x_{t-1} * m_1) XOR ... XOR (x_{t-n+1} * m_{n-1})   (wrapping int64)
@@ -28,10 +32,6 @@ single floor-division per head, SIMD across tokens, optionally adding the head o
 (`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
 `torch.remainder`. A serving step hashes each token after its own window (`hash_windows`), or hands a fused kernel
 the mapping's constants (`kernel_plan`: `_faststep.hash_step` reads the ids from vLLM's per-slot store).
-
-Over 450 lines on purpose: `NgramHashMapping` is one class whose paths (numba, torch, a family's own mix, a serving
-step's windows and kernel plan) share its constants and caches; split apart they would reach into each other's
-private state.
 """
 
 from __future__ import annotations
