@@ -51,7 +51,7 @@ def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, single, f
         assert _faststep.usable(eng, torch.zeros(1)), "numba (a test dependency) should compile the step kernels"
     else:  # the torch ops, and the slot store's index math in numpy
         monkeypatch.setattr(_faststep, "usable", lambda eng, x: False)
-        for name in ("place", "locate", "windows", "hash_step"):
+        for name in ("place", "locate", "hash_step"):
             monkeypatch.setattr(_faststep, name, lambda *a: None)
     torch.nn.init.normal_(eng.short_conv.conv.weight)  # (zero-init would hide the taps)
     T, bs = 23, 4

@@ -65,19 +65,6 @@ def locate(pos: np.ndarray, req: np.ndarray, block_table: np.ndarray, block_size
     return slots, valid
 
 
-def windows(store: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, req: np.ndarray,
-            block_table: np.ndarray, block_size: int, N: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Write the step's `ids` at their `slots` of the id `store`, then read each token's window (`state.SlotState.
-    windows`): (windows (n, N), own id last; start (n,): the first column inside the sequence)."""
-    kernels = _kernels.get()
-    if kernels is None:
-        return None
-    out, start = np.empty((len(ids), N), dtype=np.int64), np.empty(len(ids), dtype=np.int64)
-    with _launch():
-        kernels[3](store, ids, pos, slots, req, block_table, block_size, out, start)
-    return out, start
-
-
 def hash_step(store: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, req: np.ndarray,
               block_table: np.ndarray, block_size: int, plan) -> np.ndarray | None:
     """Write the step's `ids` at their `slots` of the id `store`, then hash each token after the N-1 ids before it
@@ -88,7 +75,7 @@ def hash_step(store: np.ndarray, ids: np.ndarray, pos: np.ndarray, slots: np.nda
         return None
     out = np.empty((len(plan.layer_ids), len(ids), plan.heads), dtype=plan.dtype)
     with _launch():
-        bad = kernels[4](store, ids, pos, slots, req, block_table, block_size, plan.lut, plan.pad, plan.vocab,
+        bad = kernels[3](store, ids, pos, slots, req, block_table, block_size, plan.lut, plan.pad, plan.vocab,
                          plan.mult, *plan.consts, plan.offsets, out)
     if bad >= 0:
         plan.validate(ids[None])  # (raises, naming the id)
@@ -102,16 +89,24 @@ def usable(eng, x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and eng.use_gate and _kernels.get() is not None
 
 
-_split = _reduce = None  # `_fasthash.split_mix` / `reduce_mix`, compiled here too (by `_build`)
+def slot_of(block_table, r, p, block_size):  # pragma: no cover - compiled inline into the kernels below
+    """The KV slot of position p of request row r (vLLM's paged layout)."""
+    return block_table[r, p // block_size] * block_size + p % block_size
+
+
+# `_fasthash.split_mix` / `reduce_mix` and `slot_of`, compiled (by `_build`; module globals, so numba caches the kernels
+# that call them)
+_split = _reduce = _slot = None
 
 
 def _build():
-    global _split, _reduce
+    global _split, _reduce, _slot
     from numba import njit
 
     # float64 sums may be reordered (vectorized); no approximate functions
     fm = {"contract", "reassoc", "nsz"}
     _split, _reduce = njit(inline="always")(_fasthash.split_mix), njit(inline="always")(_fasthash.reduce_mix)
+    _slot = njit(inline="always")(slot_of)
 
     # the hash's integers are exact in float64: no reassociation (as `_fasthash`)
     @njit(cache=True, boundscheck=False, fastmath={"contract", "nnan", "ninf", "nsz"})
@@ -140,7 +135,7 @@ def _build():
                     if q < 0:
                         tok = pad
                     else:
-                        tok = store[block_table[req[i], q // block_size] * block_size + q % block_size]
+                        tok = store[_slot(block_table, req[i], q, block_size)]
                         tok = tok if raw else lut[tok]
                     mix = mix ^ (tok * mult[l, k])  # wrapping int64, as numpy/torch
                     hi, mid, lo = _split(mix)
@@ -157,7 +152,7 @@ def _build():
         # g % Gk (Gk = 1: one gate for every branch) -> v (n, G, D) = gate * value.
         # With the conv (taps (K,) not empty: how far back each tap reads, the last 0): the token at position pos[i]
         # of request row req[i] keeps [value (D) | gate (G)] in row `slot` of store (S, D + G), its KV slot
-        # block_table[req, p // block_size] * block_size + p % block_size; written here for every token first (a
+        # `slot_of(block_table, req[i], p, block_size)`; written here for every token first (a
         # tap may read an earlier token of the step); w (G, K, D) float64: conv weight x norm weight -> y (n, G, D):
         # sum_k RMSNorm(v at pos - taps[k]) * w_k before the activation, a position before 0 a zero input.
         n, Gk, D = h.shape
@@ -184,7 +179,7 @@ def _build():
             return
         for i in range(n):
             p = pos[i]
-            s = block_table[req[i], p // block_size] * block_size + p % block_size
+            s = _slot(block_table, req[i], p, block_size)
             for d in range(D):
                 store[s, d] = kv[i, d]
             for g in range(G):
@@ -198,7 +193,7 @@ def _build():
                     p = pos[i] - taps[k]
                     if p < 0:  # before the sequence: a zero input
                         continue
-                    s = block_table[req[i], p // block_size] * block_size + p % block_size
+                    s = _slot(block_table, req[i], p, block_size)
                     gk = np.float64(store[s, D + g])
                     ss = 0.0
                     for d in range(D):
@@ -221,7 +216,7 @@ def _build():
                 valid[i, j] = p >= 0
                 if p < 0:
                     p = 0
-                slots[i, j] = block_table[req[i], p // block_size] * block_size + p % block_size
+                slots[i, j] = _slot(block_table, req[i], p, block_size)
 
     @njit(cache=True, boundscheck=False)
     def place(qsl, slots, block_table, block_size, req):  # pragma: no cover - compiled
@@ -239,22 +234,7 @@ def _build():
                 top = max(top, block_table[a, b])
         return max((top + 1) * block_size, high + 1), low
 
-    @njit(cache=True, boundscheck=False)
-    def windows(store, ids, pos, slots, req, block_table, block_size, out, start):  # pragma: no cover - compiled
-        # store[slots[i]] = ids[i] for every token first (a window may read an earlier token of the step), then
-        # out[i, j] = the id at position pos[i] - (N-1-j) (j = N-1: the token itself); before position 0 the token's
-        # own id (a placeholder), start[i] the first column at a position >= 0
-        n, N = out.shape
-        for i in range(n):
-            store[slots[i]] = ids[i]
-        for i in range(n):
-            start[i] = max(N - 1 - pos[i], 0)
-            for j in range(N):
-                p = pos[i] - (N - 1 - j)
-                out[i, j] = ids[i] if p < 0 else store[block_table[req[i], p // block_size] * block_size
-                                                        + p % block_size]
-
-    return delta, locate, place, windows, hash_step
+    return delta, locate, place, hash_step
 
 
 _kernels = LazyKernels(_build, switchable=True)

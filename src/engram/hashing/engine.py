@@ -398,16 +398,17 @@ class NgramHashMapping:
         if w.ndim != 2 or w.shape[1] != self.max_ngram_size:
             raise HashInputError(f"windows must be (M, {self.max_ngram_size}) (max_ngram_size ids each), got "
                                  f"{list(w.shape)}")
-        begins = start is not None and bool(np.any(start))  # some window begins before its sequence
+        dead = None  # (M, N): the positions before each window's sequence
+        if start is not None and np.any(start):
+            dead = np.arange(w.shape[1]) < np.asarray(start)[:, None]
         plan = self.kernel_plan(offsets)
         if plan is None:
-            dead = np.arange(w.shape[1]) < np.asarray(start)[:, None] if begins else None  # (M, N)
             return {k: v[:, -1] for k, v in self.hash(w, offsets, dead).items()}
         if w.size and (w.min() < 0 or w.max() >= self.raw_vocab_size):
             self.validate(w)  # (raises, naming the id)
         x = w.copy() if plan.lut.size == 0 else plan.lut[w]
-        if begins:
-            x[np.arange(w.shape[1]) < np.asarray(start)[:, None]] = plan.pad  # before the sequence
+        if dead is not None:
+            x[dead] = plan.pad  # before the sequence
         out = np.empty((len(self.layer_ids), w.shape[0], w.shape[1], plan.heads), dtype=plan.dtype)  # (N is tiny)
         _fasthash.hash_into(x, plan.pad, plan.mult, plan.consts, out, None, plan.offsets)
         last = torch.from_numpy(out[:, :, -1].copy())  # (L, M, O*H)

@@ -55,7 +55,7 @@ class StepView:
 
     ids, pos, slots, req: (n,) int64 arrays, req the row of each token's request in `block_table` (num_reqs,
     max_blocks), found from the request starts `qsl` (num_reqs + 1,). The index math is one numba kernel call
-    per piece (`_faststep.place`, `locate`, `windows`, `hash_step`), numpy without numba: a step's few dozen
+    per piece (`_faststep.place`, `locate`, `hash_step`), numpy without numba: a step's few dozen
     integers cost less there than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md,
     "Serving in vLLM"). `need`: one past the largest slot any position of the step can read (the stores grow to
     it once per step).
@@ -142,10 +142,7 @@ class SlotState:
         columns before it hold a placeholder id), what `NgramHashMapping.hash_windows` takes."""
         self.ids = self._grow(self.ids, v.need)
         store = self.ids.numpy()
-        got = _faststep.windows(store, v.ids, v.pos, v.slots, v.req, v.block_table, v.block_size, N)
-        if got is not None:
-            return got
-        store[v.slots] = v.ids  # no numba: the same in numpy
+        store[v.slots] = v.ids  # (all first: a window may read an earlier token of the step)
         slots, _ = v.at(tuple(range(N - 1, -1, -1)))  # (n, N), the token itself last
         return store[slots.numpy()], np.maximum(N - 1 - v.pos, 0)
 
