@@ -2,8 +2,8 @@
 
 `RELATIONS` lists (subject, object) pairs of four relations (capitals, official languages, currencies,
 continents), each with its prompt, a chat question whose answer starts with the prompt, and a paraphrase.
-`known_facts(model, tokenizer)` keeps the facts the model answers correctly by greedy decoding (the first
-generated word is the object), which is what an edit of *known* knowledge starts from; `counterfactuals`
+`known_facts(model, tokenizer)` keeps the facts the model answers correctly by greedy decoding (it produces the
+object's tokens after the prompt), which is what an edit of *known* knowledge starts from; `counterfactuals`
 pairs each kept fact with another object of the same relation (seeded), the edit's target.
 
 The pairs are common knowledge, written here by hand (no download); objects are single words or short names
@@ -69,24 +69,14 @@ def all_facts() -> list[tuple[str, Fact]]:
     return out
 
 
-def answers(model, tokenizer, prompt: str, target: str, max_new_tokens: int = 6) -> bool:
-    """Whether greedy decoding of `prompt` starts with `target`'s words (`tokenizer`: a `tokenizers.Tokenizer`)."""
-    import torch
-
-    from ..adapters import generation_pad_id
-
-    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids])
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=generation_pad_id(model))
-    text = tokenizer.decode(out[0, ids.shape[1]:].tolist())
-    return text.lstrip().lower().startswith(target.strip().lower())
-
-
 def known_facts(model, tokenizer, relations=None) -> list[tuple[str, Fact]]:
-    """The facts of `relations` (default all) whose prompt the model completes with the object by greedy decoding."""
-    model.eval()
-    return [(r, f) for r, f in all_facts() if (relations is None or r in relations)
-            and answers(model, tokenizer, f.prompt, f.target)]
+    """(relation, fact) of `relations` (default all) that `model` completes with its true object: greedy decoding
+    after the prompt produces the target's tokens (`editing.greedy`, engram's one test of what a model knows)."""
+    from .editing import greedy
+
+    facts = [(r, f) for r, f in all_facts() if relations is None or r in relations]
+    hits = greedy(model.eval(), tokenizer, [(f.prompt, f.target) for _, f in facts])
+    return [rf for rf, h in zip(facts, hits) if h]
 
 
 def counterfactuals(facts: list[tuple[str, Fact]], seed: int = 0) -> list[tuple[str, Fact, str]]:

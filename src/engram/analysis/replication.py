@@ -50,34 +50,65 @@ from .records import OWN_REPORT, experiment_record, table_markdown
 from .runs import ExperimentError, seed_stats
 
 SUFFIX = "-replication"
-# experiments whose runs a replication knows: `runs_of` (retrofit's trained by `retrofit.replicate`; edit's, fact
-# sets edited on a base trained by the original's recipe, by `editing.replicate`)
+# experiments whose runs a replication knows (`runs_of`)
 REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit", "edit")
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
 
 
 @dataclass
 class Runs:
-    """How the original experiment trained its runs: `variants` (name -> `runs.trained_run` keyword arguments), the
-    `data` and `max_steps` every run shares, and `table(results)`, the record's table of per-seed results."""
+    """How the original experiment trains its runs: `variants` (the names a design may choose; for a preset
+    experiment or allocation each one's `runs.trained_run` keyword arguments), the `data` and `max_steps` those
+    runs share, `table(results)`, the record's table of per-seed results, and `trainer`: the original's own driver
+    for experiments that do not train preset runs (retrofit's adapters, edit's fact sets), else None."""
 
-    variants: dict[str, dict]
+    variants: dict
     data: list[str] | None
     max_steps: int | None
     table: Callable[[dict], dict]
+    trainer: Callable | None = None
+
+    def train(self, design: dict, out, progress: bool, jobs: int, max_steps: int | None) -> tuple[dict, dict]:
+        """The design's variants on its seeds: ({variant: runs in seed order}, what the record adds)."""
+        if self.trainer is not None:
+            return self.trainer(design, out, progress, jobs, max_steps)
+        from .experiments import train_runs
+
+        vs = {v: self.variants[v] for v in design["variants"]}
+        return train_runs(design["replicates"], out, vs, list(design["seeds"]), design["preset"], self.data,
+                          max_steps or self.max_steps, progress, jobs), {}
 
 
-def runs_of(design: dict) -> Runs:
-    """The original experiment's runs (all its variants) as its own driver trains them: a preset experiment's
-    `experiments.variants` at the design's `preset`; allocation's `plan` at the design's `scale` (each variant's
-    model overrides and Engram use, the scale's training overrides, data and steps: `allocation._train`'s)."""
+def runs_of(design: dict, recs: dict | None = None) -> Runs:
+    """The original experiment's runs as its own driver trains them: a preset experiment's `experiments.variants` at
+    the design's `preset`; allocation's `plan` at the design's `scale` (each variant's model overrides and Engram
+    use, the scale's training overrides, data and steps: `allocation._train`'s); retrofit's points its selection
+    seed chose in the original record, trained by `retrofit.replicate`; edit's settings (`editing.configs`), fact
+    sets edited on a base of the original's recipe by `editing.replicate`. `recs`: the committed records (retrofit
+    and edit read their original's)."""
     from .experiments import results_table, variants
 
     orig, preset = design.get("replicates"), design.get("preset")
-    if orig == "edit":  # its settings (`editing.configs`), run by `editing.replicate`
-        from .editing import configs, replication_table
+    if orig in ("retrofit", "edit"):
+        if not recs or orig not in recs:
+            raise ExperimentError(f"no record docs/results/{orig}.json to replicate")
+        rec = recs[orig]
+    if orig == "retrofit":  # adapters of retrofit's own base, not preset runs
+        from . import retrofit
 
-        return Runs(configs(), None, None, replication_table)
+        return Runs(retrofit.replication_points(rec), None, None, retrofit.replication_table,
+                    lambda d, out, progress, jobs, max_steps: retrofit.replicate(
+                        rec, d["variants"], list(d["seeds"]), out, progress, jobs, max_steps))
+    if orig == "edit":
+        from . import editing
+
+        def edit_trainer(d, out, progress, jobs, max_steps):
+            if max_steps is not None:
+                raise ExperimentError(f"{d['experiment']}: --max-steps does not apply; the design fixes the step "
+                                      "budgets")
+            return editing.replicate(rec, d, out, progress)
+
+        return Runs(editing.configs(), None, None, editing.replication_table, edit_trainer)
     if orig != "allocation":
         return Runs(variants(orig, preset), None, None, lambda results: results_table(orig, results))
     from . import allocation
@@ -176,12 +207,7 @@ def check_design(design: dict, recs: dict, name: str) -> dict:
         raise ExperimentError(f"{where}: experiment must be {name!r} and replicates one of {', '.join(REPLICABLE)}")
     if orig not in recs:
         raise ExperimentError(f"{where}: no record docs/results/{orig}.json to replicate")
-    if orig == "retrofit":
-        from .retrofit import replication_points
-
-        known = replication_points(recs[orig])
-    else:
-        known = runs_of(design).variants
+    known = runs_of(design, recs).variants
     unknown = [v for v in design["variants"] if v not in known]
     if unknown:
         raise ExperimentError(f"{where}: {orig} has no variant {', '.join(unknown)}")
@@ -220,7 +246,6 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
         jobs: int = 1, max_steps: int | None = None, repo: Path | None = None) -> dict:
     """Train the preregistered variants on the preregistered seeds (finished runs reused, under OUT as the original
     experiment's runs), test the family and write OUT/NAME/summary.json (and `record`/NAME.json)."""
-    from .experiments import train_runs
     from .report import load
 
     if record is not None and max_steps is not None:
@@ -230,25 +255,9 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
     recs = load((repo or prereg.repo_root() or Path.cwd()) / "docs" / "results")
     plan = check_design(d, recs, name)
     orig = d["replicates"]
-    if orig == "retrofit":  # adapters of retrofit's own base (`retrofit.replicate`), not preset runs
-        from . import retrofit
-
-        results, extra = retrofit.replicate(recs[orig], d["variants"], list(d["seeds"]), out, progress, jobs,
-                                            max_steps)
-        table = retrofit.replication_table
-    elif orig == "edit":  # fact sets edited on a base of the original's recipe (`editing.replicate`)
-        from . import editing
-
-        if max_steps is not None:
-            raise ExperimentError(f"{name}: --max-steps does not apply; the design fixes the step budgets")
-        results, extra = editing.replicate(recs[orig], d, out, progress)
-        table = editing.replication_table
-    else:
-        rs = runs_of(d)
-        vs = {v: rs.variants[v] for v in d["variants"]}
-        results = train_runs(orig, out, vs, list(d["seeds"]), d["preset"], rs.data, max_steps or rs.max_steps,
-                             progress, jobs)
-        table, extra = rs.table, {}
+    runs = runs_of(d, recs)
+    results, extra = runs.train(d, out, progress, jobs, max_steps)
+    table = runs.table
     if any(len(rs) != len(d["seeds"]) for rs in results.values()):
         raise ConfigError(f"{name}: a variant lacks a seed; nothing recorded")
     summary = {"experiment": name, "preset": d.get("preset"), "seeds": len(d["seeds"]),

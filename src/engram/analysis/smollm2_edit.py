@@ -8,8 +8,8 @@ Every choice is read from the preregistration `docs/prereg/smollm2-edit.toml` (`
 1. The starting model: the base imported from its GGUF file with the Engram adapter §12 selected (Shakespeare,
    its learning rate, 50 steps, seed 0), trained here and cached in OUT/smollm2-edit/adapter. Every method starts
    from it; an edit needs a trained adapter (a fresh one has a zero value projection).
-2. Known facts: `known_facts.all_facts()` the starting model completes with the true object by greedy decoding
-   (teacher-forced argmax: `editing.greedy`); the base alone's count is reported beside it.
+2. Known facts: `known_facts.known_facts`, the shipped facts the starting model completes with the true object by
+   greedy decoding (teacher-forced argmax: `editing.greedy`); the base alone's count is reported beside it.
 3. Fact sets: the known facts of one relation (capitals) shuffled with a fixed seed and cut into disjoint test
    sets of k facts; a selection set of k known facts of another relation (languages) apart from them. Each fact's
    target is another object of its relation (`known_facts.counterfactuals`, seeded by the set).
@@ -38,8 +38,8 @@ import torch
 from ..editing import Fact, applied, edit_facts
 from ..persist import write_json
 from . import prereg
-from .editing import _share, finetune, greedy
-from .known_facts import all_facts, counterfactuals
+from .editing import _share, finetune
+from .known_facts import all_facts, counterfactuals, known_facts
 from .retrofit import _say, extend_grid
 from .runs import ExperimentError, detectable, index_environments, publish, read_result, seed_stats, verdict
 
@@ -63,13 +63,6 @@ def starting_adapter(root: Path, base: Path, d: dict, progress: bool) -> Path:
               max_steps=a["steps"], overrides={**settings, "ckpt_every": a["steps"], "eval_every": a["steps"]},
               resume=bool(checkpoints(run_dir)), progress=progress)
     return run_dir
-
-
-def known(model, tok) -> list[tuple[str, Fact]]:
-    """(relation, fact) of every shipped fact that `model` completes with its true object (greedy, teacher-forced)."""
-    facts = all_facts()
-    hits = greedy(model.eval(), tok, [(f.prompt, f.target) for _, f in facts])
-    return [rf for rf, h in zip(facts, hits) if h]
 
 
 def fact_sets(facts: list[tuple[str, Fact]], d: dict) -> dict[str, list[tuple[str, Fact, str]]]:
@@ -155,8 +148,8 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
         from ..training.train import evaluate
 
         base_model = load_base(base)[0].eval()
-        write_json(known_file, {"base": [f.prompt for _, f in known(base_model, tok)],
-                                "start": [f.prompt for _, f in known(model, tok)],
+        write_json(known_file, {"base": [f.prompt for _, f in known_facts(base_model, tok)],
+                                "start": [f.prompt for _, f in known_facts(model, tok)],
                                 "general_before": evaluate(model.eval(), windows, 8, torch.device("cpu"))})
         del base_model
     kn = read_result(known_file, "known facts")
