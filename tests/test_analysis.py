@@ -64,6 +64,7 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # (19 s: worker processes training)
 def test_jobs_train_runs_in_their_own_processes_with_the_same_numbers(corpus, tmp_path, monkeypatch):
     import torch
 

@@ -348,6 +348,7 @@ def _spawned_train(rank, world, port, out, corpus, stop_after, resume, dense, mo
           overrides={"ckpt_every": 100, "dense_parallel": dense, **(extra or {})}, model_overrides=model_overrides)
 
 
+@pytest.mark.slow  # (30 s; test_distributed's two-rank test keeps sharded training in the default run)
 def test_memory_mapped_table_shards_train_and_resume_like_one_process(corpus, tmp_path, free_port):
     """--nproc 2 with table_backend=mmap: each rank's rows and moments in its own journaled file; the run and a
     stopped-then-resumed run follow the single-process losses; another world size is refused on resume."""
