@@ -7,7 +7,7 @@ object's tokens after the prompt), which is what an edit of *known* knowledge st
 pairs each kept fact with another object of the same relation (seeded), the edit's target.
 
 The pairs are common knowledge, written here by hand (no download); objects are single words or short names
-without accents, so that a greedy check on the first word is unambiguous.
+without accents, so that one spelling of each is the answer the greedy check looks for.
 """
 
 from __future__ import annotations
