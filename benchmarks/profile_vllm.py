@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--record", metavar="FILE", help="append the JSON line, with the environment, to this record")
     args = ap.parse_args()
+    if min(args.rounds, args.replay, args.requests, args.tokens) < 1 or args.timed_rounds < 0:
+        ap.error("--rounds, --replay, --requests and --tokens must be at least 1, --timed-rounds at least 0")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         # built in a child: numba (engram's kernels) must not be loaded in this process before vLLM sets it up
