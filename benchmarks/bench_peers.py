@@ -44,7 +44,7 @@ machine's load). Reported: step time (median after 3 warm-up steps; Trainer step
 peak RSS, train loss over the last 10 steps and val loss after `--steps`, max |logit change| at attach, adapter
 files' bytes, max |logit difference| after a save/load round trip into a fresh base (Trainer sides: what
 `trainer.save_model` wrote), and val-loss comparisons by the project's test (paired t by seed, Holm over the
-comparisons of all bases: `engram.analysis.significance`). Prints a table and one JSON line; `--record FILE`
+comparisons of all bases: `engram_experiments.significance`). Prints a table and one JSON line; `--record FILE`
 also writes the JSON.
 """
 
@@ -488,9 +488,9 @@ def adapters(args) -> dict:
                     print(f"round {r} {kind:5s} {side:14s}: " + ", ".join(
                         f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[-1].items()
                         if k not in ("side", "base")), flush=True)
-    from engram.analysis.runs import seed_stats
-    from engram.analysis.significance import compare, describe, holm
     from engram.utils import environment
+    from engram_experiments.runs import seed_stats
+    from engram_experiments.significance import compare, describe, holm
 
     default = f"engram:{default_init():g}"
     out = {"engram_peft": version("engram-peft"), "trl": version("trl"), "steps": args.steps, "rounds": args.rounds,

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("scipy")
 
-from engram.analysis.adapter_init import analyze
+from engram_experiments.adapter_init import analyze
 
 
 def _runs(effect: dict, noise=(0.0, 0.01, -0.01, 0.005)):
@@ -48,7 +48,7 @@ def test_a_lead_inside_the_noise_is_not_a_finding():
 
 @pytest.mark.slow
 def test_sweep_on_tiny_bases(tmp_path):
-    from engram.analysis import adapter_init as ai
+    from engram_experiments import adapter_init as ai
 
     general, x, y = tmp_path / "general.txt", tmp_path / "x", tmp_path / "y"
     general.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(300)))

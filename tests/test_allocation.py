@@ -9,9 +9,9 @@ pytest.importorskip("transformers")
 
 from test_train import make_corpus  # noqa: E402  (shared corpus builder)
 
-from engram.analysis import allocation as A  # noqa: E402
 from engram.config import ConfigError  # noqa: E402
 from engram.hashing import head_moduli  # noqa: E402
+from engram_experiments import allocation as A  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib")
 from conftest import run_cli  # noqa: E402
 from test_train import make_corpus  # noqa: E402  (shared corpus builder)
 
-from engram.analysis.experiments import run_experiment  # noqa: E402
+from engram_experiments.preset import run_experiment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     if name == "placement":  # block 1 is the preset's own Engram layer: iso's run, trained once, shared
         assert set(table) == {"block0", "block1"}
         assert (tmp_path / "iso" / "engram-seed0" / "summary.json").is_file() and not (root / "block1-seed0").exists()
-        from engram.analysis.runs import trained_run
+        from engram_experiments.runs import trained_run
 
         # not the run asked for
         with pytest.raises(RuntimeError, match="holds a finished run of preset 'tiny', seed 0"):
@@ -80,7 +80,7 @@ def test_jobs_train_runs_in_their_own_processes_with_the_same_numbers(corpus, tm
 
 @pytest.mark.integration
 def test_a_failed_subprocess_run_names_its_log(tmp_path):
-    from engram.analysis.runs import ExperimentError, call_in_subprocess
+    from engram_experiments.runs import ExperimentError, call_in_subprocess
 
     call_in_subprocess("engram.persist:write_json", {"path": str(tmp_path / "x.json"), "obj": {"a": 1}},
                        tmp_path / "ok.log", "writing x")
@@ -143,7 +143,7 @@ def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
                  "--out", "z.png", "--record", "stats.json"]) == 0
     out = capsys.readouterr().out
     assert "reduction" in out and "collide" in out and (tmp_path / "z.png").is_file()
-    from engram.analysis.report import render
+    from engram_experiments.report import render
 
     rec = json.loads((tmp_path / "stats.json").read_text())
     assert [u["table_rows"] for u in rec["row_usage"]] == [101, 1009, 101, 1009] and rec["environment"]["torch"]
@@ -169,7 +169,7 @@ def test_gates_html_renders_in_headless_chromium(corpus, tmp_path):
 def test_allocation_adds_seeds_to_a_committed_record(corpus, tmp_path):
     """`--variants V --seeds N --record DIR` with DIR/allocation.json committed: only V's missing seeds train (in
     an empty OUT); the other runs come from the record unchanged, environments included."""
-    from engram.analysis import allocation as A
+    from engram_experiments import allocation as A
 
     rec_dir = tmp_path / "rec"
     A.run(tmp_path / "a", seeds=2, max_steps=2, progress=False, scale="tiny", data=[str(corpus)], record=rec_dir,

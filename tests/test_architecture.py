@@ -14,14 +14,26 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "engram"
+ROOTS = (SRC, SRC.parent / "engram_experiments")  # the library, and its experiments beside it
+TOP = ("engram", "engram_experiments")
 
 
 def _module_name(path: Path) -> str:
-    parts = ("engram",) + path.relative_to(SRC).with_suffix("").parts
+    root = next(r for r in ROOTS if path.is_relative_to(r))
+    parts = (root.name,) + path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)
 
 
-TARGET = re.compile(r"engram(\.\w+)+:\w+")  # "engram.pkg.mod:Name"
+def _sources() -> dict[str, tuple[str, bool]]:
+    """{module name: (its source, whether it is a package's __init__)} of both packages."""
+    return {_module_name(p): (p.read_text(), p.name == "__init__.py") for r in ROOTS for p in r.rglob("*.py")}
+
+
+TARGET = re.compile(r"engram(_experiments)?(\.\w+)*:\w+")  # "engram.pkg.mod:Name", "engram_experiments.mod:Name"
+
+
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in TOP
 
 
 def _string_imports(tree: ast.AST) -> list[str]:
@@ -33,50 +45,96 @@ def _string_imports(tree: ast.AST) -> list[str]:
             f = node.func
             fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
             arg = node.args[0].value
-            if fname in ("import_module", "__import__") and isinstance(arg, str) and arg.startswith("engram"):
+            if fname in ("import_module", "__import__") and isinstance(arg, str) and _ours(arg):
                 out.append(arg)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and TARGET.fullmatch(node.value):
             out.append(node.value.split(":")[0])
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
+def _imports(name: str, tree: ast.AST, is_package: bool) -> list[tuple[str, str | None, int]]:
+    """(module path, imported name or None, line) of every import in a module's tree, relative ones resolved."""
+    package = name if is_package else name.rpartition(".")[0]
+    out = [(t, None, 0) for t in _string_imports(tree)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if _ours(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and _ours(node.module):
+                mod = node.module
+            else:
+                continue
+            out += [(mod, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _graph(sources: dict[str, tuple[str, bool]] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules it imports (anywhere in it: top level, functions, strings), parent packages included."""
+    sources = _sources() if sources is None else sources
+    graph: dict[str, set[str]] = {m: set() for m in sources}
 
     def add(src: str, target: str) -> None:
-        while target and target not in modules:  # `from pkg import name`: name is an attribute, not a module
+        while target and target not in sources:  # `from pkg import name`: name is an attribute, not a module
             target = target.rpartition(".")[0]
         if not target or target == src:
             return
         graph[src].add(target)
         parent = target.rpartition(".")[0]
-        while parent not in ("", "engram"):  # another subpackage's __init__ runs first (our own already runs)
+        while parent and parent not in TOP:  # another subpackage's __init__ runs first (our own already runs)
             if parent != src and not src.startswith(parent + "."):
                 graph[src].add(parent)
             parent = parent.rpartition(".")[0]
+        top = target.split(".")[0]
+        if top != src.split(".")[0] and top in sources:  # another top-level package: its __init__ runs first
+            graph[src].add(top)
 
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        tree = ast.parse(path.read_text(), str(path))
-        for target in _string_imports(tree):
-            add(name, target)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.startswith("engram"):
-                        add(name, a.name)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                elif node.module and node.module.startswith("engram"):
-                    mod = node.module
-                else:
-                    continue
-                for a in node.names:
-                    add(name, f"{mod}.{a.name}")
+    for name, (text, is_package) in sources.items():
+        for mod, attr, _ in _imports(name, ast.parse(text), is_package):
+            add(name, f"{mod}.{attr}" if attr else mod)
     return graph
+
+
+# the flat core: what every package may use (`engram.hashing` is the core's one subpackage)
+CORE_MODULES = {"config", "model_config", "tokenizer", "hashing", "memory", "hyper", "model", "cache", "persist", "errors",
+                "utils", "deprecation", "jit"}
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to for the layering rules: `engram.tables.rows` -> `engram.tables`; the flat
+    core's modules (`engram.model`, `engram.hashing.engine`) -> `engram`; another top-level module is a node of its
+    own; every experiment module -> `engram_experiments`; the root `engram/__init__.py`, which re-exports every
+    package's public names, is a node of its own too."""
+    parts = module.split(".")
+    if parts[0] == "engram_experiments":
+        return "engram_experiments"
+    if module == "engram":
+        return "engram/__init__"
+    if parts[1] in CORE_MODULES or parts[1].startswith("_"):  # a private top-level module serves the core
+        return "engram"
+    return ".".join(parts[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        pm = package_of(m)
+        out.setdefault(pm, set()).update(package_of(t) for t in targets if package_of(t) != pm)
+    return out
+
+
+def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """`from engram.x import _name` (or a private module) where the importer sits in another package."""
+    out = []
+    for name, (text, is_package) in sources.items():
+        for mod, attr, line in _imports(name, ast.parse(text), is_package):
+            target = f"{mod}.{attr}" if attr else mod
+            private = any(p.startswith("_") and not p.startswith("__") for p in target.split(".")[1:])
+            if private and package_of(mod) != package_of(name):
+                out.append(f"{name}:{line} imports {target}")
+    return out
 
 
 def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -100,14 +158,67 @@ def test_graph_sees_string_imports():
     core's hash-family table named the integrations that way, unseen by this test)."""
     src = ('FAMILIES = {"qwen4_exp": "engram.integrations.qwen4_exp:Qwen4ExpFamily"}\n'
            'def f():\n    import importlib\n    return importlib.import_module("engram.integrations.longcat")\n'
-           'DOC = "see engram.integrations for more"\n')
-    assert sorted(_string_imports(ast.parse(src))) == ["engram.integrations.longcat", "engram.integrations.qwen4_exp"]
+           'DOC = "see engram.integrations for more"\nX = "engram_experiments.cli:add_commands"\n')
+    assert sorted(_string_imports(ast.parse(src))) == ["engram.integrations.longcat", "engram.integrations.qwen4_exp",
+                                                       "engram_experiments.cli"]
 
 
 def test_no_import_cycles():
     g = _graph()
     cycles = sorted(m for m in g if m in _closure(g, m))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def _package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    pg = _package_graph(graph)
+    return sorted(p for p in pg if p in _closure(pg, p))
+
+
+def test_no_package_loops():
+    """Packages form layers: no two packages reach each other, function-level imports included (a loop between
+    packages hides inside functions where a module-level cycle check cannot see it)."""
+    loops = _package_cycles(_graph())
+    assert not loops, f"packages on an import loop: {loops}"
+
+
+def test_package_loop_check_sees_a_function_level_import():
+    """The check above fails on a loop whose back edge is an import inside a function."""
+    sources = {"engram": ("", True), "engram.serving": ("", True), "engram.integrations": ("", True),
+               "engram.serving.engine": ("from ..integrations import vllm\n", False),
+               "engram.integrations.vllm": ("def f():\n    from ..serving.engine import load\n", False)}
+    assert _package_cycles(_graph(sources)) == ["engram.integrations", "engram.serving"]
+
+
+def test_library_imports_nothing_of_the_experiments():
+    """The library stands alone: `engram_experiments` uses it, never the reverse (strings and functions included);
+    `engram experiment` reaches the experiments through the `engram.cli` entry point."""
+    g = _graph()
+    bad = sorted(m for m in g if m.startswith("engram.") or m == "engram"
+                 for t in g[m] if t.split(".")[0] == "engram_experiments")
+    assert not bad, f"library modules that import the experiments: {bad}"
+
+
+def test_experiment_check_sees_an_experiment_imported_by_the_library():
+    sources = {"engram": ("", True), "engram.cli": ("def f():\n    from engram_experiments import preset\n", True),
+               "engram_experiments": ("", True), "engram_experiments.preset": ("import engram.model\n", False),
+               "engram.model": ("", False)}
+    g = _graph(sources)
+    assert "engram_experiments.preset" in g["engram.cli"] and "engram_experiments" in g["engram.cli"]
+
+
+def test_no_private_name_imported_across_packages():
+    """What another package needs is public (documented, no leading underscore): a private name imported across
+    packages is a dependency nobody promised to keep."""
+    bad = _private_imports(_sources())
+    assert not bad, "private names imported across packages:\n" + "\n".join(bad)
+
+
+def test_private_name_check_sees_one():
+    sources = {"engram": ("", True), "engram.editing": ("", True), "engram.editing.optimize": ("", False),
+               "engram_experiments": ("", True),
+               "engram_experiments.edit": ("def f():\n    from engram.editing.optimize import _batch\n", False),
+               "engram.editing.report": ("from .optimize import _batch\n", False)}
+    assert _private_imports(sources) == ["engram_experiments.edit:2 imports engram.editing.optimize._batch"]
 
 
 CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper", "engram.model",
@@ -140,7 +251,7 @@ JSON_PARSE_ALLOWED = {
     "cli/": "--set KEY=VALUE values on the command line",
     "client.py": "an OpenAI-compatible server's replies",
     "training/corpora.py": "the user's JSON-lines corpus (`--data file.jsonl`)",
-    "analysis/runs.py": "a worker subprocess's arguments (call_in_subprocess: sys.argv[2])",
+    "engram_experiments/runs.py": "a worker subprocess's arguments (call_in_subprocess: sys.argv[2])",
     "training/presets.py": "the user's `engram train --config` file and --set model.KEY=VALUE values",
 }
 
@@ -171,8 +282,9 @@ def test_persistence_has_one_home():
     a rename, a tree removal or a JSON read written by hand elsewhere is how crash windows and one-off error
     messages come back."""
     offenders = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC).as_posix()
+    for path in sorted(p for r in ROOTS for p in r.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix() if path.is_relative_to(SRC) else \
+            path.relative_to(SRC.parent).as_posix()  # engram_experiments/...
         if rel != "persist.py":
             offenders += _persistence_offenders(path, rel)
     assert not offenders, "use engram.persist instead:\n" + "\n".join(offenders)

@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("transformers")
 
 import engram  # noqa: E402
-from engram.analysis.facts import make_facts  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.editing import (  # noqa: E402
     EditError,
@@ -33,6 +32,7 @@ from engram.persist import IntegrityError  # noqa: E402
 from engram.tables import Prefetcher, offload_tables  # noqa: E402
 from engram.tables.overlay import remove_overlays  # noqa: E402
 from engram.training.data import text_windows  # noqa: E402
+from engram_experiments.world import make_facts  # noqa: E402
 
 FACTS = [Fact("the cat sat on", " the dog", ["a cat sat on"], ["It rained. the cat sat on"]),
          Fact("Line 5: the king", " ran"), Fact("the dog ran to the mat", " cat")]
@@ -290,7 +290,7 @@ class SyllableTokenizer:
         self.vocab = {}
 
     def _pieces(self, word):
-        from engram.analysis.facts import SYLLABLES
+        from engram_experiments.world import SYLLABLES
 
         core, out = word.strip().lower(), []
         while core:
@@ -310,7 +310,7 @@ class SyllableTokenizer:
 
 
 def test_generator_keeps_only_addressable_facts():
-    from engram.analysis.facts import _trigger_ngrams
+    from engram_experiments.world import _trigger_ngrams
 
     tok = SyllableTokenizer()
     facts = make_facts(50, seed=0, tokenizer=tok)
@@ -370,8 +370,8 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     """The counterfactual/new-entity experiment on the tiny model: every config measured at every fixed step budget
     (no stopping rule), per-seed files written, the fact sets seeded, neighbours never among the edited subjects,
     the held-out countries never edited, the family of paired tests Holm-adjusted, per-relation hits with n."""
-    from engram.analysis import editing as ed
-    from engram.analysis.facts import fact_sets
+    from engram_experiments import edit as ed
+    from engram_experiments.world import fact_sets
 
     root, corpus = run
     facts = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJ" for rel, o in
@@ -425,7 +425,7 @@ def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
 
 def test_finetune_measured_at_a_budget_is_the_run_of_that_many_steps(run):
     """Fixed budgets read along one run: the model after step 2 of a 3-step run is the 2-step run's."""
-    from engram.analysis import editing as ed
+    from engram_experiments import edit as ed
 
     root, _ = run
     seen = {}
@@ -445,7 +445,7 @@ def test_the_committed_edit_record_is_tested_by_the_fixed_rule():
     cells are what its per-fact-set runs give; each budget's counterfactual cells add up to every edited fact."""
     from pathlib import Path
 
-    from engram.analysis import editing as ed
+    from engram_experiments import edit as ed
 
     rec = json.loads((Path(__file__).parents[1] / "docs/results/edit.json").read_text())
     assert rec["budgets"] == [10, 50, 300] and rec["seeds"] == 3
@@ -464,8 +464,8 @@ def test_the_committed_edit_record_is_tested_by_the_fixed_rule():
 def test_unedited_known_leaves_out_exactly_the_edited_facts_and_neighbours():
     """Damage on known facts reads every known fact the set neither edits nor uses as a neighbour, by its main
     phrasing and true object; another relation of an edited subject is still read (it was not edited)."""
-    from engram.analysis import editing as ed
-    from engram.analysis.facts import WORLD_RELATIONS, fact_sets
+    from engram_experiments import edit as ed
+    from engram_experiments.world import WORLD_RELATIONS, fact_sets
 
     known = [(f"Land{c}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJKL" for rel, o in
              (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]
@@ -489,7 +489,7 @@ def test_the_edit_family_is_the_records_and_the_old_record_keeps_its_own():
     record that names another family is tested on it, and a replication's editing family is its `known_tests`."""
     from pathlib import Path
 
-    from engram.analysis import editing as ed
+    from engram_experiments import edit as ed
 
     rec = json.loads((Path(__file__).parents[1] / "docs/results/edit.json").read_text())
     assert "family_metrics" not in rec and {t["metric"] for t in rec["tests"]} == set(ed.FAMILY_METRICS_HELD_OUT)
@@ -514,9 +514,9 @@ def test_replicate_refuses_a_design_that_is_not_the_originals(tmp_path):
     a swept setting or a config missing from the family's sides is refused in one line, before anything runs."""
     from pathlib import Path
 
-    from engram.analysis import editing as ed
-    from engram.analysis.runs import ExperimentError
     from engram.utils import parse_toml
+    from engram_experiments import edit as ed
+    from engram_experiments.runs import ExperimentError
 
     repo = Path(__file__).parents[1]
     rec = json.loads((repo / "docs/results/edit.json").read_text())
@@ -534,7 +534,7 @@ def test_replicate_refuses_a_design_that_is_not_the_originals(tmp_path):
 def test_overlap_counts_the_facts_an_original_seed_would_also_edit(tmp_path, monkeypatch):
     """`editing.overlap`: a seed of the original's overlaps fully with itself; another seed's draw from the same known
     facts shares at most a few edited facts (counted, not assumed zero)."""
-    from engram.analysis import editing as ed
+    from engram_experiments import edit as ed
 
     facts = [(f"Land{c}{d}", rel, f" {o}{c.lower()}") for c in "ABCDEFGHIJ" for d in "xyz" for rel, o in
              (("capital", "Rome"), ("subregion", "Europe"), ("demonym", "Romans"))]

@@ -1,4 +1,4 @@
-"""Preregistrations the code enforces (analysis/prereg.py): --record refuses an uncommitted design or a dirty tree,
+"""Preregistrations the code enforces (prereg.py): --record refuses an uncommitted design or a dirty tree,
 the stamp names the committed blob, and every committed record that names a preregistration checks out against
 git (the prereg precedes the run, the design is the file's)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engram.analysis import prereg
-from engram.analysis.runs import ExperimentError
+from engram_experiments import prereg
+from engram_experiments.runs import ExperimentError
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]

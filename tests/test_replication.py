@@ -1,4 +1,4 @@
-"""Replications of the results page's findings (analysis/replication.py): each preregistration's seeds are new (no
+"""Replications of the results page's findings (replication.py): each preregistration's seeds are new (no
 record used them, init and data order differ), its n is the power plan's (80% power at the original effect and
 sd, significance.n_for_power), a committed replication record checks out against its prereg, and the page renders
 the replication beside the original family's row."""
@@ -14,10 +14,10 @@ import pytest
 
 stats = pytest.importorskip("scipy.stats", reason="scipy computes the tests")
 
-from engram.analysis import prereg, replication, report  # noqa: E402
-from engram.analysis import significance as sig  # noqa: E402
-from engram.analysis.runs import ExperimentError, seed_stats  # noqa: E402
 from engram.utils import parse_toml  # noqa: E402
+from engram_experiments import prereg, replication, report  # noqa: E402
+from engram_experiments import significance as sig  # noqa: E402
+from engram_experiments.runs import ExperimentError, seed_stats  # noqa: E402
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
@@ -199,7 +199,7 @@ def committed_copy(repo: Path, *rels: str) -> None:
 def test_run_records_the_preregistered_design_with_its_stamp(tmp_path, monkeypatch):
     """run() end to end without training (train_runs replaced): the prereg committed in a scratch repo, the record
     holds the stamp, the design, the plan and the family's tests, and check_record passes on it."""
-    from engram.analysis import experiments
+    from engram_experiments import preset as experiments
 
     committed_copy(tmp_path, *("docs/prereg/ablations-replication.toml", "docs/results/ablations.json"))
     env = {"torch": "x", "threads": 2}
@@ -231,7 +231,7 @@ def test_allocation_replication_trains_the_original_runs(recs):
     """allocation has its own driver (`allocation.run`): the replication's runs are its plan's variants at the
     design's scale, each with the model overrides and Engram use the committed accounting records, the scale's
     training overrides, data and steps (`allocation._train`'s arguments); its table is allocation's record table."""
-    from engram.analysis import allocation
+    from engram_experiments import allocation
 
     d = design_of(REPO / "docs" / "prereg" / "allocation-replication.toml")
     rs = replication.runs_of(d)
@@ -258,7 +258,7 @@ def test_allocation_replication_trains_the_original_runs(recs):
 def test_run_trains_allocation_variants_with_its_data_and_steps(tmp_path, monkeypatch):
     """run() of allocation-replication without training: train_runs gets allocation's runs (its data, its 1,000
     steps, each variant's trained_run arguments) at the new seeds; the record is allocation's kind of table."""
-    from engram.analysis import experiments
+    from engram_experiments import preset as experiments
 
     committed_copy(tmp_path, *("docs/prereg/allocation-replication.toml", "docs/results/allocation.json"))
     fake = {"moe-E16": [4.33, 4.32, 4.33, 4.325], "moe-E14+engram": [4.30, 4.30, 4.29, 4.305]}
@@ -292,7 +292,7 @@ def _fake_retrofit_replication(recs: dict, shift: float) -> dict:
         up = shift * name.startswith("engram")
         results[name] = [runs[s] | {"seed": new, "domain_val": runs[s]["domain_val"] + up}
                          for s, new in zip([1, 2, 3, 1], d["seeds"], strict=True)]
-    from engram.analysis import retrofit
+    from engram_experiments import retrofit
 
     rec = {"experiment": "retrofit-replication", "replicates": "retrofit", "design": d,
            "prereg": {"file": "docs/prereg/retrofit-replication.toml"},
@@ -329,7 +329,7 @@ def test_retrofit_replication_renders_beside_its_records_family(recs):
 def test_run_records_retrofit_points_from_retrofit_replicate(tmp_path, monkeypatch):
     """run() of retrofit-replication without training: `retrofit.replicate` gets the original record, the
     preregistered points and seeds; the record holds retrofit's replication table, the base's losses and the tests."""
-    from engram.analysis import retrofit
+    from engram_experiments import retrofit
 
     committed_copy(tmp_path, *("docs/prereg/retrofit-replication.toml", "docs/results/retrofit.json"))
     recs = report.load(REPO / "docs" / "results")
@@ -359,7 +359,7 @@ def test_run_records_retrofit_points_from_retrofit_replicate(tmp_path, monkeypat
 def _fake_edit_replication(recs: dict, shift: float) -> tuple[dict, dict]:
     """(results, record) of edit-replication as `editing.replicate` and `run` would make them, without running:
     each fact set's values the original's (set i % 3), ft+kl's val_change moved by `shift`."""
-    from engram.analysis import editing
+    from engram_experiments import edit as editing
 
     d = design_of(REPO / "docs" / "prereg" / "edit-replication.toml")
     orig = recs["edit"]
@@ -400,7 +400,7 @@ def test_run_records_edit_replication_from_editing_replicate(tmp_path, monkeypat
     """run() of edit-replication without editing: `editing.replicate` gets edit.json and the design; the record holds
     the cells by `CONFIG at BUDGET`, the seeds, what replicate adds (the editing family as `known_tests`), the
     claim's test and the stamp, and check_record passes."""
-    from engram.analysis import editing
+    from engram_experiments import edit as editing
 
     committed_copy(tmp_path, *("docs/prereg/edit-replication.toml", "docs/results/edit.json"))
     recs = report.load(REPO / "docs" / "results")

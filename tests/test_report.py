@@ -7,9 +7,9 @@ import pytest
 
 stats = pytest.importorskip("scipy.stats", reason="scipy computes the tests")
 
-from engram.analysis import records, report  # noqa: E402
-from engram.analysis import significance as sig  # noqa: E402
-from engram.analysis.runs import seed_stats  # noqa: E402
+from engram_experiments import preset, records, report  # noqa: E402
+from engram_experiments import significance as sig  # noqa: E402
+from engram_experiments.runs import seed_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,7 +219,10 @@ def test_record_keeps_every_seed_and_environment(tmp_path):
                            "metrics": [{"step": 0, "val_loss": 8.0}, {"step": 10, "val_loss": 5.0}]} for s in range(3)]}
     summary = {"experiment": "iso", "preset": "exp", "seeds": 3,
                "variants": {"engram": seed_stats([r["val_loss"] for r in results["engram"]])}}
-    rec = records.record_experiment(tmp_path / "iso.json", summary, results)
+    from engram_experiments import registry
+
+    extra = {"curves": preset.val_curves(results)} if registry.get("iso").design.curves else {}  # what iso's run adds
+    rec = records.record_experiment(tmp_path / "iso.json", summary, results, extra=extra)
     back = json.loads((tmp_path / "iso.json").read_text())
     assert back == rec and back["seeds"] == {"engram": [0, 1, 2]}
     assert back["variants"]["engram"]["values"] == [4.6, 4.61, 4.62]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engram.analysis import retrofit as rf
-from engram.analysis.retrofit import at_budget, budget_tests, extend_grid, grid_points, pareto
+from engram_experiments import retrofit as rf
+from engram_experiments.retrofit import at_budget, budget_tests, extend_grid, grid_points, pareto
 
 
 def test_pareto_front_keeps_only_undominated_points():
@@ -145,7 +145,7 @@ def test_the_retrofit_page_shows_forgetting_ratios_per_seed_and_no_inherited_pea
     import statistics
     from pathlib import Path
 
-    from engram.analysis import retrofit
+    from engram_experiments import retrofit
 
     rec = json.loads((Path(__file__).parents[1] / "docs/results/retrofit.json").read_text())
     cell = next(c for c in rec["at_budget"] if c["method"] == "engram")
@@ -161,7 +161,7 @@ def test_replicate_trains_the_chosen_points_as_the_original_did(monkeypatch, tmp
     """`replicate` (retrofit-replication's runs): only the points the selection seed chose, at the new seeds, with
     `Sweep` (replaced here: no training); it refuses points that were not chosen and a design that is no longer the
     record's."""
-    from engram.analysis.runs import ExperimentError
+    from engram_experiments.runs import ExperimentError
 
     rec = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "retrofit.json").read_text())
     trained = []

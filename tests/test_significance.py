@@ -1,4 +1,4 @@
-"""analysis/significance.py against scipy's own tests, hand-computed Holm values, a large-df closed form and a
+"""engram_experiments/significance.py against scipy's own tests, hand-computed Holm values, a large-df closed form and a
 Monte Carlo power check."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 stats = pytest.importorskip("scipy.stats", reason="scipy (the train/test extras) computes the p-values")
 
-from engram.analysis import significance as S  # noqa: E402
+from engram_experiments import significance as S  # noqa: E402
 
 A = [4.6563, 4.6312, 4.6460]
 B = [4.6820, 4.6531, 4.6790]

@@ -42,7 +42,7 @@ def test_the_imported_base_is_the_gguf_file_as_transformers_reads_it(smollm2):
     load of the GGUF file; the folder names its source by sha256."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engram.training.adapt import load_base
+    from engram.inference import load_base
 
     f, out = smollm2
     direct = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32).eval()
@@ -61,7 +61,7 @@ def test_the_imported_base_is_the_gguf_file_as_transformers_reads_it(smollm2):
 @pytest.mark.integration
 def test_attach_leaves_smollm2s_logits_unchanged(smollm2):
     import engram
-    from engram.training.adapt import load_base
+    from engram.inference import load_base
 
     _, out = smollm2
     model, _ = load_base(out)
@@ -105,7 +105,7 @@ def test_engram_serve_renders_smollm2s_own_chat_template(smollm2):
 
 
 def test_a_chat_template_saved_as_its_own_file_is_found(tmp_path):
-    from engram.serving.engine import chat_template_of
+    from engram.inference import chat_template_of
 
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "old"}')
     assert chat_template_of(tmp_path) == "old"
@@ -216,7 +216,7 @@ def test_base_import_takes_a_known_name_and_fetches_it_first(tmp_path, monkeypat
 
 
 def test_counterfactuals_keep_the_relation_and_never_the_truth():
-    from engram.analysis.known_facts import RELATIONS, all_facts, counterfactuals
+    from engram_experiments.known_facts import RELATIONS, all_facts, counterfactuals
 
     facts = all_facts()
     assert len(facts) == sum(len(p) for *_, p in RELATIONS.values())
@@ -229,8 +229,8 @@ def test_counterfactuals_keep_the_relation_and_never_the_truth():
 @pytest.mark.slow
 def test_smollm2_knows_most_capitals_by_greedy_decoding(smollm2):
     """The filter an edit of known facts starts from: SmolLM2 completes most capital prompts correctly."""
-    from engram.analysis.known_facts import RELATIONS, known_facts
-    from engram.training.adapt import load_with_adapter
+    from engram.inference import load_with_adapter
+    from engram_experiments.known_facts import RELATIONS, known_facts
 
     _, base = smollm2
     model, tok = load_with_adapter(base)

@@ -3,10 +3,10 @@ on synthetic runs (the experiment itself runs SmolLM2 for ~25 min: `engram exper
 
 import pytest
 
-from engram.analysis import prereg
-from engram.analysis import smollm2_edit as se
-from engram.analysis.known_facts import all_facts
-from engram.analysis.runs import ExperimentError
+from engram_experiments import prereg
+from engram_experiments import smollm2_edit as se
+from engram_experiments.known_facts import all_facts
+from engram_experiments.runs import ExperimentError
 
 
 def design():
@@ -55,7 +55,7 @@ def test_fine_tuning_trains_every_weight_of_a_base_with_an_adapter(tmp_path):
     from bases import tale_tokenizer, tiny_base
 
     import engram
-    from engram.analysis.editing import _finetune_model
+    from engram_experiments.edit import finetune_model
 
     tok = tale_tokenizer(tmp_path / "tokenizer.json")
 
@@ -65,11 +65,11 @@ def test_fine_tuning_trains_every_weight_of_a_base_with_an_adapter(tmp_path):
         assert not model.model.embed_tokens.weight.requires_grad
         return model
 
-    model, opts = _finetune_model(adapted(), "ft", 1e-4)
+    model, opts = finetune_model(adapted(), "ft", 1e-4)
     assert all(p.requires_grad for p in model.parameters())
     assert sum(p.numel() for o in opts for g in o.param_groups for p in g["params"]) == \
         sum(p.numel() for p in model.parameters())
-    model, _ = _finetune_model(adapted(), "lora", 1e-3)
+    model, _ = finetune_model(adapted(), "lora", 1e-3)
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 

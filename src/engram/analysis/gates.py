@@ -18,8 +18,8 @@ import torch
 from ..persist import atomic_write_bytes
 from ..tokenizer import load_tokenizer
 from ..training.data import eval_windows, load_manifest, load_split
-from .experiments import frequent_ngram_mask
-from .runs import read_run_file
+from ..training.run import read_run_file
+from .stats import frequent_ngram_mask
 
 FUNCTION_WORDS = set("""a an the and or but if of to in on at by for with from as is are was were be been am it its
 this that these those he she they we you i me him her them us my his their our your not no so than then there

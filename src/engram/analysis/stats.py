@@ -145,3 +145,19 @@ def record(r: dict, path: Path, command: str) -> dict:
            "zipf_top": {str(n): v for n, v in r["zipf_top"].items()}}
     write_json(Path(path), rec)
     return rec
+
+
+def frequent_ngram_mask(train_tokens: np.ndarray, tokens: np.ndarray, min_count: int = 20) -> np.ndarray:
+    """True where token t completes a trigram or bigram seen >= min_count times in the train split
+    (the static, multi-token patterns: names, set phrases, speaker tags)."""
+    tr = train_tokens.astype(np.int64)
+    V = int(max(tr.max(), tokens.max())) + 1
+    big = tr[:-1] * V + tr[1:]
+    tri = (tr[:-2] * V + tr[1:-1]) * V + tr[2:]
+    ub, cb = np.unique(big, return_counts=True)
+    ut, ctr = np.unique(tri, return_counts=True)
+    x = tokens.astype(np.int64)
+    mask = np.zeros(x.shape, dtype=bool)
+    mask[:, 2:] |= np.isin((x[:, :-2] * V + x[:, 1:-1]) * V + x[:, 2:], ut[ctr >= min_count])
+    mask[:, 1:] |= np.isin(x[:, :-1] * V + x[:, 1:], ub[cb >= min_count]) & ~np.isin(x[:, 1:], (0, 1))
+    return mask

@@ -4,8 +4,13 @@
     train.py     train, adapt, data, tokenizer   runs, and the data and tokenizer they read
     serve.py     eval, sample, serve, ask, crosscheck   use a model; talk to an OpenAI-compatible server
     edit.py      edit                            write facts into table rows (an overlay)
-    analysis.py  experiment, results, gates, stats
+    analysis.py  gates, stats                    look inside a model and what its tables see
     options.py   the options several commands share (argparse parent parsers) and what they load
+
+Other installed packages add commands through the `engram.cli` entry-point group: each entry is an
+`add_commands(subparsers)` function, called after the library's own (`plugins`). This is how the evidence
+experiments (`engram experiment`, `engram results`, in the separate `engram_experiments` package) join the
+command without the library importing them.
 
 Each command is one thin function over the library. Modules that import transformers, matplotlib or
 torch.distributed (model, training, analysis, the launcher) are imported inside the commands that use
@@ -33,7 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for group in (model, train, serve, edit, analysis):
         group.add_commands(sub)
+    for add_commands in plugins():
+        add_commands(sub)
     return p
+
+
+def plugins() -> list:
+    """The `add_commands` functions other installed packages register in the `engram.cli` entry-point group (by
+    entry name, so the order of `engram --help` is stable). One that fails to import is left out with a warning:
+    the library's own commands keep working."""
+    from importlib.metadata import entry_points
+
+    out = []
+    for ep in sorted(entry_points(group="engram.cli"), key=lambda e: e.name):
+        try:
+            out.append(ep.load())
+        except ImportError as e:
+            print(f"engram: warning: commands of {ep.value} not loaded: {e}", file=sys.stderr)
+    return out
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None):

@@ -16,7 +16,9 @@ from .facts import EditError, Fact, _encode
 from .overlay import Overlay, _restore_tables
 
 
-def _sequences(tokenizer, facts: list[Fact]) -> list[tuple[list[int], list[int]]]:
+def fact_sequences(tokenizer, facts: list[Fact]) -> list[tuple[list[int], list[int]]]:
+    """Each fact as (prompt ids, target ids), tokenized as `engram edit` writes it; a prompt or target that
+    tokenizes to nothing is an `EditError` naming the fact."""
     out = []
     for i, f in enumerate(facts):
         p, t = _encode(tokenizer, f.prompt), _encode(tokenizer, f.target)
@@ -28,7 +30,8 @@ def _sequences(tokenizer, facts: list[Fact]) -> list[tuple[list[int], list[int]]
     return out
 
 
-def _batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
+def pad_batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    """Token sequences of different lengths as one (B, T) batch, right-padded with `pad`."""
     T = max(len(s) for s in seqs)
     return torch.tensor([s + [pad] * (T - len(s)) for s in seqs], dtype=torch.long)  # (B, T), right-padded
 
@@ -55,7 +58,7 @@ def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", 
     layers = engram_layers(model)
     cols = _order_columns(mapping, orders)
     out = []
-    for p, t in _sequences(tokenizer, facts):
+    for p, t in fact_sequences(tokenizer, facts):
         seq = p + t
         hashed = mapping.hash(np.asarray([seq], dtype=np.int64))
         where = list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
@@ -106,7 +109,7 @@ def shared_rows(model, tokenizer, facts: list[Fact], orders=None) -> int:
     return sum(len(v) > 1 for v in owner.values())
 
 
-def _target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
+def target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
     """Per fact, log p(target token j | prompt, target[:j]) for each target token: list of (len(t),)."""
     logits = model(ids).logits.float()  # (B, T, V)
     logp = F.log_softmax(logits, dim=-1)
@@ -132,9 +135,9 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         raise EditError(f"target_prob must lie in (0.5, 1), got {target_prob}: above 0.5 a token is the argmax")
     layers = engram_layers(model)
     mapping = mapping_of(model)
-    seqs = _sequences(tokenizer, facts)
+    seqs = fact_sequences(tokenizer, facts)
     rows = edit_rows(model, tokenizer, facts, positions, orders)
-    ids = _batch([p + t for p, t in seqs], generation_pad_id(model))
+    ids = pad_batch([p + t for p, t in seqs], generation_pad_id(model))
     t0 = time.perf_counter()
     values, log = {}, []
     with frozen(model):
@@ -148,7 +151,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
             opt = torch.optim.Adam(list(values.values()), lr=lr)
             step = 0
             for step in range(1, steps + 1):
-                lps = _target_logprobs(model, ids, seqs)
+                lps = target_logprobs(model, ids, seqs)
                 loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
                 done = sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
                 log.append({"step": step - 1, "loss": loss.item(), "facts_done": done})

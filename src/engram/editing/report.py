@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..adapters.introspect import generation_pad_id
 from .digests import engram_layers, mapping_of
 from .facts import Fact, _encode
-from .optimize import _target_logprobs, conflicts, shared_rows
+from .optimize import conflicts, shared_rows, target_logprobs
 from .overlay import Overlay, applied
 
 
@@ -20,7 +20,7 @@ def score(model, tokenizer, prompt: str, target: str) -> dict:
     """Target probability after `prompt` (first token, whole target) and whether greedy decoding produces it."""
     p, t = _encode(tokenizer, prompt), _encode(tokenizer, target)
     ids = torch.tensor([p + t])
-    lp = _target_logprobs(model, ids, [(p, t)])[0]  # (len(t),)
+    lp = target_logprobs(model, ids, [(p, t)])[0]  # (len(t),)
     out = model.generate(torch.tensor([p]), max_new_tokens=len(t), do_sample=False,
                          pad_token_id=generation_pad_id(model))
     produced = out[0, len(p):].tolist()

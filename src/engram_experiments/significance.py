@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import EngramError
+from engram.errors import EngramError
 
 ALPHA = 0.05  # a finding: Holm-adjusted p below this
 POWER = 0.80  # the power at which `min_detectable` states what a test could have seen

@@ -28,18 +28,21 @@ from pathlib import Path
 
 import torch
 
-from ..persist import write_json
-from ..training.checkpoint import checkpoints
+from engram.persist import write_json
+from engram.training.checkpoint import checkpoints
+from engram.training.run import read_run_file
+
 from . import prereg
+from .registry import Experiment, register
 from .retrofit import (
     LORA_ALL,
-    _eval_shared,
-    _say,
-    _step_ms,
+    eval_shared,
     extend_grid,
     lora_trainable,
     matched_engram,
+    say,
     shared_windows,
+    step_ms,
 )
 from .runs import (
     ExperimentError,
@@ -48,7 +51,6 @@ from .runs import (
     index_environments,
     publish,
     read_result,
-    read_run_file,
     run_parallel,
     seed_stats,
     verdict,
@@ -62,11 +64,11 @@ METHODS = {"full": dict(method="full"), "lora-all": LORA_ALL, "engram": dict(met
 def smollm2_base(root: Path, name: str, progress: bool = True, label: str = NAME) -> Path:
     """The imported base folder in `root/base` (fetched and imported the first time; reruns reuse it); `label`
     names the experiment in the progress line."""
-    from ..integrations import gguf_bases
+    from engram.integrations import gguf_bases
 
     folder = root / "base"
     if not (folder / "config.json").is_file():
-        _say(progress, f"[{label}] fetching and importing {name} -> {folder}")
+        say(progress, f"[{label}] fetching and importing {name} -> {folder}")
         gguf_bases.import_gguf(gguf_bases.fetch(name, quiet=not progress), folder, overwrite=folder.exists())
     return folder
 
@@ -104,10 +106,11 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
     """The preregistered design (resumable: one folder per run, finished runs skipped), then summary.json/.md and
     plot.png in OUT/smollm2-adapt; `record`: also `record/smollm2-adapt.json`. `max_steps` overrides the
     prereg's budget for a trial (then nothing can be recorded)."""
-    from ..config import TrainConfig
-    from ..training.adapt import evaluate_on, load_base
-    from ..training.train import evaluate
-    from ..utils import environment
+    from engram.config import TrainConfig
+    from engram.inference import load_base
+    from engram.training.adapt import evaluate_on
+    from engram.training.train import evaluate
+    from engram.utils import environment
 
     if record is not None and max_steps is not None:
         raise ExperimentError("--max-steps departs from the preregistered budget; drop it to --record")
@@ -124,7 +127,7 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
     # 1. the base's loss on every candidate, then the sets the rules pick
     before_file = root / "base_eval.json"
     if not before_file.is_file():
-        _say(progress, f"[{NAME}] the base's val loss on {', '.join(d['candidates'])}")
+        say(progress, f"[{NAME}] the base's val loss on {', '.join(d['candidates'])}")
         model, _ = load_base(base)
         write_json(before_file, {c: evaluate_on(model.eval(), [c], tcfg) for c in d["candidates"]}, indent=None)
     losses = read_result(before_file, "base evaluation")
@@ -137,7 +140,7 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
         write_json(shared_file, {"shared": evaluate(model.eval(), shared, tcfg.batch_size, torch.device("cpu"))})
     before = {"domain": losses[sets["domain"]], "general": losses[sets["general"]],
               "shared": read_result(shared_file, "base evaluation")["shared"]}
-    _say(progress, f"[{NAME}] domain {sets['domain']} ({before['domain']:.4f}), general {sets['general']} "
+    say(progress, f"[{NAME}] domain {sets['domain']} ({before['domain']:.4f}), general {sets['general']} "
                    f"({before['general']:.4f}), shared set {before['shared']:.4f} from {' + '.join(sets['pool'])}")
 
     # 2. the methods: adapt() arguments; engram-matched's rows solved on this base for lora-all's count
@@ -158,7 +161,7 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
         run_dir = dir_of(m, lr, seed)
         if (run_dir / "summary.json").is_file():
             return
-        _say(progress, f"[{NAME}] {m} lr {lr:g} seed {seed} -> {run_dir}")
+        say(progress, f"[{NAME}] {m} lr {lr:g} seed {seed} -> {run_dir}")
         kw = dict(base=str(base), data=domain, out=str(run_dir), max_steps=steps,
                   overrides={**settings, "lr": lr, "seed": seed, "ckpt_every": steps, "eval_every": steps},
                   resume=bool(checkpoints(run_dir)), progress=False, extra_eval={"general": general}, **methods[m][0])
@@ -168,11 +171,11 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
     def result(m: str, lr: float, seed: int) -> dict:
         run_dir = dir_of(m, lr, seed)
         s = read_run_file(run_dir, "summary.json")
-        shared_val = _eval_shared(base, run_dir, methods[m][0]["method"], shared, tcfg.batch_size)
+        shared_val = eval_shared(base, run_dir, methods[m][0]["method"], shared, tcfg.batch_size)
         return {"method": m, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
                 "forgetting_general": s["extra_eval"]["general"] - before["general"],
                 "forgetting_shared": shared_val - before["shared"],
-                "step_ms": _step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
+                "step_ms": step_ms(run_dir, tcfg.seq_len * tcfg.batch_size), "peak_rss_mib": s["peak_rss_mib"],
                 "trainable": s["trainable"], "environment": s.get("environment")}
 
     # 3. the selection seed: each grid, extended while its best domain loss sits at an end
@@ -298,3 +301,12 @@ def plot(s: dict, path: Path) -> None:
     fig.suptitle(f"engram experiment {NAME}: SmolLM2-135M-Instruct, test seeds (mean ± sd, dots: each seed)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+register(Experiment("smollm2-adapt", """
+    SmolLM2-135M-Instruct (a real pretrained model, imported from its GGUF file) adapted to the
+    corpus it predicts worst: Engram adapters vs LoRA vs full fine-tuning; every choice read from the
+    committed preregistration docs/prereg/smollm2-adapt.toml (`--seeds` does not apply; --record
+    refuses a dirty tree) (`smollm2_adapt.py`; --jobs 2: about 70 min on 2 cores).""",
+                    run=lambda o: run(o.out, progress=o.progress, record=o.record, jobs=o.jobs, max_steps=o.max_steps),
+                    table=markdown, plot=plot, plot_file="smollm2-adapt.png", section="12"))

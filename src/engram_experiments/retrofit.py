@@ -44,9 +44,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..persist import atomic_write_bytes, new_dir, read_jsonl, write_json
-from ..training.checkpoint import checkpoints
-from ..utils import environment
+from engram.persist import atomic_write_bytes, new_dir, read_jsonl, write_json
+from engram.training.checkpoint import checkpoints
+from engram.training.run import read_run_file
+from engram.utils import environment
+
+from .registry import Experiment, Runs, register
 from .runs import (
     ExperimentError,
     call_in_subprocess,
@@ -54,7 +57,6 @@ from .runs import (
     index_environments,
     publish,
     read_result,
-    read_run_file,
     run_parallel,
     seed_stats,
     verdict,
@@ -89,7 +91,7 @@ METHODS = {
 PAIRS = (("engram", "full"), ("engram", "lora-all"), ("engram-matched", "lora-all"))
 
 
-def _say(progress: bool, msg: str) -> None:
+def say(progress: bool, msg: str) -> None:
     if progress:
         print(msg, flush=True)
 
@@ -99,9 +101,9 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
     """The base model folder (config, weights, tokenizer.json): a random Llama pretrained on `general`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..tokenizer import load_tokenizer
-    from ..training.adapt import adapt
-    from ..training.data import load_manifest, prepare
+    from engram.tokenizer import load_tokenizer
+    from engram.training.adapt import adapt
+    from engram.training.data import load_manifest, prepare
 
     run = root / "base"
     final = run / "final"
@@ -117,7 +119,7 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
         with new_dir(init) as tmp:  # a killed save never leaves a config.json without its weights
             model.save_pretrained(tmp)
             atomic_write_bytes(tmp / "tokenizer.json", tok.read_bytes())
-    _say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, "
+    say(progress, f"[retrofit] pretraining the base ({shape['num_hidden_layers']} layers, "
                    f"hidden {shape['hidden_size']}) "
                    f"on {' + '.join(general or ['shakespeare'])} -> {run}")
     adapt(init, data=general, out=run, method="full", max_steps=max_steps or PRETRAIN["max_steps"],
@@ -125,7 +127,7 @@ def pretrained_base(root: Path, max_steps: int | None = None, progress: bool = T
     return final
 
 
-def _step_ms(run_dir: Path, batch_tokens: int) -> float:
+def step_ms(run_dir: Path, batch_tokens: int) -> float:
     rows = read_jsonl(run_dir / "metrics.jsonl", "metrics log", f"delete {run_dir} and run the experiment again",
                       ExperimentError)
     times = [(r["step"], batch_tokens / r["tok_s"] * 1e3) for r in rows if r.get("tok_s")]
@@ -232,7 +234,7 @@ def shared_windows(base_tok: str, domain: list[str], general: list[str], seq_len
     """(windows (n, seq_len), info): the `n` windows of `general`'s val split (non-overlapping, `seq_len` tokens)
     whose token 2- and 3-grams occur most in `domain`'s train split, and the mean share of such n-grams in them
     and in the first `n` windows (the `general` set)."""
-    from ..training.data import load_split, prepare
+    from engram.training.data import load_split, prepare
 
     def grams(ids: np.ndarray) -> np.ndarray:  # (2 * len - 3,) int64 keys of the 2- and 3-grams
         x = ids.astype(np.int64)
@@ -251,8 +253,8 @@ def shared_windows(base_tok: str, domain: list[str], general: list[str], seq_len
 def matched_engram(base: Path, target: int, options: dict, layers) -> dict:
     """`options` with `engram_vocab_size` solved so that the adapter's trainable parameters (table + dense) come
     closest to `target` (LoRA-all's): counted on the base, rows per head linear in the vocab size."""
-    from .. import adapters as ad
-    from ..training.adapt import load_base
+    from engram import adapters as ad
+    from engram.inference import load_base
 
     model, tok = load_base(base)
 
@@ -269,8 +271,8 @@ def matched_engram(base: Path, target: int, options: dict, layers) -> dict:
 
 def lora_trainable(base: Path) -> int:
     """LoRA-all's trainable parameters on `base`."""
-    from .. import adapters as ad
-    from ..training.adapt import load_base
+    from engram import adapters as ad
+    from engram.inference import load_base
 
     model, _ = load_base(base)
     ad.freeze_base(model)
@@ -278,10 +280,10 @@ def lora_trainable(base: Path) -> int:
                                             target_modules=LORA_ALL["lora_targets"]))["trainable"]
 
 
-def _eval_shared(base: Path, run_dir: Path, method: str, windows: np.ndarray, batch_size: int) -> float:
+def eval_shared(base: Path, run_dir: Path, method: str, windows: np.ndarray, batch_size: int) -> float:
     """Val loss of the adapted model of `run_dir` on `windows` (written once to run_dir/shared_eval.json)."""
-    from ..training.adapt import load_base, load_with_adapter
-    from ..training.train import evaluate
+    from engram.inference import load_base, load_with_adapter
+    from engram.training.train import evaluate
 
     f = run_dir / "shared_eval.json"
     if not f.is_file():
@@ -302,9 +304,10 @@ class Sweep:
                  pretrain_steps: int | None = None, progress: bool = True, methods: dict | None = None,
                  domain: list[str] | None = None, general: list[str] | None = None, base_shape: dict | None = None,
                  tokenizer: str = TOKENIZER, isolate: bool = True, jobs: int = 1):
-        from ..config import TrainConfig
-        from ..training.adapt import evaluate_on, load_base
-        from ..training.train import evaluate
+        from engram.config import TrainConfig
+        from engram.inference import load_base
+        from engram.training.adapt import evaluate_on
+        from engram.training.train import evaluate
 
         self.progress, self.isolate, self.jobs = progress, isolate, jobs
         methods = {m: (dict(kw), tuple(lrs)) for m, (kw, lrs) in (methods or METHODS).items()}
@@ -342,7 +345,7 @@ class Sweep:
         kw0, _ = self.methods[name]
         run_dir = self.dir_of(name, lr, seed)
         if not (run_dir / "summary.json").is_file():
-            _say(self.progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
+            say(self.progress, f"[retrofit] {name} lr {lr:g} seed {seed} -> {run_dir}")
             kw = dict(base=str(self.base), data=self.domain, out=str(run_dir), max_steps=self.steps,
                       overrides={**ADAPT["overrides"], "lr": lr, "seed": seed}, resume=bool(checkpoints(run_dir)),
                       progress=False, extra_eval={"general": self.general or None}, **kw0)
@@ -350,7 +353,7 @@ class Sweep:
                 call_in_subprocess("engram.training.adapt:adapt", kw, self.root / f"runs-{run_dir.name}.log",
                                    f"retrofit run {run_dir}", self.jobs)
             else:
-                from ..training.adapt import adapt
+                from engram.training.adapt import adapt
 
                 adapt(**kw)
 
@@ -365,12 +368,12 @@ class Sweep:
         run_dir = self.dir_of(name, lr, seed)
         self.train(name, lr, seed)
         s = read_run_file(run_dir, "summary.json")
-        shared_val = _eval_shared(self.base, run_dir, kw0["method"], self.shared, self.tcfg.batch_size)
+        shared_val = eval_shared(self.base, run_dir, kw0["method"], self.shared, self.tcfg.batch_size)
         before = self.before
         return {"method": name, "lr": lr, "seed": seed, "domain_val": s["val_loss"],
                 "general_val": s["extra_eval"]["general"], "forgetting": s["extra_eval"]["general"] - before["general"],
                 "shared_val": shared_val, "forgetting_shared": shared_val - before["shared"],
-                "step_ms": _step_ms(run_dir, self.tcfg.seq_len * self.tcfg.batch_size),
+                "step_ms": step_ms(run_dir, self.tcfg.seq_len * self.tcfg.batch_size),
                 "peak_rss_mib": s["peak_rss_mib"], "trainable": s["trainable"], "environment": s.get("environment")}
 
 
@@ -610,3 +613,23 @@ def plot(s: dict, path: Path) -> None:
                  f"each seed); budgets dotted")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _runs(design: dict, recs: dict):
+    """`retrofit-replication`'s runs: the points the original record's selection seed chose, trained by `replicate`
+    with this module's own `Sweep` on retrofit's base."""
+    from .records import original_record
+
+    rec = original_record(design, recs)
+    return Runs(replication_points(rec), replication_table,
+                lambda d, out, progress, jobs, max_steps: replicate(rec, d["variants"], list(d["seeds"]), out, progress,
+                                                                    jobs, max_steps))
+
+
+register(Experiment("retrofit", """
+    a small Llama pretrained on Shakespeare + KJV adapted to WordNet's definitions: full
+    fine-tuning vs LoRA vs Engram adapters (one matched to LoRA's trainable parameters); lr grids
+    chosen on a selection seed, domain loss vs forgetting on two general sets, forgetting budgets
+    (`retrofit.py`).""",
+                    run=lambda o: run(o.out, o.seeds, o.max_steps, progress=o.progress, record=o.record, jobs=o.jobs),
+                    table=markdown, plot=plot, plot_file="retrofit.png", replication=_runs, section="8"))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from ..editing import Fact
-from ..persist import atomic_write_bytes, decode_json_bytes, write_jsonl
+from engram.editing import Fact
+from engram.persist import atomic_write_bytes, decode_json_bytes, write_jsonl
 
 SYLLABLES = ["kal", "dor", "vel", "mir", "than", "quor", "vane", "tel", "drith", "zan", "bry", "sol", "gar", "eth",
              "lune", "mor", "kess", "ril", "vor", "ash", "fen", "ulm", "orn", "yse", "brae", "cind", "harl", "ost"]
@@ -104,9 +104,9 @@ def world_facts() -> list[tuple[str, str, str]]:
     """(subject, relation, object) for every country of `countryinfo` with that field, sorted."""
     import zipfile
 
-    from ..training.corpora import _fetch_wheel, cache_dir
+    from engram.training.corpora import cache_dir, fetch_package
 
-    wheel = _fetch_wheel(COUNTRYINFO_WHEEL, cache_dir() / "corpora" / "pypi-countryinfo-1.0.1")
+    wheel = fetch_package(COUNTRYINFO_WHEEL, cache_dir() / "corpora" / "pypi-countryinfo-1.0.1")
     out = set()
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from ..editing import Fact
+from engram.editing import Fact
 
 # relation -> (prompt, question, paraphrase, [(subject, object)]); {s} is the subject
 RELATIONS = {
@@ -72,7 +72,7 @@ def all_facts() -> list[tuple[str, Fact]]:
 def known_facts(model, tokenizer, relations=None) -> list[tuple[str, Fact]]:
     """(relation, fact) of `relations` (default all) that `model` completes with its true object: greedy decoding
     after the prompt produces the target's tokens (`editing.greedy`, engram's one test of what a model knows)."""
-    from .editing import greedy
+    from .edit import greedy
 
     facts = [(r, f) for r, f in all_facts() if relations is None or r in relations]
     hits = greedy(model.eval(), tokenizer, [(f.prompt, f.target) for _, f in facts])

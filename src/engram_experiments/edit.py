@@ -45,15 +45,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..editing import Fact, applied, edit_facts
-from ..persist import sha256_file, write_json
-from ..training.data import text_windows
-from ..utils import environment
-from .facts import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
-from .runs import detectable, index_environments, publish, read_result, read_run_file, seed_stats, verdict
+from engram.editing import Fact, applied, edit_facts
+from engram.persist import sha256_file, write_json
+from engram.training.data import text_windows
+from engram.training.run import read_run_file
+from engram.utils import environment
+
+from .registry import Experiment, Runs, register
+from .runs import detectable, index_environments, publish, read_result, seed_stats, verdict
+from .world import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
 
 
-def _say(progress: bool, msg: str) -> None:
+def say(progress: bool, msg: str) -> None:
     if progress:
         print(msg, flush=True)
 
@@ -62,19 +65,19 @@ def greedy(model, tok, pairs: list[tuple[str, str]], chunk: int = 64) -> list[bo
     """For each (prompt, target): does greedy decoding after `prompt` produce `target`'s tokens? One teacher-forced
     forward per chunk: greedy produces the target exactly when every target token is the argmax after the prompt
     and the target tokens before it (right padding leaves a causal model's earlier positions unchanged)."""
-    from ..editing.optimize import _batch
+    from engram.editing.optimize import pad_batch
 
     out = []
     for i in range(0, len(pairs), chunk):
         seqs = [(tok.encode(p, add_special_tokens=False).ids, tok.encode(t, add_special_tokens=False).ids)
                 for p, t in pairs[i:i + chunk]]
         with torch.no_grad():
-            logits = model(_batch([p + t for p, t in seqs], 1)).logits
+            logits = model(pad_batch([p + t for p, t in seqs], 1)).logits
         out += [logits[b, len(p) - 1: len(p) + len(t) - 1].argmax(-1).tolist() == t for b, (p, t) in enumerate(seqs)]
     return out
 
 
-def _share(model, tok, pairs) -> float | None:
+def fact_share(model, tok, pairs) -> float | None:
     return sum(greedy(model, tok, pairs)) / len(pairs) if pairs else None
 
 
@@ -98,18 +101,18 @@ def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
     """Efficacy and generalization (counterfactuals and new entities apart), specificity, per-relation hits
     with their n, the loss change on each damage set (`damage` {name: windows}, `before` {name: loss}) and, where
     `fs` holds `known_other` (`unedited_known`), the share of those known facts kept (`known_kept`)."""
-    from ..training.train import evaluate
+    from engram.training.train import evaluate
 
     model.eval()
     out = {}
     for kind in ("counterfactual", "new"):
         facts = fs[kind]
-        out[f"efficacy_{kind}"] = _share(model, tok, [(f.prompt, f.target) for f in facts])
-        out[f"generalization_{kind}"] = _share(model, tok, [(q, f.target) for f in facts for q in f.paraphrases])
+        out[f"efficacy_{kind}"] = fact_share(model, tok, [(f.prompt, f.target) for f in facts])
+        out[f"generalization_{kind}"] = fact_share(model, tok, [(q, f.target) for f in facts for q in f.paraphrases])
     n_cf, n_new = len(fs["counterfactual"]), len(fs["new"])
     out["efficacy_all"] = (out["efficacy_counterfactual"] * n_cf + out["efficacy_new"] * n_new) / (n_cf + n_new)
-    out["specificity"] = _share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]])
-    out["counterfactual_old_kept"] = _share(model, tok, list(zip([f.prompt for f in fs["counterfactual"]],
+    out["specificity"] = fact_share(model, tok, [(x["prompt"], x["target"]) for x in fs["neighbours"]])
+    out["counterfactual_old_kept"] = fact_share(model, tok, list(zip([f.prompt for f in fs["counterfactual"]],
                                                                  fs["counterfactual_true"])))
     rels = fs.get("counterfactual_relation") or []
     by_rel = {}
@@ -120,7 +123,7 @@ def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
                        "specificity_n": len(spec)}
     out["by_relation"] = by_rel
     if fs.get("known_other") is not None:
-        out["known_kept"] = _share(model, tok, fs["known_other"])
+        out["known_kept"] = fact_share(model, tok, fs["known_other"])
     for name, windows in damage.items():
         out[f"{name}_change"] = evaluate(model, windows, 16, torch.device("cpu")) - before[name]
     return out
@@ -130,9 +133,9 @@ def measure(model, tok, fs: dict, damage: dict, before: dict) -> dict:
 TABLE_LR_MULT = 5  # ft: the Engram tables (SparseAdam) at this multiple of the dense learning rate
 
 
-def _finetune_model(model, method: str, lr: float):
+def finetune_model(model, method: str, lr: float):
     """(model to train, optimizers) for `method` ft | ft+kl | lora at learning rate `lr`."""
-    from ..memory import is_table_key
+    from engram.memory import is_table_key
 
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -158,19 +161,19 @@ def finetune(load, facts: list[Fact], method: str, budgets, on_budget, lr: float
     returns a fresh (model, tokenizer) of the model the edit starts from (engram's own, or a base with its adapter).
     `ft+kl` adds `kl_weight` x KL(original || tuned) of next-token distributions on `kl_windows` windows of
     `anchor` (general text, (W, T)) per step. Returns {steps, seconds, trainable_params}."""
-    from ..editing.optimize import _batch, _sequences, _target_logprobs
+    from engram.editing.optimize import fact_sequences, pad_batch, target_logprobs
 
     torch.manual_seed(seed)
     model, tok = load()
     ref = load()[0].eval() if method == "ft+kl" else None
-    model, opts = _finetune_model(model, method, lr)
-    seqs = _sequences(tok, facts)
-    ids = _batch([p + t for p, t in seqs], 1)
+    model, opts = finetune_model(model, method, lr)
+    seqs = fact_sequences(tok, facts)
+    ids = pad_batch([p + t for p, t in seqs], 1)
     gen = torch.Generator().manual_seed(seed)
     todo, t0 = sorted(set(budgets)), time.perf_counter()
     for step in range(1, todo[-1] + 1):
         model.train()
-        lps = _target_logprobs(model, ids, seqs)
+        lps = target_logprobs(model, ids, seqs)
         loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
         if ref is not None:
             x = torch.from_numpy(anchor[torch.randint(len(anchor), (kl_windows,), generator=gen).numpy()]).long()
@@ -184,7 +187,7 @@ def finetune(load, facts: list[Fact], method: str, budgets, on_budget, lr: float
         for o in opts:
             o.step()
         if step in todo:
-            _say(progress, f"[edit] {method} lr {lr:g} kl {kl_weight:g}: step {step}, target NLL {loss.item():.3f}")
+            say(progress, f"[edit] {method} lr {lr:g} kl {kl_weight:g}: step {step}, target NLL {loss.item():.3f}")
             model.eval()
             on_budget(step, model)
     trainable = sum(p.numel() for o in opts for g in o.param_groups for p in g["params"] if p.requires_grad)
@@ -251,14 +254,14 @@ def base_model(root: Path, checkpoint: str | None, progress: bool, max_steps: in
         return Path(checkpoint)
     run = root / "base"
     if not (run / "final" / "config.json").is_file():
-        from ..training.checkpoint import checkpoints
-        from ..training.train import train
+        from engram.training.checkpoint import checkpoints
+        from engram.training.train import train
 
         # prepared data is cached by the sources' path: a folder named by its content and resolved keeps another
         # corpus (other copies, another worktree's runs/) from being read in its place
         folder = (root / f"world-{copies}x-held{HELD_OUT_SEED}").resolve()
         world = write_world_corpus(trained_facts(world_facts()), folder, copies)
-        _say(progress, f"[edit] training the {preset} model on Shakespeare + world facts -> {run}")
+        say(progress, f"[edit] training the {preset} model on Shakespeare + world facts -> {run}")
         train(preset, data=["shakespeare", str(world)], out=run, max_steps=max_steps or BASE_STEPS,
               resume=bool(checkpoints(run)), progress=progress,
               overrides={"batch_size": 16, "eval_max_windows": 64, "ckpt_every": 250})
@@ -273,7 +276,7 @@ def world_text(facts: list[tuple[str, str, str]], subjects: set[str]) -> str:
 
 def _windows_of(tok, text: str, seq_len: int):
     """(W, seq_len) evaluation windows of `text` (the last partial window dropped)."""
-    from ..training.data import eval_windows
+    from engram.training.data import eval_windows
 
     return eval_windows(np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32), seq_len)
 
@@ -281,14 +284,15 @@ def _windows_of(tok, text: str, seq_len: int):
 def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20,
         seeds: int | list[int] = 3, max_windows: int = 64, progress: bool = True, record: str | Path | None = None,
         base_steps: int | None = None, preset: str = "exp", budgets=BUDGETS, general: list[str] | None = None,
-        grid: dict | None = None, name: str = "edit", family_metrics=FAMILY_METRICS) -> dict:
+        grid: dict | None = None, name: str = "edit", family_metrics=FAMILY_METRICS, command: str | None = None) -> dict:
     """The experiment (see the module doc); `seeds`: a number of fact sets (seeds 0..n-1) or the fact-set seeds;
     `general`: the corpus of the validation loss and the KL anchor (default Shakespeare); `grid`: `configs(...)`
     (default: every sweep); `name`: the experiment's name (its folder OUT/NAME and record NAME.json; a
-    replication's); `family_metrics`: the tested metrics (stored in the record). Writes OUT/NAME/summary.{json,md},
+    replication's); `family_metrics`: the tested metrics (stored in the record); `command`: the command the record
+    names (default: this experiment's with its seeds). Writes OUT/NAME/summary.{json,md},
     plot.png; `record`: also `record/NAME.json`."""
-    from ..model import load_model
-    from ..training.train import evaluate
+    from engram.model import load_model
+    from engram.training.train import evaluate
 
     grid = grid or configs()
     budgets = tuple(sorted(set(budgets)))
@@ -307,7 +311,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
     anchor = text_windows(tok, general, "train", 128, 256)  # general text for the KL penalty
     known_file = root / "known.json"
     if not known_file.is_file():
-        _say(progress, f"[edit] scoring {len(all_facts)} world facts")
+        say(progress, f"[edit] scoring {len(all_facts)} world facts")
         write_json(known_file, known_facts(model, tok, all_facts), indent=None)
     known = [tuple(f) for f in read_result(known_file, "known facts", expect=list) if f[0] not in held]
     if len(known) < n_facts:
@@ -320,7 +324,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
         fs["known_other"] = unedited_known(known, fs)
         facts = fs["counterfactual"] + fs["new"]
         sizes = {k: len(fs[k]) for k in ("counterfactual", "new", "neighbours", "known_other")}
-        known_other[str(seed)] = {"n": len(fs["known_other"]), "kept_before": _share(model, tok, fs["known_other"])}
+        known_other[str(seed)] = {"n": len(fs["known_other"]), "kept_before": fact_share(model, tok, fs["known_other"])}
         for cname, c in grid.items():
             f = root / f"seed{seed}-{cname}.json"
             if not f.is_file():
@@ -328,7 +332,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                 t0 = time.perf_counter()
                 if c["method"] == "engram-edit":
                     for b in budgets:
-                        _say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts, {b} steps")
+                        say(progress, f"[edit] seed {seed}: engram edit of {len(facts)} facts, {b} steps")
                         overlay = edit_facts(model, tok, facts, steps=b, lr=c["lr"], target_prob=EDIT_TARGET_PROB,
                                              progress=False)
                         with applied(model, overlay):
@@ -337,7 +341,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                                   "steps_run": overlay.meta["optimization"]["steps_run"]}
                     extra = {"seconds": round(time.perf_counter() - t0, 1)}
                 else:
-                    _say(progress, f"[edit] seed {seed}: {cname} for {budgets[-1]} steps")
+                    say(progress, f"[edit] seed {seed}: {cname} for {budgets[-1]} steps")
                     extra = finetune(lambda: load_model(model_path), facts, c["method"], budgets,
                                      lambda step, m: at.__setitem__(step, measure(m, tok, fs, damage, before)),
                                      c["lr"], c["kl"], anchor, seed=seed, progress=progress)
@@ -350,8 +354,7 @@ def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_f
                              "environment": rec.get("environment")})
     envs = index_environments(runs)
     summary = {"experiment": name, "date": datetime.date.today().isoformat(),
-               "command": (f"engram experiment edit --seeds {len(seed_list)} --record docs/results" if name == "edit"
-                           else f"engram experiment {name} --record docs/results"),
+               "command": command or f"engram experiment {name} --seeds {len(seed_list)} --record docs/results",
                # where the model came from, without this machine's paths, and which weights exactly
                "model": ("--checkpoint " + Path(checkpoint).name) if checkpoint else f"OUT/{name}/base (trained here)",
                "model_sha256": sha256_file(model_path / "model.safetensors"),
@@ -397,6 +400,7 @@ def replicate(original: dict, design: dict, out: str | Path = "runs/experiments"
     s = run(out, n_facts=design["n_facts"], seeds=design["seeds"], max_windows=design["max_windows"],
             progress=progress, base_steps=design["base_steps"], preset=design["preset"], budgets=design["budgets"],
             grid={v: grid[v] for v in design["variants"]}, name=design["experiment"],
+            command=f"engram experiment {design['experiment']} --record docs/results",
             family_metrics=design["known"]["metrics"])
     envs = s["environments"]
     results = {}
@@ -599,3 +603,28 @@ def plot(s: dict, path: Path) -> None:
                  f"(mean ± sd over {_n_sets(s)} fact sets; dots: each fact set)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _runs(design: dict, recs: dict):
+    """`edit-replication`'s runs: the original's settings (`configs`) on new fact sets, edited on a base of the
+    original's recipe by `replicate`."""
+    from .records import original_record
+    from .runs import ExperimentError
+
+    rec = original_record(design, recs)
+
+    def trainer(d, out, progress, jobs, max_steps):
+        if max_steps is not None:
+            raise ExperimentError(f"{d['experiment']}: --max-steps does not apply; the design fixes the step budgets")
+        return replicate(rec, d, out, progress)
+
+    return Runs(configs(), replication_table, trainer)
+
+
+register(Experiment("edit", """
+    counterfactuals and new entities written into the table rows of a model that learned world
+    facts (`engram edit`) vs fine-tuning (with and without KL) and LoRA at fixed step budgets:
+    efficacy, generalization, specificity, damage (`edit.py`).""",
+                    run=lambda o: run(o.out, checkpoint=o.checkpoint, seeds=o.seeds, progress=o.progress,
+                                      record=o.record),
+                    table=markdown, plot=plot, plot_file="edit.png", replication=_runs, section="9"))

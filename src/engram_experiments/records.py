@@ -8,29 +8,16 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from ..persist import write_json
+from engram.persist import write_json
+
+from .registry import Experiment, find, register
 from .runs import ExperimentError, read_result
-
-# the row every other row of an experiment's table is compared with
-BASELINE = {"iso": "no-engram", "placement": "block1", "capacity": "no-engram", "ablations": "full",
-            "design": "reference", "allocation": "moe-E16", "allocation-sweep": "moe-E16"}
-
-
-# experiments whose module renders its own table and plot (`markdown(rec)`, `plot(rec, path)`) from the record
-OWN_REPORT = {"edit": "editing", "retrofit": "retrofit", "smollm2-adapt": "smollm2", "smollm2-edit": "smollm2_edit"}
-
-
-def own_report(name: str):
-    """The module that renders experiment `name`'s own table and plot."""
-    from importlib import import_module
-
-    return import_module(f".{OWN_REPORT[name]}", __package__)
 
 
 # ------------------------------------------------------------------------------------------ recording
 def experiment_record(summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
-    """What `--record` commits: the summary's table (per-seed values included), each variant's seeds, the val
-    curves of `iso`, and the environments the runs recorded (deduplicated; `run_environment` indexes them)."""
+    """What `--record` commits: the summary's table (per-seed values included), each variant's seeds and the
+    environments the runs recorded (deduplicated; `run_environment` indexes them)."""
     name = summary["experiment"]
     rec = {"experiment": name, "preset": summary["preset"], "date": datetime.date.today().isoformat(),
            "command": command or f"engram experiment {name} --seeds {summary['seeds']} --record docs/results",
@@ -49,10 +36,15 @@ def experiment_record(summary: dict, results: dict[str, list[dict]], command: st
                 envs.append(env)
             rec["run_environment"][f"{v}/seed{r['seed']}"] = envs.index(env)
     rec["environments"] = envs
-    if name == "iso":
-        rec["curves"] = {v: [[[m["step"], m["val_loss"]] for m in r["metrics"] if "val_loss" in m] for r in rs]
-                         for v, rs in results.items()}
     return rec
+
+
+def original_record(design: dict, recs: dict) -> dict:
+    """The committed record of the experiment a replication's design replicates, or a one-line error."""
+    orig = design.get("replicates")
+    if not recs or orig not in recs:
+        raise ExperimentError(f"no record docs/results/{orig}.json to replicate")
+    return recs[orig]
 
 
 def recorded_runs(path: Path) -> dict[str, list[dict]]:
@@ -76,8 +68,10 @@ def recorded_runs(path: Path) -> dict[str, list[dict]]:
     return out
 
 
-def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None) -> dict:
-    rec = experiment_record(summary, results, command)
+def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]], command: str | None = None,
+                      extra: dict | None = None) -> dict:
+    """`experiment_record` plus `extra` (what a design adds, such as iso's val curves), written to `path`."""
+    rec = experiment_record(summary, results, command) | (extra or {})
     write_json(path, rec)
     return rec
 
@@ -105,31 +99,22 @@ def table_markdown(rec: dict, name: str | None = None) -> str:
     """The table of record `rec` (`name`: its file's stem, for records without an "experiment" key; a replication's
     table is its original experiment's)."""
     name = rec.get("replicates") or rec.get("experiment", name)
-    if name == "allocation-accounting":  # `experiment allocation --plan-only --record`: the accounting table
-        return accounting_markdown(rec["variants"]).rstrip("\n")
-    if name == "stats":  # `engram stats --record`: row usage and collisions per order and table size
-        return stats_markdown(rec)
-    if name in OWN_REPORT:  # edit: methods x metrics over fact sets; retrofit: the sweep and chosen points
-        return own_report(name).markdown(rec).rstrip("\n")
+    exp = find(name)
+    if exp is not None and exp.table is not None:  # the experiment's own table (edit, retrofit, stats, ...)
+        return exp.table(rec).rstrip("\n")
     table = rec["variants"]
-    if name == "sensitivity":
-        lines = ["| token category | tokens | loss with Engram | Engram suppressed | increase (mean ± sd, n) |",
-                 "|---|---|---|---|---|"]
-        for cat, r in table.items():
-            lines.append(f"| {cat} | {r['tokens']:,} | {r['on']['mean']:.3f} | {r['off']['mean']:.3f} | "
-                         f"{r['increase']['mean']:+.3f} ± {r['increase']['std']:.3f} (n={r['increase']['n']}) |")
-        return "\n".join(lines)
+    baseline = exp.baseline if exp is not None else None
     if rec.get("quoted"):  # summary statistics kept from runs whose per-seed values were not (allocation-sweep)
         lines = ["| variant | rho | seeds | final val loss (mean ± half-range) | sd used by the tests | vs "
-                 f"{BASELINE.get(name, '-')} |", "|---|---|---|---|---|---|"]
-        base = table.get(BASELINE.get(name, ""))
+                 f"{baseline or '-'} |", "|---|---|---|---|---|---|"]
+        base = table.get(baseline or "")
         for v, r in table.items():
             rho = f"{100 * r['rho']:.1f}%" if r.get("rho") is not None else "-"
             vs = f"{r['mean'] - base['mean']:+.4f}" if base else ""
             lines.append(f"| {v} | {rho} | {r['n']} | {r['mean']:.4f} ± {r['half_range']:.4f} | {r['std']:.4f} | "
                          f"{vs} |")
         return "\n".join(lines)
-    base = BASELINE.get(name)
+    base = baseline
     lines = [f"| variant | final val loss (mean ± sd, n) | vs {base} (difference of means) | params | table params |",
              "|---|---|---|---|---|"]
     for v, r in table.items():
@@ -139,24 +124,6 @@ def table_markdown(rec: dict, name: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ other records' tables
-def accounting_markdown(vs: list[dict]) -> str:
-    """The allocation sweep's accounting table from its variants (`allocation.Variant` as dicts: what
-    `experiment allocation --plan-only --record` writes to allocation-accounting.json)."""
-    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
-             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
-        a = v["accounting"]
-        E = v["model_overrides"].get("n_routed_experts", "-") if v["kind"] != "dense" else "-"
-        rho = f"{100 * v['rho']:.1f}%" if v["rho"] is not None else "-"
-        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
-        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
-        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
-        lines.append(f"| {v['name']} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
-                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
-    return "\n".join(lines) + "\n"
-
-
 def stats_markdown(rec: dict) -> str:
     """`engram stats --record`'s row usage: one head per order, per table size."""
     lines = ["| order | rows | distinct n-grams | rows used | usage | n-grams sharing their row with another |",
@@ -237,20 +204,44 @@ def machines_markdown(recs: dict[str, dict], pattern: str = "*") -> str:
 
 
 # ------------------------------------------------------------------------------------------ plots
-def plot(rec: dict, path: str | Path) -> None:
-    """The experiment's plot from its record (error bars: sample standard deviation over seeds)."""
-    try:
-        import matplotlib
+class _Figure:
+    """One experiment plot: `with _Figure(rec, path) as (ax, table):` draws on `ax`, then titles and saves it
+    (nothing without matplotlib)."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    def __init__(self, rec: dict, path: str | Path):
+        self.rec, self.path = rec, path
+
+    def __enter__(self):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None, self.rec["variants"]
+        self.plt = plt
+        self.fig, self.ax = plt.subplots(figsize=(7, 4))
+        return self.ax, self.rec["variants"]
+
+    def __exit__(self, *exc):
+        if exc[0] is None and getattr(self, "ax", None) is not None:
+            self.ax.grid(alpha=0.3)
+            self.ax.set_title(f"engram experiment {self.rec['experiment']}")
+            self.fig.savefig(self.path, dpi=110, bbox_inches="tight")
+        if getattr(self, "fig", None) is not None:
+            self.plt.close(self.fig)
+        return False
+
+
+def plot_curves(rec: dict, path: str | Path) -> None:
+    """Mean val loss vs step per variant (a design with `curves`; bars when the record has none)."""
+    if not rec.get("curves"):
+        return plot_bars(rec, path)
     import numpy as np
 
-    name, table = rec["experiment"], rec["variants"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if name == "iso" and rec.get("curves"):
+    with _Figure(rec, path) as (ax, _):
+        if ax is None:
+            return
         for v, curves in rec["curves"].items():
             steps = [s for s, _ in curves[0]]
             mean = np.mean([[x for _, x in c] for c in curves], axis=0)
@@ -258,13 +249,25 @@ def plot(rec: dict, path: str | Path) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("val loss")
         ax.legend()
-    elif name == "placement":
+
+
+def plot_placement(rec: dict, path: str | Path) -> None:
+    """Final val loss (± sd over seeds) vs the Engram block."""
+    with _Figure(rec, path) as (ax, table):
+        if ax is None:
+            return
         xs = list(range(len(table)))
         ax.errorbar(xs, [table[v]["mean"] for v in table], yerr=[table[v]["std"] for v in table], fmt="o-", capsize=3)
         ax.set_xticks(xs, list(table))
         ax.set_xlabel("Engram block (0-based)")
         ax.set_ylabel("final val loss (± sd)")
-    elif name == "capacity":
+
+
+def plot_capacity(rec: dict, path: str | Path) -> None:
+    """Final val loss (± sd) vs rows per head, log scale, beside the no-Engram baseline."""
+    with _Figure(rec, path) as (ax, table):
+        if ax is None:
+            return
         pts = sorted((int(v[4:]), table[v]) for v in table if v.startswith("rows"))
         ax.errorbar([p for p, _ in pts], [t["mean"] for _, t in pts], yerr=[t["std"] for _, t in pts], fmt="o-",
                     capsize=3, label="Engram")
@@ -276,18 +279,30 @@ def plot(rec: dict, path: str | Path) -> None:
         ax.set_xlabel("rows per head")
         ax.set_ylabel("final val loss (± sd)")
         ax.legend()
-    elif name == "sensitivity":
+
+
+def plot_sensitivity(rec: dict, path: str | Path) -> None:
+    """The val loss increase when Engram is suppressed, per token category."""
+    with _Figure(rec, path) as (ax, table):
+        if ax is None:
+            return
         cats = list(table)
         ax.bar(cats, [table[c]["increase"]["mean"] for c in cats], yerr=[table[c]["increase"]["std"] for c in cats],
                capsize=3)
         ax.set_ylabel("val loss increase when Engram is suppressed")
-    else:
+
+
+def plot_bars(rec: dict, path: str | Path) -> None:
+    """Each variant's final val loss (± sd over seeds) as a horizontal bar."""
+    with _Figure(rec, path) as (ax, table):
+        if ax is None:
+            return
         vs = list(table)
         ax.barh(vs, [table[v]["mean"] for v in vs], xerr=[table[v]["std"] for v in vs], capsize=3)
         lo = min(table[v]["mean"] for v in vs)
         ax.set_xlim(lo - 0.1, max(table[v]["mean"] for v in vs) + 0.05)
         ax.set_xlabel("final val loss (± sd)")
-    ax.grid(alpha=0.3)
-    ax.set_title(f"engram experiment {name}")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+
+
+register(Experiment("stats", "`engram stats --record`: row usage and collisions per order and table size",
+                    table=lambda rec: stats_markdown(rec), section="7"))

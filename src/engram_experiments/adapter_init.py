@@ -31,10 +31,13 @@ from pathlib import Path
 
 import torch
 
-from ..persist import atomic_write_bytes, new_dir
-from ..training.checkpoint import checkpoints
-from ..utils import environment
-from .runs import index_environments, publish, read_run_file, seed_stats
+from engram.persist import atomic_write_bytes, new_dir
+from engram.training.checkpoint import checkpoints
+from engram.training.run import read_run_file
+from engram.utils import environment
+
+from .registry import Experiment, register
+from .runs import index_environments, publish, seed_stats
 
 CANDIDATES = (0.02, 1.0)  # N(0, std) rows: engram-peft's scale (the default until this experiment), the reference's
 GENERAL = ["shakespeare", "kjv"]  # the tokenizer's corpus
@@ -50,7 +53,7 @@ ADAPT_STEPS = 60
 ADAPT = {"seq_len": 64, "batch_size": 8, "eval_max_windows": 64}
 
 
-def _say(progress: bool, msg: str) -> None:
+def say(progress: bool, msg: str) -> None:
     if progress:
         print(msg, flush=True)
 
@@ -61,8 +64,8 @@ def random_base(root: Path, family: str, shape: dict, seed: int, tokenizer: str,
     with `seed` (cached)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..tokenizer import load_tokenizer
-    from ..training.data import load_manifest, prepare
+    from engram.tokenizer import load_tokenizer
+    from engram.training.data import load_manifest, prepare
 
     out = root / f"base-{family}-seed{seed}"
     if (out / "config.json").is_file():
@@ -121,7 +124,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
     """Every (family, dataset, seed, candidate) adaptation (resumable: one folder per run, finished runs reused),
     then summary.json/.md and plot.png in OUT/adapter-init; `record`: also `record/adapter-init.json`.
     `engram_options`: adapter settings besides the init (tests shrink the table)."""
-    from ..training.adapt import adapt
+    from engram.training.adapt import adapt
 
     families = families or FAMILIES
     general = general or GENERAL
@@ -137,7 +140,7 @@ def run(out: str | Path = "runs/experiments", seeds: int = 3, max_steps: int | N
                 for std in candidates:
                     run_dir = root / f"{family}-{Path(data).name}-std{std:g}-seed{seed}"
                     if not (run_dir / "summary.json").is_file():
-                        _say(progress, f"[adapter-init] {cell}, table_init_std {std:g}, seed {seed} -> {run_dir}")
+                        say(progress, f"[adapter-init] {cell}, table_init_std {std:g}, seed {seed} -> {run_dir}")
                         adapt(base, data=[data], out=run_dir, method="engram", max_steps=steps,
                               engram_options={**(engram_options or {}), "table_init_std": std},
                               overrides={**ADAPT, "seed": seed, "eval_every": steps, "ckpt_every": steps},
@@ -209,3 +212,10 @@ def plot(s: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+register(Experiment("adapter-init", """
+    the adapter tables' init std (the default of `engram.attach`), chosen on GPT-2 and GPT-NeoX
+    bases adapted to Shakespeare and to the King James Bible: settings apart from
+    benchmarks/bench_peers.py, which reports it (`adapter_init.py`).""",
+                    run=lambda o: run(o.out, o.seeds, o.max_steps, progress=o.progress, record=o.record)))

@@ -37,95 +37,37 @@ it with `{{replication:NAME-replication}}` beside the original family's rows (`r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError
-from ..persist import write_json
-from ..utils import environment
+from engram.config import ConfigError
+from engram.persist import write_json
+from engram.utils import environment
+
 from . import prereg
 from . import significance as sig
-from .records import OWN_REPORT, experiment_record, table_markdown
-from .runs import ExperimentError, seed_stats
+from .records import experiment_record, table_markdown
+from .registry import Runs, find, replicable
+from .runs import ExperimentError
 
 SUFFIX = "-replication"
-# experiments whose runs a replication knows (`runs_of`)
-REPLICABLE = ("ablations", "sensitivity", "allocation", "retrofit", "edit")
+# `engram experiment --list`'s line for replications
+LISTING = """a claim of experiment NAME (one of those with a replication) run again on
+               seeds (edit: fact sets) no record used, every choice (variants, seeds, n from the power at the
+               original effect, the family, the test) read from the committed preregistration
+               docs/prereg/NAME-replication.toml; recorded to docs/results/NAME-replication.json beside the
+               original (`replication.py`)."""
 ORDER_GAP = 100  # a new seed's distance from every used one: no data order shared below this many epochs
 
 
-@dataclass
-class Runs:
-    """How the original experiment trains its runs: `variants` (the names a design may choose; for a preset
-    experiment or allocation each one's `runs.trained_run` keyword arguments), the `data` and `max_steps` those
-    runs share, `table(results)`, the record's table of per-seed results, and `trainer`: the original's own driver
-    for experiments that do not train preset runs (retrofit's adapters, edit's fact sets), else None."""
-
-    variants: dict
-    data: list[str] | None
-    max_steps: int | None
-    table: Callable[[dict], dict]
-    trainer: Callable | None = None
-
-    def train(self, design: dict, out, progress: bool, jobs: int, max_steps: int | None) -> tuple[dict, dict]:
-        """The design's variants on its seeds: ({variant: runs in seed order}, what the record adds)."""
-        if self.trainer is not None:
-            return self.trainer(design, out, progress, jobs, max_steps)
-        from .experiments import train_runs
-
-        vs = {v: self.variants[v] for v in design["variants"]}
-        return train_runs(design["replicates"], out, vs, list(design["seeds"]), design["preset"], self.data,
-                          max_steps or self.max_steps, progress, jobs), {}
-
-
 def runs_of(design: dict, recs: dict | None = None) -> Runs:
-    """The original experiment's runs as its own driver trains them: a preset experiment's `experiments.variants` at
-    the design's `preset`; allocation's `plan` at the design's `scale` (each variant's model overrides and Engram
-    use, the scale's training overrides, data and steps: `allocation._train`'s); retrofit's points its selection
-    seed chose in the original record, trained by `retrofit.replicate`; edit's settings (`editing.configs`), fact
-    sets edited on a base of the original's recipe by `editing.replicate`. `recs`: the committed records (retrofit
-    and edit read their original's)."""
-    from .experiments import results_table, variants
-
-    orig, preset = design.get("replicates"), design.get("preset")
-    if orig in ("retrofit", "edit"):
-        if not recs or orig not in recs:
-            raise ExperimentError(f"no record docs/results/{orig}.json to replicate")
-        rec = recs[orig]
-    if orig == "retrofit":  # adapters of retrofit's own base, not preset runs
-        from . import retrofit
-
-        return Runs(retrofit.replication_points(rec), None, None, retrofit.replication_table,
-                    lambda d, out, progress, jobs, max_steps: retrofit.replicate(
-                        rec, d["variants"], list(d["seeds"]), out, progress, jobs, max_steps))
-    if orig == "edit":
-        from . import editing
-
-        def edit_trainer(d, out, progress, jobs, max_steps):
-            if max_steps is not None:
-                raise ExperimentError(f"{d['experiment']}: --max-steps does not apply; the design fixes the step "
-                                      "budgets")
-            return editing.replicate(rec, d, out, progress)
-
-        return Runs(editing.configs(), None, None, editing.replication_table, edit_trainer)
-    if orig != "allocation":
-        return Runs(variants(orig, preset), None, None, lambda results: results_table(orig, results))
-    from . import allocation
-
-    sc = allocation._scale(design.get("scale", "cpu"))
-    if sc.preset != preset:
-        raise ExperimentError(f"allocation's {design.get('scale', 'cpu')} scale trains preset {sc.preset!r}, "
-                              f"not {preset!r}")
-    plan = {v.name: v for v in allocation.plan(sc)}
-
-    def table(results: dict) -> dict:  # allocation's record table (`allocation.run`'s rec_table)
-        return {n: seed_stats([r["val_loss"] for r in rs]) | {
-            "rho": plan[n].rho, "params": plan[n].accounting["total"], "activated": plan[n].accounting["activated"],
-            "table_params": plan[n].accounting["table"]} for n, rs in results.items()}
-
-    return Runs({n: {"overrides": dict(sc.train), "use_engram": v.use_engram, "model_overrides": v.model_overrides}
-                 for n, v in plan.items()}, list(sc.data) or None, sc.max_steps, table)
+    """The original experiment's runs as its own driver trains them (its `Experiment.replication`): a preset
+    experiment's variants at the design's `preset`; allocation's plan at the design's `scale`; retrofit's points its
+    selection seed chose in the original record; edit's settings on new fact sets. `recs`: the committed records
+    (retrofit and edit read their original's)."""
+    exp = find(design.get("replicates"))
+    if exp is None or exp.replication is None:
+        raise ExperimentError(f"{design.get('replicates')!r} has no replication; replicable: {', '.join(replicable())}")
+    return exp.replication(design, recs or {})
 
 
 def refs(exp: str, family: list) -> list[tuple[str, str]]:
@@ -203,8 +145,8 @@ def check_design(design: dict, recs: dict, name: str) -> dict:
     least `ORDER_GAP` from every seed a record used, `[power]` equal to `power_plan`, at least n seeds."""
     where = f"docs/prereg/{name}.toml"
     orig = design.get("replicates")
-    if design.get("experiment") != name or orig not in REPLICABLE or f"{orig}{SUFFIX}" != name:
-        raise ExperimentError(f"{where}: experiment must be {name!r} and replicates one of {', '.join(REPLICABLE)}")
+    if design.get("experiment") != name or orig not in replicable() or f"{orig}{SUFFIX}" != name:
+        raise ExperimentError(f"{where}: experiment must be {name!r} and replicates one of {', '.join(replicable())}")
     if orig not in recs:
         raise ExperimentError(f"{where}: no record docs/results/{orig}.json to replicate")
     known = runs_of(design, recs).variants
@@ -270,7 +212,7 @@ def run(name: str, out: str | Path = "runs/experiments", progress: bool = True, 
     write_json(root / "summary.json", rec)
     if record is not None:
         write_json(Path(record) / f"{name}.json", rec)
-    if orig not in OWN_REPORT:  # an experiment with its own report renders its own record's shape only
+    if find(orig).table is None:  # an experiment with its own table renders its own record's shape only
         print(table_markdown(rec))
     for t in rec["tests"]:
         print(f"{t['b']} - {t['a']}: {t['diff']:+.4f} ± {t['se']:.4f} ({t['test']}; p {sig.fmt_p(t['p'])}, Holm "

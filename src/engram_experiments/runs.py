@@ -13,8 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import EngramError
-from ..persist import atomic_write_bytes, read_json, write_json
+from engram.errors import EngramError
+from engram.persist import atomic_write_bytes, read_json, write_json
 
 
 class ExperimentError(EngramError, ValueError):
@@ -28,16 +28,11 @@ def read_result(path: Path, what: str, delete: Path | None = None, expect: type 
     return read_json(path, what, fix, ExperimentError, expect)
 
 
-def read_run_file(run_dir: Path, name: str = "run.json") -> dict:
-    """`run_dir/name` of a training run (`run.json`: its settings, `summary.json`: its results)."""
-    return read_result(Path(run_dir) / name, "run file", delete=run_dir)
-
-
 def call_in_subprocess(target: str, kwargs: dict, log: Path, what: str, jobs: int = 1) -> None:
     """`target(**kwargs)` ("package.module:function", JSON-able keyword arguments) in a process of its own, its output
     appended to `log`: a run's peak RSS is then its own, and `run_parallel` can train several at once. With `jobs`
     such processes at once, each gets cores/jobs threads unless OMP_NUM_THREADS is set."""
-    cmd = [sys.executable, "-m", "engram.analysis.runs", target, json.dumps(kwargs)]
+    cmd = [sys.executable, "-m", "engram_experiments.runs", target, json.dumps(kwargs)]
     env = dict(os.environ)
     if jobs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
@@ -108,9 +103,9 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
                 overrides: dict | None = None, **train_kw) -> dict:
     """Train `preset` into `run_dir` with `seed` (unless it finished; resuming a checkpointed one) and
     return `{"seed", "run_dir", **summary.json, "metrics"}`. `label` prefixes the progress line."""
-    from ..training.checkpoint import checkpoints
-    from ..training.run import read_metrics
-    from ..training.train import train
+    from engram.training.checkpoint import checkpoints
+    from engram.training.run import read_metrics, read_run_file
+    from engram.training.train import train
 
     run_dir = Path(run_dir)
     if not (run_dir / "summary.json").is_file():
@@ -135,6 +130,6 @@ def trained_run(run_dir: Path, label: str, seed: int, preset: str, *, data, max_
     return {"seed": seed, "run_dir": str(run_dir), **summ, "metrics": read_metrics(run_dir / "metrics.jsonl")}
 
 
-if __name__ == "__main__":  # one call_in_subprocess run: `python -m engram.analysis.runs module:function '{json}'`
+if __name__ == "__main__":  # one call_in_subprocess run: `python -m engram_experiments.runs module:function '{json}'`
     _module, _function = sys.argv[1].split(":")
     getattr(importlib.import_module(_module), _function)(**json.loads(sys.argv[2]))

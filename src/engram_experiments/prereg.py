@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..utils import git_state, parse_toml
+from engram.utils import git_state, parse_toml
+
 from .runs import ExperimentError
 
 PREREG_DIR = Path("docs") / "prereg"

@@ -36,8 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ConfigError
-from ..persist import atomic_write_bytes, write_json
+from engram.config import ConfigError
+from engram.persist import atomic_write_bytes, write_json
+
+from .registry import Experiment, Runs, register
 from .runs import read_result, seed_stats, trained_run
 
 ROUTED_WEIGHTS = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")
@@ -102,7 +104,7 @@ class Variant:
 def _config(preset: str, overrides: dict, use_engram: bool):
     """The model config a run of this variant trains (`presets.model_for`, the trainer's own merge of
     overrides), with the preset's vocabulary and tokenizer: those are the same in every variant."""
-    from ..training.presets import get_preset, model_for
+    from engram.training.presets import get_preset, model_for
 
     proto = get_preset(preset).model()
     return model_for(preset, proto.vocab_size, proto.pad_token_id, proto.engram["tokenizer_name_or_path"],
@@ -115,7 +117,7 @@ def count_params(cfg) -> dict:
     total, table (Engram rows), routed (all routed experts), activated (per token: everything but
     the table and the routed experts a token skips, plus the table rows it reads), inactive.
     """
-    from ..model import EngramForCausalLM
+    from engram.model import EngramForCausalLM
 
     with torch.device("meta"):
         model = EngramForCausalLM(cfg)
@@ -143,7 +145,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
     `torch.utils.flop_counter` on a random-weight model; the table gather and the hashing add none)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..model import EngramForCausalLM
+    from engram.model import EngramForCausalLM
 
     torch.manual_seed(0)
     model = EngramForCausalLM(cfg).eval()
@@ -162,7 +164,7 @@ def table_sizes(rows: int, n_orders: int, heads: int, layer_ids: list[int]) -> l
     checks the result with the reference's own prime choice (`hashing.head_moduli`)."""
     from sympy import primerange
 
-    from ..hashing import head_moduli
+    from engram.hashing import head_moduli
 
     L = len(layer_ids)
     if rows < 4 * n_orders * heads * L:
@@ -234,7 +236,7 @@ def plan(scale: str | Scale = "cpu", flops_seq_len: int | None = None) -> list[V
             over = {**dense, "intermediate_size": width}
             out.append(Variant(name, "dense", None, False, over,
                                count_params(_config(sc.preset, over, use_engram=False))))
-    from ..hashing import head_moduli
+    from engram.hashing import head_moduli
 
     for v in out:
         a, cfg = v.accounting, _config(sc.preset, v.model_overrides, v.use_engram)
@@ -301,7 +303,8 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
     `plan_only`: write and print the accounting, train nothing. `only`: train these variants (names from the
     plan) for `seeds` seeds and report the others' finished runs only. `finished_only`: train nothing.
     `record`: also write `record/allocation-accounting.json` and the per-seed results `record/allocation.json`."""
-    from ..training.presets import train_config
+    from engram.training.presets import train_config
+
     from .records import recorded_runs
 
     sc = _scale(scale)
@@ -396,10 +399,26 @@ def run(out: str | Path = "runs/experiments", seeds: int = 2, max_steps: int | N
 
 # ------------------------------------------------------------------------------------------ reports
 def accounting_markdown(vs: list[Variant]) -> str:
-    """The accounting table of the plan `vs` (`records.accounting_markdown`, which also renders the committed one)."""
-    from .records import accounting_markdown
+    """The accounting table of the plan `vs` (`accounting_table`, which also renders the committed one)."""
+    return accounting_table([dataclasses.asdict(v) for v in vs])
 
-    return accounting_markdown([dataclasses.asdict(v) for v in vs])
+
+def accounting_table(vs: list[dict]) -> str:
+    """The allocation sweep's accounting table from its variants (`allocation.Variant` as dicts: what
+    `experiment allocation --plan-only --record` writes to allocation-accounting.json)."""
+    lines = ["| variant | rho (MoE share) | routed experts | shared expert / FFN width | total params | activated "
+             "(embedding + LM head share) | table params | FLOPs/token (fwd, no hashing or gather) | tokens per row |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in vs:
+        a = v["accounting"]
+        E = v["model_overrides"].get("n_routed_experts", "-") if v["kind"] != "dense" else "-"
+        rho = f"{100 * v['rho']:.1f}%" if v["rho"] is not None else "-"
+        fl = f"{a['flops_per_token'] / 1e6:.3f}M" if "flops_per_token" in a else "-"
+        tpr = f"{a['tokens_per_row']:,.0f}" if a.get("tokens_per_row") else "-"
+        share = f" ({a['embedding_share_of_activated']:.0%})" if "embedding_share_of_activated" in a else ""
+        lines.append(f"| {v['name']} | {rho} | {E} | {a.get('ffn_width', '-')} | {a['total']:,} | "
+                     f"{a['activated']:,}{share} | {a['table']:,} | {fl} | {tpr} |")
+    return "\n".join(lines) + "\n"
 
 
 def results_markdown(vs: list[Variant], table: dict, best: str, moe: str) -> str:
@@ -436,3 +455,51 @@ def _plot(vs: list[Variant], table: dict, path: Path, scale: str) -> None:
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _runs(design: dict, recs: dict):
+    """`allocation-replication`'s runs: the plan at the design's `scale` (each variant's model overrides and Engram
+    use, the scale's training overrides, data and steps: `_train`'s), with `run`'s record table."""
+    from .preset import preset_trainer
+    from .runs import ExperimentError
+
+    sc = _scale(design.get("scale", "cpu"))
+    if sc.preset != design.get("preset"):
+        raise ExperimentError(f"allocation's {design.get('scale', 'cpu')} scale trains preset {sc.preset!r}, "
+                              f"not {design.get('preset')!r}")
+    points = {v.name: v for v in plan(sc)}
+
+    def table(results: dict) -> dict:  # `run`'s record table
+        return {n: seed_stats([r["val_loss"] for r in rs]) | {
+            "rho": points[n].rho, "params": points[n].accounting["total"],
+            "activated": points[n].accounting["activated"], "table_params": points[n].accounting["table"]}
+            for n, rs in results.items()}
+
+    vs = {n: {"overrides": dict(sc.train), "use_engram": v.use_engram, "model_overrides": v.model_overrides}
+          for n, v in points.items()}
+    data = list(sc.data) or None
+    return Runs(vs, table, preset_trainer("allocation", vs, data, sc.max_steps), data, sc.max_steps)
+
+
+def _plot_record(rec: dict, path: Path) -> None:
+    from .records import plot_bars
+
+    plot_bars(rec, path)
+
+
+register(Experiment("allocation", """
+    the paper's U-curve: total and activated parameters fixed, the share of the inactive
+    sparse budget kept by routed MoE experts swept from 100% down, the rest as Engram rows;
+    plus dense iso-activated and iso-total baselines (`allocation.py`;
+    `--scale gpu` for the larger sweep of `experiments/allocation_gpu.sh`).""",
+                    run=lambda o: run(o.out, o.seeds, o.max_steps, progress=o.progress, scale=o.scale, data=o.data,
+                                      plan_only=o.plan_only, record=o.record, only=o.variants_only,
+                                      finished_only=o.finished_only),
+                    plot=_plot_record, plot_file="exp-allocation-4seeds.png", baseline="moe-E16", replication=_runs,
+                    section="10"))
+# the records allocation's commands write besides its own: the accounting (`--plan-only --record`) and the sweep
+# kept as summary statistics (quoted means and half-ranges)
+register(Experiment("allocation-accounting", "the sweep's accounting table (`engram experiment allocation --plan-only "
+                    "--record`)", table=lambda rec: accounting_table(rec["variants"]), section="10"))
+register(Experiment("allocation-sweep", "the sweep's summary statistics, quoted from runs whose per-seed values were "
+                    "not kept", baseline="moe-E16", section="10"))

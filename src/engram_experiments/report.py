@@ -58,9 +58,11 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from ..persist import atomic_write_bytes
+from engram.persist import atomic_write_bytes
+
 from . import significance as sig
-from .records import OWN_REPORT, fmt_env, fmt_stat, machines_markdown, own_report, plot, table_markdown
+from .records import fmt_env, fmt_stat, machines_markdown, table_markdown
+from .registry import find
 from .runs import read_result, seed_stats
 
 
@@ -316,8 +318,10 @@ def design_constants() -> dict[str, object]:
     typed in a template. A setting a record holds is rendered with `{{value:...}}` instead."""
     import inspect
 
-    from . import editing, stats
-    from .experiments import frequent_ngram_mask
+    from engram.analysis import stats
+    from engram.analysis.stats import frequent_ngram_mask
+
+    from . import edit as editing
 
     return {"alpha": sig.ALPHA, "power": sig.POWER,
             "frequent_ngram_min_count": inspect.signature(frequent_ngram_mask).parameters["min_count"].default,
@@ -518,7 +522,7 @@ def setting_names() -> set[str]:
     configs, and `engram_scale`."""
     import dataclasses
 
-    from ..config import BackBoneConfig, EngramConfig, TrainConfig
+    from engram.config import BackBoneConfig, EngramConfig, TrainConfig
 
     return {f.name for c in (EngramConfig, BackBoneConfig, TrainConfig) for f in dataclasses.fields(c)} | {
         "engram_scale"}
@@ -663,9 +667,8 @@ def main(results_dir: str, template: str | None = None, out: str | None = None, 
         print(f"wrote {page} from {len(recs)} per-seed files")
     if img and not check:
         for name, rec in recs.items():
-            if name in ("iso", "placement", "capacity", "ablations", "sensitivity", "allocation"):
-                plot(rec, Path(img) / f"exp-{name}{'-4seeds' if name == 'allocation' else ''}.png")
-            elif name in OWN_REPORT:
-                own_report(name).plot(rec, Path(img) / f"{name}.png")
+            exp = find(name)
+            if exp is not None and exp.plot is not None and exp.plot_file is not None:
+                exp.plot(rec, Path(img) / exp.plot_file)
         print(f"wrote the plots in {img}/")
     return 1 if failed else 0

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import torch
 
-from ..editing import Fact, applied, edit_facts
-from ..persist import write_json
+from engram.editing import Fact, applied, edit_facts
+from engram.persist import write_json
+
 from . import prereg
-from .editing import _share, finetune
+from .edit import fact_share, finetune
 from .known_facts import all_facts, counterfactuals, known_facts
-from .retrofit import _say, extend_grid
+from .registry import Experiment, register
+from .retrofit import extend_grid, say
 from .runs import ExperimentError, detectable, index_environments, publish, read_result, seed_stats, verdict
 
 NAME = "smollm2-edit"
@@ -52,12 +54,12 @@ EDIT_TARGET_PROB = 0.9999  # the edit's early stop (every target at this probabi
 
 def starting_adapter(root: Path, base: Path, d: dict, progress: bool) -> Path:
     """The Engram adapter every method starts from, trained (once) as the prereg's [adapter] says."""
-    from ..training.adapt import adapt
-    from ..training.checkpoint import checkpoints
+    from engram.training.adapt import adapt
+    from engram.training.checkpoint import checkpoints
 
     a, run_dir = d["adapter"], root / "adapter"
     if not (run_dir / "summary.json").is_file():
-        _say(progress, f"[{NAME}] training the starting adapter ({a['data']}, {a['steps']} steps) -> {run_dir}")
+        say(progress, f"[{NAME}] training the starting adapter ({a['data']}, {a['steps']} steps) -> {run_dir}")
         settings = {k: a[k] for k in ("seq_len", "batch_size", "warmup_steps", "weight_decay", "lr", "seed")}
         adapt(base=str(base), data=[a["data"]], out=str(run_dir), method="engram", layers=a["layers"],
               max_steps=a["steps"], overrides={**settings, "ckpt_every": a["steps"], "eval_every": a["steps"]},
@@ -88,13 +90,13 @@ def measure(model, tok, edited: list[tuple[str, Fact, str]], facts: list[tuple[s
             before: float) -> dict:
     """The five metrics of `model` for the edited set `edited` (`facts`: every known fact; those not edited are the
     specificity prompts, split by whether their relation is one of the edited facts')."""
-    from ..training.train import evaluate
+    from engram.training.train import evaluate
 
     model.eval()
     prompts = {f.prompt for _, f, _ in edited}
     rels = {r for r, _, _ in edited}
     rest = [(r, f) for r, f in facts if f.prompt not in prompts]
-    share = partial(_share, model, tok)  # the share of (prompt, target) pairs greedy decoding gets right
+    share = partial(fact_share, model, tok)  # the share of (prompt, target) pairs greedy decoding gets right
     return {"efficacy": share([(f.prompt, f.target) for _, f, _ in edited]),
             "paraphrases": share([(p, f.target) for _, f, _ in edited for p in f.paraphrases]),
             "old_kept": share([(f.prompt, true) for _, f, true in edited]),
@@ -124,10 +126,11 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
         repo: Path | None = None, budgets: list[int] | None = None) -> dict:
     """The preregistered design (resumable), then summary.json/.md and plot.png in OUT/smollm2-edit; `record`: also
     `record/smollm2-edit.json`. `budgets` overrides the prereg's for a trial (then nothing can be recorded)."""
-    from ..training.adapt import load_base, load_with_adapter
-    from ..training.data import text_windows
-    from ..utils import environment
-    from .smollm2 import smollm2_base
+    from engram.inference import load_base, load_with_adapter
+    from engram.training.data import text_windows
+    from engram.utils import environment
+
+    from .smollm2_adapt import smollm2_base
 
     if record is not None and budgets is not None:
         raise ExperimentError("--max-steps departs from the preregistered budgets; drop it to --record")
@@ -144,8 +147,8 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
     anchor = text_windows(tok, [ev["general"]], "train", ev["seq_len"], ev["anchor_windows"])  # ft+kl's KL text
     known_file = root / "known.json"
     if not known_file.is_file():
-        _say(progress, f"[{NAME}] which of the {len(all_facts())} facts the base and the starting model know")
-        from ..training.train import evaluate
+        say(progress, f"[{NAME}] which of the {len(all_facts())} facts the base and the starting model know")
+        from engram.training.train import evaluate
 
         base_model = load_base(base)[0].eval()
         write_json(known_file, {"base": [f.prompt for _, f in known_facts(base_model, tok)],
@@ -165,7 +168,7 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
         edited = sets[set_name]
         edits = [fact for _, fact, _ in edited]
         at: dict[str, dict] = {}
-        _say(progress, f"[{NAME}] {set_name}: {method} lr {lr:g}, budgets {budgets}")
+        say(progress, f"[{NAME}] {set_name}: {method} lr {lr:g}, budgets {budgets}")
         if method == "engram-edit":
             secs = 0.0
             for b in budgets:
@@ -342,3 +345,13 @@ def plot(s: dict, path: Path) -> None:
                  f"{', '.join(map(str, s['budgets']))} steps (mean ± sd over the test sets)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+register(Experiment("smollm2-edit", """
+    counterfactual edits of capitals SmolLM2-135M-Instruct (+ an Engram adapter) knows: `engram edit`
+    vs fine-tuning, fine-tuning + KL and LoRA at fixed step budgets; efficacy, paraphrases,
+    specificity on known unedited facts, fluency; read from docs/prereg/smollm2-edit.toml
+    (`smollm2_edit.py`; the recorded run took 54 min on 2 cores shared with other work).""",
+                    run=lambda o: run(o.out, progress=o.progress, record=o.record,
+                                      budgets=[o.max_steps] if o.max_steps else None),
+                    table=markdown, plot=plot, plot_file="smollm2-edit.png", section="13"))
