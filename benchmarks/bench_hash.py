@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _reference import reference_hash  # noqa: E402
 from _timing import timeit  # noqa: E402
 
-from engram import EngramConfig, _fasthash, get_hash_mapping  # noqa: E402
+from engram import EngramConfig, get_hash_mapping  # noqa: E402
+from engram.hashing import kernels as hash_kernels  # noqa: E402
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
     ntok = ids.size
     ref = reference_hash(m, ids)
     rows = []
-    backends = ["torch"] + (["numba"] if _fasthash.available() else [])
+    backends = ["torch"] + (["numba"] if hash_kernels.available() else [])
     t_ref = timeit(lambda: reference_hash(m, ids), args.repeats)
     rows.append(("reference (numpy, % per head)", t_ref, True))
     results = {}

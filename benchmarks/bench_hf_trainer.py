@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 import engram
+from engram.inference import load_base
 from engram.persist import remove_tree
-from engram.training.adapt import build, load_base
+from engram.training.adapt import build
 from engram.training.data import load_manifest, load_split, prepare
 from engram.training.run import train_step
 

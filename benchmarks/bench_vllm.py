@@ -94,7 +94,7 @@ def adapter_for(base: Path, out: Path) -> Path:
     value projection and conv randomized (a fresh adapter's delta is 0), saved to `out`."""
     import engram
     from engram.adapters import save_adapter
-    from engram.training.adapt import load_base
+    from engram.inference import load_base
 
     model, tok = load_base(base)
     engram.attach(model, [1], tokenizer=tok, verbose=False)
@@ -137,8 +137,8 @@ def engram_setups(d: Path, design: str, prompts, tokens):
 
 def adapter_setups(d: Path, base: Path, prompts, tokens):
     """Setups e-g on `base` + an adapter, and the pair's greedy ids / text per prompt (`load_with_adapter`)."""
+    from engram.inference import load_with_adapter
     from engram.integrations.vllm.pair import write_pair
-    from engram.training.adapt import load_with_adapter
 
     adapter = adapter_for(base, d / "adapter")
     pair = write_pair(base, adapter, d / "pair")

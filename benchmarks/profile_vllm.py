@@ -42,11 +42,14 @@ PIECES = [("engram.integrations.vllm.model", None, "step_view", "step view"),
           ("engram.integrations.vllm.model", None, "hash_ids", "hashing"),
           ("engram.integrations.vllm.model", None, "engram_delta", "Engram layers"),
           ("engram.memory", "MultiHeadEmbedding", "gather", "table gather"),
-          ("engram._faststep", "Layer", "project", "projection (fused)"),
-          ("engram._faststep", "Layer", "delta", "gate + conv (fused)"),
+          ("engram.integrations.vllm._kernels", "Layer", "project", "projection (fused)"),
+          ("engram.integrations.vllm._kernels", "Layer", "delta", "gate + conv (fused)"),
           ("engram.memory", "Engram", "gated_value", "value + gate (torch)"),
           ("engram.memory", "Engram", "mix_at_taps", "conv step (torch)"),
-          ("engram._faststep", None, "conv", "conv step (fused)")]  # an older engram's (profiled for comparison)
+          # an older engram's, profiled for comparison (its step kernels were the top-level `engram._faststep`)
+          ("engram._faststep", "Layer", "project", "projection (fused)"),
+          ("engram._faststep", "Layer", "delta", "gate + conv (fused)"),
+          ("engram._faststep", None, "conv", "conv step (fused)")]
 PARTS = ("table gather", "projection (fused)", "gate + conv (fused)", "value + gate (torch)", "conv step (torch)",
          "conv step (fused)")  # parts of "Engram layers"
 

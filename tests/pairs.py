@@ -46,7 +46,7 @@ def save_adapter_for(base: Path, out: Path, layer: int = 1, seed: int = 0, lora:
     import engram
     from engram.adapters import add_lora, save_adapter
     from engram.adapters import unfreeze as unfreeze_modules
-    from engram.training.adapt import load_base
+    from engram.inference import load_base
 
     model, tok = load_base(base)
     engram.attach(model, [layer], tokenizer=tok, verbose=False, **ENGRAM)

@@ -105,7 +105,7 @@ def test_other_methods_train_and_load(base, tmp_path, method, capsys):
               progress=False)
     c = s["trainable"]
     assert (c["base_trainable"] > 0) and ((c["engram_table"] > 0) == ("engram" in method))
-    from engram.verify import verify_path
+    from engram.cli.verify import verify_path
 
     assert all(status == "ok" for _, status, _ in verify_path(tmp_path / "r"))  # every final carries checksums
     if method == "full":

@@ -98,8 +98,8 @@ def _graph(sources: dict[str, tuple[str, bool]] | None = None) -> dict[str, set[
 
 
 # the flat core: what every package may use (`engram.hashing` is the core's one subpackage)
-CORE_MODULES = {"config", "model_config", "tokenizer", "hashing", "memory", "hyper", "model", "cache", "persist", "errors",
-                "utils", "deprecation", "jit"}
+CORE_MODULES = {"config", "model_config", "tokenizer", "hashing", "memory", "hyper", "model", "cache", "persist",
+                "errors", "utils", "deprecation", "jit"}
 
 
 def package_of(module: str) -> str:
@@ -229,8 +229,7 @@ CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", 
 def test_core_imports_no_storage_distribution_training_adapters_editing_or_cli(module):
     """The flat core reads top to bottom on its own; the packages around it depend on it, never the reverse."""
     forbidden = ("engram.tables", "engram.distributed", "engram.training", "engram.adapters", "engram.editing",
-                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis", "engram.client",
-                 "engram.verify")
+                 "engram.integrations", "engram.serving", "engram.cli", "engram.analysis")
     bad = sorted(m for m in _closure(_graph(), module) if m.startswith(forbidden))
     assert not bad, f"{module} reaches {bad}"
 
@@ -249,7 +248,6 @@ JSON_PARSE_ALLOWED = {
     "serving/app.py": "HTTP request bodies",
     "editing/facts.py": "the user's facts file (JSON lines, checked line by line)",
     "cli/": "--set KEY=VALUE values on the command line",
-    "client.py": "an OpenAI-compatible server's replies",
     "training/corpora.py": "the user's JSON-lines corpus (`--data file.jsonl`)",
     "engram_experiments/runs.py": "a worker subprocess's arguments (call_in_subprocess: sys.argv[2])",
     "training/presets.py": "the user's `engram train --config` file and --set model.KEY=VALUE values",

@@ -13,7 +13,7 @@ pytest.importorskip("openai")
 
 from conftest import run_cli  # noqa: E402
 
-from engram.client import align, normalize_base_url, parse_entities  # noqa: E402
+from engram.cli.client import align, normalize_base_url, parse_entities  # noqa: E402
 
 KEY = "sk-test-SECRET-123"
 

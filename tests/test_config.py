@@ -67,3 +67,20 @@ def test_unknown_keys_and_bad_files(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.json")
+
+
+def test_train_config_moved_to_training_and_the_old_spelling_warns():
+    """`TrainConfig` lives in `engram.training.config` (the core holds the model's configs); `engram.TrainConfig` is
+    the same class, and `from engram.config import TrainConfig` still works with a DeprecationWarning."""
+    import engram
+    from engram.training.config import TRAIN_TABLE_BACKENDS, TrainConfig
+
+    assert engram.TrainConfig is TrainConfig
+    with pytest.warns(DeprecationWarning, match="engram.training.config"):
+        from engram.config import TrainConfig as old
+    assert old is TrainConfig
+    with pytest.warns(DeprecationWarning, match="TRAIN_TABLE_BACKENDS"):
+        from engram.config import TRAIN_TABLE_BACKENDS as old_backends
+    assert old_backends is TRAIN_TABLE_BACKENDS
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        engram.config.Nope  # noqa: B018

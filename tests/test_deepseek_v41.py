@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import damaged_copy, drop_from_index, truncate_file
 
-from engram import _fasthash
 from engram.config import ConfigError
 from engram.hashing import HashInputError
+from engram.hashing import kernels as hash_kernels
 from engram.integrations import deepseek_v41 as v41
 from engram.tables.base import TableError
 from engram.tables.quant import dequantize_ue8m0, quantize_ue8m0, ue8m0_to_float
@@ -80,7 +80,7 @@ def oracle_hash(cfg, lut, ids, dead):
     return out
 
 
-BACKENDS = ["torch"] + (["numba"] if _fasthash.available() else [])
+BACKENDS = ["torch"] + (["numba"] if hash_kernels.available() else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -458,9 +458,9 @@ def test_the_v41_preset_trains_saves_and_serves_in_v41_rows(tmp_path):
 
 
 def test_hash_windows_and_the_step_kernel_equal_hash(tok):
-    """A serving step's hash (`hash_windows`, and `_faststep.hash_step` reading a per-slot store) gives V4.1's rows
-    (int32, offsets added) as `hash` does inside the whole sequences."""
-    from engram import _faststep
+    """A serving step's hash (`hash_windows`, and `integrations.vllm._kernels.hash_step` reading a per-slot store)
+    gives V4.1's rows (int32, offsets added) as `hash` does inside the whole sequences."""
+    from engram.integrations.vllm import _kernels as step_kernels
     from engram.integrations.vllm.state import SlotState, StepView
 
     ct = CompressedTokenizer(tok)
@@ -480,5 +480,5 @@ def test_hash_windows_and_the_step_kernel_equal_hash(tok):
     for lid in m.layer_ids:
         assert got[lid].dtype == torch.int32 and torch.equal(got[lid], torch.from_numpy(whole[lid][b, t]))
         assert torch.equal(stepped[lid], got[lid])
-    if _faststep._kernels.get() is not None:
+    if step_kernels._kernels.get() is not None:
         assert m.kernel_plan(offsets=True) is not None  # (the kernel path was the one taken)

@@ -6,11 +6,11 @@ import warnings
 import pytest
 import torch
 
-from engram._numba import LazyKernels
+from engram.jit import LazyKernels
 from engram.tables import TableError, disk, write_table_file
 from engram.tables.blocks import PAGE, write_block_sums
 from engram.tables.disk import DiskTable
-from engram.tables.files import read_header
+from engram.tables.header import read_header
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -166,7 +166,7 @@ def test_training_pipeline_reads_the_next_batch_ahead(tmp_path):
     assert len(touched) == 2 and torch.equal(touched[0], first)  # this batch's rows, then the next batch's
     assert torch.equal(table.weight, before)  # reading ahead changes nothing
     assert table.journal_path.stat().st_size > empty_journal  # ... but journals those rows for the coming steps
-    from engram.config import TrainConfig
+    from engram.training.config import TrainConfig
     assert TrainConfig.parse_overrides(["table_readahead=false"]) == {"table_readahead": False}
 
 

@@ -95,3 +95,11 @@ def test_the_dispatch_check_sees_a_name_chain(tmp_path):
     f = tmp_path / "m.py"
     f.write_text('def f(name):\n    if name == "iso":\n        return 1\n    return name in ("edit", "x")\n')
     assert len(_name_dispatch(f, {"iso", "edit"})) == 2
+
+
+def test_the_commands_scale_choices_are_allocations():
+    """`engram experiment --scale` lists its choices without importing the experiments (`engram --help` stays
+    light); they are allocation's scales."""
+    from engram_experiments import allocation, cli
+
+    assert cli.SCALES == tuple(allocation.SCALES)

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, _fasthash, get_hash_mapping
+from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, get_hash_mapping
+from engram.hashing import kernels as hash_kernels
 
-BACKENDS = ["torch"] + (["numba"] if _fasthash.available() else [])
+BACKENDS = ["torch"] + (["numba"] if hash_kernels.available() else [])
 INT64 = 1 << 64
 
 

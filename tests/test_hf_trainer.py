@@ -1,4 +1,4 @@
-"""Engram adapters under transformers.Trainer, TRL's SFTTrainer and DDP (engram.adapters.hf), on a tiny random Llama."""
+"""Engram adapters under transformers.Trainer, TRL's SFTTrainer and DDP (engram.training.hf), on a tiny random Llama."""
 
 import os
 

@@ -240,7 +240,8 @@ def test_engram_fused_0_turns_the_fused_kernels_off():
     import subprocess
     import sys
 
-    code = "from engram import _fastadam, _fastsinkhorn; print(_fastadam.available(), _fastsinkhorn.available())"
+    code = ("from engram import _fastsinkhorn; from engram.training import _adam_kernels; "
+            "print(_adam_kernels.available(), _fastsinkhorn.available())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**__import__("os").environ, "ENGRAM_FUSED": "0"})
     assert r.stdout.split() == ["False", "False"], r.stderr
@@ -256,11 +257,11 @@ def test_fused_kernels_use_torch_thread_count():
 
     pytest.importorskip("numba")
     code = ("import numpy as np, numba, torch\n"
-            "from engram import _fastadam\n"
-            "assert _fastadam.available()\n"
+            "from engram.training import _adam_kernels\n"
+            "assert _adam_kernels.available()\n"
             "w, m, v = (np.zeros((8, 4), np.float32) for _ in range(3))\n"
             "for _ in range(2):\n"
-            "    _fastadam.adam_rows(w, m, v, np.arange(4), np.ones((4, 4), np.float32), 0.9, 0.95, 1e-3, 1e-8)\n"
+            "    _adam_kernels.adam_rows(w, m, v, np.arange(4), np.ones((4, 4), np.float32), 0.9, 0.95, 1e-3, 1e-8)\n"
             "print(numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(), torch.get_num_threads())")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2", "ENGRAM_FUSED": "1"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

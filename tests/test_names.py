@@ -47,7 +47,8 @@ def test_training_table_mode_keeps_its_flag(command, capsys):
 
 
 def test_load_inference_model_takes_table_tier_and_the_old_keyword():
-    from engram.serving.engine import load_engine, load_inference_model
+    from engram.inference import load_inference_model
+    from engram.serving.engine import load_engine
 
     for fn in (load_inference_model, load_engine):
         assert "table_tier" in inspect.signature(fn).parameters

@@ -1,4 +1,4 @@
-"""`serving.prepare_inference`, the one path from a loaded model to an inference model (tier, overlays checked,
+"""`inference.prepare_inference`, the one path from a loaded model to an inference model (tier, overlays checked,
 format, overlays applied): every tier x format x overlay combination gives the rows `engram sample` gives, in
 `engram serve`, the CLI and (through `checkpoint_digest`) the vLLM model alike."""
 
@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 from engram.adapters.introspect import checkpoint_digest, model_digest  # noqa: E402
 from engram.cli import main  # noqa: E402
 from engram.editing import Fact, edit_facts  # noqa: E402
+from engram.inference import load_inference_model, prepare_inference  # noqa: E402
 from engram.model import load_model  # noqa: E402
-from engram.serving.engine import load_engine, load_inference_model  # noqa: E402
-from engram.serving.prepare import prepare_inference  # noqa: E402
+from engram.serving.engine import load_engine  # noqa: E402
 
 FACT = Fact("Line 5: the king", " ran")
 

@@ -3,12 +3,18 @@
 import pytest
 import torch
 
-from engram.tables import TableError
+from engram.tables import EncodedTable, TableError
+from engram.tables.codecs import FloatCodec, Nvfp4Codec, ScaledRowCodec, Ue8m0Codec
 from engram.tables.quant import (
+    TABLE_FORMATS,
     QuantTable,
     dequantize,
+    dequantize_nvfp4,
+    dequantize_ue8m0,
     open_quant_file,
+    quantize_nvfp4,
     quantize_rows,
+    quantize_ue8m0,
     set_table_format,
     write_quant_file,
 )
@@ -111,3 +117,53 @@ def test_an_unknown_table_format_names_every_served_one():
     with pytest.raises(TableError, match=r"table format must be one of \('float32', 'bfloat16', 'int8', 'fp8', "
                                          r"'fp8_ue8m0', 'nvfp4'\), got 'tape'"):
         set_table_format(torch.nn.Module(), "tape")
+
+
+SERVED = {  # format -> (the rows it serves of float rows W (N, d), its bytes per row of d values)
+    "float32": (lambda w: w, lambda d: 4 * d),
+    "bfloat16": (lambda w: w.to(torch.bfloat16), lambda d: 2 * d),
+    "int8": (lambda w: dequantize(*quantize_rows(w, "int8"), "int8"), lambda d: d + 2),
+    "fp8": (lambda w: dequantize(*quantize_rows(w, "fp8"), "fp8"), lambda d: d + 1),
+    "fp8_ue8m0": (lambda w: dequantize_ue8m0(*quantize_ue8m0(w), torch.float32), lambda d: d + d // 32),
+    "nvfp4": (lambda w: dequantize_nvfp4(*quantize_nvfp4(w), torch.float32), lambda d: d // 2 + d // 16),
+}
+
+
+@pytest.mark.parametrize("tier", ["ram", "mmap"])
+@pytest.mark.parametrize("fmt", TABLE_FORMATS)
+def test_every_table_format_is_served_by_the_one_loop(tmp_path, fmt, tier):
+    """set_table_format's one install loop (format -> codec): each format's rows bit for bit what its codec's own
+    encoder and decoder give, and its bytes per row."""
+    pytest.importorskip("transformers")
+    from engram.model import EngramForCausalLM
+    from engram.tables import find_tables, offload_tables
+    from engram.training.presets import tiny
+
+    assert tuple(SERVED) == TABLE_FORMATS
+    torch.manual_seed(0)
+    m = EngramForCausalLM(tiny(engram=dict(engram_vocab_size=[1009, 1013], n_embed_per_ngram=64,
+                                           n_head_per_ngram=2, layer_ids=[1]))).eval()
+    (_, mhe), = find_tables(m)
+    w, d = mhe.embedding.weight.detach().clone(), mhe.dim
+    if tier != "ram":
+        offload_tables(m, tier, tmp_path)
+    serves, per_row = SERVED[fmt]
+    assert set_table_format(m, fmt) == {1: per_row(d)}
+    got = mhe.table.gather(torch.arange(mhe.num_rows)) if mhe.table is not None else mhe.embedding.weight.detach()
+    want = serves(w)
+    assert got.dtype == want.dtype and torch.equal(got, want), fmt
+
+
+@pytest.mark.parametrize("codec", [FloatCodec(torch.bfloat16), ScaledRowCodec("int8"), ScaledRowCodec("fp8"),
+                                   Ue8m0Codec(), "nvfp4"])
+def test_codecs_encode_a_chunk_of_rows_at_a_time_to_the_same_bytes(codec):
+    """`RowCodec.encode` is per row (NVFP4's table scale is fixed by `Nvfp4Codec.of_rows`): rows encoded in chunks,
+    as the one loop streams them into a file, are the bytes of the whole table encoded at once."""
+    W = torch.randn(1000, 64) * torch.logspace(-2, 2, 1000)[:, None]
+    codec = Nvfp4Codec.of_rows(W) if codec == "nvfp4" else codec
+    whole = codec.encode(W)
+    for i, part in enumerate(whole):
+        chunked = torch.cat([codec.encode(W[s:s + 300])[i] for s in range(0, 1000, 300)])
+        assert torch.equal(chunked.view(torch.uint8), part.view(torch.uint8))
+    assert torch.equal(codec.decode(whole, 64, torch.float32), EncodedTable(whole, codec, torch.float32).gather(
+        torch.arange(1000)))

@@ -261,3 +261,50 @@ def test_tables_created_as_files_never_live_in_ram(tmp_path):
     assert all(math.isfinite(x) for x in losses)
     changed = (tb.weight != again.weight).any(dim=1)
     assert 0 < int(changed.sum()) < tb.num_rows  # training wrote the looked-up rows into the file, only those
+
+
+def test_one_safetensors_header_reader_names_what_is_wrong(tmp_path):
+    """`header.read_header` is the one parser of safetensors headers (table files, checkpoint shards, the file id block
+    sums are bound to): tensor table and metadata of a good file; one `TableError` line for a short, truncated,
+    non-safetensors or damaged one, from every caller (`blocks.header_id` included)."""
+    import json
+    import struct
+
+    from engram.tables.blocks import header_id
+    from engram.tables.files import write_safetensors
+    from engram.tables.header import read_header
+
+    W = torch.randn(100, 4)
+    f = write_safetensors(tmp_path / "t.safetensors", [("weight", torch.float32, (100, 4), iter([W]))],
+                          metadata={"format": "engram-table"})
+    h = read_header(f)
+    n, entries, size = h  # (its older form: header length, entries, file size)
+    assert (n, size) == (h.length, f.stat().st_size) and h.data_start == 8 + n == header_id(f)[0]
+    assert list(h.tensors) == ["weight"] and h.tensors["weight"]["shape"] == [100, 4]
+    assert h.metadata == {"format": "engram-table"} and entries["__metadata__"] == h.metadata
+    data = f.read_bytes()
+
+    def damaged(name, raw):
+        (tmp_path / name).write_bytes(raw)
+        return tmp_path / name
+
+    head = json.loads(data[8:8 + n])
+    head["weight"]["data_offsets"] = [0, -4]
+    bad_entry = json.dumps(head).encode()
+    cases = [(damaged("cut.safetensors", data[:-10]), r"is truncated: its header promises 1,600 data bytes, the "
+                                                      r"file has 1,590"),
+             (damaged("head.safetensors", data[:20]), "corrupt header length"),
+             (damaged("tiny.safetensors", data[:5]), "too short"),
+             (damaged("gguf.safetensors", b"GGUF" + bytes(60)), "corrupt header length"),
+             (damaged("json.safetensors", struct.pack("<Q", 4) + b"[1] "), "header is corrupt .a JSON dict"),
+             (damaged("entry.safetensors", struct.pack("<Q", len(bad_entry)) + bad_entry + data[8 + n:]),
+              "header is corrupt .tensor 'weight' has no data offsets")]
+    for path, msg in cases:
+        for read in (read_header, header_id):
+            if read is header_id and path.name == "gguf.safetensors":
+                continue  # (a GGUF file's id comes from its own reader)
+            with pytest.raises(TableError, match=msg) as e:
+                read(path)
+            assert "\n" not in str(e.value) and str(path) in str(e.value), (path.name, read.__name__)
+    with pytest.raises(TableError, match="no tensor 'codes'"):
+        read_header(f, required=("codes",))

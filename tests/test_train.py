@@ -118,9 +118,9 @@ def test_save_final_names_engrams_eos_for_transformers_and_vllm(corpus, tmp_path
     generation_config.json's eos_token_id: transformers, vLLM and engram's own decoding all stop there."""
     from transformers import AutoTokenizer
 
+    from engram.inference import chat_template_of
     from engram.model import EngramForCausalLM, load_model
     from engram.persist import verify_manifest
-    from engram.serving.engine import chat_template_of
     from engram.training import presets
     from engram.training.train import save_final
 

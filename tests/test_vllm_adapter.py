@@ -45,7 +45,7 @@ def prompts_of(lengths, seed):
 def reference(base, adapter, prompts, overlays=(), new=NEW, adapter_on=True, table_format=None):
     """`engram sample --base --adapter --temperature 0`'s greedy tokens (its generate call), each step's top-2 gap."""
     from engram.cli.options import with_overlays
-    from engram.training.adapt import load_with_adapter
+    from engram.inference import load_with_adapter
 
     model, _ = load_with_adapter(base, adapter if adapter_on else None)
     if overlays or table_format:
@@ -146,7 +146,7 @@ def make_overlay(base, adapter, prompts, out):
 
     from engram.adapters import adapter_of
     from engram.editing import Overlay, model_digest
-    from engram.training.adapt import load_with_adapter
+    from engram.inference import load_with_adapter
 
     model, _ = load_with_adapter(base, adapter)
     mapping = adapter_of(model).mapping

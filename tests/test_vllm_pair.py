@@ -37,7 +37,7 @@ def one_line(e) -> str:
 def test_files_give_what_the_loaded_pair_gives(kind, tmp_path):
     """Fingerprint, hashing and overlay digest read from the folders equal those of the transformers-loaded pair."""
     from engram.editing import model_digest
-    from engram.training.adapt import load_base, load_with_adapter
+    from engram.inference import load_base, load_with_adapter
 
     base, adapter = base_and_adapter(tmp_path, kind)
     meta = read_adapter_config(adapter)

@@ -38,21 +38,21 @@ def test_metadata_without_what_the_store_reads_raises(field):
 def test_steps_through_the_slot_store_equal_one_forward(hc_mult, conv, single, fused, monkeypatch):
     """Two requests whose blocks are out of order, scheduled in uneven pieces (a prefill chunk, decode tokens, a
     chunk, both requests in one step): each step's hash ids and delta (`step.hash_ids`, `step.engram_delta`, the
-    conv reading only its K taps from the store; `_faststep`'s kernels or the torch path) equal `Engram.forward`
+    conv reading only its K taps from the store; `integrations.vllm._kernels` or the torch path) equal `Engram.forward`
     over each whole sequence: the ids exactly, the deltas to float rounding (a projection over n rows rounds as the
     GEMM's blocking for n does; the kernels sum in float64)."""
-    from engram import _faststep
+    from engram.integrations.vllm import _kernels as step_kernels
 
     torch.manual_seed(0)
     e = EngramConfig(engram_vocab_size=[101, 111], max_ngram_size=3, n_embed_per_ngram=16, n_head_per_ngram=2,
                      layer_ids=[0], kernel_size=4, use_short_conv=conv, single_branch=single)
     eng = Engram(0, e, BackBoneConfig(hidden_size=32, hc_mult=hc_mult, vocab_size=1000, num_layers=2)).eval()
     if fused:
-        assert _faststep.usable(eng, torch.zeros(1)), "numba (a test dependency) should compile the step kernels"
+        assert step_kernels.usable(eng, torch.zeros(1)), "numba (a test dependency) should compile the step kernels"
     else:  # the torch ops, and the slot store's index math in numpy
-        monkeypatch.setattr(_faststep, "usable", lambda eng, x: False)
+        monkeypatch.setattr(step_kernels, "usable", lambda eng, x: False)
         for name in ("place", "locate", "hash_step"):
-            monkeypatch.setattr(_faststep, name, lambda *a: None)
+            monkeypatch.setattr(step_kernels, name, lambda *a: None)
     torch.nn.init.normal_(eng.short_conv.conv.weight)  # (zero-init would hide the taps)
     T, bs = 23, 4
     seqs = torch.randint(0, 1000, (2, T))
@@ -93,48 +93,50 @@ def test_conv_taps_are_all_the_store_reads():
 
 
 def test_kernels_stay_serial_where_the_host_owns_the_threads(monkeypatch):
-    """After `_numba.leave_threads_to_host` (what `step.new_state` calls in vLLM's worker) a large hash takes the
+    """After `jit.leave_threads_to_host` (what `step.new_state` calls in vLLM's worker) a large hash takes the
     serial kernel, no thread count is touched, and the mHC sinkhorn takes its torch path (vLLM's CPU attention
     stopped with "thread_num 1 vs. 2" when numba's parallel pool started under OMP_NUM_THREADS=1)."""
     import numba
     import numpy as np
 
-    from engram import _fasthash, _fastsinkhorn, _numba
+    from engram import _fastsinkhorn, jit
+    from engram.hashing import kernels as hash_kernels
 
     called = []
-    monkeypatch.setattr(_fasthash._kernels, "get", lambda: (lambda *a: called.append("parallel"),
-                                                            lambda *a: called.append("serial")))
+    monkeypatch.setattr(hash_kernels._kernels, "get", lambda: (lambda *a: called.append("parallel"),
+                                                               lambda *a: called.append("serial")))
     monkeypatch.setattr(numba, "set_num_threads", lambda n: called.append("threads"))
     one = np.ones((1, 1, 1))
-    big = np.zeros((4, _fasthash.SERIAL_BELOW))
-    _fasthash.hash_into(big, 0, one, (one,) * 4, np.zeros((1, 4, big.shape[1], 1), dtype=np.int64))
+    big = np.zeros((4, hash_kernels.SERIAL_BELOW))
+    hash_kernels.hash_into(big, 0, one, (one,) * 4, np.zeros((1, 4, big.shape[1], 1), dtype=np.int64))
     assert called[-1] == "parallel"  # (the default: a large call runs in parallel)
-    monkeypatch.setattr(_numba, "_host_threads", True)
+    monkeypatch.setattr(jit, "_host_threads", True)
     called.clear()
-    _fasthash.hash_into(big, 0, one, (one,) * 4, np.zeros((1, 4, big.shape[1], 1), dtype=np.int64))
+    hash_kernels.hash_into(big, 0, one, (one,) * 4, np.zeros((1, 4, big.shape[1], 1), dtype=np.int64))
     assert called == ["serial"]
     assert not _fastsinkhorn.available()
 
 
 def test_the_fused_layer_follows_in_place_weight_writes():
-    """`_faststep.layer` keeps an Engram layer's weights in the kernel's layouts across steps, and makes them again
-    after any of them is written in place (vLLM reloading weights): a stale copy would serve the old weights."""
-    from engram import _faststep
+    """`integrations.vllm._kernels.layer` keeps an Engram layer's weights in the kernel's layouts across steps, and
+    makes them again after any of them is written in place (vLLM reloading weights): a stale copy would serve the old
+    weights."""
+    from engram.integrations.vllm import _kernels as step_kernels
 
     e = EngramConfig(engram_vocab_size=[101, 111], max_ngram_size=3, n_embed_per_ngram=16, n_head_per_ngram=2,
                      layer_ids=[0], kernel_size=4)
     eng = Engram(0, e, BackBoneConfig(hidden_size=32, hc_mult=2, vocab_size=1000, num_layers=2)).eval()
-    first = _faststep.layer(eng)
-    assert _faststep.layer(eng) is first  # made once
+    first = step_kernels.layer(eng)
+    assert step_kernels.layer(eng) is first  # made once
     with torch.no_grad():
         eng.short_conv.conv.weight.add_(1.0)
-    conv = _faststep.layer(eng)
+    conv = step_kernels.layer(eng)
     norm = eng.short_conv.norm_weight.detach().double().numpy()[:, None, :]  # (G, 1, D): folded into conv_w
     assert conv is not first and np.allclose(conv.conv_w, first.conv_w + norm)
     with torch.no_grad():
         eng.kv_proj.weight.mul_(2)
-    assert torch.equal(_faststep.layer(eng).kv_t, 2 * conv.kv_t)
+    assert torch.equal(step_kernels.layer(eng).kv_t, 2 * conv.kv_t)
     eng.kv_proj.weight = torch.nn.Parameter(torch.zeros_like(eng.kv_proj.weight))  # replaced: not seen per step ...
-    assert _faststep.layer(eng).kv_t.abs().sum() > 0
-    _faststep.refresh(eng)  # ... until refreshed
-    assert _faststep.layer(eng).kv_t.abs().sum() == 0
+    assert step_kernels.layer(eng).kv_t.abs().sum() > 0
+    step_kernels.refresh(eng)  # ... until refreshed
+    assert step_kernels.layer(eng).kv_t.abs().sum() == 0

@@ -3,11 +3,11 @@
     from engram import EngramConfig, BackBoneConfig, NgramHashMapping, Engram
 """
 
+from . import config as _config
 from .config import (
     BackBoneConfig,
     ConfigError,
     EngramConfig,
-    TrainConfig,
     load_config,
     save_config,
 )
@@ -15,16 +15,25 @@ from .errors import EngramError
 from .hashing import HashInputError, NgramHashMapping, get_hash_mapping
 from .memory import Engram, MultiHeadEmbedding, ShortConv
 from .tokenizer import CompressedTokenizer, TokenizerError
+from .training import config as _training_config
+from .training.config import TrainConfig
 
 __version__ = "0.2.0"
 
+# `from engram.config import TrainConfig` (its home before training/config.py): still works, with a DeprecationWarning
+for _name in ("TrainConfig", "TRAIN_TABLE_BACKENDS"):
+    _config.moved.add(_name, "engram.training.config", getattr(_training_config, _name))
+del _name
+
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
-_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "hf_optimizers", "AdapterError")
+_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")
+_TRAINING_NAMES = ("hf_optimizers",)  # (training/hf.py: the optimizer argument of transformers.Trainer)
 _EDIT_NAMES = ("edit_facts", "apply_overlay", "remove_overlays", "Overlay", "Fact", "EditError")
 
 
 def __getattr__(name):
-    """Lazy access to the Hugging Face classes, the adapter API and fact editing (importing transformers costs ~2 s)."""
+    """Lazy access to the Hugging Face classes, the adapter API, `hf_optimizers` and fact editing (importing
+    transformers costs ~2 s)."""
     if name in _HF_NAMES:
         from . import model
 
@@ -33,6 +42,10 @@ def __getattr__(name):
         from . import adapters
 
         return getattr(adapters, name)
+    if name in _TRAINING_NAMES:
+        from .training import hf
+
+        return getattr(hf, name)
     if name in _EDIT_NAMES:
         from . import editing
 

@@ -1,4 +1,4 @@
-"""Fused CPU Sinkhorn-Knopp for mHC (numba). Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU Sinkhorn-Knopp for mHC (numba), `hyper.sinkhorn`'s kernels. Optional: `pip install 'engram-torch[fast]'`.
 
 Per token, an n x n matrix goes through exp and `iters` alternating column/row normalizations in
 registers, one parallel pass over tokens; every iterate is kept so that the backward pass is the
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels, serial_only
-from ._numba import launch as _launch
+from .jit import LazyKernels, serial_only
+from .jit import launch as _launch
 
 
 def available() -> bool:
     """True when numba imports (and ENGRAM_FUSED is not 0) and parallel kernels may run here (not after
-    `_numba.leave_threads_to_host`: the torch path then); compiles the kernels on first call."""
+    `jit.leave_threads_to_host`: the torch path then); compiles the kernels on first call."""
     return not serial_only() and _kernels.get() is not None
 
 

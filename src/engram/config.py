@@ -4,6 +4,10 @@ The names and defaults are the seed tutorial's (DeepSeek's `engram_demo_v1.py`),
 code runs unchanged. Both load from and save to one `engram_config.json` with the sections
 `engram` and `backbone`. Every problem found by validation raises `ConfigError` (a
 `ValueError`) whose message names the field and the fix.
+
+`TrainConfig` (a run's training settings) lives in `engram.training.config`; `engram.TrainConfig` is the same
+class. The old spelling `from engram.config import TrainConfig` still works and warns (`moved`: the root package,
+which may import training, registers it; this module imports nothing of training).
 """
 
 from __future__ import annotations
@@ -14,16 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .deprecation import MovedNames
 from .errors import EngramError
 from .persist import read_json, write_json
 
 DEFAULT_TOKENIZER = "deepseek-ai/DeepSeek-V3"
 TABLE_DTYPES = ("float32", "bfloat16", "float16")  # EngramConfig.table_dtype: how the tables are stored
-TRAIN_TABLE_BACKENDS = ("param", "mmap")  # TrainConfig.table_backend: where the tables live while training
-# `engram serve`'s bounds per connection (serving/limits.py applies them; the CLI's defaults, without importing it)
-SERVE_MAX_BODY = 1 << 20  # bytes: a prompt of ~1M characters; a model's whole context is rarely a tenth of it
-SERVE_READ_TIMEOUT = 30.0  # seconds to send a request's head, and again its body
-SERVE_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+# Names that moved out of this module: `engram.config.TrainConfig` warns and gives `engram.training.config`'s.
+__getattr__ = moved = MovedNames(__name__)
 
 
 class ConfigError(EngramError, ValueError):
@@ -135,7 +139,7 @@ class EngramConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngramConfig":
-        return _from_dict(cls, d, "engram")
+        return from_section(cls, d, "engram")
 
 
 @dataclass
@@ -156,10 +160,12 @@ class BackBoneConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BackBoneConfig":
-        return _from_dict(cls, d, "backbone")
+        return from_section(cls, d, "backbone")
 
 
-def _from_dict(cls, d: Any, section: str):
+def from_section(cls, d: Any, section: str):
+    """`cls(**d)` for the JSON object `d` of a config file's section `section` (a dataclass per section: here and
+    `training.config.TrainConfig`); a `ConfigError` naming the section for a non-object or an unknown key."""
     if not isinstance(d, dict):
         raise ConfigError(f"section '{section}' must be a JSON object, got {type(d).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -174,79 +180,9 @@ def _from_dict(cls, d: Any, section: str):
         raise ConfigError(f"section '{section}': {e}") from None
 
 
-@dataclass
-class TrainConfig:
-    """Training settings of a run (`engram train --set KEY=VALUE` overrides any of them; presets in `presets.py`)."""
-
-    tokenizer: str = "bpe:8192"
-    seq_len: int = 256
-    batch_size: int = 16
-    max_steps: int = 1500
-    lr: float = 3e-3
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    table_lr_mult: float = 5.0
-    grad_clip: float = 1.0
-    eval_every: int = 0  # 0: every 10% of the run
-    eval_max_windows: int = 128
-    ckpt_every: int = 250
-    keep_checkpoints: int = 2
-    seed: int = 0
-    table_backend: str = "param"  # param: tables are parameters in RAM / on device; mmap: memory-mapped files
-    table_cache_mb: float = 0.0  # mmap: hot-row cache size
-    table_dir: str = ""  # mmap: where the table files live (default RUN_DIR/tables)
-    # mmap: model (init in RAM, then written: same run as param) | file (streamed, never in RAM)
-    table_init: str = "model"
-    table_readahead: bool = True  # mmap: read and journal the next batch's rows on the data pipeline's thread (for
-    # files colder than the page cache; with a warm one it costs a few percent here: --set table_readahead=false)
-    dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)
-
-    def validate(self) -> None:
-        for f in ("seq_len", "batch_size", "max_steps", "keep_checkpoints"):
-            if getattr(self, f) <= 0:
-                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.table_backend not in TRAIN_TABLE_BACKENDS:
-            raise ConfigError(f"table_backend must be 'param' or 'mmap', got {self.table_backend!r}")
-        if self.table_init not in ("model", "file"):
-            raise ConfigError(f"table_init must be 'model' or 'file', got {self.table_init!r}")
-        if self.table_init == "file" and self.table_backend != "mmap":
-            raise ConfigError("table_init=file needs table_backend=mmap (the tables are created as files)")
-        if self.dense_parallel not in ("ddp", "fsdp2"):
-            raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
-        if self.table_cache_mb < 0:
-            raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
-
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def parse_overrides(cls, items: list[str]) -> dict:
-        """`["lr=1e-3", "table_backend=mmap"]` (`--set KEY=VALUE`) -> {"lr": 0.001, ...}, typed like the fields."""
-        fields = {f.name: f.default for f in dataclasses.fields(cls)}
-        out = {}
-        for kv in items:
-            key, sep, value = kv.partition("=")
-            if not sep:
-                raise ConfigError(f"--set {kv}: expected KEY=VALUE, e.g. lr=1e-3")
-            if key not in fields:
-                raise ConfigError(f"--set {key}=...: unknown training setting; valid: {', '.join(sorted(fields))}")
-            kind = type(fields[key])
-            try:
-                out[key] = kind(value) if kind is not bool else _parse_bool(value)
-            except ValueError:
-                raise ConfigError(f"--set {key}={value}: expected a {kind.__name__} value") from None
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return _from_dict(cls, d, "train")
-
-
-def _parse_bool(value: str) -> bool:
+def parse_bool(value: str) -> bool:
+    """A boolean setting written as text (`--set KEY=VALUE`, a job file's value): 1/true/yes/on or
+    0/false/no/off, any case; anything else raises ValueError."""
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     if value.lower() in ("0", "false", "no", "off"):

@@ -17,7 +17,9 @@ import math
 import torch
 import torch.nn as nn
 
-from . import _fastsinkhorn
+from ._fastsinkhorn import available as _fused_available
+from ._fastsinkhorn import backward as _fused_backward
+from ._fastsinkhorn import forward as _fused_forward
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
@@ -35,21 +37,21 @@ class _FusedSinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
         n = logits.shape[-1]
-        out, its = _fastsinkhorn.forward(logits.detach().reshape(-1, n, n).contiguous().numpy(), iters)
+        out, its = _fused_forward(logits.detach().reshape(-1, n, n).contiguous().numpy(), iters)
         ctx.its, ctx.shape = its, logits.shape
         return torch.from_numpy(out).view(logits.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         n = ctx.shape[-1]
-        gin = _fastsinkhorn.backward(ctx.its, grad.detach().float().reshape(-1, n, n).contiguous().numpy())
+        gin = _fused_backward(ctx.its, grad.detach().float().reshape(-1, n, n).contiguous().numpy())
         return torch.from_numpy(gin).view(ctx.shape), None
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = 20, fused: bool = True) -> torch.Tensor:
     """`sinkhorn_knopp`, through the fused numba kernels when possible (CPU float32, `engram-torch[fast]`)."""
     if fused and logits.device.type == "cpu" and logits.dtype == torch.float32:
-        if _fastsinkhorn.available():
+        if _fused_available():
             return _FusedSinkhorn.apply(logits, iters)
     return sinkhorn_knopp(logits, iters)
 

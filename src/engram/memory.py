@@ -324,8 +324,9 @@ class Engram(nn.Module):
     def gated_value(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-3 of `forward`: (value (B, T, D), gate (B, T, G)); the gated value is `gate[..., None] *
         value[:, :, None]`. Apart so that a server keeping per-position state (engram.integrations.vllm) stores
-        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does (`engram._faststep` computes
-        steps 2-5 at a serving step's few positions in a few calls, its own rounding)."""
+        D + G numbers per position, not G * D, and rebuilds `v` exactly as `forward` does (its step kernels,
+        `integrations/vllm/_kernels.py`, compute steps 2-5 at a serving step's few positions in a few calls, their own
+        rounding)."""
         B, T, G, D = hidden_states.shape
         # 1. retrieved memory e_t: the heads' rows concatenated                     (B, T, E)
         e = rows.flatten(start_dim=-2).to(hidden_states.device, hidden_states.dtype)

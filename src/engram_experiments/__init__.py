@@ -16,15 +16,7 @@ architecture test checks). It uses only the library's public names. Layout:
     significance.py, prereg.py   the tests fixed in advance, and the preregistrations that fix them
     cli.py           the `experiment` and `results` commands (the `engram.cli` entry point)
 
-Importing the package registers every experiment, in the order `engram experiment all` runs them.
+Importing the package imports none of them (so `engram --help` stays fast): `catalog.py` imports every
+experiment module, in the order `engram experiment all` runs them, and the registry loads it (through the
+`engram.experiments` entry-point group, where other packages can add theirs) the first time it is asked.
 """
-
-# isort: off
-from . import preset  # noqa: F401  (each module registers its experiments, in this order)
-from . import retrofit  # noqa: F401
-from . import edit  # noqa: F401
-from . import allocation  # noqa: F401
-from . import adapter_init  # noqa: F401
-from . import smollm2_adapt  # noqa: F401
-from . import smollm2_edit  # noqa: F401
-# isort: on

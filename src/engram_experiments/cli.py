@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from engram.cli import options
 
-from .allocation import SCALES
+SCALES = ("cpu", "gpu", "tiny")  # allocation's `--scale` (allocation.SCALES; a test keeps the two equal)
+
 
 
 def cmd_experiment(args) -> int:
@@ -53,7 +54,7 @@ def add_commands(sub) -> None:
     ex.add_argument("--max-steps", type=int)
     ex.add_argument("--size", default="default", choices=["default", "small"], help="small: fewer capacity points")
     ex.add_argument("--checkpoint", help="edit: a trained cpu-small run to edit (default: train one in OUT/edit/base)")
-    ex.add_argument("--scale", default="cpu", choices=tuple(SCALES),
+    ex.add_argument("--scale", default="cpu", choices=SCALES,
                     help="allocation: cpu (hidden 128, ~100 min on 2 cores), gpu (hidden 512, 12 layers), tiny (tests)")
     ex.add_argument("--finished-only", action="store_true",
                     help="train nothing: summarize (and --record) the runs that have finished")

@@ -284,7 +284,8 @@ def _windows_of(tok, text: str, seq_len: int):
 def run(out: str | Path = "runs/experiments", checkpoint: str | None = None, n_facts: int = 20,
         seeds: int | list[int] = 3, max_windows: int = 64, progress: bool = True, record: str | Path | None = None,
         base_steps: int | None = None, preset: str = "exp", budgets=BUDGETS, general: list[str] | None = None,
-        grid: dict | None = None, name: str = "edit", family_metrics=FAMILY_METRICS, command: str | None = None) -> dict:
+        grid: dict | None = None, name: str = "edit", family_metrics=FAMILY_METRICS,
+        command: str | None = None) -> dict:
     """The experiment (see the module doc); `seeds`: a number of fact sets (seeds 0..n-1) or the fact-set seeds;
     `general`: the corpus of the validation loss and the KL anchor (default Shakespeare); `grid`: `configs(...)`
     (default: every sweep); `name`: the experiment's name (its folder OUT/NAME and record NAME.json; a

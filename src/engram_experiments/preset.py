@@ -271,7 +271,8 @@ def _replication(name: str, design: dict, recs: dict) -> Runs:
 def _preset(name: str, help: str, design: Design, plot, baseline: str | None, section: str,
             replicable: bool = False, plot_file: str | None = "exp-{name}.png", table=None) -> Experiment:
     return register(Experiment(
-        name, help, run=partial(_run_preset, name), design=design, table=table, plot=plot, plot_file=plot_file and plot_file.format(name=name), baseline=baseline,
+        name, help, run=partial(_run_preset, name), design=design, table=table, plot=plot,
+        plot_file=plot_file and plot_file.format(name=name), baseline=baseline,
         replication=partial(_replication, name) if replicable else None, section=section))
 
 

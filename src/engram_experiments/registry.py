@@ -8,7 +8,9 @@ its runs again on new seeds (`replication(design, records) -> Runs`). Each exper
 code branches on an experiment's name. Records other commands write (`engram stats --record`, the allocation
 accounting) register the same way with `run=None`: only their table.
 
-The package's `__init__` imports every experiment module once, in the order `engram experiment all` runs them.
+The experiments are loaded on the first lookup (`load`): every module of the `engram.experiments` entry-point group
+is imported (this package's `catalog`, first; then other installed packages' in name order), and importing a module
+registers its experiments.
 """
 
 from __future__ import annotations
@@ -94,6 +96,24 @@ class Runs:
 
 
 _REGISTRY: dict[str, Experiment] = {}
+_LOADED = False
+
+
+def load() -> None:
+    """Import every module of the `engram.experiments` entry-point group once (this package's `catalog` first):
+    each registers its experiments. A missing group means the package is not installed (`pip install -e .`)."""
+    global _LOADED
+    if _LOADED:
+        return
+    from importlib.metadata import entry_points
+
+    _LOADED = True
+    eps = sorted(entry_points(group="engram.experiments"), key=lambda e: (e.name != "engram", e.name))
+    if not eps:
+        raise ConfigError("no experiments are registered: install the project (pip install -e .) so the "
+                          "engram.experiments entry points exist")
+    for ep in eps:
+        ep.load()
 
 
 def register(exp: Experiment) -> Experiment:
@@ -106,11 +126,13 @@ def register(exp: Experiment) -> Experiment:
 
 def find(name: str | None) -> Experiment | None:
     """The experiment or record kind `name`, or None."""
+    load()
     return _REGISTRY.get(name) if name else None
 
 
 def get(name: str) -> Experiment:
     """The runnable experiment `name`, or a one-line error listing them."""
+    load()
     exp = _REGISTRY.get(name)
     if exp is None or exp.run is None:
         raise ConfigError(f"unknown experiment {name!r}; choose one of {', '.join(names())} or all "
@@ -120,21 +142,25 @@ def get(name: str) -> Experiment:
 
 def names() -> list[str]:
     """The runnable experiments, in registration order (the order `all` runs them)."""
+    load()
     return [n for n, e in _REGISTRY.items() if e.run is not None]
 
 
 def experiments() -> list[Experiment]:
     """Every registered experiment and record kind, in registration order."""
+    load()
     return list(_REGISTRY.values())
 
 
 def replicable() -> list[str]:
     """The experiments a `NAME-replication` preregistration may replicate."""
+    load()
     return [n for n, e in _REGISTRY.items() if e.replication is not None]
 
 
 def listing() -> str:
     """`engram experiment --list`: each runnable experiment's paragraph."""
+    load()
     out = []
     for exp in _REGISTRY.values():
         if exp.run is None:

@@ -522,7 +522,8 @@ def setting_names() -> set[str]:
     configs, and `engram_scale`."""
     import dataclasses
 
-    from engram.config import BackBoneConfig, EngramConfig, TrainConfig
+    from engram.config import BackBoneConfig, EngramConfig
+    from engram.training.config import TrainConfig
 
     return {f.name for c in (EngramConfig, BackBoneConfig, TrainConfig) for f in dataclasses.fields(c)} | {
         "engram_scale"}

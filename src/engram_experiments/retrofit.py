@@ -304,9 +304,9 @@ class Sweep:
                  pretrain_steps: int | None = None, progress: bool = True, methods: dict | None = None,
                  domain: list[str] | None = None, general: list[str] | None = None, base_shape: dict | None = None,
                  tokenizer: str = TOKENIZER, isolate: bool = True, jobs: int = 1):
-        from engram.config import TrainConfig
         from engram.inference import load_base
         from engram.training.adapt import evaluate_on
+        from engram.training.config import TrainConfig
         from engram.training.train import evaluate
 
         self.progress, self.isolate, self.jobs = progress, isolate, jobs

@@ -106,9 +106,9 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
     """The preregistered design (resumable: one folder per run, finished runs skipped), then summary.json/.md and
     plot.png in OUT/smollm2-adapt; `record`: also `record/smollm2-adapt.json`. `max_steps` overrides the
     prereg's budget for a trial (then nothing can be recorded)."""
-    from engram.config import TrainConfig
     from engram.inference import load_base
     from engram.training.adapt import evaluate_on
+    from engram.training.config import TrainConfig
     from engram.training.train import evaluate
     from engram.utils import environment
 

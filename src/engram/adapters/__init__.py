@@ -25,11 +25,11 @@ layer's short-conv inputs; `engram.cache.NgramHistory`), so cached decoding equa
 
 Files: `introspect.py` (finding a base's layers, tokenizer and fingerprint), `hooks.py` (the adapter module and
 its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py` (save: `save_adapter`, the
-attached model's `save_pretrained`), `loading.py` (`load_adapter`, alias `from_pretrained`), `hf.py` (Trainer /
-TRL / accelerate: the optimizer argument, what clipping and DDP do).
+attached model's `save_pretrained`), `loading.py` (`load_adapter`, alias `from_pretrained`), `clipping.py`
+(clipping the tables' sparse gradients, which `attach` enables). Trainer / TRL / accelerate's optimizer argument,
+`engram.hf_optimizers`, lives with the optimizers (`engram.training.hf`: what clipping and DDP do there too).
 """
 
-from .hf import hf_optimizers
 from .hooks import EngramAdapter, adapter_of
 from .introspect import (
                          LAYER_LISTS,
@@ -65,6 +65,6 @@ from .saving import (
 __all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "base_fingerprint",
            "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "from_pretrained",
            "generation_pad_id",
-           "hf_optimizers", "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",
+           "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",
            "trainable_summary", "unfreeze",
            "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR"]

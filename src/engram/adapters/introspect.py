@@ -177,7 +177,7 @@ def _digest(dense, tables) -> str:
 def model_digest(model: nn.Module) -> str:
     """sha256 of a model's weights as an overlay depends on them: every dense weight in full, and 4,096
     rows spread over each Engram table (read through its table, so any backend gives the same digest). Take it
-    before the tables are converted to another format (`serving.prepare_inference` does)."""
+    before the tables are converted to another format (`inference.prepare_inference` does)."""
     with rows_by_reference():  # tables served for another framework's module: sampled below, not rebuilt in RAM
         state = model.state_dict()
     dense = [(k, t) for k, t in state.items() if not is_table_key(k) and torch.is_floating_point(t)]

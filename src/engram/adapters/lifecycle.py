@@ -71,7 +71,7 @@ def attach(model: nn.Module, layer_ids, tokenizer=None, layers_path: str | None 
     target.add_module("engram_adapter", adapter)
     adapter._install(target)
     adapter.base_requires_grad = base_flags  # detach() puts these back
-    from ..training.optim import enable_sparse_grad_norm
+    from .clipping import enable_sparse_grad_norm
     from .saving import save_pretrained
 
     target.save_pretrained = types.MethodType(save_pretrained, target)  # as PEFT's wrappers: saves the adapter

@@ -7,6 +7,11 @@
     analysis.py  gates, stats                    look inside a model and what its tables see
     options.py   the options several commands share (argparse parent parsers) and what they load
 
+and the applications three commands run, each whole beside its command (they are no part of the core, and
+nothing else uses them): `demo.py` (the tutorial's demo LLM: `engram demo`), `verify.py` (`engram verify`: any
+folder engram writes against its checksums), `client.py` (a client of OpenAI-compatible chat servers:
+`engram ask`, `crosscheck`).
+
 Other installed packages add commands through the `engram.cli` entry-point group: each entry is an
 `add_commands(subparsers)` function, called after the library's own (`plugins`). This is how the evidence
 experiments (`engram experiment`, `engram results`, in the separate `engram_experiments` package) join the

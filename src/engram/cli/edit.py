@@ -10,14 +10,15 @@ from . import options
 
 
 def cmd_edit(args) -> int:
-    from ..editing import chat_contexts, edit_facts, edit_report, print_report, read_facts
+    from ..editing import chat_contexts, edit_facts, edit_report, paraphrase_contexts, print_report, read_facts
     from ..training.data import text_windows
 
     if args.out and Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file; give a folder for the overlay")
     model, tok = options.load_for_inference(args)
     facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
-    optimized = facts + (_chat_facts(args, facts, chat_contexts) if args.chat else [])
+    optimized = facts + (_chat_facts(args, facts, chat_contexts) if args.chat else []) + \
+        (paraphrase_contexts(facts) if args.paraphrases else [])
     options.with_overlays(model, args.overlay)
     windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
     print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
@@ -35,7 +36,7 @@ def cmd_edit(args) -> int:
 
 def _chat_facts(args, facts, chat_contexts) -> list:
     """--chat: each fact with a "question" again inside the model's own chat template (`chat_contexts`)."""
-    from ..serving.engine import chat_renderer, model_chat_template
+    from ..inference import chat_renderer, model_chat_template
 
     template = model_chat_template(args.checkpoint, args.base)
     if not template:
@@ -61,15 +62,20 @@ def add_commands(sub) -> None:
                         epilog="--checkpoint also takes a qwen4_exp model folder (Qwen3.8-Flash-Next): its n-gram "
                         "table rows are edited, and engram serve PATH --overlay NAME=DIR serves them per request")
     ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '
-                    '(optional "paraphrases": [...], "passages": [...], "question": "...")')
+                    '(optional "paraphrases": [...], "passages": [...], "question": "...", "subject": "...")')
     ed.add_argument("--out", required=True, help="overlay folder to write (with report.json)")
     ed.add_argument("--steps", type=int, default=300, help="most optimization steps (stops once every fact is met)")
     ed.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on the edited rows")
     ed.add_argument("--positions", default="trigger", choices=options.POSITIONS,
-                    help="trigger: rows read where the target is predicted; all: every prompt position too")
-    ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest)")
+                    help="trigger: rows read where the target is predicted; all: every prompt position too; subject: "
+                         "the rows the fact's \"subject\" tokens read (every order)")
+    ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest; "
+                                                          "every order with --positions subject)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '
                          "then the prompt as the answer's start), so the edit holds in chat answers")
+    ed.add_argument("--paraphrases", action="store_true",
+                    help="also optimize each fact in its paraphrases (those naming its subject as the prompt does), "
+                         "so rows written at the subject serve them too (`editing.paraphrase_contexts`)")
     ed.set_defaults(func=cmd_edit)

@@ -27,7 +27,7 @@ def _bos_note(bos_token, no_bos: bool) -> str:
 def cmd_demo(args) -> int:
     import dataclasses
 
-    from ..demo import run_demo
+    from .demo import run_demo
 
     ecfg, bcfg = _configs(args.config)
     if args.table_dtype:
@@ -84,7 +84,7 @@ def cmd_spec(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from ..verify import verify_path, write_missing_block_sums
+    from .verify import verify_path, write_missing_block_sums
 
     if args.write_blocks:
         for f in write_missing_block_sums(args.path):

@@ -12,23 +12,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..analysis.allocation import SCALES
-from ..config import TABLE_DTYPES, TRAIN_TABLE_BACKENDS
+from ..config import TABLE_DTYPES
 from ..editing.optimize import POSITIONS
 from ..tables.quant import TABLE_FORMATS
 from ..tables.rows import TIERS as TABLE_TIERS
+from ..training.config import TRAIN_TABLE_BACKENDS
 from ..training.data import SPLITS
 from ..training.presets import ADAPT_METHODS as METHODS
 from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
-__all__ = ["ALLOCATION_SCALES", "BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
+__all__ = ["BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
            "TABLE_DTYPES", "TABLE_FORMATS", "TABLE_TIERS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "DeprecatedFlag",
            "config", "eval_windows", "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar",
            "run_options", "table_format", "table_tier", "train_table_backend", "with_overlays"]
 
 SERVE_TABLE_BACKENDS = TABLE_TIERS  # (the old name of TABLE_TIERS)
-
-ALLOCATION_SCALES = tuple(SCALES)  # `engram experiment allocation --scale`
 
 CHECKPOINT_HELP = "run dir or save_pretrained folder of an engram model"
 BASE_HELP = "a pretrained transformers model folder (with --adapter: plus that adapter)"
@@ -143,9 +141,10 @@ def run_options(set_help: str = "override a training setting, e.g. lr=1e-3") -> 
 
 # ------------------------------------------------------------------------------------------ what they load
 def load_for_inference(args):
-    """(model, tokenizer) from --checkpoint (an engram model or a qwen4_exp folder) or --base [--adapter] (a
-    transformers model), the tables in the tier --table-tier/--table-dir name (`serving.load_inference_model`)."""
-    from ..serving.engine import load_inference_model
+    """(model, tokenizer) from --checkpoint (an engram model, or a folder of another registered kind: a qwen4_exp
+    folder) or --base [--adapter] (a transformers model), the tables in the tier --table-tier/--table-dir name
+    (`inference.load_inference_model`)."""
+    from ..inference import load_inference_model
 
     tables = {"table_tier": getattr(args, "table_tier", None) or "ram",  # (commands without the options: RAM)
               "table_dir": getattr(args, "table_dir", None)}
@@ -163,8 +162,8 @@ def load_for_inference(args):
 def with_overlays(model, overlay_dirs, table_format=None):
     """--overlay DIR (each checked against the model, then stacked in order: later ones win on shared rows)
     and --table-format (bfloat16, int8 or fp8 rows, dequantized after the gather), in the one order every
-    inference path takes (`serving.prepare.prepare_inference`)."""
-    from ..serving.prepare import prepare_inference
+    inference path takes (`inference.prepare_inference`)."""
+    from ..inference import prepare_inference
 
     prepare_inference(model, table_format=table_format, overlays={str(d): d for d in overlay_dirs or []})
     return model

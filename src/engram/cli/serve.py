@@ -1,5 +1,5 @@
 """Use a trained model: `engram eval`, `sample`, `serve` (an OpenAI-compatible server), and the client side of
-that protocol: `engram ask` / `crosscheck` against any such server (`engram.client`)."""
+that protocol: `engram ask` / `crosscheck` against any such server (`client.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
+from ..serving.defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from . import options
 
 
@@ -90,7 +90,7 @@ def cmd_serve(args) -> int:
 
 def _settings(args):
     """The client's settings from --model / --base-url (and the environment); a note if the URL was normalized."""
-    from ..client import load_settings
+    from .client import load_settings
 
     s = load_settings(args.model, args.base_url)
     if s.note:
@@ -99,7 +99,7 @@ def _settings(args):
 
 
 def cmd_ask(args) -> int:
-    from ..client import chat
+    from .client import chat
 
     s = _settings(args)
     print(chat([{"role": "user", "content": args.prompt}], s, timeout=args.timeout, retries=args.retries))
@@ -107,8 +107,8 @@ def cmd_ask(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from ..client import crosscheck
     from ..model import load_model
+    from .client import crosscheck
 
     s = _settings(args)
     model, tok = load_model(args.checkpoint)

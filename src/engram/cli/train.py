@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, EngramConfig, TrainConfig
+from ..config import ConfigError, EngramConfig
 from ..tokenizer import train_bpe
+from ..training.config import TrainConfig
 from ..training.data import load_manifest, load_sources, prepare, split_documents
 from ..training.presets import resolve_job, train_config
 from . import options

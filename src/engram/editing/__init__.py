@@ -16,7 +16,11 @@ Which rows (`positions`, `orders`):
     (the prompt's last token and every target token but the last), highest n-gram order only
     (`orders=None`): the n-grams that end the prompt, which carry the prompt's own tokens (an
     entity name) rather than a common pair like " lives in"; the fewest rows shared with other text;
-  * "all": the rows read at every prompt and target position (more capacity, more collisions).
+  * "all": the rows read at every prompt and target position (more capacity, more collisions);
+  * "subject": the rows read at the subject's tokens (`Fact.subject`), in every order: where a prompt names the
+    entity rather than where it asks for the answer, so a prompt worded otherwise that names the subject the same
+    way reads the same rows; the answer reaches the last position through attention, as the base's own recall
+    does. Optimize it over many contexts (`paraphrase_contexts`, `chat_contexts`) so the rows serve them all.
 
 The report (`edit_report`) measures efficacy (greedy decoding produces the target), generalization
 (paraphrases, the prompt inside a longer passage), the collision set (`collision_set`: every
@@ -30,13 +34,13 @@ Files: `facts.py` (reading facts), `digests.py` (the model's layers, hashing and
 
 from ..tables.overlay import remove_overlays
 from .digests import engram_layers, frozen, mapping_of, model_digest, spec_digest
-from .facts import EditError, Fact, chat_contexts, parse_fact, read_facts
+from .facts import EditError, Fact, chat_contexts, paraphrase_contexts, parse_fact, read_facts
 from .optimize import conflicts, edit_facts, edit_rows, shared_rows
 from .overlay import FORMAT, META, WEIGHTS, Overlay, applied, apply_overlay, check_overlay
 from .report import collision_set, edit_report, fact_report, locality, print_report, score, table_rows_read
 
 __all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "chat_contexts", "check_overlay",
-           "collision_set", "conflicts",
+           "paraphrase_contexts", "collision_set", "conflicts",
            "shared_rows", "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "frozen",
            "mapping_of", "locality", "model_digest", "parse_fact", "print_report", "read_facts", "remove_overlays",
            "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]

@@ -26,9 +26,10 @@ class Fact:
     paraphrases: list[str] = field(default_factory=list)
     passages: list[str] = field(default_factory=list)
     question: str | None = None
+    subject: str | None = None  # the entity the fact is about, as it is written in the prompt (`positions="subject"`)
 
 
-_FACT_KEYS = {"prompt", "target", "paraphrases", "passages", "question"}
+_FACT_KEYS = {"prompt", "target", "paraphrases", "passages", "question", "subject"}
 
 
 def parse_fact(obj, where: str, tokenizer=None) -> Fact:
@@ -50,7 +51,11 @@ def parse_fact(obj, where: str, tokenizer=None) -> Fact:
     if q is not None and (not isinstance(q, str) or not q.strip()):
         raise EditError(f"{where}: 'question' must be a non-empty string (a user turn whose answer starts with the "
                         "prompt)")
-    fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])), q)
+    subject = obj.get("subject")
+    if subject is not None and (not isinstance(subject, str) or not subject.strip() or subject not in obj["prompt"]):
+        raise EditError(f"{where}: 'subject' must be a non-empty string that the prompt contains, got {subject!r}")
+    fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])), q,
+                subject)
     if tokenizer is not None:
         if not _encode(tokenizer, fact.prompt):
             raise EditError(f"{where}: the prompt {fact.prompt!r} tokenizes to nothing")
@@ -61,10 +66,24 @@ def parse_fact(obj, where: str, tokenizer=None) -> Fact:
 
 def chat_contexts(facts: list[Fact], render) -> list[Fact]:
     """For each fact with a `question`: the same fact inside a chat turn, `render([user: question]) + prompt`
-    (`render`: `serving.engine.chat_renderer` of the model's template). Its prompt ends in the same tokens, so it
+    (`render`: `inference.chat_renderer` of the model's template). Its prompt ends in the same tokens, so it
     reads the same rows where the target is predicted; optimized together with the bare prompt, the edit holds
     in a chat answer too (the bare prompt alone was not enough on SmolLM2-135M-Instruct: tests/test_smollm2.py)."""
-    return [Fact(render([{"role": "user", "content": f.question}]) + f.prompt, f.target) for f in facts if f.question]
+    return [Fact(render([{"role": "user", "content": f.question}]) + f.prompt, f.target, subject=f.subject)
+            for f in facts if f.question]
+
+
+def paraphrase_contexts(facts: list[Fact], prefixes: list[str] = ()) -> list[Fact]:
+    """More contexts to optimize each fact in: its `paraphrases` as prompts of their own (those that name the
+    subject, when it is given), and its prompt and those after each of `prefixes` (unrelated text before the
+    fact). With `positions="subject"` the edit then writes the rows the subject's n-grams read in each of these
+    contexts, so that a prompt never optimized on, which names the subject the same way, reads them too."""
+    out = []
+    for f in facts:
+        prompts = [f.prompt] + [p for p in f.paraphrases if f.subject is None or f.subject in p]
+        out += [Fact(p, f.target, subject=f.subject) for p in prompts[1:]]
+        out += [Fact(x + p, f.target, subject=f.subject) for x in prefixes for p in prompts]
+    return out
 
 
 def read_facts(path, tokenizer=None) -> list[Fact]:

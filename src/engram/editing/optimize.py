@@ -36,6 +36,15 @@ def pad_batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
     return torch.tensor([s + [pad] * (T - len(s)) for s in seqs], dtype=torch.long)  # (B, T), right-padded
 
 
+def edited_orders(mapping, positions: str, orders=None) -> list[int]:
+    """The n-gram orders whose rows an edit changes: `orders`, else the highest ("trigger", "all") or every order
+    ("subject": the subject's short n-grams hold only its own tokens; the longer ones hold its context too)."""
+    N = mapping.max_ngram_size
+    if orders is None:
+        return list(range(2, N + 1)) if positions == "subject" else [N]
+    return sorted(set(int(o) for o in orders))
+
+
 def _order_columns(mapping, orders) -> list[int]:
     """Hash-id columns (heads) of the chosen n-gram orders; columns run order 2..N, K heads each."""
     N, K = mapping.max_ngram_size, mapping.n_head_per_ngram
@@ -46,23 +55,40 @@ def _order_columns(mapping, orders) -> list[int]:
     return [(o - 2) * K + k for o in orders for k in range(K)]
 
 
-POSITIONS = ("trigger", "all")  # where a fact's rows are edited: see the package docstring
+POSITIONS = ("trigger", "all", "subject")  # where a fact's rows are edited: see the package docstring
+
+
+def subject_positions(tokenizer, fact: Fact) -> list[int]:
+    """Token positions of `fact.subject` in `fact.prompt` (its last occurrence): the tokens of the prompt up to the
+    subject's end that the prefix before it does not already hold. A subject whose ends fall inside a token (the
+    prompt's tokenization differs from its prefixes') is an `EditError`: name it on token boundaries."""
+    if not fact.subject or fact.subject not in fact.prompt:
+        raise EditError(f"positions='subject' needs each fact's subject, written in its prompt: {fact.prompt!r} has "
+                        f"subject {fact.subject!r}")
+    start = fact.prompt.rindex(fact.subject)
+    full, head, upto = (_encode(tokenizer, x) for x in (fact.prompt, fact.prompt[:start],
+                                                        fact.prompt[:start + len(fact.subject)]))
+    if full[:len(upto)] != upto or upto[:len(head)] != head or len(upto) == len(head):
+        raise EditError(f"the subject {fact.subject!r} does not start and end on token boundaries of {fact.prompt!r}; "
+                        "include the space before it (' France') or edit with positions='trigger'")
+    return list(range(len(head), len(upto)))
 
 
 def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> list[dict]:
     """Per fact: {layer: (P, h) table rows} read at its edited positions (P), in the chosen orders' h heads,
     and `next`: the token each of those positions must predict (-1 for prompt positions under "all")."""
     if positions not in POSITIONS:
-        raise EditError(f"positions must be 'trigger' or 'all', got {positions!r}")
+        raise EditError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     mapping = mapping_of(model)
     layers = engram_layers(model)
-    cols = _order_columns(mapping, orders)
+    cols = _order_columns(mapping, edited_orders(mapping, positions, orders))
     out = []
-    for p, t in fact_sequences(tokenizer, facts):
+    for f, (p, t) in zip(facts, fact_sequences(tokenizer, facts)):
         seq = p + t
         hashed = mapping.hash(np.asarray([seq], dtype=np.int64))
-        where = list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
-        rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}
+        where = subject_positions(tokenizer, f) if positions == "subject" else \
+            list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
+        rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}  # -1: a position before the answer
         for lid, mhe in layers.items():
             flat = mhe.table_rows(hashed[lid][0])  # (T, H) table rows
             rec[lid] = flat[where][:, cols]  # (P, h)
@@ -177,7 +203,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         "base_digest": model_digest(model),
         "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
         "settings": {"steps": steps, "lr": lr, "positions": positions,
-                     "orders": sorted(set(orders)) if orders else [mapping.max_ngram_size], "target_prob": target_prob},
+                     "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob},
         "optimization": {"steps_run": step, "seconds": round(seconds, 3), "final_loss": log[-1]["loss"],
                          "facts_at_target": log[-1]["facts_done"]},
         "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),

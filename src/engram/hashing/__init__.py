@@ -9,6 +9,8 @@
 - `inputs.py`: what the engine accepts (`validate_ids`, `dead_mask`; `HashInputError`).
 - `engine.py`: `NgramHashMapping`, the one engine for every family (validation, the fused kernel or the
   torch path, EOS resets and DEAD masks as per-position document starts); `get_hash_mapping(cfg)`.
+- `kernels.py`: the fused CPU kernel (numba, optional), and the split-modulo arithmetic the vLLM step's kernel
+  compiles into its own (`split_mix`, `reduce_mix`).
 """
 
 from .engine import NgramHashMapping, get_hash_mapping

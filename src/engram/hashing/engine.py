@@ -26,12 +26,13 @@ mix into a signed high and an unsigned low 32-bit half, `mix = hi * 2^32 + lo`, 
 `mix mod p = ((hi mod p) * (2^32 mod p) + lo) mod p`; for p <= 2^26 the bracket is an integer
 below 2^53, exact in float64, and float64 floor-divisions (corrected by one p where rounding
 lands on the wrong side) finish the job: that is the torch path (GPU, or CPU without numba).
-On CPU a fused numba kernel (`engram-torch[fast]`, `_fasthash.py`) does all heads of all layers in
+On CPU a fused numba kernel (`engram-torch[fast]`, `kernels.py`) does all heads of all layers in
 one parallel pass with a three-way split, `mix = hi * 2^48 + mid * 2^32 + lo`, that needs a
 single floor-division per head, SIMD across tokens, optionally adding the head offsets
 (`hash(..., offsets=True)`); it is exact for p <= 2^36. Larger primes fall back to int64
 `torch.remainder`. A serving step hashes each token after its own window (`hash_windows`), or hands a fused kernel
-the mapping's constants (`kernel_plan`: `_faststep.hash_step` reads the ids from vLLM's per-slot store).
+the mapping's constants (`kernel_plan`: `integrations.vllm._kernels.hash_step` reads the ids from vLLM's per-slot
+store).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .. import _fasthash
 from ..config import ConfigError, EngramConfig
 from ..persist import atomic_write_bytes, read_json
 from ..tokenizer import CompressedTokenizer, RawIds
+from . import kernels
 from .families import DeepSeekFamily, HashFamily, family_class
 from .identity import SPEC_FORMAT, check_identity, identity_digest, spec_identity
 from .inputs import HashInputError, dead_mask, validate_ids
@@ -68,7 +69,7 @@ class HashPlan(NamedTuple):
     pad: int  # the compressed pad id, read before the sequence
     vocab: int  # raw ids lie in [0, vocab)
     mult: np.ndarray  # (L, N) int64 multipliers
-    consts: tuple  # (p, 2^32 mod p, 2^48 mod p, 1/p), each (L, N-1, H) float64 (`_fasthash.kernel_constants`)
+    consts: tuple  # (p, 2^32 mod p, 2^48 mod p, 1/p), each (L, N-1, H) float64 (`kernels.kernel_constants`)
     offsets: np.ndarray  # (L, N-1, H) float64 added to each head's row (zeros: per-head rows)
     heads: int  # (N-1) * H: rows per token per layer
     dtype: np.dtype  # the family's index dtype
@@ -270,10 +271,10 @@ class NgramHashMapping:
             rows = self.family.mix_rows(self._windows(input_ids, ends, dead))  # (L, B*T, H)
             return rows.view(len(self.layer_ids), B, T, -1), False
         if cpu and self.backend in ("auto", "numba"):
-            if not _fasthash.available():
+            if not kernels.available():
                 if self.backend == "numba":
                     raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
-            elif self.max_prime <= _fasthash.MAX_PRIME:  # larger heads need torch's int64 remainder
+            elif self.max_prime <= kernels.MAX_PRIME:  # larger heads need torch's int64 remainder
                 return self._hash_numba(raw, offsets, ends, dead), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
             return self._hash_torch(input_ids, ends, dead), False
@@ -284,7 +285,7 @@ class NgramHashMapping:
             P = np.array([self.vocab_size_across_layers[lid] for lid in self.layer_ids], dtype=np.int64)
             mult = np.stack([self.layer_multipliers[lid] for lid in self.layer_ids]).astype(np.int64)
             off = np.array([self.head_offsets(lid) for lid in self.layer_ids], dtype=np.float64).reshape(P.shape)
-            self._device_cache[("numba",)] = (mult, _fasthash.kernel_constants(P), P.shape, off)
+            self._device_cache[("numba",)] = (mult, kernels.kernel_constants(P), P.shape, off)
         return self._device_cache[("numba",)]
 
     def _hash_numba(self, raw: np.ndarray, offsets: bool, ends: np.ndarray | None,
@@ -296,7 +297,7 @@ class NgramHashMapping:
         if dead is not None:
             x = np.where(dead, self.compressed_pad_id, x)  # a DEAD position's own id reads the pad
         out = np.empty((L, B, T, O * H), dtype=self._np_index_dtype)
-        _fasthash.hash_into(x, self.compressed_pad_id, mult, consts, out, ends, off if offsets else None)
+        kernels.hash_into(x, self.compressed_pad_id, mult, consts, out, ends, off if offsets else None)
         return torch.from_numpy(out)
 
     def _windows(self, input_ids: torch.Tensor, ends: np.ndarray | None, dead: np.ndarray | None
@@ -410,7 +411,7 @@ class NgramHashMapping:
         if dead is not None:
             x[dead] = plan.pad  # before the sequence
         out = np.empty((len(self.layer_ids), w.shape[0], w.shape[1], plan.heads), dtype=plan.dtype)  # (N is tiny)
-        _fasthash.hash_into(x, plan.pad, plan.mult, plan.consts, out, None, plan.offsets)
+        kernels.hash_into(x, plan.pad, plan.mult, plan.consts, out, None, plan.offsets)
         last = torch.from_numpy(out[:, :, -1].copy())  # (L, M, O*H)
         return dict(zip(self.layer_ids, last))
 
@@ -418,10 +419,10 @@ class NgramHashMapping:
         """What a fused CPU kernel needs to hash as this mapping does (`HashPlan`), or None where the fused kernels
         do not apply: no numba, a torch backend, resets (EOS), another mix than the XOR one, an ablation hash mode.
         For kernels that read their ids elsewhere than `hash` takes them (a serving step's per-slot store:
-        `_faststep.hash_step`); the constants are built once per mapping."""
+        `integrations.vllm._kernels.hash_step`); the constants are built once per mapping."""
         if (self.hash_mode in ("constant", "shuffled") or self.family.reset_id is not None or self.family.own_mix
-                or self.backend not in ("auto", "numba") or self.max_prime > _fasthash.MAX_PRIME
-                or not _fasthash.available()):
+                or self.backend not in ("auto", "numba") or self.max_prime > kernels.MAX_PRIME
+                or not kernels.available()):
             return None
         key = ("plan", bool(offsets))
         if key not in self._device_cache:

@@ -19,7 +19,7 @@ from ..tables.rows import StoredTensor
 def weight_map(d: Path) -> dict[str, str]:
     """{tensor name: shard file name} of checkpoint folder `d`: its `model.safetensors.index.json`, else the headers
     of its `*.safetensors` files (one file or several without an index)."""
-    from ..tables.files import read_header
+    from ..tables.header import read_header
 
     d = Path(d)
     index = d / "model.safetensors.index.json"
@@ -31,7 +31,7 @@ def weight_map(d: Path) -> dict[str, str]:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{d}: no model.safetensors.index.json or *.safetensors (not a checkpoint folder)")
-    return {k: f.name for f in files for k in read_header(f, required=())[1] if k != "__metadata__"}
+    return {k: f.name for f in files for k in read_header(f, required=()).tensors}
 
 
 class CheckpointTensor(StoredTensor):

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
+from .defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from .engine import Engine, Job, ServeError
 from .limits import BodyError, Guard, HeadDeadline
 from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, openai_error

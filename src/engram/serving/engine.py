@@ -25,7 +25,14 @@ import torch
 
 from ..deprecation import renamed_keywords
 from ..errors import EngramError
-from ..persist import read_json
+from ..inference import (
+    PLAIN_CHAT_TEMPLATE,
+    PLAIN_ROLES,
+    chat_renderer,
+    load_inference_model,
+    model_chat_template,
+    prepare_inference,
+)
 
 GREEDY_BELOW = 1e-4  # a temperature under this decodes greedily (sampling's limit as T -> 0; 1e-300 would overflow)
 
@@ -261,49 +268,15 @@ class Engine:
         self._worker.join(timeout=5)
 
 
-# `--chat-template plain`: for models trained without one (engram's own): "role: content" lines, then "assistant:"
-PLAIN_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # (what a line must not start with)
-PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                       "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-@renamed_keywords(table_backend="table_tier")
-def load_inference_model(path=None, base=None, adapter=None, table_tier: str = "ram", table_dir=None):
-    """(model in eval mode, tokenizer) of an engram run dir / model folder (`path`), a qwen4_exp model folder
-    (`path`; its n-gram tables served by engram), or a pretrained transformers `base` with its Engram `adapter`;
-    the tables in tier `table_tier` ("ram", or "mmap"/"disk" files under `table_dir`; `table_backend=` is its
-    deprecated spelling). What `engram serve`, `edit`, `eval` and `sample` load."""
-    if table_tier != "ram" and not table_dir:
-        raise ValueError(f"--table-tier {table_tier} needs --table-dir DIR for the table files")
-    if base is not None:
-        from ..training.adapt import load_with_adapter
-
-        model, tok = load_with_adapter(base, adapter)
-    else:
-        from ..integrations import qwen4_exp
-
-        if qwen4_exp.is_model_folder(path):  # (its tables go to their tier as they load: never whole in RAM)
-            return qwen4_exp.load_folder(path, table_tier, table_dir)
-        from ..model import load_model
-
-        model, tok = load_model(path)
-    if table_tier != "ram":
-        from ..tables import offload_tables
-
-        offload_tables(model, table_tier, table_dir)
-    return model, tok
-
-
 @renamed_keywords(table_backend="table_tier")
 def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_tier: str = "ram",
                 table_format: str | None = None, table_dir=None, name: str | None = None,
                 chat_template: str | None = None) -> Engine:
-    """An `Engine` for a run dir / model folder (`path`), a pretrained base + adapter, or a qwen4_exp model folder;
+    """An `Engine` for a model folder of any kind (`path`: a run dir, an engram model folder, a qwen4_exp folder, as
+    `inference.load_inference_model`) or a pretrained base + adapter;
     `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does. `chat_template`:
     "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one). `table_tier`
     (`table_backend=`: its deprecated spelling), `table_dir`: as `load_inference_model`."""
-    from .prepare import prepare_inference
-
     model, tok = load_inference_model(path, base, adapter, table_tier, table_dir)
     template = model_chat_template(path, base)
     if base is not None:
@@ -331,39 +304,3 @@ def _special_texts(tokenizer) -> list[str]:
     except AttributeError:
         return []
     return [t.content for t in added if getattr(t, "special", False) and t.content]
-
-
-def chat_renderer(template: str, refuse):
-    """`render(messages) -> prompt` for a chat template (Jinja, sandboxed, as transformers renders them; the
-    generation prompt added, bos/eos as empty text since the tokenizer adds no special tokens to a prompt).
-    `refuse(message)`: what the template's `raise_exception` calls. The one way engram renders chat prompts:
-    `engram serve` and `engram edit --chat` share it."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = refuse
-    compiled = env.from_string(template)
-    return lambda messages: compiled.render(messages=messages, add_generation_prompt=True, bos_token="",
-                                            eos_token="")
-
-
-def model_chat_template(path=None, base=None) -> str | None:
-    """The chat template of what `load_inference_model(path, base, ...)` loads: the base folder's, else the model
-    folder's (a run dir's `final/` when the folder itself holds no tokenizer_config.json). None when it has none."""
-    if base is not None:
-        return chat_template_of(Path(base))
-    p = Path(path)
-    return chat_template_of(p if (p / "tokenizer_config.json").is_file() else p / "final")
-
-
-def chat_template_of(d: Path) -> str | None:
-    """The chat template of the model folder `d`: `chat_template.jinja` (where transformers >= 4.43 saves it), else
-    `tokenizer_config.json`'s `chat_template` (None when it has none)."""
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    f = d / "tokenizer_config.json"
-    if not f.is_file():
-        return None
-    t = read_json(f, "tokenizer config", "re-save or re-download the model, or pass --chat-template plain or a "
-                  "Jinja file", ServeError).get("chat_template")
-    return t if isinstance(t, str) else None

@@ -21,7 +21,7 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..config import SERVE_MAX_BODY, SERVE_READ_TIMEOUT
+from .defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT
 from .schema import openai_error
 
 

@@ -7,7 +7,7 @@ Their callers and what the arguments mean: `tables/disk.py`.
 
 from __future__ import annotations
 
-from .._numba import LazyKernels
+from ..jit import LazyKernels
 
 
 def _build_kernels():

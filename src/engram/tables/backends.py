@@ -34,7 +34,7 @@ import torch
 from .base import Table, TableError
 from .blocks import BlockVerifier, UnverifiedTableWarning, block_crc, write_block_sums, write_sums
 from .files import map_tensor
-from .files import read_header as _read_header
+from .header import read_header as _read_header
 from .journal import UndoJournal
 from .rowcache import RowCache
 
@@ -71,7 +71,8 @@ class MmapTable(Table):
     def __init__(self, path: str | os.PathLike, cache_bytes: int = 64 << 20, policy: str = "lru",
                  writable: bool = False, durable: bool = True):
         path = Path(path)
-        n, meta, size = _read_header(path)
+        header = _read_header(path)
+        meta = header.entries
         self.num_rows, self.dim = meta["weight"]["shape"]
         names = ["weight"] + (["exp_avg", "exp_avg_sq"] if writable else [])
         maps = {}
@@ -83,7 +84,7 @@ class MmapTable(Table):
             info = meta[name]
             if info["shape"] != [self.num_rows, self.dim]:
                 raise TableError(f"{path}: '{name}' has shape {info['shape']}, 'weight' {[self.num_rows, self.dim]}")
-            maps[name] = map_tensor(path, n, size, name, info, writable=writable)
+            maps[name] = map_tensor(path, header, name, writable=writable)
         self._arrays = [a for a, _ in maps.values()]
         self.weight = maps["weight"][1]
         if writable:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._numba import LazyKernels
+from ..jit import LazyKernels
 from ..persist import (
     UnverifiedWarning,
     atomic_write_bytes,
@@ -35,6 +35,7 @@ from ..persist import (
     sha256_bytes,
 )
 from .base import TableError
+from .header import read_header
 
 SUFFIX = ".blocks"
 MAGIC = b"ENGBLK01"
@@ -79,17 +80,17 @@ HEADER_IDS: dict = {}  # file magic -> header_id(path) of table files in other f
 
 
 def header_id(path) -> tuple[int, str]:
-    """(data offset, sha256 of the safetensors header) of a table file."""
+    """(data offset, sha256 of the header bytes) of a table file: what its block sums are bound to (a safetensors
+    header carries a fresh nonce per write). The header is read and checked by `header.read_header`; table files of
+    another format (b"GGUF": `tables.gguf`) register their own reader in `HEADER_IDS`."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TableError(f"{path} is too short to be a table file")
-        if head[:4] in HEADER_IDS:  # another table file format (a GGUF file: `tables.gguf` registers itself)
-            return HEADER_IDS[head[:4]](path)
-        (n,) = struct.unpack("<Q", head)
-        if n > os.path.getsize(path) - 8:  # (not a safetensors header: never read a whole file as one)
-            raise TableError(f"{path}: corrupt header length {n}; not a table file engram knows")
-        return 8 + n, sha256_bytes(f.read(n))[:32]
+        magic = f.read(4)
+    if magic in HEADER_IDS:
+        return HEADER_IDS[magic](path)
+    header = read_header(path, required=())
+    with open(path, "rb") as f:
+        f.seek(8)
+        return header.data_start, sha256_bytes(f.read(header.length))[:32]
 
 
 def block_crc(data, start: int = 0) -> int:

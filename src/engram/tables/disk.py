@@ -44,7 +44,7 @@ from ._diskkernels import READER as _READER
 from .base import Table, TableError
 from .blocks import PAGE, BlockVerifier, row_span
 from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
-from .files import read_header as _read_header
+from .header import read_header as _read_header
 
 # Coalesced cold reads (`plan_ranges`): rows whose aligned spans lie within RANGE_GAP of each other share one
 # read (on this project's VM, reading a hole of up to 16 KiB was cheaper than another random read, for
@@ -134,9 +134,9 @@ class DiskTable(Table):
     def _map(self, path, tensor: str):
         """(numpy memmap, torch view (N, dim), file offset of row 0) of the rows of `tensor` in table file `path`
         (a safetensors file; `tables.gguf` maps a GGUF tensor instead)."""
-        n, meta, size = _read_header(path, required=(tensor,))
-        arr, view = map_tensor(path, n, size, tensor, meta[tensor], dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
-        return arr, view, 8 + n + meta[tensor]["data_offsets"][0]
+        header = _read_header(path, required=(tensor,))
+        arr, view = map_tensor(path, header, tensor, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})
+        return arr, view, header.data_start + header.entries[tensor]["data_offsets"][0]
 
     @property
     def weight(self) -> torch.Tensor:

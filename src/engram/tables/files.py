@@ -1,5 +1,6 @@
 """The table file format, both sides: writing (streamed, atomic, with block sums) and reading (header, mapping),
-shared by every file-backed table (mmap, disk tier, quantized).
+shared by every file-backed table (mmap, disk tier, quantized). Headers are read by `header.read_header`, the one
+reader of safetensors headers in engram.
 
 A table file is a safetensors file whose tensor `weight` holds the rows `[rows, dim]`
 (little-endian), optionally followed by the Adam moments `exp_avg`, `exp_avg_sq`; a quantized
@@ -17,52 +18,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..persist import atomic_file, decode_json_bytes
+from ..persist import atomic_file
 from .base import TableError, find_tables
+from .header import SafetensorsHeader
 
 NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16 rows are mapped as uint16
 QUANT_NP_DTYPES = {"I8": np.int8, "U8": np.uint8, "F16": np.float16,  # codes and scales of quantized rows; FP8 bytes
                    "F8_E4M3": np.uint8, "F8_E8M0": np.uint8}  # (DeepSeek-V4.1's rows and ue8m0 scales) stay raw
 
 
-def read_header(path: Path, required: tuple[str, ...] = ("weight",)) -> tuple[int, dict, int]:
-    """(header length, tensor table, file size) of a safetensors file holding the `required` tensors, with clear
-    errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise TableError(f"table file not found: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TableError(f"{path} is too short to be a table file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 1 << 24):
-            raise TableError(f"{path}: corrupt header length {n}")
-        names = ", ".join(map(repr, required))
-        expected = f"expected a safetensors file with tensors {names}" if required else "expected a safetensors file"
-        meta = decode_json_bytes(f.read(n), f"{path}: header", expected, TableError)
-    missing = [r for r in required if not isinstance(meta.get(r), dict) or "data_offsets" not in meta[r]]
-    if missing:
-        raise TableError(f"{path}: header is corrupt (no tensor {missing[0]!r}); {expected}")
-    return n, meta, size
-
-
-def map_tensor(path: Path, header_len: int, size: int, name: str, info: dict, writable: bool = False,
-               dtypes: dict = NP_DTYPES):
-    """(numpy memmap, torch view) of tensor `name` of a safetensors file (`info`: its header entry), checked
-    against the file's size; bfloat16 is viewed as torch.bfloat16. No page is read until it is used."""
+def map_tensor(path: Path, header: SafetensorsHeader, name: str, writable: bool = False, dtypes: dict = NP_DTYPES):
+    """(numpy memmap, torch view) of tensor `name` of a safetensors file (`header`: its `read_header`, which checked
+    that the tensor lies inside the file); bfloat16 is viewed as torch.bfloat16. No page is read until it is used."""
     import warnings
 
-    import torch
-
+    info = header.entries[name]
     if info["dtype"] not in dtypes:
         raise TableError(f"{path}: '{name}' has unsupported dtype {info['dtype']}")
-    a, b = info["data_offsets"]
-    if 8 + header_len + b > size:
-        raise TableError(f"{path} is truncated: header promises {b} data bytes, file has {size - 8 - header_len}")
-    arr = np.memmap(path, dtype=dtypes[info["dtype"]], mode="r+" if writable else "r", offset=8 + header_len + a,
-                    shape=tuple(info["shape"]))
+    arr = np.memmap(path, dtype=dtypes[info["dtype"]], mode="r+" if writable else "r",
+                    offset=header.data_start + info["data_offsets"][0], shape=tuple(info["shape"]))
     with warnings.catch_warnings():  # read-only mappings are only ever gathered from
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr)

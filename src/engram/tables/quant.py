@@ -14,7 +14,9 @@ the files are read in any tier by `tables.rows.open_rows`. Inference only: a qua
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -24,8 +26,11 @@ from .codecs import (
     FORMATS,
     NVFP4_BLOCK,
     UE8M0_BLOCK,
+    FloatCodec,
     Nvfp4Codec,
+    RowCodec,
     ScaledRowCodec,
+    Ue8m0Codec,
     check_global_scale,
     dequantize,
     dequantize_nvfp4,
@@ -42,34 +47,29 @@ from .codecs import (
 from .encoded import BlockFp8Table, BlockScaledTable, NvFp4Table, QuantTable
 from .rows import NVFP4_FILE_FORMAT, QUANT_FILE_FORMAT, RowBlocks, check_tier, open_rows, tier_of, write_rows
 
-TABLE_FORMATS = ("float32", "bfloat16", *FORMATS, "fp8_ue8m0", "nvfp4")  # what `set_table_format` serves
+
+class ServedFormat(NamedTuple):
+    """How `set_table_format` serves one format (`_SERVED`).
+
+    `codec(rows, name)`: the codec of one table's stored rows (N, d) (NVFP4's global scale comes from the table's
+    own rows), or None: the rows are served as they are stored (float32: 4 bytes a value). `block`: rows must be a
+    multiple of this many values wide. `keep_tier`: the new rows stay in the replaced table's tier (a packed file
+    beside a file-backed table's, which is closed), else they are encoded into RAM."""
+
+    codec: Callable[[torch.Tensor, str], RowCodec] | None
+    block: int = 1
+    keep_tier: bool = False
+
+
+_SERVED = {  # format -> how it is served (the codecs are `tables.codecs`), in `TABLE_FORMATS` order
+    "float32": ServedFormat(None),
+    "bfloat16": ServedFormat(lambda rows, name: FloatCodec(torch.bfloat16)),
+    **{fmt: ServedFormat(lambda rows, name, fmt=fmt: ScaledRowCodec(fmt)) for fmt in FORMATS},  # int8, fp8
+    "fp8_ue8m0": ServedFormat(lambda rows, name: Ue8m0Codec(), Ue8m0Codec.block),
+    "nvfp4": ServedFormat(Nvfp4Codec.of_rows, Nvfp4Codec.block, keep_tier=True),
+}
+TABLE_FORMATS = tuple(_SERVED)  # what `set_table_format` serves
 pack_ue8m0_rows = pack_nvfp4_rows = pack_rows  # (N, code bytes + scale bytes): each row's codes, then its scales
-
-
-def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[int, QuantTable]:
-    """Replace every Engram table of `model` by its quantized copy (`fmt` int8 | fp8), installed behind its layer.
-
-    The rows must be in the model (its own parameter, or an installed table's `weight`); the float
-    parameter is freed. Returns {layer_id: table}.
-    """
-    tables = {}
-    for _, mhe in find_tables(model):
-        codes, scales = quantize_rows(stored_rows(mhe), fmt)
-        table = QuantTable(codes, scales, fmt, dtype or mhe.embedding.weight.dtype)
-        install(mhe, table, free_parameter=True)
-        tables[mhe.layer_id] = table
-    return tables
-
-
-def stored_rows(mhe) -> torch.Tensor:
-    """All rows of one Engram table as they are stored now (N, d): an installed table's `weight` (a mapped file for
-    the mmap and disk tiers: pages read as touched) or the layer's own parameter. What a format conversion reads:
-    offloading empties the parameter, so reading `mhe.embedding.weight` there finds no rows."""
-    src = mhe.table.weight if mhe.table is not None and hasattr(mhe.table, "weight") else mhe.embedding.weight
-    if src.shape[0] != mhe.num_rows:
-        raise TableError(f"layer {mhe.layer_id}: its {mhe.num_rows} rows are not readable here (the table holds "
-                         f"{list(src.shape)}); convert the tables before moving them, or load them again")
-    return src.detach()
 
 
 def check_table_format(fmt: str) -> None:
@@ -83,31 +83,71 @@ def set_table_format(model, fmt: str) -> dict:
     (`quantize_tables`, dequantized to float32 after each gather), "fp8_ue8m0" (DeepSeek-V4.1's rows: a scale
     byte per 32 values) or "nvfp4" (Qwen4Exp's NVFP4 rows in vLLM: 4-bit codes, an E4M3 scale per 16 values and
     one per table, kept in the tables' tier: `nvfp4_tables`). Returns {layer_id: bytes per row}."""
-    from .backends import InRamTable
-
     check_table_format(fmt)
-    if fmt == "float32":
-        return {mhe.layer_id: mhe.dim * 4 for _, mhe in find_tables(model)}
-    if fmt == "bfloat16":
-        out = {}
-        for _, mhe in find_tables(model):
-            install(mhe, InRamTable(stored_rows(mhe).to(torch.bfloat16)), free_parameter=True)
-            out[mhe.layer_id] = mhe.dim * 2
-        return out
-    if fmt == "fp8_ue8m0":  # DeepSeek-V4.1's rows: e4m3 + a power-of-two scale per 32 values, dequantized to bf16
-        out = {}
-        for _, mhe in find_tables(model):
-            if mhe.dim % UE8M0_BLOCK:
-                raise TableError(f"fp8_ue8m0 needs rows a multiple of {UE8M0_BLOCK} wide; layer {mhe.layer_id}'s "
-                                 f"are {mhe.dim}")
-            table = BlockFp8Table(*quantize_ue8m0(stored_rows(mhe)), torch.float32,
-                                  f"layer {mhe.layer_id}")
-            install(mhe, table, free_parameter=True)
-            out[mhe.layer_id] = table.bytes_per_row
-        return out
-    if fmt == "nvfp4":
-        return {lid: t.bytes_per_row for lid, t in nvfp4_tables(model).items()}
-    return {lid: t.bytes_per_row for lid, t in quantize_tables(model, fmt, torch.float32).items()}
+    return {layer_id: per_row for layer_id, (_, per_row) in _convert(model, fmt, torch.float32).items()}
+
+
+def quantize_tables(model, fmt: str, dtype: torch.dtype | None = None) -> dict[int, QuantTable]:
+    """Replace every Engram table of `model` by its quantized copy (`fmt` int8 | fp8), installed behind its layer.
+
+    The rows must be in the model (its own parameter, or an installed table's `weight`); the float
+    parameter is freed. Gathers decode to `dtype` (default: the layer's parameter dtype). Returns {layer_id: table}.
+    """
+    if fmt not in FORMATS:
+        raise TableError(f"table format must be one of {FORMATS}, got {fmt!r}")
+    return {layer_id: table for layer_id, (table, _) in _convert(model, fmt, dtype).items()}
+
+
+def nvfp4_tables(model, dtype: torch.dtype = torch.float32, chunk_rows: int = 1 << 16) -> dict[int, NvFp4Table]:
+    """Replace every Engram table of `model` by its NVFP4 copy (`quantize_nvfp4`, one global scale per table),
+    installed behind its layer and kept in its tier: rows in RAM stay in RAM; a file-backed table (mmap or
+    disk tier) gets an NVFP4 file beside its file (`<name>.nvfp4.safetensors`) opened in the same tier.
+    Returns {layer_id: table}."""
+    return {layer_id: table for layer_id, (table, _) in _convert(model, "nvfp4", dtype, chunk_rows).items()}
+
+
+def _convert(model, fmt: str, dtype: torch.dtype | None, chunk_rows: int = 1 << 16) -> dict[int, tuple]:
+    """The one install loop: each Engram table of `model` read through its tier (`stored_rows`), encoded by the
+    codec `_SERVED[fmt]` gives it, opened as a table (`open_rows`: in RAM, or written `chunk_rows` at a time to a
+    file in the old table's tier) that decodes gathers to `dtype` (None: the layer's parameter dtype), and installed
+    behind its layer, the float parameter freed. Returns {layer_id: (table, bytes per row)} (float32: the table left
+    as it is, None for the layer's own parameter)."""
+    served = _SERVED[fmt]
+    out = {}
+    for _, mhe in find_tables(model):
+        if served.codec is None:
+            out[mhe.layer_id] = mhe.table, mhe.dim * 4
+            continue
+        if mhe.dim % served.block:
+            raise TableError(f"{fmt} needs rows a multiple of {served.block} wide; layer {mhe.layer_id}'s are "
+                             f"{mhe.dim}")
+        old, rows, name = mhe.table, stored_rows(mhe), f"layer {mhe.layer_id}"
+        codec, dt = served.codec(rows, name), dtype or mhe.embedding.weight.dtype
+        tier = tier_of(old) if served.keep_tier and old is not None else "ram"
+        if tier == "ram":
+            table = open_rows(codec.encode(rows), "ram", codec=codec, dtype=dt, name=name)
+        else:  # packed rows (the formats kept in their tier are block-scaled), streamed into a file beside the old
+            n, f = rows.shape[0], Path(old.path)
+            packed = (pack_rows(*codec.encode(rows[s:s + chunk_rows])) for s in range(0, n, chunk_rows))
+            table = open_rows(RowBlocks((n, codec.bytes_per_row(mhe.dim)), torch.uint8, packed), tier, f.parent,
+                              codec=codec, file=f"{f.name.split('.')[0]}.{fmt}.safetensors", dtype=dt, name=name,
+                              metadata={"layer": str(mhe.layer_id)})
+        if served.keep_tier and old is not None:
+            old.close()
+        install(mhe, table, free_parameter=True)
+        out[mhe.layer_id] = table, codec.bytes_per_row(mhe.dim)
+    return out
+
+
+def stored_rows(mhe) -> torch.Tensor:
+    """All rows of one Engram table as they are stored now (N, d): an installed table's `weight` (a mapped file for
+    the mmap and disk tiers: pages read as touched) or the layer's own parameter. What a format conversion reads:
+    offloading empties the parameter, so reading `mhe.embedding.weight` there finds no rows."""
+    src = mhe.table.weight if mhe.table is not None and hasattr(mhe.table, "weight") else mhe.embedding.weight
+    if src.shape[0] != mhe.num_rows:
+        raise TableError(f"layer {mhe.layer_id}: its {mhe.num_rows} rows are not readable here (the table holds "
+                         f"{list(src.shape)}); convert the tables before moving them, or load them again")
+    return src.detach()
 
 
 def quant_error(w: torch.Tensor, fmt: str) -> dict:
@@ -156,37 +196,6 @@ def open_nvfp4_file(path, tier: str = "mmap", dtype: torch.dtype = torch.bfloat1
     check_tier(tier)
     return open_rows(path, tier, dtype=dtype, name=name or str(path), expect=NVFP4_FILE_FORMAT, verify="open",
                      **disk_kwargs)
-
-
-def nvfp4_tables(model, dtype: torch.dtype = torch.float32, chunk_rows: int = 1 << 16) -> dict[int, NvFp4Table]:
-    """Replace every Engram table of `model` by its NVFP4 copy (`quantize_nvfp4`, one global scale per table),
-    installed behind its layer and kept in its tier: rows in RAM stay in RAM; a file-backed table (mmap or
-    disk tier) gets an NVFP4 file beside its file (`<name>.nvfp4.safetensors`) opened in the same tier.
-    Returns {layer_id: table}."""
-    tables = {}
-    for _, mhe in find_tables(model):
-        t, src = mhe.table, stored_rows(mhe)
-        if mhe.dim % NVFP4_BLOCK:
-            raise TableError(f"nvfp4 needs rows a multiple of {NVFP4_BLOCK} wide; layer {mhe.layer_id}'s are "
-                             f"{mhe.dim}")
-        n, name = src.shape[0], f"layer {mhe.layer_id}"
-        amax = max((float(src[s:s + chunk_rows].float().abs().amax()) for s in range(0, n, chunk_rows)), default=0.)
-        tier = tier_of(t) if t is not None else "ram"
-
-        def chunks(src=src, amax=amax):
-            for s in range(0, n, chunk_rows):
-                yield pack_rows(*quantize_nvfp4(src[s:s + chunk_rows], chunk_rows, amax)[:2])
-
-        f = Path(t.path) if tier != "ram" else None
-        table = open_rows(RowBlocks((n, mhe.dim // 2 + mhe.dim // NVFP4_BLOCK), torch.uint8, chunks()), tier,
-                          None if f is None else f.parent, codec=Nvfp4Codec(nvfp4_global_scale(amax)[1], name),
-                          file=None if f is None else f.name.split(".")[0] + ".nvfp4.safetensors", dtype=dtype,
-                          name=name, metadata={"layer": str(mhe.layer_id)})
-        if t is not None:
-            t.close()
-        install(mhe, table, free_parameter=True)
-        tables[mhe.layer_id] = table
-    return tables
 
 
 __all__ = ["BlockFp8Table", "BlockScaledTable", "NVFP4_BLOCK", "NvFp4Table", "check_global_scale", "dequantize_nvfp4",

@@ -42,7 +42,8 @@ from .codecs import FloatCodec, Nvfp4Codec, RowCodec, ScaledRowCodec, Ue8m0Codec
 from .codecs.scaled import FORMATS
 from .disk import DiskTable
 from .encoded import EncodedTable
-from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor, read_header
+from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
+from .header import read_header
 
 TIERS = ("ram", "mmap", "disk")  # where a table's rows are read from
 NVFP4_FILE_FORMAT = "engram-nvfp4-rows/1"
@@ -76,20 +77,15 @@ class StoredTensor:
 
     def __init__(self, path, key: str, why: str = ""):
         self.key, self.path = key, Path(path)
-        self.n, meta, self.size = read_header(self.path, required=())
-        if key not in meta:
+        self.header = read_header(self.path, required=())  # (checks that every tensor lies inside the file)
+        if key not in self.header.tensors:
             raise TableError(f"{self.path} lacks {key}" + (f", {why}" if why else "; pass a file that holds it"))
-        self.info = meta[key]
-        a, b = self.info["data_offsets"]
-        if 8 + self.n + b > self.size:
-            raise TableError(f"{self.path} is truncated: {key} ends at byte {8 + self.n + b:,}, the file has "
-                             f"{self.size:,}; re-download or re-create the file")
-        self.shape, self.offset = tuple(self.info["shape"]), a
+        self.info = self.header.tensors[key]
+        self.shape, self.offset = tuple(self.info["shape"]), self.info["data_offsets"][0]
 
     def mapped(self) -> torch.Tensor:
         """The tensor memory-mapped from its file: raw bytes for FP8, else its dtype."""
-        return map_tensor(self.path, self.n, self.size, self.key, self.info,
-                          dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
+        return map_tensor(self.path, self.header, self.key, dtypes={**NP_DTYPES, **QUANT_NP_DTYPES})[1]
 
     def load(self) -> torch.Tensor:
         """The tensor in RAM (FP8 bytes as uint8; bf16 and float32 as themselves)."""
@@ -171,7 +167,7 @@ def open_rows(source, tier: str = "mmap", dir=None, *, codec: RowCodec | None = 
             parts = _filled(parts[0], codec)
         if in_place:
             return _open_parts(parts, codec, tier, dtype, where, verify, tier_kwargs)
-        if codec is None:
+        if codec is None or isinstance(codec, FloatCodec):  # float rows in RAM (as `_open_parts` serves them)
             return InRamTable(parts[0])
         return EncodedTable.of(parts, codec, dtype, where)
 
@@ -219,8 +215,7 @@ def _file_parts(path: Path, tensor, rows, codec, expect, where):
     if tensor is not None:
         return (StoredTensor(path, tensor),), codec
     required = _FILE_FORMATS[expect][0] + _FILE_FORMATS[expect][1] if expect else ("weight",)
-    _, meta, _ = read_header(path, required=() if expect is None else required)
-    md = meta.get("__metadata__", {})
+    md = read_header(path, required=() if expect is None else required).metadata
     fmt = md.get("format")
     if expect is not None and fmt != expect:
         if expect == QUANT_FILE_FORMAT:

@@ -16,7 +16,8 @@ evaluation, table options (`--set table_backend=mmap`, `table_readahead`, `table
 checkpoints (trainable parameters only: the base is read from DIR again on `--resume`), Ctrl-C then
 `--resume`. RUN/final/ holds the adapter (`engram.save_adapter`: Engram weights, LoRA in `lora/`),
 a PEFT folder for `lora`, or a full `save_pretrained` model for `full`; load it with
-`engram eval --base DIR --adapter RUN/final`.
+`engram eval --base DIR --adapter RUN/final` (`engram.inference.load_with_adapter`). The base loads as every
+inference path loads it (`engram.inference.load_base`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
 from ..distributed.parallel import DistContext
+from ..inference import load_base
 from ..persist import atomic_write_bytes, new_dir, write_json
 from ..tokenizer import TOKENIZER_CONFIG, write_tokenizer_files
+from .config import TrainConfig
 from .data import eval_windows, load_split, prepare
 from .presets import ADAPT_METHODS
 from .run import building, evaluate, execute, finish_build, open_run
@@ -38,49 +41,6 @@ from .run import building, evaluate, execute, finish_build, open_run
 # Adapter training defaults: no weight decay (few steps on a new corpus), fine-tuning LR.
 ADAPT_TRAIN = TrainConfig(tokenizer="base", seq_len=256, batch_size=8, max_steps=500, lr=1e-3, warmup_steps=30,
                           weight_decay=0.0, eval_max_windows=64, ckpt_every=100)
-
-
-def load_base(base: str | os.PathLike, device=None):
-    """(model, tokenizer.json path) of a `save_pretrained` folder holding a causal LM and its tokenizer.json."""
-    from transformers import AutoModelForCausalLM
-
-    d = Path(base)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"--base {base}: no model here (expected a save_pretrained folder with config.json)")
-    tok = d / "tokenizer.json"
-    if not tok.is_file():
-        raise FileNotFoundError(f"--base {base}: no tokenizer.json beside the model (Engram hashes with the base "
-                                "model's own tokenizer; save it there with tokenizer.save_pretrained)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(d)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"--base {base}: could not load the model: {str(e).splitlines()[0]}") from None
-    return model.to(device or "cpu"), tok
-
-
-def load_with_adapter(base, adapter=None, device=None):
-    """(model in eval mode, `tokenizers` tokenizer): the base, with the adapter in `adapter` when given (an
-    Engram adapter folder, a PEFT LoRA folder, or a run dir whose final/ holds either)."""
-    from ..adapters import CONFIG_FILE, load_adapter
-    from ..tokenizer import load_tokenizer
-
-    model, tok_file = load_base(base, device)
-    if adapter is not None:
-        a = Path(adapter)
-        if (a / "final").is_dir():
-            a = a / "final"
-        if (a / CONFIG_FILE).is_file():
-            model = load_adapter(model, a)
-        elif (a / "adapter_config.json").is_file():
-            try:
-                from peft import PeftModel
-            except ImportError:
-                raise ImportError(f"{a} is a LoRA adapter: pip install 'engram-torch[peft]'") from None
-            model = PeftModel.from_pretrained(model, str(a))
-        else:
-            raise FileNotFoundError(f"--adapter {adapter}: no adapter here (expected engram_adapter.json or a PEFT "
-                                    "adapter_config.json, or a run dir with final/)")
-    return model.eval(), load_tokenizer(tok_file)
 
 
 def _layers(spec, n_layers: int) -> list[int]:

@@ -3,7 +3,7 @@
 `LazyRowAdam` updates only the rows a step touched (and only their moments), with the semantics
 of `torch.optim.SparseAdam` (the global step count drives bias correction; untouched rows and
 their moments do not move): O(touched rows) work instead of O(table) for dense Adam. On CPU with
-numba a fused kernel updates the touched rows in place (`_fastadam.py`); otherwise the rows of the
+numba a fused kernel updates the touched rows in place (`_adam_kernels.py`); otherwise the rows of the
 weight and both moments are gathered with `index_select`, updated and written back with
 `index_copy_`. `TableAdam` does the same for tables that keep their own rows (`engram.tables.Table`).
 The paper trains the tables with Adam at 5x the backbone LR and no weight decay.
@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from .. import _fastadam
 from ..memory import is_table_key
 from ..tables.base import installed_tables, row_grads
+from . import _adam_kernels
 
 
 def _step_size(lr: float, b1: float, b2: float, step: float) -> float:
@@ -29,13 +29,13 @@ def _fused_ok(*ts: torch.Tensor) -> bool:
     """The numba kernel applies: CPU, float32, contiguous, and numba installed (`engram-torch[fast]`)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
         return False
-    return _fastadam.available()
+    return _adam_kernels.available()
 
 
 def _adam_in_place(W: torch.Tensor, M: torch.Tensor, V: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
                    step: float, lr: float, b1: float, b2: float, eps: float) -> None:
     """The fused kernel: rows `rows` of W, M, V (float32 CPU) get one Adam update with gradients g (R, D)."""
-    _fastadam.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(), g.contiguous().numpy(),
+    _adam_kernels.adam_rows(W.detach().numpy(), M.numpy(), V.numpy(), rows.contiguous().numpy(), g.contiguous().numpy(),
                         b1, b2, _step_size(lr, b1, b2, step), eps)
 
 
@@ -45,7 +45,7 @@ def adam_rows_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     m <- b1*m + (1-b1)*g;  v <- b2*v + (1-b2)*g^2;  w <- w - lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
     (SparseAdam's form: bias correction folded into the step size, eps added after the sqrt).
-    On CPU with numba (`fused`) one fused kernel does it (`_fastadam`, the same kernel LazyRowAdam
+    On CPU with numba (`fused`) one fused kernel does it (`_adam_kernels`, the same kernel LazyRowAdam
     runs in place on the table, so both give identical rows); else a few torch ops.
     """
     if fused and _fused_ok(w, m, v, g):
@@ -158,7 +158,7 @@ def lazy_row_update(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) ->
         # sum repeated rows and update them in one pass, in place
         step_size = _step_size(group["lr"], b1, b2, step)
         n = g._nnz()
-        _fastadam.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
+        _adam_kernels.sparse_adam_rows(p.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
                                    g._indices()[0].contiguous().numpy(), g._values().contiguous().numpy(),
                                    b1, b2, step_size, group["eps"], gsum=opt._buffers(p, n)[0].numpy())
         return
@@ -288,41 +288,3 @@ def build_optimizers(model, lr: float, weight_decay: float = 0.1, table_lr_mult:
         for g in o.param_groups:
             g["base_lr"] = g["lr"]
     return opts
-
-
-# ------------------------------------------------------------------------------------ clipping sparse gradients
-_SPARSE_NORM_LIB = None  # the torch.library registration (kept alive: dropping it unregisters the kernel)
-
-
-def _sparse_vector_norm(x: torch.Tensor, ord=2, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    """`torch.linalg.vector_norm` of a sparse COO tensor: the norm of its dense equivalent.
-
-    A table's row gradient `(num_rows, D)` holds one entry per lookup, repeated rows not yet summed;
-    the norm is that of the summed rows (what the dense gradient would be): from the coalesced values
-    for any order >= 0 over the whole tensor (implicit zeros add nothing), else through `to_dense()`.
-    """
-    if dim is None and not keepdim and ord >= 0:
-        vals = x._values() if x.is_coalesced() else row_grads(x)[1]
-        return torch.linalg.vector_norm(vals, ord, dtype=dtype if dtype is not None else x.dtype)
-    return torch.linalg.vector_norm(x.to_dense(), ord, dim, keepdim, dtype=dtype)
-
-
-def enable_sparse_grad_norm() -> None:
-    """Give `torch.linalg.vector_norm` a kernel for sparse COO tensors (torch has none), so that
-    `torch.nn.utils.clip_grad_norm_`, accelerate's and `transformers.Trainer`'s clipping work on a model whose
-    Engram tables have sparse gradients, with the meaning they have for a dense model: the global norm is
-    sqrt(sum of every dense gradient's squared entries + every table's summed looked-up rows' squared entries),
-    and clipping scales the table rows by the same factor (`mul_` on a sparse gradient scales its values).
-
-    Process-wide and idempotent; it only fills a missing kernel (without it the call raises), so nothing that
-    worked before changes. Called by `engram.attach` and `engram.hf_optimizers`.
-    """
-    global _SPARSE_NORM_LIB
-    if _SPARSE_NORM_LIB is not None:
-        return
-    has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: False)
-    lib = torch.library.Library("aten", "IMPL")
-    for key in ("SparseCPU", "SparseCUDA"):
-        if not has("aten::linalg_vector_norm", key):  # a later torch may bring its own: keep that one
-            lib.impl("linalg_vector_norm", _sparse_vector_norm, key)
-    _SPARSE_NORM_LIB = lib

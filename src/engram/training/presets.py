@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig, _parse_bool
+from ..config import ConfigError, parse_bool
+from .config import TrainConfig
 
 # What `engram adapt --method` trains on a pretrained base (training/adapt.py).
 ADAPT_METHODS = ("engram", "lora", "lora+engram", "full")
@@ -423,4 +424,4 @@ def _set_value(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return _parse_bool(text) if text.lower() in ("true", "false", "yes", "no", "on", "off") else text
+        return parse_bool(text) if text.lower() in ("true", "false", "yes", "no", "on", "off") else text

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
 from ..distributed.parallel import DistContext
 from ..memory import defer_table_allocation
 from ..model import EngramForCausalLM, update_expert_bias
@@ -49,6 +49,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .config import TrainConfig
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .optim import build_optimizers, split_params, warmup_cosine
 

@@ -8,16 +8,15 @@ import torch
 from ...config import ConfigError
 from ...tables.codecs import Nvfp4Codec, check_global_scale, pack_rows
 from ...tables.encoded import NvFp4Table
+from ...tables.header import read_header
 from ...tables.rows import RowBlocks
 
 
 def checkpoint_shards(checkpoint, layer_idx: int, suffix: str = "weight") -> list[tuple]:
     """[(file, key, rows)] of decoder layer `layer_idx`'s n-gram table shards in a safetensors checkpoint, in order
-    (`suffix` "weight_scale": an NVFP4 table's block-scale shards)."""
+    (`suffix` "weight_scale": an NVFP4 table's block-scale shards), from the shards' headers (`read_header`)."""
     import re
     from pathlib import Path
-
-    from safetensors import safe_open
 
     from ..checkpoint import weight_map
 
@@ -26,12 +25,16 @@ def checkpoint_shards(checkpoint, layer_idx: int, suffix: str = "weight") -> lis
     pat = re.compile(rf"(^|\.)layers\.{layer_idx}\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.{suffix}$")
     found = []
     for f in files:
-        with safe_open(str(d / f), "pt") as st:
-            for k in st.keys():
-                m = pat.search(k)
-                if m:
-                    found.append((int(m.group(2)), d / f, k, st.get_slice(k).get_shape()[0]))
+        for k, info in read_header(d / f, required=()).tensors.items():
+            m = pat.search(k)
+            if m:
+                found.append((int(m.group(2)), d / f, k, info["shape"][0]))
     return [(f, k, n) for _, f, k, n in sorted(found)]
+
+
+def _entry(file, key: str) -> dict:
+    """Tensor `key`'s header entry in safetensors file `file`: {"dtype", "shape", "data_offsets"}."""
+    return read_header(file, required=(key,)).tensors[key]
 
 
 def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: int):
@@ -45,9 +48,8 @@ def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: i
         raise ConfigError(f"{checkpoint}: layer {layer_idx}'s n-gram table shards hold {total:,} rows in "
                           f"{len(shards)} shards; the config needs {padded:,} rows in split_ngram_parts={parts} "
                           "(incomplete or mismatched download?)")
-    with safe_open(str(shards[0][0]), "pt") as st:
-        sl = st.get_slice(shards[0][1])
-        dtype, width = sl.get_dtype(), sl.get_shape()[1]
+    info = _entry(*shards[0][:2])
+    dtype, width = info["dtype"], info["shape"][1]
     tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
     if tdt is None or width != dim:
         raise ConfigError(f"{checkpoint}: n-gram table rows are {dtype} x {width}; "
@@ -68,13 +70,10 @@ def _checkpoint_rows(checkpoint, layer_idx: int, padded: int, dim: int, parts: i
 def _is_nvfp4(checkpoint, layer_idx: int) -> bool:
     """Whether layer `layer_idx`'s table shards in `checkpoint` are NVFP4 (uint8 rows with E4M3 block-scale shards,
     as vLLM 0.33 loads Qwen4Exp tables with `ple_embedding_dtype: nvfp4` or a ModelOpt NVFP4 config)."""
-    from safetensors import safe_open
-
     shards = checkpoint_shards(checkpoint, layer_idx)
     if not shards:
         return False
-    with safe_open(str(shards[0][0]), "pt") as st:
-        packed = st.get_slice(shards[0][1]).get_dtype() == "U8"
+    packed = _entry(*shards[0][:2])["dtype"] == "U8"
     return packed or bool(checkpoint_shards(checkpoint, layer_idx, "weight_scale"))
 
 
@@ -95,20 +94,19 @@ def _nvfp4_rows(checkpoint, layer_idx: int, padded: int, used: int, dim: int, pa
                               f"rows; the config needs {padded:,} rows of {dim} (a multiple of 16) in "
                               f"split_ngram_parts={parts} (incomplete download, or scales missing?)")
         for f, k, _ in shards:
-            with safe_open(str(f), "pt") as st:
-                sl = st.get_slice(k)
-                if sl.get_dtype() != dt or sl.get_shape()[1:] != [width]:
-                    what = "two E2M1 codes a byte" if sfx == "weight" else "one E4M3 scale per 16 values"
-                    raise ConfigError(f"{where}: {k} is {sl.get_dtype()} {sl.get_shape()}; NVFP4 needs {dt} rows of "
-                                      f"{width} ({what})")
+            info = _entry(f, k)
+            if info["dtype"] != dt or info["shape"][1:] != [width]:
+                what = "two E2M1 codes a byte" if sfx == "weight" else "one E4M3 scale per 16 values"
+                raise ConfigError(f"{where}: {k} is {info['dtype']} {info['shape']}; NVFP4 needs {dt} rows of "
+                                  f"{width} ({what})")
     key = f"layers.{layer_idx}.ple.ple_embedding.ngram_embedding.weight_scale_2"
     g = None
     for f in sorted({f for f, *_ in parts_of["weight"]} | set(Path(checkpoint).glob("*.safetensors"))):
-        with safe_open(str(f), "pt") as st:
-            k = next((k for k in st.keys() if k == key or k.endswith("." + key)), None)
-            if k is not None:
+        k = next((k for k in read_header(f, required=()).tensors if k == key or k.endswith("." + key)), None)
+        if k is not None:
+            with safe_open(str(f), "pt") as st:
                 g = st.get_tensor(k)
-                break
+            break
     g = check_global_scale(g, f"{where} ({key})")
 
     def packed(lo: int, hi: int):  # packed rows [lo, hi), one shard's slice at a time

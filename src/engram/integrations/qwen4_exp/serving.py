@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from ...config import ConfigError
 from ...deprecation import renamed_keywords
+from ...inference import FolderKind
 from ...persist import read_json
 from .family import hash_mapping, text_config
 from .served import ServedNGramEmbedding, _ple_layers
@@ -110,12 +111,18 @@ def is_model_folder(path) -> bool:
 @renamed_keywords(backend="tier")
 def load_folder(path, tier: str = "ram", dir=None):
     """(model, tokenizer) of a Qwen4Exp model folder: `from_pretrained` (tables served by engram) and the folder's
-    tokenizer.json. What `engram serve PATH` and `engram edit --checkpoint PATH` load for such a folder."""
+    tokenizer.json. What `engram serve PATH` and `engram edit --checkpoint PATH` load for such a folder (its
+    `FOLDER_KIND`)."""
     from pathlib import Path
 
     from ...tokenizer import load_tokenizer
 
     return from_pretrained(path, tier, dir), load_tokenizer(Path(path) / "tokenizer.json")
+
+
+# the folder kind `engram.inference` finds through the entry-point group `engram.folder_kinds` (pyproject.toml)
+FOLDER_KIND = FolderKind("a Qwen4Exp model folder (config.json model_type qwen4_exp), its n-gram tables served by "
+                         "engram", is_model_folder, load_folder)
 
 
 @renamed_keywords(backend="tier")

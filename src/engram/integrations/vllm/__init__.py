@@ -16,7 +16,8 @@ files linked), served by `adapter_model.py` (vLLM's own model for the base, engr
 
 Pieces: `model.py` (the model, written with vLLM's layers), `step.py` (a step's hashing and Engram deltas),
 `state.py` (the n-gram ids and conv inputs of earlier positions, kept per KV-cache slot), `options.py` (table
-options, the config hooks), `launcher.py` (`engram serve --engine vllm`), `pair.py`, `adapter_model.py`.
+options, the config hooks), `launcher.py` (`engram serve --engine vllm`), `pair.py`, `adapter_model.py`, and
+`_kernels.py` (the numba kernels of `step.py` and `state.py`).
 """
 
 from __future__ import annotations

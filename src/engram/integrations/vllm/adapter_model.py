@@ -7,7 +7,7 @@ The folder vLLM loads is a pair folder (`pair.py`): the base's files linked, `co
 classes and the base and adapter folders. vLLM loads the base's weights into its own modules
 (`super().load_weights`); engram reads the adapter's tensors from the adapter folder into an `EngramAdapter`
 built as `attach` builds it (same parameter names, `engram_adapter.layers.{i}...`), its tables under
-`defer_table_allocation` until their rows arrive; then the table options apply (`serving.prepare_inference`).
+`defer_table_allocation` until their rows arrive; then the table options apply (`inference.prepare_inference`).
 
 Where the delta goes. vLLM's decoder layers return `(mlp_out, residual)` unadded: the next layer's fused
 add+RMSNorm adds them. A forward pre-hook on each hooked block i rebuilds the residual stream entering it,
@@ -127,7 +127,7 @@ class EngramAdapterMixin:
         if missing:
             raise KeyError(f"{a}: the adapter's weights lack {missing[:3]}")
         o = self.options
-        from ...serving.prepare import prepare_inference
+        from ...inference import prepare_inference
 
         prepare_inference(self, o.tier, o.directory, o.format, {str(d): d for d in o.overlays},
                           digest=adapted_digest(self.pair["base"], a, meta) if o.overlays else None)

@@ -158,7 +158,7 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     if overrides:
         argv += ["--hf-overrides", json.dumps(overrides)]
     if args.chat_template == "plain":  # engram's own template, passed inline (vLLM takes a file or the text)
-        from ...serving.engine import PLAIN_CHAT_TEMPLATE
+        from ...inference import PLAIN_CHAT_TEMPLATE
 
         argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     elif args.chat_template:

@@ -19,7 +19,7 @@ TP=2 computes exactly TP=1's Engram rows. Hashing goes through `engram.hashing` 
 each token's previous N-1 ids, which `state.SlotState` keeps per KV slot, as the conv inputs).
 
 Tables: the checkpoint's rows are loaded into the Engram layer's table parameter, then the options
-(`options.py`) are applied by engram's one inference path, `serving.prepare_inference` (tier, overlays checked
+(`options.py`) are applied by engram's one inference path, `inference.prepare_inference` (tier, overlays checked
 against the checkpoint's weights digest read from its files, format, overlays applied), as `engram sample` does.
 """
 
@@ -236,13 +236,13 @@ class EngramForCausalLM(nn.Module):
         return loaded
 
     def _apply_table_options(self) -> None:
-        """Tier, format and overlays by engram's one inference path (`serving.prepare_inference`), the overlays
+        """Tier, format and overlays by engram's one inference path (`inference.prepare_inference`), the overlays
         checked against the checkpoint's digest read from its files (no second model in the worker)."""
         o = self.options
         if not self.engram_layers:
             return
         from ...adapters.introspect import checkpoint_digest
-        from ...serving.prepare import prepare_inference
+        from ...inference import prepare_inference
 
         prepare_inference(self, o.tier, o.directory, o.format, {str(d): d for d in o.overlays},
                           digest=checkpoint_digest(self.folder) if o.overlays else None)

@@ -29,7 +29,7 @@ import importlib.metadata
 import numpy as np
 import torch
 
-from ... import _faststep
+from . import _kernels
 
 NEEDED = ("block_table", "query_start_loc", "slot_mapping", "num_actual_tokens")  # what `view` reads
 
@@ -55,7 +55,7 @@ class StepView:
 
     ids, pos, slots, req: (n,) int64 arrays, req the row of each token's request in `block_table` (num_reqs,
     max_blocks), found from the request starts `qsl` (num_reqs + 1,). The index math is one numba kernel call
-    per piece (`_faststep.place`, `locate`, `hash_step`), numpy without numba: a step's few dozen
+    per piece (`_kernels.place`, `locate`, `hash_step`), numpy without numba: a step's few dozen
     integers cost less there than a torch op's dispatch each (`benchmarks/profile_vllm.py`; docs/performance.md,
     "Serving in vLLM"). `need`: one past the largest slot any position of the step can read (the stores grow to
     it once per step).
@@ -65,7 +65,7 @@ class StepView:
         self.ids, self.pos, self.slots, qsl, self.block_table = (
             np.asarray(a, dtype=np.int64) for a in (ids, pos, slots, qsl, block_table))
         self.block_size, self.n = block_size, len(self.pos)
-        got = _faststep.place(qsl, self.slots, self.block_table, block_size)
+        got = _kernels.place(qsl, self.slots, self.block_table, block_size)
         if got is None:  # no numba: the same in numpy
             req = np.searchsorted(qsl[1:], np.arange(self.n), side="right")
             got = (np.minimum(req, len(qsl) - 2), max((int(self.block_table.max(initial=0)) + 1) * block_size,
@@ -80,7 +80,7 @@ class StepView:
         """(slots (n, k), valid (n, k)) tensors of the positions `back[j]` before each token (0: the token itself);
         a position before 0 is not valid (its slot is a placeholder, a real one). Computed once per step per `back`."""
         if back not in self._at:
-            got = _faststep.locate(self.pos, self.req, self.block_table, self.block_size, back)
+            got = _kernels.locate(self.pos, self.req, self.block_table, self.block_size, back)
             if got is None:  # no numba: the same in numpy
                 p = self.pos[:, None] - np.asarray(back, dtype=np.int64)  # (n, k)
                 valid = p >= 0
@@ -125,12 +125,12 @@ class SlotState:
 
     def hash(self, v: StepView, mapping) -> dict:
         """Write the step's ids at their slots, then hash each token after its own previous N-1 ids: {layer: (n, H)}
-        rows of each layer's table (head offsets added). One kernel call (`_faststep.hash_step`) where the mapping's
+        rows of each layer's table (head offsets added). One kernel call (`_kernels.hash_step`) where the mapping's
         `kernel_plan` applies; else the windows and `NgramHashMapping.hash_windows`."""
         plan = mapping.kernel_plan(offsets=True)
         if plan is not None:
             self.ids = self._grow(self.ids, v.need)
-            got = _faststep.hash_step(self.ids.numpy(), v.ids, v.pos, v.slots, v.req, v.block_table, v.block_size,
+            got = _kernels.hash_step(self.ids.numpy(), v.ids, v.pos, v.slots, v.req, v.block_table, v.block_size,
                                       plan)
             if got is not None:
                 return dict(zip(plan.layer_ids, torch.from_numpy(got)))

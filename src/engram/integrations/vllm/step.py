@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from ... import _faststep
+from . import _kernels
 from .state import SlotState, StepView
 
 
 def new_state(vllm_config) -> SlotState:
     """A model's per-slot store, made in vLLM's worker, which owns the process's OpenMP threads: engram's numba
-    kernels run serially from here on (`_numba.leave_threads_to_host`; a step's hashing is small)."""
-    from ..._numba import leave_threads_to_host
+    kernels run serially from here on (`jit.leave_threads_to_host`; a step's hashing is small)."""
+    from ...jit import leave_threads_to_host
 
     leave_threads_to_host()
     return SlotState(vllm_config.cache_config.block_size)
@@ -53,12 +53,12 @@ def hash_ids(state: SlotState, mapping, input_ids: torch.Tensor, view: StepView 
 
 def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None) -> torch.Tensor:
     """Engram layer `eng`'s delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs
-    (kept in `state` under the layer's id). On CPU a few calls (`_faststep`: the projection, then one kernel for
+    (kept in `state` under the layer's id). On CPU a few calls (`_kernels`: the projection, then one kernel for
     gate, gated value and conv); elsewhere, or with ENGRAM_FUSED=0, the torch ops of `Engram.forward`."""
     lid = eng.layer_id
     rows = eng.multi_head_embedding.gather(ids[lid])  # (n, H, d): ids are table rows
-    if view is not None and _faststep.usable(eng, x):
-        fused = _faststep.layer(eng)
+    if view is not None and _kernels.usable(eng, x):
+        fused = _kernels.layer(eng)
         kv = fused.project(rows.flatten(start_dim=1).to(x.dtype))  # (n, (Gk+1)*D)
         if not eng.use_short_conv:
             return fused.delta(kv, x)

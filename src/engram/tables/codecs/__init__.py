@@ -6,8 +6,9 @@
   * `nvfp4.py`: NVFP4 (`Nvfp4Codec`, Qwen4Exp's rows in vLLM 0.33);
   * `ggml.py`: the ggml types of GGUF files (`GgmlCodec`: F32/F16/BF16 float rows, Q8_0, Q4_0, and every type the
     gguf package decodes).
-Each codec has its encoder (`quantize_rows`, `quantize_ue8m0`, `quantize_nvfp4`, `encode_rows`) and decoder; the
-table that gathers stored bytes from any tier and decodes them is `tables.encoded.EncodedTable`.
+Each codec has its encoder (`quantize_rows`, `quantize_ue8m0`, `quantize_nvfp4`, `encode_rows`: `codec.encode(rows)`)
+and decoder (`codec.decode`); the table that gathers stored bytes from any tier and decodes them is
+`tables.encoded.EncodedTable`.
 """
 
 from .base import FloatCodec, RowCodec, pack_rows, shape_of

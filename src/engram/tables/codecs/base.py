@@ -3,6 +3,7 @@
 A codec knows nothing of files or tiers (`tables.rows.open_rows` does): it checks the shapes of a row's stored
 parts, and turns the parts of gathered rows into values.
 
+    parts = codec.encode(rows)               # rows (N, d) -> the stored parts, (N, w_i) or (N,)
     dim = codec.layout(parts, name)          # parts: stored tensors (or Tables of them), (N, w_i) or (N,)
     vals = codec.decode(gathered, dim, dtype)   # gathered parts of N rows -> (N, dim) `dtype`
 """
@@ -28,14 +29,20 @@ def pack_rows(*parts: torch.Tensor) -> torch.Tensor:
 class RowCodec:
     """How rows are stored: `parts` (their names in a file, e.g. codes and scales), decoded after the gather.
 
-    `layout(parts, name) -> dim` checks the stored parts (tensors or Tables; one packed part for codecs whose
-    parts are all byte rows, `widths`) and gives the row width, a one-line `TableError` when they do not fit;
-    `decode(parts, dim, dtype)` turns the gathered parts (N, w_i) into rows (N, dim); `bytes_per_row(dim)` is what a
-    row costs where it is stored."""
+    `encode(rows)` gives the stored parts of rows (N, d); `layout(parts, name) -> dim` checks the stored parts
+    (tensors or Tables; one packed part for codecs whose parts are all byte rows, `widths`) and gives the row width,
+    a one-line `TableError` when they do not fit; `decode(parts, dim, dtype)` turns the gathered parts (N, w_i) into
+    rows (N, dim); `bytes_per_row(dim)` is what a row costs where it is stored."""
 
     name = ""
     parts: tuple[str, ...] = ("rows",)
     dtype = torch.float32  # what a gather returns unless the table says otherwise
+
+    def encode(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The stored parts of rows (N, d), as `decode` takes them back: each (N, w_i), or (N,) for a scale per row.
+        Per-row arithmetic only, so rows encoded a chunk at a time give the same bytes (NVFP4's per-table scale
+        is fixed when its codec is made)."""
+        raise NotImplementedError
 
     def layout(self, parts: tuple, name: str) -> int:
         raise NotImplementedError
@@ -71,6 +78,9 @@ class FloatCodec(RowCodec):
         if len(shapes) != 1 or len(shapes[0]) != 2:
             raise TableError(f"{name}: float rows are one (N, d) tensor, got {shapes}")
         return shapes[0][1]
+
+    def encode(self, rows):
+        return (rows.to(self.dtype),)
 
     def bytes_per_row(self, dim: int) -> int:
         return dim * torch.empty((), dtype=self.dtype).element_size()

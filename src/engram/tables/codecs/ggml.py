@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..._numba import LazyKernels
+from ...jit import LazyKernels
 from ..base import GgufError
 from .base import RowCodec, shape_of
 
@@ -137,6 +137,9 @@ class GgmlCodec(RowCodec):
         if w % self.type_size:
             raise GgufError(f"{name}: rows of {w} bytes are not whole {self.type} blocks of {self.type_size} bytes")
         return w // self.type_size * self.block
+
+    def encode(self, rows):
+        return (encode_rows(rows, self.type),)
 
     def bytes_per_row(self, dim: int) -> int:
         return dim // self.block * self.type_size

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import torch
 
-from ..._numba import LazyKernels
+from ...jit import LazyKernels
 from ..base import TableError
 from .scaled import FP8_MAX, BlockScaledCodec
 
@@ -117,6 +117,13 @@ def nvfp4_global_scale(amax) -> tuple[torch.Tensor, float]:
     return enc, float((1.0 / enc).to(torch.float32))
 
 
+def rows_amax(w: torch.Tensor, chunk_rows: int = 1 << 16) -> float:
+    """max |value| of rows `w` (N, d) (0.0 for no rows), read a chunk of rows at a time (a mapped table is never
+    whole in RAM): what sets a table's NVFP4 global scale."""
+    return max((float(w[s:s + chunk_rows].float().abs().amax()) for s in range(0, w.shape[0], chunk_rows)),
+               default=0.0)
+
+
 def quantize_nvfp4(w: torch.Tensor, chunk_rows: int = 1 << 16, amax=None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(packed (N, d/2) uint8, scales (N, d/16) uint8 E4M3 bytes, global scale) of rows `w` (N, d), d a multiple
     of 16, by the arithmetic of vLLM's reference quantizer (`ref_nvfp4_quant`): per 16 values the block scale
@@ -127,7 +134,7 @@ def quantize_nvfp4(w: torch.Tensor, chunk_rows: int = 1 << 16, amax=None) -> tup
     if d % NVFP4_BLOCK:
         raise TableError(f"NVFP4 needs rows a multiple of {NVFP4_BLOCK} wide; these are {d}")
     if amax is None:
-        amax = max((float(w[s:s + chunk_rows].float().abs().amax()) for s in range(0, n, chunk_rows)), default=0.0)
+        amax = rows_amax(w, chunk_rows)
     if amax != amax or amax == float("inf"):
         raise TableError(f"rows to quantize to NVFP4 hold a non-finite value (max |x| = {amax})")
     enc, g = nvfp4_global_scale(amax)
@@ -151,9 +158,25 @@ class Nvfp4Codec(BlockScaledCodec):
     `dequantize_nvfp4`."""
 
     name, block, values_per_byte = "nvfp4", NVFP4_BLOCK, 2
+    amax = None  # the table's max |value|, when the codec was made from its rows (`of_rows`): what `encode` needs
 
     def __init__(self, global_scale, name: str = "table"):
         self.global_scale, self.table_name = check_global_scale(global_scale, name), name
+
+    @classmethod
+    def of_rows(cls, w: torch.Tensor, name: str = "table", chunk_rows: int = 1 << 16) -> "Nvfp4Codec":
+        """The codec of a table's rows `w` (N, d) quantized to NVFP4: its global scale set by the whole table's max
+        |value| (`nvfp4_global_scale`), which `encode` then quantizes every chunk of the rows with."""
+        amax = rows_amax(w, chunk_rows)
+        codec = cls(nvfp4_global_scale(amax)[1], name)
+        codec.amax = amax
+        return codec
+
+    def encode(self, rows):
+        if self.amax is None:
+            raise TableError(f"{self.table_name}: this NVFP4 codec only decodes (its table's max |value| is not "
+                             "known); encode with Nvfp4Codec.of_rows(rows of the whole table)")
+        return quantize_nvfp4(rows, amax=self.amax)[:2]
 
     def decode(self, parts, dim, dtype):
         return dequantize_nvfp4(*parts, self.global_scale, dtype, self.table_name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..._numba import LazyKernels
+from ...jit import LazyKernels
 from ..base import TableError
 from .base import RowCodec, shape_of
 
@@ -84,6 +84,9 @@ class ScaledRowCodec(RowCodec):
             raise TableError(f"codes (N, d) and scales (N,) expected, got "
                              f"{' and '.join(str(s) for s in shapes)}")
         return shapes[0][1]
+
+    def encode(self, rows):
+        return quantize_rows(rows, self.fmt)
 
     def bytes_per_row(self, dim: int) -> int:
         return dim + (2 if self.fmt == "int8" else 1)
@@ -198,6 +201,9 @@ class Ue8m0Codec(BlockScaledCodec):
     264 bytes for d = 256."""
 
     name, block, values_per_byte = "fp8_ue8m0", UE8M0_BLOCK, 1
+
+    def encode(self, rows):
+        return quantize_ue8m0(rows)
 
     def decode(self, parts, dim, dtype):
         return dequantize_ue8m0(*parts, dtype)

@@ -1,4 +1,5 @@
-"""The seed tutorial's demo LLM: token embedding, `num_layers` blocks with Engram at `layer_ids`, LM head.
+"""The seed tutorial's demo LLM (`engram demo`, `model.py`): token embedding, `num_layers` blocks with Engram at
+`layer_ids`, LM head.
 
 As in the reference demo, attention and MoE inside the blocks are pass-through mocks: the
 point is to show Engram's shapes and gates inside a 30-layer, 4-stream model. Hashing runs
@@ -13,11 +14,11 @@ import time
 import torch
 import torch.nn as nn
 
-from .config import BackBoneConfig, EngramConfig, check_layer_ids
-from .hashing import get_hash_mapping
-from .memory import Engram
-from .tokenizer import bos_id, encode, load_tokenizer
-from .utils import peak_rss_mib
+from ..config import BackBoneConfig, EngramConfig, check_layer_ids
+from ..hashing import get_hash_mapping
+from ..memory import Engram
+from ..tokenizer import bos_id, encode, load_tokenizer
+from ..utils import peak_rss_mib
 
 
 class MockBlock(nn.Module):
@@ -94,8 +95,8 @@ def run_demo(text: str, engram_cfg: EngramConfig, backbone_cfg: BackBoneConfig, 
         engrams = [b.engram for b in model.blocks if b.engram is not None]
         blocks = "attention/MoE inside blocks are pass-through mocks (as in the reference demo)"
     else:
-        from .model import EngramForCausalLM
-        from .training import presets
+        from ..model import EngramForCausalLM
+        from ..training import presets
 
         cfg = presets.demo(vocab_size=backbone_cfg.vocab_size, hidden_size=backbone_cfg.hidden_size,
                            num_hidden_layers=backbone_cfg.num_layers, hc_mult=backbone_cfg.hc_mult,

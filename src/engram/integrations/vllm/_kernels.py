@@ -1,5 +1,7 @@
 """Fused CPU kernels for a serving step's Engram math at n single positions (numba; `pip install 'engram-torch[fast]'`).
 
+Used by `step.py` and `state.py` only (the hash's split-modulo arithmetic is `hashing.kernels`').
+
 A vLLM step asks each Engram layer for a few positions (one per request while decoding). After the table gather,
 eager PyTorch spends about 45 small ops on them (the value / key projection; the gate's two RMS norms, dot product
 and signed square root; the gated value; the short conv's K taps, each RMS-normed, weighted and summed; SiLU), each
@@ -32,12 +34,12 @@ import weakref
 import numpy as np
 import torch
 
-from . import _fasthash
-from ._numba import LazyKernels
-from ._numba import launch as _launch
+from ...hashing.kernels import reduce_mix, split_mix
+from ...jit import LazyKernels
+from ...jit import launch as _launch
 
 # ------------------------------------------------------------------------------ the slot store's index math and hash
-# (`integrations.vllm.state`: where each token of a step and its history live, and its hash; exact integers, equal to
+# (`state.py`: where each token of a step and its history live, and its hash; exact integers, equal to
 # the numpy / `hash` path. Without numba, or with ENGRAM_FUSED=0, each returns None and the caller takes that path.)
 
 def place(qsl: np.ndarray, slots: np.ndarray, block_table: np.ndarray, block_size: int
@@ -94,8 +96,8 @@ def slot_of(block_table, r, p, block_size):  # pragma: no cover - compiled inlin
     return block_table[r, p // block_size] * block_size + p % block_size
 
 
-# `_fasthash.split_mix` / `reduce_mix` and `slot_of`, compiled (by `_build`; module globals, so numba caches the kernels
-# that call them)
+# `hashing.kernels.split_mix` / `reduce_mix` and `slot_of`, compiled (by `_build`; module globals, so numba caches
+# the kernels that call them)
 _split = _reduce = _slot = None
 
 
@@ -105,17 +107,17 @@ def _build():
 
     # float64 sums may be reordered (vectorized); no approximate functions
     fm = {"contract", "reassoc", "nsz"}
-    _split, _reduce = njit(inline="always")(_fasthash.split_mix), njit(inline="always")(_fasthash.reduce_mix)
+    _split, _reduce = njit(inline="always")(split_mix), njit(inline="always")(reduce_mix)
     _slot = njit(inline="always")(slot_of)
 
-    # the hash's integers are exact in float64: no reassociation (as `_fasthash`)
+    # the hash's integers are exact in float64: no reassociation (as `hashing.kernels`)
     @njit(cache=True, boundscheck=False, fastmath={"contract", "nnan", "ninf", "nsz"})
     def hash_step(store, ids, pos, slots, req, block_table, block_size, lut, pad, vocab, mult, p, c32, c48, inv, off,
                   out):  # pragma: no cover - compiled
         # store (S,) int64: the raw id at each KV slot; ids, pos, slots, req (n,): the step's tokens. Writes
         # store[slots[i]] = ids[i] for every token first (a window may read an earlier token of the step), then
         # hashes each token after the N-1 ids before it, read from the store through the block table, as
-        # `_fasthash`'s kernel hashes a sequence: x = lut[id] (lut empty: the raw id), the pad before position 0,
+        # `hashing.kernels`' kernel hashes a sequence: x = lut[id] (lut empty: the raw id), the pad before position 0,
         # mix_k = XOR_{j<=k} x_{t-j} * mult[l, j], head h of order k+1 the row of mix_k modulo p[l, k-1, h], plus
         # off[l, k-1, h] -> out (L, n, O*H). Returns the first token whose id is outside [0, vocab), or -1.
         n = ids.shape[0]

@@ -11,7 +11,7 @@ What makes it work, and where it lives:
 
 - Clipping (`max_grad_norm`, on by default): the tables' gradients are sparse (one row per lookup) and
   torch has no sparse kernel for `linalg_vector_norm`; `attach` registers one
-  (`training.optim.enable_sparse_grad_norm`), so Trainer's unchanged `clip_grad_norm_(model.parameters())`
+  (`adapters.clipping.enable_sparse_grad_norm`), so Trainer's unchanged `clip_grad_norm_(model.parameters())`
   computes the dense model's global norm, the table rows read in the step (repeats summed) included, and
   scales them with everything else.
 - The optimizer: Trainer's default AdamW refuses sparse gradients, so `hf_optimizers` gives the one argument
@@ -26,13 +26,17 @@ What makes it work, and where it lives:
 - DDP (accelerate / torchrun): the tables are replicated, one full copy per rank; DDP all-reduces (averages)
   their sparse gradients with the dense ones, so every rank clips by the same norm and applies the same
   update: N processes follow one process at the same global batch.
+
+Here, in `training` beside the optimizers it builds (`optim.py`), not in `adapters`: it trains any model with
+Engram tables as parameters (an attached adapter, an `EngramForCausalLM`), and the adapters package stays below
+training (`engram.hf_optimizers` is this function).
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from .introspect import AdapterError
+from ..adapters.introspect import AdapterError
 
 
 def hf_optimizers(model: nn.Module, args=None, table_lr_mult: float = 5.0) -> tuple:
@@ -41,12 +45,13 @@ def hf_optimizers(model: nn.Module, args=None, table_lr_mult: float = 5.0) -> tu
 
     `args`: the `TrainingArguments` (or `SFTConfig`) the trainer gets: its `learning_rate`, `weight_decay`,
     `adam_beta1`, `adam_beta2`, `adam_epsilon` (None: Trainer's defaults). Dense trainable weights: AdamW,
-    decay on matrices only (`training.optim.dense_groups`, as `engram adapt`); tables: the lazy row update at
+    decay on matrices only (`optim.dense_groups`, as `engram adapt`); tables: the lazy row update at
     `learning_rate * table_lr_mult`, no decay. Works on any model whose tables are parameters (an attached
     adapter, an `EngramForCausalLM`), also wrapped by PEFT.
     """
+    from ..adapters.clipping import enable_sparse_grad_norm
     from ..tables.base import installed_tables
-    from ..training.optim import EngramAdamW, dense_groups, enable_sparse_grad_norm, split_params
+    from .optim import EngramAdamW, dense_groups, split_params
 
     if args is None:
         from transformers import TrainingArguments

@@ -1,4 +1,10 @@
-"""Plumbing shared by the optional numba kernels (`pip install 'engram-torch[fast]'`).
+"""Plumbing shared by the optional numba kernels (`pip install 'engram-torch[fast]'`): core infrastructure that
+every package with a kernel uses (hashing, hyper, tables, training, integrations.vllm).
+
+    LazyKernels(build)        compiles on first `get()`; None when numba is missing or broken
+    launch()                  the context every kernel call runs in (below)
+    leave_threads_to_host()   for processes whose OpenMP threads another runtime owns (vLLM's workers)
+    serial_only()             True after it: callers use a kernel's serial flavor or their torch path
 
 Kernels are compiled on first use (cached on disk by numba), so `import engram` stays light; a
 missing or broken numba means "not available" and the callers take their torch path. Every kernel

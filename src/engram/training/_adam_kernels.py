@@ -1,4 +1,4 @@
-"""Fused CPU lazy-Adam kernel (numba). Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU lazy-Adam kernels of `optim.py` (numba). Optional: `pip install 'engram-torch[fast]'`.
 
 One parallel pass over the touched rows updates weight and both moments in place, in float32,
 with the same per-element formula as `optim.adam_rows_` (torch's `lerp_` for the first moment,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels
-from ._numba import launch as _launch
+from ..jit import LazyKernels
+from ..jit import launch as _launch
 
 
 def available() -> bool:

@@ -1,8 +1,8 @@
 """The one path from a loaded model to an inference model: tier, format, overlays, in one order.
 
 Every inference path takes it: the CLI (`engram sample`, `eval`, `edit`: `cli.options.with_overlays`), `engram
-serve` (`serving.engine.load_engine`) and the vLLM model (`integrations.vllm.model`). The order matters, and
-written three times it diverged:
+serve` (`serving.engine.load_engine`) and the vLLM models (`integrations.vllm.model`, `.adapter_model`). The order
+matters, and written three times it diverged:
 
 1. the tables move to their tier (`offload_tables`: RAM, memory-mapped files or the disk tier), unless the
    loader put them there already (a qwen4_exp folder's tables are opened in their tier as they load);

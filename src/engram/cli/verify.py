@@ -1,14 +1,15 @@
 """`engram verify PATH`: check a run, model, adapter, overlay or checkpoint folder against its checksums.
 
 Kept apart from `persist.py` (the core, which the model file imports) because it reads every kind of folder
-engram writes: adapters, checkpoints, run directories.
+engram writes: adapters, checkpoints, run directories; an application over every package, so it sits beside the
+command that runs it (`model.py`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .persist import MANIFEST, UnverifiedWarning, verify_manifest
+from ..persist import MANIFEST, UnverifiedWarning, verify_manifest
 
 
 def verify_path(path) -> list[tuple[str, str, str]]:
@@ -33,15 +34,15 @@ def verify_path(path) -> list[tuple[str, str, str]]:
             out.append((what, "BAD", f"{str(e).splitlines()[0]}; {fix}" if fix else str(e).splitlines()[0]))
 
     if (p / "engram_adapter.json").is_file():
-        from .adapters import read_adapter_config
+        from ..adapters import read_adapter_config
 
         check(f"adapter {p}", lambda: read_adapter_config(p), "save the adapter again or re-download it")
     elif (p / "overlay.json").is_file():
-        from .editing import Overlay
+        from ..editing import Overlay
 
         check(f"overlay {p}", lambda: Overlay.load(p), "")
     elif (p / "state.json").is_file():
-        from .training.checkpoint import read_checkpoint
+        from ..training.checkpoint import read_checkpoint
 
         check(f"checkpoint {p}", lambda: read_checkpoint(p),
               "resume from the previous checkpoint (--resume falls back)")
@@ -68,7 +69,7 @@ def verify_path(path) -> list[tuple[str, str, str]]:
 
 def _verify_table(path: Path) -> None:
     """Every block of a table file against its block checksums (one warning when it has none)."""
-    from .tables.blocks import BlockVerifier
+    from ..tables.blocks import BlockVerifier
 
     v = BlockVerifier.open(path)
     if v is not None:
@@ -77,7 +78,7 @@ def _verify_table(path: Path) -> None:
 
 def write_missing_block_sums(path) -> list[Path]:
     """Add block checksums to every table file under `path` that has none (`engram verify --write-blocks`)."""
-    from .tables.blocks import sidecar, write_block_sums
+    from ..tables.blocks import sidecar, write_block_sums
 
     p = Path(path)
     files = [p] if p.is_file() else sorted(p.rglob("engram_table_*.safetensors"))

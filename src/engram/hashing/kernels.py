@@ -1,20 +1,24 @@
-"""Fused CPU hashing kernel (numba). Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU hashing kernel (numba), `NgramHashMapping`'s numba backend. Optional: `pip install 'engram-torch[fast]'`.
 
 One parallel pass over tokens computes every layer's n-gram mixes and every head's row with
 an exact float64 split-modulo (`mix = hi * 2^48 + mid * 2^32 + lo`, one floor-division per
 head; see `hashing/engine.py`); numba is imported on first use only, so `import engram` stays light.
 Compiled kernels are cached on disk by numba (`cache=True`).
+
+Public (the vLLM step's kernel, `integrations.vllm._kernels`, compiles the same arithmetic into its own):
+`split_mix`, `reduce_mix` (plain Python, compiled inline by each kernel), `MAX_PRIME`, `kernel_constants`,
+`available`, `hash_into`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._numba import LazyKernels, serial_only
-from ._numba import launch as _launch
+from ..jit import LazyKernels, serial_only
+from ..jit import launch as _launch
 
 
-def split_mix(v):  # pragma: no cover - compiled inline into the kernels (here and `_faststep`'s)
+def split_mix(v):  # pragma: no cover - compiled inline into the kernels (here and in `integrations.vllm._kernels`)
     """An int64 mix as floats: v = hi * 2^48 + mid * 2^32 + lo, hi signed 16-bit, mid 16-bit, lo 32-bit."""
     return np.float64(v >> 48), np.float64((v >> 32) & 0xFFFF), np.float64(v & 0xFFFFFFFF)
 
@@ -28,7 +32,7 @@ def reduce_mix(hi, mid, lo, pv, a48, a32, iv):  # pragma: no cover - compiled in
     return r + pv * (r < 0) - pv * (r >= pv)
 
 
-# the two above, compiled (by `_build`; `_faststep` compiles its own from the same source)
+# the two above, compiled (by `_build`; `integrations.vllm._kernels` compiles its own from the same source)
 _split = _reduce = None
 
 
