@@ -33,18 +33,18 @@ def main():
     ntok = ids.size
     ref = reference_hash(m, ids)
     rows = []
-    backends = ["torch"] + (["numba"] if hash_kernels.available() else [])
+    kernels = ["torch"] + (["numba"] if hash_kernels.available() else [])
     t_ref = timeit(lambda: reference_hash(m, ids), args.repeats)
     rows.append(("reference (numpy, % per head)", t_ref, True))
     results = {}
-    for be in backends:
-        m.backend = be
+    for be in kernels:
+        m.kernel = be
         out = m.hash(ids)
         same = all(np.array_equal(out[l], ref[l]) for l in m.layer_ids)
         t = timeit(lambda: m.hash(ids), args.repeats)
         rows.append((f"engram ({be})", t, same))
         results[be] = (t, same)
-    m.backend = "auto"
+    m.kernel = "auto"
     print(f"hash: B={args.batch} T={args.seq}, layers {m.layer_ids}, {16} heads/layer, "
           f"torch threads {torch.get_num_threads()}")
     print(f"{'implementation':<32} {'ms':>8} {'Mtok/s':>8} {'speedup':>8} {'identical':>9}")

@@ -2,8 +2,8 @@
 
 Same model, data and seed, one process; the table kept five ways:
   * in RAM, `torch.optim.SparseAdam` (plain PyTorch, the reference-style setup);
-  * in RAM, `engram.training.optim.LazyRowAdam` (`engram train` default, `table_backend=param`);
-  * memory-mapped file with weight + moments and the undo journal (`table_backend=mmap`),
+  * in RAM, `engram.training.optim.LazyRowAdam` (`engram train` default, `table_mode=ram`);
+  * memory-mapped file with weight + moments and the undo journal (`table_mode=mmap`),
     journal entries fsync'd (`durable`, the default) and not (`durable=False`), committed every
     `--commit-every` steps as a checkpoint would (commit time reported apart from step time);
   * the fsync'd file with the next batch's rows read and journaled ahead on a second thread while

@@ -9,10 +9,10 @@ OUT="${OUT:-.}"
 python -m pip install -q -e '.[fast,hf,test]' >/dev/null
 python -m pytest -q tests/test_tables.py tests/test_model.py -x
 engram train --preset tiny --max-steps 20 --device cuda --out "$OUT/run_param" 2>&1 | tail -2
-engram train --preset tiny --max-steps 20 --device cuda --table-backend mmap --out "$OUT/run_mmap" 2>&1 | tail -2
+engram train --preset tiny --max-steps 20 --device cuda --table-mode mmap --out "$OUT/run_mmap" 2>&1 | tail -2
 python -c "
 import json, sys
 a, b = ([json.loads(l)['train_loss'] for l in open(f'$OUT/{r}/metrics.jsonl')] for r in ('run_param', 'run_mmap'))
-print('cuda param vs mmap tables, max |loss diff| over 20 steps:', max(abs(x - y) for x, y in zip(a, b)))
+print('cuda ram vs mmap tables, max |loss diff| over 20 steps:', max(abs(x - y) for x, y in zip(a, b)))
 "
 python benchmarks/bench_gpu_offload.py "${1:-2000003}" | tee "$OUT/gpu_offload.txt"

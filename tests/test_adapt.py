@@ -46,10 +46,10 @@ def _losses(run):
     return [json.loads(l)["train_loss"] for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-@pytest.mark.parametrize("backend", ["param", "mmap"])
-def test_interrupted_adapt_resumes_exactly(base, tmp_path, backend):
+@pytest.mark.parametrize("mode", ["ram", "mmap"])
+def test_interrupted_adapt_resumes_exactly(base, tmp_path, mode):
     model_dir, corpus = base
-    kw = dict(data=[str(corpus)], max_steps=10, overrides={**TINY, "table_backend": backend}, engram_options=ENGRAM,
+    kw = dict(data=[str(corpus)], max_steps=10, overrides={**TINY, "table_mode": mode}, engram_options=ENGRAM,
               progress=False)
     full = adapt(model_dir, out=tmp_path / "full", **kw)
     cut = adapt(model_dir, out=tmp_path / "cut", stop_after=6, **kw)
@@ -161,7 +161,7 @@ def test_adapt_table_readahead_pages_in_the_rows_the_step_reads(base, tmp_path, 
     files page those rows in ahead of the step, as in `engram train`; off: no read-ahead. The losses are the same."""
     model_dir, corpus = base
     touched, looked = _spy_tables(monkeypatch)
-    over = {**TINY, "table_backend": "mmap", "table_readahead": readahead}
+    over = {**TINY, "table_mode": "mmap", "table_readahead": readahead}
     s = adapt(model_dir, data=[str(corpus)], out=tmp_path / "r", max_steps=4, overrides=over, engram_options=ENGRAM,
               progress=False)
     assert s["step"] == 4 and looked
@@ -190,7 +190,7 @@ def test_adapt_table_init_file_creates_the_tables_from_the_seed(base, tmp_path):
               stop_after=0)
     rows = {}
     for init in ("file", "model"):
-        s = adapt(model_dir, out=tmp_path / init, overrides={**TINY, "table_backend": "mmap", "table_init": init,
+        s = adapt(model_dir, out=tmp_path / init, overrides={**TINY, "table_mode": "mmap", "table_init": init,
                                                              "seed": 3}, **kw)
         assert s["interrupted"] and s["step"] == 0  # stopped before the first update: the files hold the init
         with safe_open(str(tmp_path / init / "tables" / "engram_table_L1.safetensors"), "pt") as f:

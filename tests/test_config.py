@@ -73,14 +73,15 @@ def test_train_config_moved_to_training_and_the_old_spelling_warns():
     """`TrainConfig` lives in `engram.training.config` (the core holds the model's configs); `engram.TrainConfig` is
     the same class, and `from engram.config import TrainConfig` still works with a DeprecationWarning."""
     import engram
-    from engram.training.config import TRAIN_TABLE_BACKENDS, TrainConfig
+    from engram.training.config import TrainConfig
 
     assert engram.TrainConfig is TrainConfig
     with pytest.warns(DeprecationWarning, match="engram.training.config"):
         from engram.config import TrainConfig as old
     assert old is TrainConfig
-    with pytest.warns(DeprecationWarning, match="TRAIN_TABLE_BACKENDS"):
+    with pytest.warns(DeprecationWarning, match="TRAIN_TABLE_BACKENDS moved to engram.training.config; use `from "
+                                                "engram.training.config import TRAIN_TABLE_MODES`"):
         from engram.config import TRAIN_TABLE_BACKENDS as old_backends
-    assert old_backends is TRAIN_TABLE_BACKENDS
+    assert old_backends == ("param", "mmap")  # (its old values: "param" is table_mode "ram" now)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         engram.config.Nope  # noqa: B018

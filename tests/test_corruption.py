@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     corpus.write_text("".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400)))
     train("tiny", data=[str(corpus)], out=root / "run", max_steps=4, overrides=TINY, progress=False)
     train("tiny", data=[str(corpus)], out=root / "mmap", max_steps=4, progress=False,
-          overrides={**TINY, "table_backend": "mmap"})
+          overrides={**TINY, "table_mode": "mmap"})
     model, tok = load_model(root / "run")
     edit_facts(model, tok, [Fact("the cat sat on", " the dog")], steps=5, progress=False).save(root / "overlay")
     # an Engram adapter on a tiny pretrained Llama that uses the run's tokenizer
@@ -117,7 +117,7 @@ def test_damaged_file_recovers_or_fails_in_one_line(runs, tmp_path, capsys, kind
         for k, v in TINY.items():
             args += ["--set", f"{k}={v}"]
         if src == "mmap":
-            args += ["--table-backend", "mmap"]
+            args += ["--table-mode", "mmap"]
         code, out, err = cli(capsys, *args)
     if what == "error":
         ok, errors = one_line_error(code, out, err)

@@ -80,12 +80,12 @@ def oracle_hash(cfg, lut, ids, dead):
     return out
 
 
-BACKENDS = ["torch"] + (["numba"] if hash_kernels.available() else [])
+KERNELS = ["torch"] + (["numba"] if hash_kernels.available() else [])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed, backend):
+def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed, kernel):
     """The one engine, on the fused kernel and on the torch path: DEAD positions are per-position resets."""
     g = np.random.default_rng(seed)
     ct = CompressedTokenizer(tok)
@@ -93,7 +93,7 @@ def test_hashing_matches_the_oracle_with_dead_masks_and_random_configs(tok, seed
                  engram_vocab_size=int(g.integers(40, 400)),
                  engram_layer_ids=sorted(g.choice(10, 2, replace=False).tolist()),
                  engram_num_embeddings=[5000, 5000], engram_pad_token_id=int(g.integers(0, 50)))
-    m = v41.hash_mapping(cfg, ct, backend=backend)
+    m = v41.hash_mapping(cfg, ct, kernel=kernel)
     ids = g.integers(0, ct.raw_vocab_size, size=(3, 17))
     dead = g.random((3, 17)) < 0.2
     dead[0, :2] = dead[1, -1] = True  # a DEAD first and last position

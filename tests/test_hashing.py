@@ -7,7 +7,7 @@ import torch
 from engram import ConfigError, EngramConfig, HashInputError, NgramHashMapping, get_hash_mapping
 from engram.hashing import kernels as hash_kernels
 
-BACKENDS = ["torch"] + (["numba"] if hash_kernels.available() else [])
+KERNELS = ["torch"] + (["numba"] if hash_kernels.available() else [])
 INT64 = 1 << 64
 
 
@@ -68,11 +68,11 @@ def default_mapping():
     return get_hash_mapping(EngramConfig())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_golden_hash_default(golden_dir, default_mapping, backend, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_golden_hash_default(golden_dir, default_mapping, kernel, monkeypatch):
     g = json.loads((golden_dir / "hash_default.json").read_text())
     m = default_mapping
-    monkeypatch.setattr(m, "backend", backend)  # the mapping is get_hash_mapping's shared one: restored after the test
+    monkeypatch.setattr(m, "kernel", kernel)  # the mapping is get_hash_mapping's shared one: restored after the test
     assert m.raw_vocab_size == g["tokenizer_len"] and m.tokenizer_vocab_size == g["compressed_vocab_size"]
     for lid in m.layer_ids:
         assert m.vocab_size_across_layers[lid] == g["head_moduli"][str(lid)]
@@ -91,16 +91,16 @@ def test_golden_hash_default(golden_dir, default_mapping, backend, monkeypatch):
             assert np.array_equal(got_t[lid].numpy(), want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "N, K, sizes, layers",
     [(2, 1, [7], [0]), (3, 2, [50, 61], [0, 3]), (4, 3, [101, 97, 500], [2, 1]), (3, 4, [3_000_000, 2_100_000], [5]),
      # the fused kernel's exact range ends at 2^36 (the torch path's at 2^26, then int64 remainder)
      (3, 2, [30_000_000, 1 << 30], [1]), (2, 3, [(1 << 36) - 1000], [4])],
 )
-def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, layers):
+def test_matches_slow_python_formula(default_mapping, kernel, N, K, sizes, layers):
     ct = default_mapping.compressed_tokenizer
-    m = NgramHashMapping(sizes, N, 8 * K, K, layers, None, 2, 7, compressed_tokenizer=ct, backend=backend)
+    m = NgramHashMapping(sizes, N, 8 * K, K, layers, None, 2, 7, compressed_tokenizer=ct, kernel=kernel)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, ct.vocab_size, size=(2, 9))
     ids[0, :2] = 2  # pad ids inside the text
@@ -113,18 +113,18 @@ def test_matches_slow_python_formula(default_mapping, backend, N, K, sizes, laye
         assert np.array_equal(rows[lid], got[lid] + np.array(m.head_offsets(lid)))  # the tables' global rows
 
 
-def test_backends_agree_on_large_batch(default_mapping):
-    if "numba" not in BACKENDS:
+def test_kernels_agree_on_large_batch(default_mapping):
+    if "numba" not in KERNELS:
         pytest.skip("numba not installed")
     ids = np.random.default_rng(0).integers(0, default_mapping.raw_vocab_size, size=(4, 1000))
     m = default_mapping
     try:
-        m.backend = "numba"
+        m.kernel = "numba"
         a = m.hash(ids)
-        m.backend = "torch"
+        m.kernel = "torch"
         b = m.hash(ids)
     finally:
-        m.backend = "auto"
+        m.kernel = "auto"
     for lid in m.layer_ids:
         assert np.array_equal(a[lid], b[lid])
 
@@ -233,15 +233,15 @@ def test_identity_digests_old_and_new(default_mapping):
             check_digest(spec["shuffled"], digest, "ov", "re-edit")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dead_positions_and_resets_are_one_mechanism(default_mapping, backend):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dead_positions_and_resets_are_one_mechanism(default_mapping, kernel):
     """Any family takes a DEAD mask: a DEAD position reads the pad, and n-grams after it stop there, as at a
     sequence start; hashing around a DEAD position equals hashing the pieces as separate sequences."""
     m = get_hash_mapping(EngramConfig())
     ids = np.random.default_rng(5).integers(0, m.raw_vocab_size, size=(2, 12))
     dead = np.zeros((2, 12), dtype=bool)
     dead[0, 4] = dead[1, 0] = dead[1, 11] = True
-    m.backend = backend
+    m.kernel = kernel
     try:
         got = m.hash(ids, dead=dead)
         pad_rows = m.hash(np.full((1, 1), m.raw_pad_id))  # the all-pad n-grams
@@ -254,14 +254,14 @@ def test_dead_positions_and_resets_are_one_mechanism(default_mapping, backend):
                                        dead=torch.from_numpy(dead[:, 6:]), history_dead=torch.from_numpy(dead[:, 4:6]))
             assert np.array_equal(cont[lid].numpy(), got[lid][:, 6:])
     finally:
-        m.backend = "auto"
+        m.kernel = "auto"
 
 
 def _window_cases():
     """(name, mapping factory) for each kind of family `hash_windows` serves: the reference's (the fused kernel on
     numba, the torch path), one with resets and raw ids (qwen4_exp), one with its own mix and resets (LongCat)."""
     cases = [("deepseek-" + b, lambda b=b: NgramHashMapping.for_family(get_hash_mapping(EngramConfig()).family,
-                                                                       backend=b)) for b in BACKENDS]
+                                                                       kernel=b)) for b in KERNELS]
     from engram.integrations import longcat
 
     cases.append(("longcat", lambda: longcat.hash_mapping(dict(

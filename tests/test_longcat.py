@@ -223,7 +223,7 @@ def test_bad_configs_and_inputs_are_one_line():
     with pytest.raises(ConfigError, match="eos_rule"):
         lc.hash_mapping(config(), eos_rule="hf")
     with pytest.raises(ConfigError, match="torch path"):
-        lc.hash_mapping(config(), backend="numba")
+        lc.hash_mapping(config(), kernel="numba")
     assert lc.hash_mapping(config(eos_token_id=[2], oe_split_num=9)).family.cfg.eos_token_id == 2
     from engram.hashing import HashInputError
 
@@ -563,7 +563,7 @@ def test_vllms_own_python_gives_the_same_ids_and_embeddings(monkeypatch):
     for r, s in enumerate(slots):
         st.add_request(s, SimpleNamespace(num_computed_tokens=done[r], prefill_token_ids=seqs[r],
                                           prompt_token_ids=seqs[r]))
-    from engram.tables.backends import InRamTable
+    from engram.tables.trainable import InRamTable
 
     ours = lc.NgramEmbedding(lc.hash_mapping(cfg), InRamTable(torch.cat([t[e][0] for e in t])), word.weight.detach(),
                              torch.stack([t[e][1].T for e in t]), dtype=torch.float32)

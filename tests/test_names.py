@@ -37,13 +37,125 @@ def test_table_tier_flag_and_its_deprecated_spelling(command, capsys):
     assert "--table-tier" in shown and "--table-backend" not in shown  # (the old spelling is hidden from --help)
 
 
+# ------------------------------------------------------------------------------------------ the training table mode
+OLD_MODE_WARNING = "engram: warning: --table-backend is deprecated; use --table-mode"
+
+
 @pytest.mark.parametrize("command", ["train", "adapt"])
-def test_training_table_mode_keeps_its_flag(command, capsys):
-    """`engram train/adapt --table-backend {param,mmap}` is the training table mode (TrainConfig.table_backend),
-    not the inference tier: unchanged, no warning."""
-    argv = [command, "--table-backend", "mmap"] + (["--base", "b", "--out", "o"] if command == "adapt" else [])
-    assert build_parser().parse_args(argv).table_backend == "mmap"
+def test_training_table_mode_flag_and_its_deprecated_spelling(command, capsys):
+    """`engram train/adapt --table-mode {ram,mmap}` is the training table mode (TrainConfig.table_mode), not the
+    inference tier; `--table-backend {param,mmap}` is its old spelling: the same setting ("param" is "ram") and one
+    line on stderr."""
+
+    def parse(*flags):
+        return build_parser().parse_args([command, *flags] + (["--base", "b", "--out", "o"] if command == "adapt"
+                                                              else []))
+
+    assert parse().table_mode is None  # (the preset's setting)
+    assert parse("--table-mode", "mmap").table_mode == "mmap" and parse("--table-mode", "ram").table_mode == "ram"
     assert capsys.readouterr().err == ""
+    args = parse("--table-backend", "mmap")
+    assert args.table_mode == "mmap" and not hasattr(args, "table_backend")
+    assert capsys.readouterr().err.splitlines() == [OLD_MODE_WARNING]
+    assert parse("--table-backend", "param").table_mode == "ram"
+    assert capsys.readouterr().err.splitlines() == [OLD_MODE_WARNING + " ram"]
+    with pytest.raises(SystemExit):  # the old value is only the old flag's
+        parse("--table-mode", "param")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    shown = capsys.readouterr().out
+    assert "--table-mode" in shown and "--table-backend" not in shown  # (the old spelling is hidden from --help)
+
+
+def test_train_config_table_mode_and_its_old_spelling(tmp_path):
+    """`TrainConfig.table_mode` ("ram" | "mmap") was `table_backend` ("param" | "mmap"): the old keyword, key and
+    value give the same config, with a DeprecationWarning, wherever settings come in (keywords, `--set`, a job
+    file's [train], overrides); an old run's run.json is read silently (`current_settings(..., warn=False)`)."""
+    from engram.config import ConfigError
+    from engram.training.config import TRAIN_TABLE_MODES, TrainConfig, current_settings
+    from engram.training.presets import resolve_job, train_config
+
+    assert TRAIN_TABLE_MODES == ("ram", "mmap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = TrainConfig(table_mode="ram")
+        assert new == TrainConfig() and new.table_mode == "ram"
+        assert current_settings({"table_backend": "param", "lr": 1.0}, warn=False) == {"table_mode": "ram", "lr": 1.0}
+    with pytest.warns(DeprecationWarning, match="training setting table_backend=param is deprecated; use "
+                                                "table_mode=ram"):
+        old = TrainConfig(table_backend="param")
+    assert old == new and old.table_mode == "ram"
+    with pytest.warns(DeprecationWarning, match="training setting table_mode=param is deprecated; use table_mode=ram"):
+        assert TrainConfig(table_mode="param") == new
+    with pytest.warns(DeprecationWarning, match="training setting table_backend is deprecated; use table_mode"):
+        assert TrainConfig(table_backend="mmap") == TrainConfig(table_mode="mmap")
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree; give table_mode only"):
+        TrainConfig(table_mode="mmap", table_backend="param")
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig.table_backend is deprecated; use \.table_mode"):
+        assert new.table_backend == "param"  # (the old attribute, in its old spelling)
+    with pytest.warns(DeprecationWarning, match="table_backend=param is deprecated; use table_mode=ram"):
+        assert TrainConfig.parse_overrides(["table_backend=param"]) == {"table_mode": "ram"}
+    with pytest.warns(DeprecationWarning, match="table_backend"):
+        assert TrainConfig.from_dict({"table_backend": "mmap"}) == TrainConfig(table_mode="mmap")
+    with pytest.warns(DeprecationWarning, match="table_backend"):
+        assert train_config("tiny", {"table_backend": "mmap"}).table_mode == "mmap"
+    (tmp_path / "job.toml").write_text('[train]\ntable_backend = "mmap"\n')
+    with pytest.warns(DeprecationWarning, match="table_backend"):
+        assert resolve_job(tmp_path / "job.toml", preset="tiny").train == {"table_mode": "mmap"}
+    with pytest.warns(DeprecationWarning, match="table_backend"):
+        assert resolve_job(tmp_path / "job.toml", preset="tiny", sets=["table_backend=param"]).train == \
+            {"table_mode": "ram"}
+    with pytest.raises(ConfigError, match="table_mode must be 'ram' or 'mmap', got 'tape'"):
+        TrainConfig(table_mode="tape").validate()
+    with pytest.warns(DeprecationWarning, match="TRAIN_TABLE_BACKENDS was renamed TRAIN_TABLE_MODES"):
+        from engram.training.config import TRAIN_TABLE_BACKENDS
+    assert TRAIN_TABLE_BACKENDS == ("param", "mmap")
+
+
+# ------------------------------------------------------------------------------------------ the hash kernel
+def test_hash_mapping_takes_kernel_and_the_old_keyword(default_mapping):
+    """What hashes on the CPU is the mapping's `kernel` ("auto" | "numba" | "torch"); `backend=` is its deprecated
+    spelling (on the constructor, `for_family` and every integration's `hash_mapping`), `.backend` its old name."""
+    import pickle
+
+    import numpy as np
+
+    from engram.config import ConfigError
+    from engram.hashing import KERNELS, NgramHashMapping
+    from engram.integrations import deepseek_v41, longcat, qwen4_exp
+
+    assert KERNELS == ("auto", "numba", "torch")
+    args = ([50, 61], 3, 16, 2, [0, 3], None, 2, 7)
+    ct = default_mapping.compressed_tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = NgramHashMapping(*args, compressed_tokenizer=ct, kernel="torch")
+    with pytest.warns(DeprecationWarning, match=r"NgramHashMapping\(backend=\.\.\.\) is deprecated; use kernel="):
+        old = NgramHashMapping(*args, compressed_tokenizer=ct, backend="torch")
+    assert old.kernel == new.kernel == "torch"
+    ids = np.random.default_rng(0).integers(0, ct.vocab_size, size=(2, 9))
+    got_old, got_new = old.hash(ids), new.hash(ids)
+    assert all(np.array_equal(got_old[lid], got_new[lid]) for lid in new.layer_ids)
+    assert old.spec(include_lookup_table=False) == new.spec(include_lookup_table=False)
+    with pytest.warns(DeprecationWarning, match=r"for_family\(backend=\.\.\.\) is deprecated; use kernel="):
+        assert NgramHashMapping.for_family(new.family, backend="torch").kernel == "torch"
+    with pytest.raises(TypeError, match="both kernel= and its deprecated spelling backend="):
+        NgramHashMapping(*args, compressed_tokenizer=ct, kernel="torch", backend="torch")
+    with pytest.raises(ConfigError, match="kernel must be 'auto', 'numba' or 'torch', got 'gpu'"):
+        NgramHashMapping.for_family(new.family, "gpu")
+    with pytest.warns(DeprecationWarning, match=r"NgramHashMapping.backend is deprecated; use \.kernel"):
+        assert new.backend == "torch"
+    assert pickle.loads(pickle.dumps(new)).kernel == "torch"
+    state = NgramHashMapping.__new__(NgramHashMapping)
+    state.__setstate__({"family": new.family, "backend": "torch"})  # pickled under the old name
+    assert state.kernel == "torch"
+    for fn in (deepseek_v41.hash_mapping, qwen4_exp.hash_mapping, qwen4_exp.gguf_hash_mapping, longcat.hash_mapping):
+        params = inspect.signature(fn).parameters
+        assert "kernel" in params and "backend" not in params, fn.__qualname__
+    with pytest.warns(DeprecationWarning, match=r"hash_mapping\(backend=\.\.\.\) is deprecated; use kernel="):
+        with pytest.raises(ConfigError, match="kernel must be 'auto' or 'torch', got 'numba'"):
+            longcat.hash_mapping({}, backend="numba")
 
 
 def test_load_inference_model_takes_table_tier_and_the_old_keyword():

@@ -23,14 +23,14 @@ def transformers_rows(cfg, ple_index, ids, cache=None):
     return m(ids, cache), m
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
 @pytest.mark.parametrize("kw", [{}, {"ngram_size": 4, "heads_per_ngram": 3, "ple_embed_dim": 36, "seed": 99},
                                 {"ngram_vocab_size_base": 5003}])
-def test_hash_matches_transformers(kw, backend):
-    if backend == "numba":
+def test_hash_matches_transformers(kw, kernel):
+    if kernel == "numba":
         pytest.importorskip("numba")
     cfg = config(**kw)
-    mapping = hash_mapping(cfg, backend=backend)
+    mapping = hash_mapping(cfg, kernel=kernel)
     assert mapping.layer_ids == [1, 3] and mapping.family.name == "qwen4_exp"
     for seed in range(3):
         ids = ids_with_eos(cfg, 3, 40, seed)

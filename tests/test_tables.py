@@ -14,7 +14,7 @@ from engram.tables import (  # noqa: E402
     restore_tables,
     write_table_file,
 )
-from engram.tables.backends import TableError  # noqa: E402
+from engram.tables.trainable import TableError  # noqa: E402
 from engram.training import presets  # noqa: E402
 
 

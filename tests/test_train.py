@@ -195,6 +195,31 @@ def test_resume_reproduces_uninterrupted_run(corpus, tmp_path):
     assert m(ids).logits.shape == (1, 4, m.config.vocab_size)
 
 
+def test_a_run_folder_of_the_old_spelling_resumes(corpus, tmp_path):
+    """A run folder written before `table_backend` became `table_mode` (run.json's `"table_backend": "param"`)
+    resumes under the new code: the resume check reads the old spelling as the new one (silently: it is the run's
+    own file), still refuses another mode, and run.json is written again in the new spelling."""
+    import warnings
+
+    kw = dict(data=[str(corpus)], progress=False, max_steps=4)
+    train("tiny", out=tmp_path / "run", stop_after=2, **kw)
+    run_json = tmp_path / "run" / "run.json"
+    info = json.loads(run_json.read_text())
+    info["train"] = {("table_backend" if k == "table_mode" else k): ("param" if k == "table_mode" else v)
+                     for k, v in info["train"].items()}
+    assert info["train"]["table_backend"] == "param" and "table_mode" not in info["train"]
+    run_json.write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match="was trained with table_mode=ram; use the same setting"):
+        train("tiny", out=tmp_path / "run", resume=True, overrides={"table_mode": "mmap"}, **kw)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        s = train("tiny", out=tmp_path / "run", resume=True, **kw)
+    assert s["step"] == 4 and not s.get("interrupted")
+    assert not [w for w in seen if "table_backend" in str(w.message) or "param" in str(w.message)]
+    assert json.loads(run_json.read_text())["train"]["table_mode"] == "ram"
+    assert "table_backend" not in json.loads(run_json.read_text())["train"]
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(corpus, tmp_path):
     run = tmp_path / "run"
     train("tiny", data=[str(corpus)], out=run, progress=False, stop_after=12)  # checkpoints at 5, 10, 12 (keep 2)
@@ -229,7 +254,7 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
 
     kw = dict(data=[str(corpus)], progress=False, max_steps=8)
     train("tiny", out=tmp_path / "ref", overrides={"ckpt_every": 3}, **kw)
-    mm = {"ckpt_every": 3, "table_backend": "mmap", "table_cache_mb": 0.01}
+    mm = {"ckpt_every": 3, "table_mode": "mmap", "table_cache_mb": 0.01}
     train("tiny", out=tmp_path / "mmap", overrides=mm, **kw)
     assert _losses(tmp_path / "mmap") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
 
@@ -253,7 +278,7 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
     assert _losses(tmp_path / "crash") == pytest.approx(_losses(tmp_path / "ref"), abs=1e-6)
     a, b = _final_tensors(tmp_path / "ref"), _final_tensors(tmp_path / "crash")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    with pytest.raises(ConfigError, match="table_backend"):
+    with pytest.raises(ConfigError, match="trained with table_mode=mmap"):
         train("tiny", out=tmp_path / "crash", resume=True, overrides={"ckpt_every": 3}, **kw)
     (tmp_path / "crash" / "tables" / "engram_table_L1.safetensors").unlink()
     with pytest.raises(CheckpointError, match="table files missing"):
@@ -263,7 +288,7 @@ def test_mmap_tables_train_like_parameters_and_survive_a_kill(corpus, tmp_path, 
 def test_file_initialized_tables_train_and_resume(corpus, tmp_path):
     """table_init=file: the tables are created as files (never in RAM); stop + resume equals an uninterrupted run."""
     kw = dict(data=[str(corpus)], progress=False, max_steps=6)
-    mm = {"ckpt_every": 100, "table_backend": "mmap", "table_init": "file"}
+    mm = {"ckpt_every": 100, "table_mode": "mmap", "table_init": "file"}
     full = train("tiny", out=tmp_path / "full", overrides=mm, **kw)
     train("tiny", out=tmp_path / "cut", overrides=mm, stop_after=3, **kw)
     train("tiny", out=tmp_path / "cut", overrides=mm, resume=True, **kw)
@@ -274,15 +299,15 @@ def test_file_initialized_tables_train_and_resume(corpus, tmp_path):
 
 
 def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
-    """A real `kill -9` of `engram train --table-backend mmap` at an arbitrary moment (after its first
+    """A real `kill -9` of `engram train --table-mode mmap` at an arbitrary moment (after its first
     checkpoint): --resume rolls the table file back and ends with the uninterrupted run's losses."""
     import signal
     import time
 
-    steps, mm = 40, {"ckpt_every": 4, "table_backend": "mmap"}
+    steps, mm = 40, {"ckpt_every": 4, "table_mode": "mmap"}
     train("tiny", data=[str(corpus)], out=tmp_path / "ref", progress=False, max_steps=steps, overrides=mm)
     args = [sys.executable, "-m", "engram.cli", "train", "--preset", "tiny", "--data", str(corpus), "--out", "run",
-            "--max-steps", str(steps), "--set", "ckpt_every=4", "--table-backend", "mmap"]
+            "--max-steps", str(steps), "--set", "ckpt_every=4", "--table-mode", "mmap"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 120
 
@@ -350,11 +375,11 @@ def _spawned_train(rank, world, port, out, corpus, stop_after, resume, dense, mo
 
 @pytest.mark.slow  # (30 s; test_distributed's two-rank test keeps sharded training in the default run)
 def test_memory_mapped_table_shards_train_and_resume_like_one_process(corpus, tmp_path, free_port):
-    """--nproc 2 with table_backend=mmap: each rank's rows and moments in its own journaled file; the run and a
+    """--nproc 2 with table_mode=mmap: each rank's rows and moments in its own journaled file; the run and a
     stopped-then-resumed run follow the single-process losses; another world size is refused on resume."""
     import torch.multiprocessing as mp
 
-    mm = {"table_backend": "mmap", "table_cache_mb": 0.01}
+    mm = {"table_mode": "mmap", "table_cache_mb": 0.01}
     train("tiny", data=[str(corpus)], out=tmp_path / "ref", progress=False, max_steps=6, overrides={"ckpt_every": 100})
     for out, stop_after, resume in (("full", None, False), ("cut", 3, False), ("cut", None, True)):
         mp.spawn(_spawned_train, args=(2, free_port(), str(tmp_path / out), str(corpus), stop_after, resume, "ddp",
@@ -452,7 +477,7 @@ def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys)
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--nproc", "0"), "at least 1"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "lr=abc"), "expected a float"),
         (("train", "--preset", "tiny", "--data", str(corpus), "--out", "z", "--set", "table_init=file"),
-         "needs table_backend"),
+         "needs table_mode"),
     ]:
         monkeypatch.chdir(tmp_path)
         code = main(list(args))

@@ -15,15 +15,13 @@ from .errors import EngramError
 from .hashing import HashInputError, NgramHashMapping, get_hash_mapping
 from .memory import Engram, MultiHeadEmbedding, ShortConv
 from .tokenizer import CompressedTokenizer, TokenizerError
-from .training import config as _training_config
 from .training.config import TrainConfig
 
 __version__ = "0.2.0"
 
 # `from engram.config import TrainConfig` (its home before training/config.py): still works, with a DeprecationWarning
-for _name in ("TrainConfig", "TRAIN_TABLE_BACKENDS"):
-    _config.moved.add(_name, "engram.training.config", getattr(_training_config, _name))
-del _name
+_config.moved.add("TrainConfig", "engram.training.config", TrainConfig)
+_config.moved.add("TRAIN_TABLE_BACKENDS", "engram.training.config", ("param", "mmap"), "TRAIN_TABLE_MODES")
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
 _ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")

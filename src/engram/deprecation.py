@@ -20,13 +20,16 @@ def renamed_keywords(**old_to_new: str):
     `DeprecationWarning` pointing at the caller; giving both is a `TypeError`."""
 
     def wrap(fn):
+        # a constructor is named by its class: `NgramHashMapping(backend=...)`, not `__init__(backend=...)`
+        name = fn.__qualname__.removesuffix(".__init__") if fn.__name__ == "__init__" else fn.__name__
+
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             for old, new in old_to_new.items():
                 if old in kwargs:
                     if new in kwargs:
-                        raise TypeError(f"{fn.__name__}() got both {new}= and its deprecated spelling {old}=")
-                    warnings.warn(f"{fn.__name__}({old}=...) is deprecated; use {new}=", DeprecationWarning,
+                        raise TypeError(f"{name}() got both {new}= and its deprecated spelling {old}=")
+                    warnings.warn(f"{name}({old}=...) is deprecated; use {new}=", DeprecationWarning,
                                   stacklevel=2)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
@@ -48,14 +51,15 @@ class MovedNames:
         self.module = module
         self.names: dict[str, tuple[str, object]] = {}
 
-    def add(self, name: str, new_module: str, value) -> None:
-        """`module.name` is `value`, now imported from `new_module`."""
-        self.names[name] = (new_module, value)
+    def add(self, name: str, new_module: str, value, new_name: str | None = None) -> None:
+        """`module.name` is `value`, now imported from `new_module` (as `new_name`, where it was renamed too)."""
+        self.names[name] = (new_module, value, new_name or name)
 
     def __call__(self, name: str):
         if name in self.names:
-            new_module, value = self.names[name]
-            warnings.warn(f"{self.module}.{name} moved to {new_module}; use `from {new_module} import {name}`",
+            new_module, value, new_name = self.names[name]
+            where = f"was renamed {new_name}" if new_module == self.module else f"moved to {new_module}"
+            warnings.warn(f"{self.module}.{name} {where}; use `from {new_module} import {new_name}`",
                           DeprecationWarning, stacklevel=2)
             return value
         raise AttributeError(f"module {self.module!r} has no attribute {name!r}")

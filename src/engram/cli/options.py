@@ -16,17 +16,15 @@ from ..config import TABLE_DTYPES
 from ..editing.optimize import POSITIONS
 from ..tables.quant import TABLE_FORMATS
 from ..tables.rows import TIERS as TABLE_TIERS
-from ..training.config import TRAIN_TABLE_BACKENDS
+from ..training.config import RENAMED_VALUES, TRAIN_TABLE_MODES
 from ..training.data import SPLITS
 from ..training.presets import ADAPT_METHODS as METHODS
 from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
-__all__ = ["BASELINES", "METHODS", "POSITIONS", "PRESETS", "SERVE_TABLE_BACKENDS", "SPLITS",
-           "TABLE_DTYPES", "TABLE_FORMATS", "TABLE_TIERS", "TRAIN_PRESETS", "TRAIN_TABLE_BACKENDS", "DeprecatedFlag",
+__all__ = ["BASELINES", "METHODS", "POSITIONS", "PRESETS", "SPLITS",
+           "TABLE_DTYPES", "TABLE_FORMATS", "TABLE_TIERS", "TRAIN_PRESETS", "TRAIN_TABLE_MODES", "DeprecatedFlag",
            "config", "eval_windows", "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar",
-           "run_options", "table_format", "table_tier", "train_table_backend", "with_overlays"]
-
-SERVE_TABLE_BACKENDS = TABLE_TIERS  # (the old name of TABLE_TIERS)
+           "run_options", "table_format", "table_tier", "train_table_mode", "with_overlays"]
 
 CHECKPOINT_HELP = "run dir or save_pretrained folder of an engram model"
 BASE_HELP = "a pretrained transformers model folder (with --adapter: plus that adapter)"
@@ -72,17 +70,20 @@ def table_format() -> argparse.ArgumentParser:
 
 class DeprecatedFlag(argparse.Action):
     """An old spelling of flag `new`: stores into the same dest, and says once on stderr that it is deprecated
-    (`engram: warning: --old is deprecated; use --new`). Hidden from --help."""
+    (`engram: warning: --old is deprecated; use --new`). Hidden from --help. `renamed_values`: old values and their
+    spelling now (stored as the new one; the warning names it: `use --new VALUE`)."""
 
-    def __init__(self, option_strings, dest, new: str, **kwargs):
+    def __init__(self, option_strings, dest, new: str, renamed_values: dict | None = None, **kwargs):
         super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
-        self.new, self.warned = new, False
+        self.new, self.renamed_values, self.warned = new, dict(renamed_values or {}), False
 
     def __call__(self, parser, namespace, values, option_string=None):
+        value = self.renamed_values.get(values, values)
         if not self.warned:
-            print(f"engram: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+            use = f"{self.new} {value}" if value != values else self.new
+            print(f"engram: warning: {option_string} is deprecated; use {use}", file=sys.stderr)
             self.warned = True
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, value)
 
 
 def table_tier() -> argparse.ArgumentParser:
@@ -97,11 +98,15 @@ def table_tier() -> argparse.ArgumentParser:
     return p
 
 
-def train_table_backend(help: str) -> argparse.ArgumentParser:
-    """--table-backend of `engram train` / `adapt`: the training table mode (TrainConfig.table_backend: "param",
-    tables as parameters, or "mmap", tables and their Adam moments in files), not an inference tier."""
+def train_table_mode(help: str) -> argparse.ArgumentParser:
+    """--table-mode of `engram train` / `adapt`: the training table mode (TrainConfig.table_mode: "ram", tables as
+    parameters, or "mmap", tables and their Adam moments in files), not an inference tier. `--table-backend
+    param|mmap` is its deprecated spelling (one warning line; "param" is "ram")."""
     p = _parent()
-    p.add_argument("--table-backend", choices=TRAIN_TABLE_BACKENDS, help=f"the training table mode: {help}")
+    p.add_argument("--table-mode", choices=TRAIN_TABLE_MODES, help=f"the training table mode: {help}")
+    renamed = RENAMED_VALUES["table_mode"]
+    p.add_argument("--table-backend", dest="table_mode", choices=(*renamed, *TRAIN_TABLE_MODES), action=DeprecatedFlag,
+                   new="--table-mode", renamed_values=renamed)
     return p
 
 

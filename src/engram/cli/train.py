@@ -17,11 +17,11 @@ from . import options
 
 
 def _table_flags(args) -> dict:
-    """--table-backend (the training table mode) and --table-cache-mb -> TrainConfig overrides (they win over
+    """--table-mode (the training table mode) and --table-cache-mb -> TrainConfig overrides (they win over
     --set and a config file)."""
     overrides = {}
-    if args.table_backend:
-        overrides["table_backend"] = args.table_backend
+    if args.table_mode:
+        overrides["table_mode"] = args.table_mode
     if getattr(args, "table_cache_mb", None) is not None:
         overrides["table_cache_mb"] = args.table_cache_mb
     return overrides
@@ -109,12 +109,12 @@ def cmd_tokenizer_train(args) -> int:
 
 def add_commands(sub) -> None:
     presets_help = "; ".join(f"{n}: {options.PRESETS[n].summary}" for n in options.TRAIN_PRESETS)
-    backend_help = ("mmap: train the Engram tables (and their Adam moments) in memory-mapped files under RUN/tables, "
-                    "one per rank with --nproc (default: param, tables in RAM)")
+    mode_help = ("mmap: train the Engram tables (and their Adam moments) in memory-mapped files under RUN/tables, "
+                 "one per rank with --nproc (default: ram, tables as parameters in RAM / on the device)")
     t = sub.add_parser("train", help="train a preset or your own model (--config) on Shakespeare (default) or --data",
                        parents=[options.run_options("override a training setting (lr=1e-3) or a model field "
                                                     "(model.hidden_size=384, model.engram.layer_ids=[1,3])"),
-                                options.train_table_backend(backend_help)])
+                                options.train_table_mode(mode_help)])
     t.add_argument("--preset", metavar=options.preset_metavar(),
                    help=f"the starting point (default cpu-small, or the --config file's preset): {presets_help}")
     t.add_argument("--config", metavar="FILE.toml|FILE.json",
@@ -134,7 +134,7 @@ def add_commands(sub) -> None:
 
     ad = sub.add_parser("adapt", help="train an Engram memory adapter (and/or LoRA) on a pretrained transformers model",
                         parents=[options.run_options(),
-                                 options.train_table_backend("where the Engram tables live while training")])
+                                 options.train_table_mode("where the Engram tables live while training")])
     ad.add_argument("--base", required=True, help="save_pretrained folder of the base model, with its tokenizer.json")
     ad.add_argument("--data", action="append", help="corpus to adapt to (as engram train; default Shakespeare)")
     ad.add_argument("--out", required=True, help="run directory (adapter in OUT/final)")

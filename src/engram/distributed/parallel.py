@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..memory import is_table_key
-from ..tables.backends import MmapTable
 from ..tables.base import find_tables, install, uninstall
 from ..tables.files import new_table_file, table_file
+from ..tables.trainable import MmapTable
 from .sharded import ShardedTable, gather_full, shard_range
 
 

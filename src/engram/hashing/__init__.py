@@ -8,12 +8,13 @@
   checkpoints compare exactly this.
 - `inputs.py`: what the engine accepts (`validate_ids`, `dead_mask`; `HashInputError`).
 - `engine.py`: `NgramHashMapping`, the one engine for every family (validation, the fused kernel or the
-  torch path, EOS resets and DEAD masks as per-position document starts); `get_hash_mapping(cfg)`.
+  torch path, EOS resets and DEAD masks as per-position document starts; `kernel=`: one of `KERNELS`);
+  `get_hash_mapping(cfg)`.
 - `kernels.py`: the fused CPU kernel (numba, optional), and the split-modulo arithmetic the vLLM step's kernel
   compiles into its own (`split_mix`, `reduce_mix`).
 """
 
-from .engine import NgramHashMapping, get_hash_mapping
+from .engine import KERNELS, NgramHashMapping, get_hash_mapping
 from .families import (
     FAMILIES,
     HASH_MODES,
@@ -38,7 +39,7 @@ from .identity import (
 )
 from .inputs import HashInputError
 
-__all__ = ["FAMILIES", "HASH_MODES", "IDENTITY_KEYS", "PRIME_1", "SPEC_FILE", "SPEC_FORMAT", "DeepSeekFamily",
-           "HashFamily", "HashInputError", "NgramHashMapping", "check_digest", "check_identity", "family_class",
-           "get_hash_mapping", "head_moduli", "identity_digest", "layer_multipliers", "legacy_identity_digest",
-           "next_unused_prime", "register_family", "spec_identity"]
+__all__ = ["FAMILIES", "HASH_MODES", "IDENTITY_KEYS", "KERNELS", "PRIME_1", "SPEC_FILE", "SPEC_FORMAT",
+           "DeepSeekFamily", "HashFamily", "HashInputError", "NgramHashMapping", "check_digest", "check_identity",
+           "family_class", "get_hash_mapping", "head_moduli", "identity_digest", "layer_multipliers",
+           "legacy_identity_digest", "next_unused_prime", "register_family", "spec_identity"]

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, EngramConfig
+from ..deprecation import renamed_keywords
 from ..persist import atomic_write_bytes, read_json
 from ..tokenizer import CompressedTokenizer, RawIds
 from . import kernels
@@ -56,6 +57,7 @@ from .families import DeepSeekFamily, HashFamily, family_class
 from .identity import SPEC_FORMAT, check_identity, identity_digest, spec_identity
 from .inputs import HashInputError, dead_mask, validate_ids
 
+KERNELS = ("auto", "numba", "torch")  # `NgramHashMapping(kernel=)`: what hashes on the CPU
 
 def _from_family(attr: str, doc: str = ""):
     return property(lambda self: getattr(self.family, attr), doc=doc or f"The family's `{attr}`.")
@@ -88,8 +90,13 @@ class NgramHashMapping:
         m = NgramHashMapping.for_family(family)
         rows = m.hash(ids, offsets=True, dead=None)            # {layer_id: (B, T, H)} rows of the layer's table
         rows = m.hash_continuation(new, history, offsets=True)  # the rows of `new` (B, T) after `history` (B, S)
+
+    `kernel`: what hashes on the CPU: "auto" (the fused numba kernel where it applies, else torch), "numba" (the
+    kernel, or an ImportError without numba) or "torch" (`backend=`: its deprecated spelling). On an accelerator
+    it is always torch.
     """
 
+    @renamed_keywords(backend="kernel")
     def __init__(
         self,
         engram_vocab_size,
@@ -102,36 +109,48 @@ class NgramHashMapping:
         seed=0,
         *,
         compressed_tokenizer: CompressedTokenizer | None = None,
-        backend: str = "auto",
+        kernel: str = "auto",
         compress: bool = True,
         hash_mode: str = "ngram",
     ):
         family = DeepSeekFamily(engram_vocab_size, max_ngram_size, n_embed_per_ngram, n_head_per_ngram, layer_ids,
                                 tokenizer_name_or_path, pad_id, seed, compressed_tokenizer=compressed_tokenizer,
                                 compress=compress, hash_mode=hash_mode)
-        self._bind(family, backend)
+        self._bind(family, kernel)
 
-    def _bind(self, family: HashFamily, backend: str) -> None:
-        if backend not in ("auto", "numba", "torch"):
-            raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
-        self.family, self.backend = family, backend
+    def _bind(self, family: HashFamily, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ConfigError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
+        self.family, self.kernel = family, kernel
         self.max_prime = family.max_prime
         self._np_index_dtype = torch.empty(0, dtype=family.index_dtype, device="cpu").numpy().dtype  # (meta ctx)
         self._device_cache: dict[Any, tuple] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        """`copy.deepcopy` and pickle: the family and backend; the lock and the per-device cache are rebuilt."""
-        return {"family": self.family, "backend": self.backend}
+        """`copy.deepcopy` and pickle: the family and kernel; the lock and the per-device cache are rebuilt."""
+        return {"family": self.family, "kernel": self.kernel}
 
     def __setstate__(self, state: dict) -> None:
-        self._bind(state["family"], state["backend"])
+        self._bind(state["family"], state.get("kernel", state.get("backend")))  # ("backend": its old name)
+
+    @property
+    def backend(self) -> str:
+        """The deprecated name of `kernel`."""
+        warnings.warn("NgramHashMapping.backend is deprecated; use .kernel", DeprecationWarning, stacklevel=2)
+        return self.kernel
+
+    @backend.setter
+    def backend(self, kernel: str) -> None:
+        warnings.warn("NgramHashMapping.backend is deprecated; use .kernel", DeprecationWarning, stacklevel=2)
+        self.kernel = kernel
 
     @classmethod
-    def for_family(cls, family: HashFamily, backend: str = "auto") -> "NgramHashMapping":
-        """The engine over any `HashFamily`."""
+    @renamed_keywords(backend="kernel")
+    def for_family(cls, family: HashFamily, kernel: str = "auto") -> "NgramHashMapping":
+        """The engine over any `HashFamily`, hashing with `kernel` (as `NgramHashMapping(..., kernel=)`)."""
         self = cls.__new__(cls)
-        self._bind(family, backend)
+        self._bind(family, kernel)
         return self
 
     @classmethod
@@ -270,10 +289,10 @@ class NgramHashMapping:
             B, T = input_ids.shape
             rows = self.family.mix_rows(self._windows(input_ids, ends, dead))  # (L, B*T, H)
             return rows.view(len(self.layer_ids), B, T, -1), False
-        if cpu and self.backend in ("auto", "numba"):
+        if cpu and self.kernel in ("auto", "numba"):
             if not kernels.available():
-                if self.backend == "numba":
-                    raise ImportError("backend='numba' needs numba: pip install 'engram-torch[fast]'")
+                if self.kernel == "numba":
+                    raise ImportError("kernel='numba' needs numba: pip install 'engram-torch[fast]'")
             elif self.max_prime <= kernels.MAX_PRIME:  # larger heads need torch's int64 remainder
                 return self._hash_numba(raw, offsets, ends, dead), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)
@@ -417,11 +436,11 @@ class NgramHashMapping:
 
     def kernel_plan(self, offsets: bool = False) -> HashPlan | None:
         """What a fused CPU kernel needs to hash as this mapping does (`HashPlan`), or None where the fused kernels
-        do not apply: no numba, a torch backend, resets (EOS), another mix than the XOR one, an ablation hash mode.
+        do not apply: no numba, kernel="torch", resets (EOS), another mix than the XOR one, an ablation hash mode.
         For kernels that read their ids elsewhere than `hash` takes them (a serving step's per-slot store:
         `integrations.vllm._kernels.hash_step`); the constants are built once per mapping."""
         if (self.hash_mode in ("constant", "shuffled") or self.family.reset_id is not None or self.family.own_mix
-                or self.backend not in ("auto", "numba") or self.max_prime > kernels.MAX_PRIME
+                or self.kernel not in ("auto", "numba") or self.max_prime > kernels.MAX_PRIME
                 or not kernels.available()):
             return None
         key = ("plan", bool(offsets))

@@ -207,16 +207,18 @@ class LongCatFamily(HashFamily):
         return cls(LongCatConfig.from_config(spec, "hash spec"), spec.get("eos_rule", "vllm"))
 
 
-def hash_mapping(config, eos_rule: str = "vllm", backend: str = "auto") -> NgramHashMapping:
+@renamed_keywords(backend="kernel")
+def hash_mapping(config, eos_rule: str = "vllm", kernel: str = "auto") -> NgramHashMapping:
     """LongCat's n-gram hashing of a config (config.json path or folder, dict, `LongCatConfig` or a config object
     with `vocab_size`, `ngram_vocab_size_ratio`, `emb_split_num`, `emb_neighbor_num`, `eos_token_id`): the engine
     over `LongCatFamily`, keyed by layer 0. `hash(ids, offsets=True)[0]` -> (B, T, k*(n-1)) int32 rows of the
     concatenated table (column e = i*k + j: order i+2, split j), what vLLM's `_compute_oe_ids` returns;
     `hash_continuation(new, history, offsets=True)[0]` the rows of `new` after the ids `history` (the last n-1
     of them suffice). `eos_rule`: "vllm" (an EOS position is an empty n-gram) or "sglang" (it hashes with the
-    tokens before it); see the module doc. Hashed by the torch path (no fused kernel for this mix)."""
-    if backend not in ("auto", "torch"):
-        raise ConfigError(f"LongCat hashing runs on the torch path: backend must be 'auto' or 'torch', got {backend!r}")
+    tokens before it); see the module doc. Hashed by the torch path (no fused kernel for this mix): `kernel` "auto"
+    or "torch" (`backend=`: its deprecated spelling)."""
+    if kernel not in ("auto", "torch"):
+        raise ConfigError(f"LongCat hashing runs on the torch path: kernel must be 'auto' or 'torch', got {kernel!r}")
     return NgramHashMapping.for_family(LongCatFamily(read_config(config), eos_rule), "torch")
 
 

@@ -3,13 +3,13 @@
     codecs/ (how rows are stored as bytes)  ->  encoded.py (EncodedTable: bytes gathered, decoded after)
                                             ->  rows.py (open_rows: any source, in the ram / mmap / disk tier)
 
-The float tiers are `backends.py` (InRamTable, MmapTable, with `rowcache.py` and `journal.py`) and `disk.py`
-(DiskTable); the file format is `files.py`, GGUF files `gguf.py`; `offload.py` moves a model's tables into a tier,
-`quant.py` serves them in another row format; block checksums (`blocks.py`), the lookup prefetcher (`prefetch.py`)
-and row overlays (`overlay.py`, used by `engram edit`). Row shards over ranks are in `engram.distributed`."""
+The float tiers are `trainable.py` (InRamTable, MmapTable: the ones training writes to, with `rowcache.py` and
+`journal.py`) and `disk.py` (DiskTable); the file format is `files.py`, GGUF files `gguf.py`; `offload.py` moves a
+model's tables into a tier, `quant.py` serves them in another row format; block checksums (`blocks.py`), the lookup
+prefetcher (`prefetch.py`) and row overlays (`overlay.py`, used by `engram edit`). Row shards over ranks are in
+`engram.distributed`."""
 
 from . import gguf  # noqa: F401  (registers GGUF files with open_rows)
-from .backends import InRamTable, MmapTable
 from .base import (
                     Table,
                     TableError,
@@ -35,6 +35,7 @@ from .overlay import OverlayTable, push_overlay, remove_overlays
 from .prefetch import PendingRows, Prefetcher, readahead_for
 from .rowcache import RowCache
 from .rows import TIERS, RowBlocks, SegmentedTable, StoredTensor, open_rows
+from .trainable import InRamTable, MmapTable
 
 __all__ = ["EncodedTable", "InRamTable", "MmapTable", "OverlayTable", "PendingRows", "Prefetcher", "RowBlocks",
            "RowCache", "SegmentedTable", "StoredTensor", "TIERS", "Table", "TableError", "UndoJournal",

@@ -1,4 +1,4 @@
-"""The one reader of safetensors headers in engram (`read_header`): table files (`files`, `backends`, `disk`,
+"""The one reader of safetensors headers in engram (`read_header`): table files (`files`, `trainable`, `disk`,
 `rows`), released checkpoints' shards (`integrations.checkpoint`, `integrations.qwen4_exp.checkpoint`) and the file
 ids block sums are bound to (`blocks.header_id`) all go through it. It checks what it reads: the 8-byte length, the
 JSON, every tensor entry and that every tensor lies inside the file, each failure one `TableError` line.

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from .backends import InRamTable, MmapTable
 from .base import Table, TableError
 from .blocks import BlockVerifier, UnverifiedTableWarning
 from .codecs import FloatCodec, Nvfp4Codec, RowCodec, ScaledRowCodec, Ue8m0Codec, pack_rows
@@ -44,6 +43,7 @@ from .disk import DiskTable
 from .encoded import EncodedTable
 from .files import NP_DTYPES, QUANT_NP_DTYPES, map_tensor
 from .header import read_header
+from .trainable import InRamTable, MmapTable
 
 TIERS = ("ram", "mmap", "disk")  # where a table's rows are read from
 NVFP4_FILE_FORMAT = "engram-nvfp4-rows/1"

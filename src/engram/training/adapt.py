@@ -12,7 +12,7 @@ Methods (what trains; the base model is loaded from DIR, a `save_pretrained` fol
 `--unfreeze NAME` also trains base modules (e.g. lm_head); they are saved with the adapter.
 
 The run is `engram train`'s (`run.py`): the same run directory, metrics.jsonl, progress bar,
-evaluation, table options (`--set table_backend=mmap`, `table_readahead`, `table_init=file`, ...),
+evaluation, table options (`--set table_mode=mmap`, `table_readahead`, `table_init=file`, ...),
 checkpoints (trainable parameters only: the base is read from DIR again on `--resume`), Ctrl-C then
 `--resume`. RUN/final/ holds the adapter (`engram.save_adapter`: Engram weights, LoRA in `lora/`),
 a PEFT folder for `lora`, or a full `save_pretrained` model for `full`; load it with
@@ -33,7 +33,7 @@ from ..distributed.parallel import DistContext
 from ..inference import load_base
 from ..persist import atomic_write_bytes, new_dir, write_json
 from ..tokenizer import TOKENIZER_CONFIG, write_tokenizer_files
-from .config import TrainConfig
+from .config import TrainConfig, current_settings
 from .data import eval_windows, load_split, prepare
 from .presets import ADAPT_METHODS
 from .run import building, evaluate, execute, finish_build, open_run
@@ -98,10 +98,11 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     method, lora_rank = _method(method, lora_rank)
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise ConfigError("engram adapt runs in one process (use --device cuda for a GPU)")
-    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = current_settings(overrides or {})  # (old spellings: table_backend=param is table_mode=ram)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)}
     if unknown:
         raise ConfigError(f"unknown training settings {sorted(unknown)}")
-    tcfg = dataclasses.replace(ADAPT_TRAIN, **(overrides or {}))
+    tcfg = dataclasses.replace(ADAPT_TRAIN, **overrides)
     if max_steps is not None:
         tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
     tcfg.validate()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, parse_bool
-from .config import TrainConfig
+from .config import RENAMED_SETTINGS, TrainConfig, current_settings
 
 # What `engram adapt --method` trains on a pretrained base (training/adapt.py).
 ADAPT_METHODS = ("engram", "lora", "lora+engram", "full")
@@ -131,10 +131,11 @@ def train_config(name: str, overrides: dict | None = None, max_steps: int | None
 
     `world` > 1 also checks what data-parallel runs need (the batch divides over the ranks).
     """
-    unknown = set(overrides or {}) - {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = current_settings(overrides or {})  # (old spellings: table_backend=param is table_mode=ram)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)}
     if unknown:
         raise ConfigError(f"unknown training settings {sorted(unknown)}")
-    tcfg = dataclasses.replace(get_preset(name).train, **(overrides or {}))
+    tcfg = dataclasses.replace(get_preset(name).train, **overrides)
     if max_steps is not None:
         tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
     tcfg.validate()
@@ -255,7 +256,7 @@ def resolve_job(path=None, preset: str | None = None, sets: list[str] | tuple = 
                                          if "engram" in item else {})}
         else:
             key = key.removeprefix("train.")
-            if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
+            if key not in {f.name for f in dataclasses.fields(TrainConfig)} and key not in RENAMED_SETTINGS:
                 near = _nearest(f"train.{key}", name)
                 if near:
                     raise ConfigError(f"--set {kv}: unknown training setting; did you mean "
@@ -385,7 +386,7 @@ def _check_train(preset: str, train: dict, where: str) -> dict:
     """The training settings of a job, each a known `TrainConfig` field of its default's type; returned typed."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     out = {}
-    for key, value in train.items():
+    for key, value in current_settings(train).items():  # (old spellings renamed: table_backend -> table_mode)
         if key not in defaults:
             _unknown(f"train.{key}", where, preset)
         out[key] = _typed(f"train.{key}", value, defaults[key], where)

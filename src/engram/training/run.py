@@ -8,7 +8,7 @@ and hand it to the same units here.
     execute     restore or log step 0 -> loop (train_step, evaluate, save, Ctrl-C) -> finish (final folder,
                 loss plot, summary.json)
 
-So every table option (`table_backend`, `table_dir`, `table_cache_mb`, `table_init`, `table_readahead`)
+So every table option (`table_mode`, `table_dir`, `table_cache_mb`, `table_init`, `table_readahead`)
 means the same in both commands.
 """
 
@@ -49,7 +49,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import TrainConfig
+from .config import TrainConfig, current_settings
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .optim import build_optimizers, split_params, warmup_cosine
 
@@ -128,8 +128,9 @@ def setup_run(out, run_json: dict, resume: bool, same: tuple[str, ...]) -> Path:
     """The run directory of a new or resumed run (`engram train` and `engram adapt` alike); writes run.json.
 
     A new run needs an --out without checkpoints. A resumed one must have been started with the same
-    `same` settings of run.json, the same kind ("train" / "adapt") and the same table backend; a
-    corrupt run.json is one line saying how to resume anyway (the checkpoints are verified on their own).
+    `same` settings of run.json, the same kind ("train" / "adapt") and the same table mode (a run.json written
+    before the rename, `"table_backend": "param"`, reads as `"table_mode": "ram"`); a corrupt run.json is one
+    line saying how to resume anyway (the checkpoints are verified on their own).
     """
     run_dir = Path(out)
     if resume and (run_dir / "run.json").is_file():
@@ -141,10 +142,9 @@ def setup_run(out, run_json: dict, resume: bool, same: tuple[str, ...]) -> Path:
         kind, prev_kind = run_json.get("kind", "train"), prev.get("kind", "train")
         if prev_kind != kind:
             raise ConfigError(f"--resume: {run_dir} holds an `engram {prev_kind}` run, not `engram {kind}`")
-        prev_backend = prev["train"].get("table_backend", "param")
-        if prev_backend != run_json["train"]["table_backend"]:
-            raise ConfigError(f"--resume: {run_dir} was trained with table_backend={prev_backend}; "
-                              "use the same setting")
+        prev_mode = current_settings(prev["train"], warn=False).get("table_mode", "ram")
+        if prev_mode != current_settings(run_json["train"], warn=False)["table_mode"]:
+            raise ConfigError(f"--resume: {run_dir} was trained with table_mode={prev_mode}; use the same setting")
         empty = {"model_overrides": {}, "engram_options": {}, "unfreeze": []}
         diff = [k for k in same if prev.get(k, empty.get(k)) != run_json.get(k)]
         if diff:
@@ -170,7 +170,7 @@ def open_run(tcfg: TrainConfig, data, out, run_json: dict, same: tuple[str, ...]
 def tables_as_files(tcfg: TrainConfig) -> bool:
     """`table_init=file`: the model is built without table rows (`defer_table_allocation`); its table files are
     created from the seed, so a table larger than RAM is never materialized."""
-    return tcfg.table_backend == "mmap" and tcfg.table_init == "file"
+    return tcfg.table_mode == "mmap" and tcfg.table_init == "file"
 
 
 def building(tcfg: TrainConfig):
@@ -202,7 +202,7 @@ def place_tables(run: Run, resume: bool) -> None:
     tcfg, ddp = run.tcfg, run.ddp
     table_dir = Path(tcfg.table_dir) if tcfg.table_dir else run.run_dir / "tables"
     layers = [m.layer_id for _, m in find_tables(run.model)]
-    mmap = tcfg.table_backend == "mmap" and bool(layers)
+    mmap = tcfg.table_mode == "mmap" and bool(layers)
     table_kw = dict(cache_bytes=int(tcfg.table_cache_mb * 2**20), overwrite=not resume,
                     init_seed=tcfg.seed if tables_as_files(tcfg) else None)
     if mmap and ddp.world == 1:

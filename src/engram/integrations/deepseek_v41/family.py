@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
+from ...deprecation import renamed_keywords
 from ...hashing import HashFamily, NgramHashMapping, head_moduli, layer_multipliers
 from ...persist import read_json
 from ...tables.codecs import UE8M0_BLOCK
@@ -114,14 +115,16 @@ class DeepSeekV41Family(HashFamily):
         return cls(cfg, ct)
 
 
-def hash_mapping(config, tokenizer, backend: str = "auto") -> NgramHashMapping:
+@renamed_keywords(backend="kernel")
+def hash_mapping(config, tokenizer, kernel: str = "auto") -> NgramHashMapping:
     """The V4.1 hashing of a config (`config.json` path, dict or `V41Config`) and the model's tokenizer
     (`tokenizer.json`, its folder, a tokenizer object or a `CompressedTokenizer`): the engine over
     `DeepSeekV41Family`. Its ids are int32; pass `offsets=True` for the table's rows and `dead=` for DEAD masks:
     `hash(ids, offsets=True, dead=mask)`, `hash_continuation(new, history, offsets=True, dead=..., history_dead=...)`.
+    `kernel`: as `NgramHashMapping`'s ("auto" | "numba" | "torch"; `backend=`: its deprecated spelling).
     """
     cfg = config if isinstance(config, V41Config) else V41Config.from_dict(
         read_json(config, "config.json", "pass the checkpoint folder's config.json", ConfigError)
         if isinstance(config, (str, Path)) else config)
     ct = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer(tokenizer)
-    return NgramHashMapping.for_family(DeepSeekV41Family(cfg, ct), backend)
+    return NgramHashMapping.for_family(DeepSeekV41Family(cfg, ct), kernel)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ...config import ConfigError
+from ...deprecation import renamed_keywords
 from ...hashing import PRIME_1, HashFamily, NgramHashMapping
 from ...tokenizer import RawIds
 
@@ -131,8 +132,10 @@ def eos_id(cfg) -> int:
     return int(eos)
 
 
-def hash_mapping(config, backend: str = "auto") -> NgramHashMapping:
-    """The `qwen4_exp` `NgramHashMapping` of a Qwen4Exp (text) config, keyed by its 1-indexed `ple_layer_ids`."""
+@renamed_keywords(backend="kernel")
+def hash_mapping(config, kernel: str = "auto") -> NgramHashMapping:
+    """The `qwen4_exp` `NgramHashMapping` of a Qwen4Exp (text) config, keyed by its 1-indexed `ple_layer_ids`
+    (`kernel`: as `NgramHashMapping`'s; `backend=`: its deprecated spelling)."""
     cfg = text_config(config)
     if getattr(cfg, "model_type", None) not in ("qwen4_exp_text", "qwen4_exp") or not hasattr(cfg, "ngram_size"):
         raise ConfigError(f"not a qwen4_exp config (model_type {getattr(cfg, 'model_type', None)!r})")
@@ -140,4 +143,4 @@ def hash_mapping(config, backend: str = "auto") -> NgramHashMapping:
         raise ConfigError("this qwen4_exp config has no n-gram table (ple_layer_ids is empty)")
     family = Qwen4ExpFamily(cfg.vocab_size, cfg.ngram_size, cfg.heads_per_ngram, cfg.ple_layer_ids,
                             cfg.ngram_vocab_size_base, cfg.seed, eos_id(cfg))
-    return NgramHashMapping.for_family(family, backend)
+    return NgramHashMapping.for_family(family, kernel)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ...config import ConfigError
+from ...deprecation import renamed_keywords
 from ...hashing import NgramHashMapping
 from ...tables.gguf import (
     FIX,
@@ -85,15 +86,17 @@ def _vocab_size(f: GgufFile) -> int:
 
 
 
+@renamed_keywords(backend="kernel")
 def gguf_hash_mapping(path, seed: int = 1234, ngram_vocab_size_base: int | None = None,
-                      backend: str = "auto") -> NgramHashMapping:
+                      kernel: str = "auto") -> NgramHashMapping:
     """The `qwen4_exp` mapping of a llama.cpp qwen4exp GGUF file, from its `{arch}.ple.*` keys (`tables.gguf`).
 
     The family is rebuilt by its rules from the file's vocabulary size, n-gram size, heads, EOS id and PLE layer,
     with `seed` (the checkpoint config's; transformers' default 1234, which the released config leaves out) and
     `ngram_vocab_size_base` (default: the smallest base whose primes are the file's table sizes); the file's
     multipliers, table sizes and offsets must then equal the derived ones, so hashing is exactly the
-    safetensors checkpoint's (the same identity digest) and a damaged constant is refused."""
+    safetensors checkpoint's (the same identity digest) and a damaged constant is refused. `kernel`: as
+    `NgramHashMapping`'s (`backend=`: its deprecated spelling)."""
     f = path if isinstance(path, GgufFile) else GgufFile(path)
     c = ple_constants(f)
     lid = c["layer"] + 1  # the file's layer is 0-indexed, ple_layer_ids 1-indexed
@@ -105,7 +108,7 @@ def gguf_hash_mapping(path, seed: int = 1234, ngram_vocab_size_base: int | None 
                      "head_offsets": family.head_offsets(lid)},
                     f"qwen4_exp's rules derive from its other keys with seed {seed}",
                     "pass seed= (the checkpoint config's) if it is not 1234, else re-convert the file")
-    return NgramHashMapping.for_family(family, backend)
+    return NgramHashMapping.for_family(family, kernel)
 
 
 def serve_gguf_table(gguf, mapping: NgramHashMapping, lid: int, padded: int, tier: str, dim: int):

@@ -1,7 +1,8 @@
-"""Engram table storage behind one gather interface: in RAM, or memory-mapped from disk with a hot-row cache.
+"""The float tables training writes to (the ram and mmap tiers): in RAM, or memory-mapped from disk with a hot-row
+cache, behind one gather interface.
 
 Engram addresses depend only on the token ids, so a table far larger than RAM (or than an
-accelerator) can live elsewhere and be gathered ahead of use. Both backends are `Table`s
+accelerator) can live elsewhere and be gathered ahead of use. Both are `Table`s
 (`base.py`: `lookup` for the model, `gather` for plain reads), opened by `rows.open_rows`;
 `offload.offload_tables(model, ...)` moves a model's tables into a tier and installs them behind each layer.
 
@@ -11,7 +12,7 @@ File layout: a safetensors file holding one tensor `weight` `[rows, dim]` (littl
 Hot-row cache: `rowcache.py` (direct-mapped, "lru" or "lfu"). The file format, writing and reading, is
 `files.py`; the undo journal of a writable file is `journal.py`.
 
-Training (`trainable=True`): a backend also keeps the Adam moments of its rows (for `MmapTable`,
+Training (`trainable=True`): a table also keeps the Adam moments of its rows (for `MmapTable`,
 as tensors `exp_avg` and `exp_avg_sq` in the same file), records each training lookup so that
 backward leaves the looked-up rows' gradients with it (`take_grads`), and lets
 `engram.optim.TableAdam` read and write back only the touched rows (`read_rows`/`write_rows`).
