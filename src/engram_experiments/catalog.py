@@ -13,3 +13,7 @@ from . import smollm2_adapt  # noqa: F401
 from . import smollm2_edit  # noqa: F401
 from . import records  # noqa: F401  (the records other commands write: stats)
 # isort: on
+
+# the order `engram experiment all` runs them and `--list` shows them (whatever imported a module first)
+ORDER = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
+         "adapter-init", "smollm2-adapt", "smollm2-edit")

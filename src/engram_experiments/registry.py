@@ -96,6 +96,7 @@ class Runs:
 
 
 _REGISTRY: dict[str, Experiment] = {}
+_ORDER: list[str] = []  # the loaded modules' `ORDER`s: how `all` runs and `--list` shows (else registration order)
 _LOADED = False
 
 
@@ -113,7 +114,15 @@ def load() -> None:
         raise ConfigError("no experiments are registered: install the project (pip install -e .) so the "
                           "engram.experiments entry points exist")
     for ep in eps:
-        ep.load()
+        _ORDER.extend(getattr(ep.load(), "ORDER", ()))
+
+
+def _ordered() -> list[Experiment]:
+    """Every registered experiment: those the loaded modules order (`ORDER`) first, in that order, then the rest in
+    registration order."""
+    load()
+    rank = {n: i for i, n in enumerate(_ORDER)}
+    return sorted(_REGISTRY.values(), key=lambda e: rank.get(e.name, len(rank)))
 
 
 def register(exp: Experiment) -> Experiment:
@@ -141,28 +150,24 @@ def get(name: str) -> Experiment:
 
 
 def names() -> list[str]:
-    """The runnable experiments, in registration order (the order `all` runs them)."""
-    load()
-    return [n for n, e in _REGISTRY.items() if e.run is not None]
+    """The runnable experiments, in the order `all` runs them."""
+    return [e.name for e in _ordered() if e.run is not None]
 
 
 def experiments() -> list[Experiment]:
-    """Every registered experiment and record kind, in registration order."""
-    load()
-    return list(_REGISTRY.values())
+    """Every registered experiment and record kind, in the order `all` runs them."""
+    return _ordered()
 
 
 def replicable() -> list[str]:
     """The experiments a `NAME-replication` preregistration may replicate."""
-    load()
-    return [n for n, e in _REGISTRY.items() if e.replication is not None]
+    return [e.name for e in _ordered() if e.replication is not None]
 
 
 def listing() -> str:
     """`engram experiment --list`: each runnable experiment's paragraph."""
-    load()
     out = []
-    for exp in _REGISTRY.values():
+    for exp in _ordered():
         if exp.run is None:
             continue
         lines = exp.help.strip().splitlines()
