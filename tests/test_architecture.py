@@ -99,7 +99,7 @@ def _graph(sources: dict[str, tuple[str, bool]] | None = None) -> dict[str, set[
 
 # the flat core: what every package may use (`engram.hashing` is the core's one subpackage)
 CORE_MODULES = {"config", "model_config", "tokenizer", "hashing", "memory", "hyper", "model", "cache", "persist",
-                "errors", "utils", "deprecation", "jit"}
+                "errors", "utils", "deprecation", "jit", "table"}
 
 
 def package_of(module: str) -> str:
@@ -226,7 +226,8 @@ def test_private_name_check_sees_one():
     assert _private_imports(sources) == ["engram_experiments.edit:2 imports engram.editing.optimize._batch"]
 
 
-CORE = ["engram.config", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper", "engram.model",
+CORE = ["engram.config", "engram.table", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper",
+        "engram.model",
         "engram.model_config", "engram.cache", "engram.persist", "engram.errors", "engram.utils"]
 
 

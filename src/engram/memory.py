@@ -1,7 +1,7 @@
 """The Engram module: `(hidden (B, T, G, D), rows (B, T, H, d)) -> (delta, gate)`, and the layer's table.
 
 `Engram` is math over retrieved rows (context gate per branch, short conv); `MultiHeadEmbedding`
-turns per-head hash ids into rows through the layer's table (`engram.tables.base.Table`). This file
+turns per-head hash ids into rows through the layer's table (`engram.table.Table`). This file
 imports no storage, distribution, data or training code (tests/test_architecture.py).
 
 Shapes: B batch, T tokens, G = hc_mult residual branches (streams), D = backbone hidden,
@@ -69,7 +69,7 @@ class MultiHeadEmbedding(nn.Module):
     `embedding` parameter (sparse gradient, trained by `optim.LazyRowAdam`) unless a table from
     `engram.tables` or `engram.distributed` was installed (`engram.tables.install`): then `table`
     holds it and every lookup goes there. Either way it is one call, `table.lookup(flat row ids)`;
-    this module is itself the parameter implementation of that interface (`engram.tables.base.Table`).
+    this module is itself the parameter implementation of that interface (`engram.table.Table`).
     """
 
     def __init__(self, list_of_N: list[int], D: int, dtype: torch.dtype = torch.float32, sparse: bool = True,
