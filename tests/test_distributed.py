@@ -66,6 +66,7 @@ def test_two_rank_sharded_training_equals_single_process(tmp_path, free_port):
         load_sharded(tmp_path, 0, ROWS + 5)
 
 
+@pytest.mark.slow  # two torchrun runs: 36 s on the 2026-12-05 VM
 def test_cli_nproc2_matches_nproc1(tmp_path):
     """`engram train --nproc 2` (torchrun, sharded tables, DDP) ends at the loss of `--nproc 1`."""
     import json

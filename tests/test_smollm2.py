@@ -146,6 +146,7 @@ def adapted(smollm2, tmp_path_factory):
     return summary, rows, root / "run", data
 
 
+@pytest.mark.slow  # trains an adapter on the real base: 57 s on the 2026-12-05 VM
 @pytest.mark.integration
 def test_a_short_adaptation_lowers_smollm2s_domain_loss(adapted):
     """Step 0's val loss is the base's (the adapter starts as the identity); 16 steps of the adapter alone bring the
@@ -157,6 +158,7 @@ def test_a_short_adaptation_lowers_smollm2s_domain_loss(adapted):
     assert summary["trainable"]["base_trainable"] == 0  # the base stayed frozen
 
 
+@pytest.mark.slow  # edits and serves the real base: 67 s on the 2026-12-05 VM
 @pytest.mark.integration
 def test_an_overlay_flips_a_known_fact_in_serves_chat_answer(smollm2, adapted, tmp_path):
     """`engram edit --chat` writes "France -> Rome" into the adapted SmolLM2's rows; `engram serve`'s chat answer

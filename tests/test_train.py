@@ -298,6 +298,7 @@ def test_file_initialized_tables_train_and_resume(corpus, tmp_path):
     assert _losses(tmp_path / "full")[0] != _losses(tmp_path / "param")[0]  # other table init, same model size
 
 
+@pytest.mark.slow  # a killed run and its resume: 28 s on the 2026-12-05 VM
 def test_mmap_run_killed_with_sigkill_resumes_exactly(corpus, tmp_path):
     """A real `kill -9` of `engram train --table-mode mmap` at an arbitrary moment (after its first
     checkpoint): --resume rolls the table file back and ends with the uninterrupted run's losses."""
