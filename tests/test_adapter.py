@@ -269,3 +269,21 @@ def test_adapter_rows_start_small_unless_asked_for_the_reference_init(tok):
         engram.attach(m, [1], tokenizer=tok, verbose=False, **OPTS, **kw)
         rows = adapter_of(m).layers["1"].multi_head_embedding.embedding.weight
         assert abs(rows.std().item() - (0.02 if std is None else 1.0)) < 0.1 * (0.02 if std is None else 1.0)
+
+
+def test_clear_rows_makes_a_trained_adapter_exactly_the_base_until_rows_are_written(tok):
+    m = make("llama")
+    ids = torch.randint(0, 400, (2, 12))
+    base = logits(m, ids)
+    perturb(engram.attach(m, [0, 1], tokenizer=tok, verbose=False, **OPTS))  # trained-like: rows, biases, taps moved
+    assert not torch.equal(logits(m, ids), base)
+    kv = {k: layer.kv_proj.weight.clone() for k, layer in adapter_of(m).layers.items()}
+    n = engram.adapters.clear_rows(m)
+    assert n == sum(layer.multi_head_embedding.embedding.weight.shape[0] for layer in adapter_of(m).layers.values())
+    assert torch.equal(logits(m, ids), base)  # bit for bit: zero rows, zero value bias
+    assert all(torch.equal(layer.kv_proj.weight, kv[k]) for k, layer in adapter_of(m).layers.items())  # kept
+    with torch.no_grad():  # one written row moves the output again: the projections still read rows
+        adapter_of(m).layers["0"].multi_head_embedding.embedding.weight.add_(0.5)
+    assert not torch.equal(logits(m, ids), base)
+    with pytest.raises(AdapterError, match="attached Engram adapter"):
+        engram.adapters.clear_rows(make("llama"))

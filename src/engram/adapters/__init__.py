@@ -44,6 +44,7 @@ from .introspect import (
 from .lifecycle import (
                          add_lora,
                          attach,
+                         clear_rows,
                          detach,
                          freeze_base,
                          trainable_summary,
@@ -62,7 +63,7 @@ from .saving import (
                          save_pretrained,
 )
 
-__all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "base_fingerprint",
+__all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "clear_rows", "base_fingerprint",
            "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "from_pretrained",
            "generation_pad_id",
            "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",

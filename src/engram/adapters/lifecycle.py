@@ -132,6 +132,31 @@ def unfreeze(model: nn.Module, names) -> list[str]:
     return found
 
 
+def clear_rows(model: nn.Module) -> int:
+    """Make an attached adapter *edit-ready*, in place: zero every row of its Engram tables and the value half of
+    each layer's `kv_proj` bias (the value it adds at every position whatever the rows), keep the trained keys and
+    projections, and return how many rows were cleared. Then the value is `W_v 0 + 0 = 0` at every position, the
+    short convolution of zeros adds nothing, and the model's logits equal the base's exactly until an edit writes
+    rows (`engram.edit_facts`); an n-gram no edit wrote adds nothing to any text. Tables installed from files
+    (`engram.tables`) are refused: clear rows before installing them."""
+    import torch
+
+    adapter = adapter_of(model)
+    if adapter is None:
+        raise AdapterError("clear_rows needs a model with an attached Engram adapter (engram.load_adapter / attach)")
+    n = 0
+    for layer in adapter.layers.values():
+        mhe = layer.multi_head_embedding
+        if mhe.table is not None:
+            raise AdapterError("clear_rows: this adapter's rows live in an installed table (a file tier); clear them "
+                               "on the model in RAM, before installing tables")
+        with torch.no_grad():
+            mhe.embedding.weight.zero_()
+            layer.kv_proj.bias[:layer.hidden_size].zero_()
+        n += mhe.embedding.weight.shape[0]
+    return n
+
+
 def freeze_base(model: nn.Module) -> None:
     """requires_grad False on every parameter except the Engram adapter's (and LoRA's, if any)."""
     for n, p in model.named_parameters():

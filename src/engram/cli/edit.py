@@ -24,7 +24,7 @@ def cmd_edit(args) -> int:
     print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
           f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
     overlay = edit_facts(model, tok, optimized, steps=args.steps, lr=args.lr, positions=args.positions,
-                         orders=args.orders, target_prob=args.target_prob)
+                         orders=args.orders, target_prob=args.target_prob, chunk=args.chunk)
     overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
     report = edit_report(model, tok, facts, overlay, windows, args.batch_size)
     overlay.meta["summary"] = report["summary"]
@@ -68,9 +68,12 @@ def add_commands(sub) -> None:
     ed.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on the edited rows")
     ed.add_argument("--positions", default="trigger", choices=options.POSITIONS,
                     help="trigger: rows read where the target is predicted; all: every prompt position too; subject: "
-                         "the rows the fact's \"subject\" tokens read (every order)")
+                         "the rows the fact's \"subject\" tokens read (every order); subject+trigger: both")
     ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest; "
                                                           "every order with --positions subject)")
+    ed.add_argument("--chunk", type=int, default=64,
+                    help="sequences per forward: each step sums the gradients of every chunk, so memory is bounded by "
+                         "one chunk whatever the number of facts (lower it if memory is short)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '

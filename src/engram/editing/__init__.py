@@ -20,7 +20,9 @@ Which rows (`positions`, `orders`):
   * "subject": the rows read at the subject's tokens (`Fact.subject`), in every order: where a prompt names the
     entity rather than where it asks for the answer, so a prompt worded otherwise that names the subject the same
     way reads the same rows; the answer reaches the last position through attention, as the base's own recall
-    does. Optimize it over many contexts (`paraphrase_contexts`, `chat_contexts`) so the rows serve them all.
+    does. Optimize it over many contexts (`paraphrase_contexts`, `chat_contexts`) so the rows serve them all;
+  * "subject+trigger": both sets of rows, every order: the prompt's own ending answers it directly, the
+    subject's rows carry the fact to prompts worded otherwise.
 
 The report (`edit_report`) measures efficacy (greedy decoding produces the target), generalization
 (paraphrases, the prompt inside a longer passage), the collision set (`collision_set`: every

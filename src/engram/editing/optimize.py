@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -38,10 +37,11 @@ def pad_batch(seqs: list[list[int]], pad: int) -> torch.Tensor:
 
 def edited_orders(mapping, positions: str, orders=None) -> list[int]:
     """The n-gram orders whose rows an edit changes: `orders`, else the highest ("trigger", "all") or every order
-    ("subject": the subject's short n-grams hold only its own tokens; the longer ones hold its context too)."""
+    ("subject", "subject+trigger": the subject's short n-grams hold only its own tokens; the longer ones hold its
+    context too)."""
     N = mapping.max_ngram_size
     if orders is None:
-        return list(range(2, N + 1)) if positions == "subject" else [N]
+        return list(range(2, N + 1)) if positions in ("subject", "subject+trigger") else [N]
     return sorted(set(int(o) for o in orders))
 
 
@@ -55,17 +55,20 @@ def _order_columns(mapping, orders) -> list[int]:
     return [(o - 2) * K + k for o in orders for k in range(K)]
 
 
-POSITIONS = ("trigger", "all", "subject")  # where a fact's rows are edited: see the package docstring
+POSITIONS = ("trigger", "all", "subject", "subject+trigger")  # where a fact's rows are edited: the package docstring
 
 
 def subject_positions(tokenizer, fact: Fact) -> list[int]:
-    """Token positions of `fact.subject` in `fact.prompt` (its last occurrence): the tokens of the prompt up to the
+    """Token positions of `fact.subject` in `fact.prompt` (its last occurrence, with the space before it when one
+    precedes it, so "France" names the same tokens after "of " as at a prompt's start): the tokens of the prompt up to the
     subject's end that the prefix before it does not already hold. A subject whose ends fall inside a token (the
     prompt's tokenization differs from its prefixes') is an `EditError`: name it on token boundaries."""
     if not fact.subject or fact.subject not in fact.prompt:
         raise EditError(f"positions='subject' needs each fact's subject, written in its prompt: {fact.prompt!r} has "
                         f"subject {fact.subject!r}")
     start = fact.prompt.rindex(fact.subject)
+    if start > 0 and fact.prompt[start - 1] == " " and not fact.subject.startswith(" "):
+        start -= 1  # "France" in "The capital of France is": the word's token carries the space before it
     full, head, upto = (_encode(tokenizer, x) for x in (fact.prompt, fact.prompt[:start],
                                                         fact.prompt[:start + len(fact.subject)]))
     if full[:len(upto)] != upto or upto[:len(head)] != head or len(upto) == len(head):
@@ -86,8 +89,10 @@ def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", 
     for f, (p, t) in zip(facts, fact_sequences(tokenizer, facts)):
         seq = p + t
         hashed = mapping.hash(np.asarray([seq], dtype=np.int64))
-        where = subject_positions(tokenizer, f) if positions == "subject" else \
-            list(range(len(p) - 1 if positions == "trigger" else 0, len(seq) - 1))
+        trigger = list(range(len(p) - 1 if positions != "all" else 0, len(seq) - 1))
+        where = trigger if positions in ("trigger", "all") else subject_positions(tokenizer, f)
+        if positions == "subject+trigger":
+            where = sorted(set(where) | set(trigger))
         rec = {"next": [seq[i + 1] if i >= len(p) - 1 else -1 for i in where]}  # -1: a position before the answer
         for lid, mhe in layers.items():
             flat = mhe.table_rows(hashed[lid][0])  # (T, H) table rows
@@ -147,25 +152,38 @@ def target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
 
 
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
-               orders=None, target_prob: float = 0.9, progress: bool = True) -> Overlay:
+               orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
 
-    Every fact is one sequence `prompt + target` of a batch; the loss is the mean over facts of the
-    mean negative log-probability of the target tokens; Adam on the new rows, the model frozen. Stops
-    when every target token has probability >= `target_prob` and is the argmax (greedy decoding
-    produces it), or after `steps`. Returns the `Overlay` (not applied).
+    Every fact is one sequence `prompt + target`; the loss is the mean over facts of the mean negative
+    log-probability of the target tokens; Adam on the new rows, the model frozen. Each step runs the facts in
+    forwards of `chunk` sequences (similar lengths together) and sums their gradients, so one step is the
+    full-batch step while memory holds one chunk's activations and logits (chunk x T x vocab): 10,000 facts
+    cost time, not memory. Stops when every target token has probability >= `target_prob` and is the argmax
+    (greedy decoding produces it), or after `steps`. `progress`: a bar over steps (loss, facts at target).
+    Returns the `Overlay` (not applied).
     """
     if not facts:
         raise EditError("no facts to edit")
     if not 0.5 < target_prob < 1:
         raise EditError(f"target_prob must lie in (0.5, 1), got {target_prob}: above 0.5 a token is the argmax")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise EditError(f"chunk must be a positive number of sequences per forward, got {chunk!r}")
+    from tqdm.auto import tqdm
+
     layers = engram_layers(model)
     mapping = mapping_of(model)
     seqs = fact_sequences(tokenizer, facts)
     rows = edit_rows(model, tokenizer, facts, positions, orders)
-    ids = pad_batch([p + t for p, t in seqs], generation_pad_id(model))
+    pad = generation_pad_id(model)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))  # similar lengths together
+    batches = []
+    for a in range(0, len(order), chunk):
+        part = [seqs[i] for i in order[a:a + chunk]]
+        batches.append((pad_batch([p + t for p, t in part], pad), part))  # ((b, T), its (prompt, target) ids)
     t0 = time.perf_counter()
     values, log = {}, []
+    bar = tqdm(total=steps, desc=f"editing {len(facts)} sequences", unit="step", disable=not progress, leave=False)
     with frozen(model):
         before = {lid: mhe.table for lid, mhe in layers.items()}
         try:
@@ -177,25 +195,28 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
             opt = torch.optim.Adam(list(values.values()), lr=lr)
             step = 0
             for step in range(1, steps + 1):
-                lps = target_logprobs(model, ids, seqs)
-                loss = torch.stack([lp.mean() for lp in lps]).mean().neg()
-                done = sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
-                log.append({"step": step - 1, "loss": loss.item(), "facts_done": done})
-                if progress and (step == 1 or step % 25 == 0):
-                    print(f"edit step {step - 1:>4}: target NLL {loss.item():.4f}, facts at target {done}/{len(facts)}",
-                          file=sys.stderr, flush=True)
-                if done == len(facts):
+                opt.zero_grad(set_to_none=True)
+                total, done = 0.0, 0
+                for ids, part in batches:
+                    lps = target_logprobs(model, ids, part)
+                    loss = torch.stack([lp.mean() for lp in lps]).sum().neg() / len(seqs)  # its share of the mean
+                    done += sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
+                    loss.backward()
+                    total += loss.item()
+                log.append({"step": step - 1, "loss": total, "facts_done": done})
+                bar.set_postfix(nll=f"{total:.4f}", at_target=f"{done}/{len(seqs)}", refresh=False)
+                if done == len(seqs):
                     step -= 1
                     break
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
                 if step == 1 and all(v.grad is None or not v.grad.any() for v in values.values()):
                     # e.g. a freshly attached adapter: its value projection starts at zero, so no row moves the output
                     raise EditError("the edited rows get no gradient: the Engram layers' output does not depend on "
                                     "their rows yet (a freshly attached adapter starts with a zero value projection); "
                                     "train the adapter first (engram adapt), then edit")
                 opt.step()
+                bar.update(1)
         finally:
+            bar.close()
             _restore_tables(layers, before)
     seconds = time.perf_counter() - t0
     meta = {
