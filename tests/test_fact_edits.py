@@ -1,0 +1,60 @@
+"""The fact-edits experiment's pieces that need no real model (`engram_experiments.fact_edits`): which paraphrase
+templates are optimized and which held out, how edit sets are drawn, how a chat answer is judged, how a run's
+per-fact outcomes become the set's shares, and the table a record renders."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from engram_experiments import fact_edits
+from engram_experiments.factset import build_from_rows
+from engram_experiments.runs import ExperimentError
+from test_factset import ROWS
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return build_from_rows(ROWS, seed=0, new_per_relation=2)
+
+
+def test_templates_split_the_paraphrases_and_the_pilot_holds_one_selection_template_out(facts):
+    f = next(f for f in facts if f.kind == "real")
+    sel, test = fact_edits.templates(f, "selection"), fact_edits.templates(f, "test")
+    assert len(sel) == 2 and len(test) == 2 and not set(sel) & set(test)
+    assert fact_edits.templates(f, "selection-0") + fact_edits.templates(f, "selection-1") == sel
+
+
+def test_edit_sets_are_disjoint_known_real_facts_of_one_relation_each(facts):
+    known = {f.id for f in facts if f.kind == "real" and f.subject != "Peru"}
+    s = SimpleNamespace(facts=facts, known=known)
+    sets = fact_edits.edit_sets(s, "test", 3, 1, seed=0)
+    ids = [f.id for v in sets.values() for f in v]
+    assert len(ids) == len(set(ids)) == 3
+    assert all(f.id in known and f.kind == "real" and f.split == "test" for v in sets.values() for f in v)
+    assert [len({f.relation for f in v}) for v in sets.values()] == [1, 1, 1]
+    assert fact_edits.edit_sets(s, "test", 3, 1, seed=0).keys() == sets.keys()  # seeded
+    with pytest.raises(ExperimentError, match="make only"):
+        fact_edits.edit_sets(s, "test", 50, 2, seed=0)  # more sets than known facts
+
+
+def test_a_chat_answer_names_an_object_as_a_word():
+    assert fact_edits.names("The capital of France is Paris.", "paris")
+    assert not fact_edits.names("The atomic number of iron is 260.", "26")  # a number inside another
+    assert fact_edits.names("It is 26, I think", "26") and not fact_edits.names("Parisian", "Paris")
+
+
+def test_summarize_is_the_share_over_facts_and_probes():
+    m = {"facts": [{"efficacy": True, "p_new_gt_old": True, "paraphrases": [True, False], "paraphrases_old": [False, True],
+                    "chat_new": True, "chat_old": False, "same_subject": []},
+                   {"efficacy": False, "p_new_gt_old": True, "paraphrases": [False, False], "paraphrases_old": [True, True],
+                    "chat_new": False, "chat_old": True, "same_subject": [True]}],
+         "same_relation": [True, True, False, True], "shared_ngram": [], "text_change": 0.01,
+         "text_change_shared": None}
+    got = fact_edits.summarize(m)
+    assert got["efficacy"] == 0.5 and got["paraphrases"] == 0.25 and got["paraphrases_old"] == 0.75
+    assert got["same_relation"] == 0.75 and got["same_subject"] == 1.0 and got["shared_ngram"] is None
+    rec = {"experiment": "fact-edits-pilot", "phase": "pilot", "design": {"sets": 1},
+           "table": {"none": {**{k: {"mean": 0.5, "std": 0.0} for k in fact_edits.MEASURES if k != "shared_ngram"},
+                              "sets": ["selection-0"], "edit_seconds": {"mean": 0.0}}}}
+    md = fact_edits.markdown(rec)
+    assert "| none | 1 |" in md and "—" in md  # a measure no set had is a dash, not a number
