@@ -11,9 +11,11 @@ from . import allocation  # noqa: F401  (and its records: allocation-accounting,
 from . import adapter_init  # noqa: F401
 from . import smollm2_adapt  # noqa: F401
 from . import smollm2_edit  # noqa: F401
+from . import fact_edits  # noqa: F401
 from . import records  # noqa: F401  (the records other commands write: stats)
 # isort: on
 
 # the order `engram experiment all` runs them and `--list` shows them (whatever imported a module first)
 ORDER = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
-         "adapter-init", "smollm2-adapt", "smollm2-edit")
+         "adapter-init", "smollm2-adapt", "smollm2-edit",
+         "fact-edits-pilot")

@@ -19,7 +19,8 @@ of other relations and subjects whose prompt reads a row the subject+trigger ove
 (locality, shared n-gram), and general text (wordnet val windows): the mean loss change over all tokens and over
 the tokens whose n-grams read such a row.
 
-Run by `python -m engram_experiments.fact_edits pilot|test` (see `main`); every (set, method) result is cached in
+Run by `engram experiment fact-edits-pilot` (the pilot as it ran) or `python -m engram_experiments.fact_edits
+pilot|test` (see `main`); every (set, method) result is cached in
 OUT/fact-edits/, so a stopped run resumes.
 """
 
@@ -40,6 +41,7 @@ from engram.persist import read_json, write_json
 
 from . import factset
 from .editors.base import Edit
+from .registry import Experiment, register
 from .runs import ExperimentError
 
 NAME = "fact-edits"
@@ -463,7 +465,12 @@ def plot(s: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+PILOT = ["pilot", "--sets", "2", "--relations", "atomic_number", "city_country", "--methods", "none", "trigger",
+         "subject+trigger+ctx", "subject+ctx", "trigger+ctx", "grace", "rome", "ft-l"]  # the pilot as it ran
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run a phase (every cached run reused), then publish its summary (and `--record` it); the summary."""
     import argparse
 
     from .runs import publish
@@ -484,8 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     root = Path(a.out) / NAME
     design = {"sets": a.sets, "size": a.size, "neighbours": a.neighbours, "seed": a.seed,
-              "relations": a.relations, "methods": a.methods,
-              "argv": " ".join(argv if argv is not None else sys.argv[2:])}
+              "relations": a.relations, "methods": a.methods}
     if not a.summary_only:
         s = setup(root)
         split = "selection" if a.phase == "pilot" else "test"
@@ -494,9 +500,22 @@ def main(argv: list[str] | None = None) -> int:
         for m in a.methods:
             for name, edited in sets.items():
                 run_one(s, root / a.phase, name, edited, m, opt, held, a.neighbours, a.seed, True)
-    publish(summary(root, a.phase, design), root / a.phase, a.record, f"{NAME}-{a.phase}.json", markdown, plot)
-    return 0
+    return publish(summary(root, a.phase, design), root / a.phase, a.record, f"{NAME}-{a.phase}.json", markdown,
+                   plot)
+
+
+def _options_argv(o) -> list[str]:
+    return ["--out", str(o.out)] + (["--record", str(o.record)] if o.record else [])
+
+
+register(Experiment("fact-edits-pilot", """
+    the pilot of issue 56's fact edits (exploratory, the selection split): SmolLM2-135M-Instruct with an
+    edit-ready Engram adapter, 10 known facts of atomic_number and of city_country edited to counterfactuals by
+    Engram overlays written at the trigger / subject rows in several contexts, GRACE, ROME and FT-L; held-out
+    paraphrase template, chat answer, locality (`fact_edits.py`; about an hour on 2 cores).""",
+                    run=lambda o: main(PILOT + _options_argv(o)), table=markdown, plot=plot,
+                    plot_file="fact-edits-pilot.png", section="14", in_all=False))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
