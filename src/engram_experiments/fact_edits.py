@@ -212,14 +212,13 @@ def no_edit(s: Setup, edited: list, opt_templates: str) -> Edit:
     return Edit("none", len(edited), 0.0)
 
 
-CTX = ("paraphrases", "chat")
+CTX = ("paraphrases",)  # the chat turn is held out too (prereg amendment 1: 48 tokens a turn cost ~5x an edit)
 METHODS = {
     "none": no_edit,
     "trigger": engram_method("trigger", ()),  # §13's edit: the prompt's last n-grams, the prompt alone
     "trigger+ctx": engram_method("trigger", CTX),
     "subject+ctx": engram_method("subject", CTX),
     "subject+trigger+ctx": engram_method("subject+trigger", CTX),
-    "subject+trigger+ctx+prefixes": engram_method("subject+trigger", CTX + ("prefixes",)),
     "grace": grace_method(layer=20, eps=1.0),
     "rome": rome_method(layer=9),
     "ft-l": ft_l_method(layer=9),
@@ -466,7 +465,7 @@ def plot(s: dict, path: Path) -> None:
 
 
 PILOT = ["pilot", "--sets", "2", "--relations", "atomic_number", "city_country", "--methods", "none", "trigger",
-         "subject+trigger+ctx", "subject+ctx", "trigger+ctx", "grace", "rome", "ft-l"]  # the pilot as it ran
+         "subject+trigger+ctx", "grace", "rome", "ft-l", "subject+ctx", "trigger+ctx"]  # the pilot as it ran
 
 
 def main(argv: list[str] | None = None) -> dict:
