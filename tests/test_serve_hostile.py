@@ -323,3 +323,26 @@ def test_sigterm_exits_within_the_shutdown_timeout_whatever_clients_do(server):
     silent.close()
     status, body = answer[0]  # (finished in time, or stopped in OpenAI's shape)
     assert status == 200 or (status == 503 and body["error"]["code"] == "server_shutting_down"), answer
+
+
+def test_sigterm_does_not_wait_for_a_body_that_never_arrives(tiny_run):
+    """With long timeouts, a half-sent body alone must not hold the shutdown: it is answered 503 at once, the
+    connection closed, and the server exits (before the fix it waited the whole --shutdown-timeout)."""
+    p, port = start([tiny_run, "--api-key", KEY, "--name", "tiny", "--chat-template", "plain",
+                     "--read-timeout", 60, "--shutdown-timeout", 60])
+    try:
+        half = socket.create_connection(("127.0.0.1", port), timeout=30)
+        half.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                     "application/json\r\nContent-Length: 100\r\n\r\n{\"model\":".encode())
+        time.sleep(0.5)  # the head is in and the body's read has started
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        status, body = _response(half)
+        assert status == 503 and body["error"]["code"] == "server_shutting_down", (status, body)
+        assert p.wait(timeout=30) == 0
+        assert time.time() - t0 < 5, time.time() - t0
+        half.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)

@@ -207,15 +207,27 @@ def _sse(obj: dict) -> str:
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           log_level: str = "warning", max_body: int = SERVE_MAX_BODY, read_timeout: float = SERVE_READ_TIMEOUT,
           shutdown_timeout: float = SERVE_SHUTDOWN_TIMEOUT) -> None:
-    """Run the server until SIGINT/SIGTERM. Then it stops accepting, closes idle connections, lets the requests in
-    flight finish for up to `shutdown_timeout` s, cancels what is left (their decodes stop) and exits 0."""
+    """Run the server until SIGINT/SIGTERM. Then it stops accepting, closes idle connections, answers a request
+    whose body is still arriving with 503 at once, lets the requests in flight finish for up to `shutdown_timeout`
+    s, cancels what is left (their decodes stop) and exits 0."""
+    import threading
+
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine, api_key, max_body, read_timeout), host=host, port=port,
+    app = create_app(engine, api_key, max_body, read_timeout)
+    app.state.stop = stop = threading.Event()  # set on SIGINT/SIGTERM: bodies still arriving are refused at once
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            stop.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port,
                             log_level=log_level, http=HeadDeadline, timeout_keep_alive=5,
                             timeout_graceful_shutdown=shutdown_timeout)
     config.engram_read_timeout = read_timeout  # (HeadDeadline's deadline for a request's head)
-    server = uvicorn.Server(config)
+    config.engram_stop = stop  # (HeadDeadline: no lingering once stopping)
+    server = _Server(config)
     print(f"engram serve: {', '.join(engine.model_ids())} on http://{host}:{port}/v1"
           + (" (API key required)" if api_key else ""), flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal with the handler found before it ran:

@@ -3,7 +3,9 @@ middleware in front of every route), and the time a connection may take to send 
 protocol with a deadline).
 
 Without them a client could hold the server with a 50 MB body (read, parsed and tokenized on the event loop), or
-with headers and half a body that never finishes (no route answers it, and shutdown waits for it).
+with headers and half a body that never finishes (no route answers it, and shutdown waits for it). On shutdown
+(`app.serve` sets `app.state.stop`) a body still arriving is answered 503 at once and its connection closed without
+lingering: a request that was never all sent gets no grace period, the requests being decoded keep theirs.
 
 A connection answered before its body was read (413 from the head, 408) is closed by *lingering*, as nginx does:
 the answer is sent, the write side shut, and up to `LINGER_BYTES` of the rest of the body read and dropped for up
@@ -56,27 +58,38 @@ class Guard:
             n = int(length) if length.isdigit() else length.decode("latin-1")
             return await openai_error(413, self.too_large(n), "request_too_large")(
                 scope, receive, send)
-        return await self.app(scope, self.limited(receive), send)
+        return await self.app(scope, self.limited(receive, scope), send)
 
     def too_large(self, n) -> str:
         n = f"{n:,}" if isinstance(n, int) else n
         return (f"the request body has {n} bytes or more; this server takes at most {self.max_body:,} "
                 "(engram serve --max-body-bytes)")
 
-    def limited(self, receive):
+    def limited(self, receive, scope=None):
         """`receive`, counting the body's bytes and keeping its deadline; once the body is in, `receive` itself
         (waiting for a disconnect must not time out)."""
         state = {"n": 0, "done": False, "deadline": time.monotonic() + self.read_timeout}
 
+        app = (scope or {}).get("app")
+        stop = getattr(getattr(app, "state", None), "stop", None)  # `app.serve`'s shutdown flag (a threading.Event)
+
         async def wrapped():
             if state["done"]:
                 return await receive()
-            left = state["deadline"] - time.monotonic()
-            try:
-                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
-            except asyncio.TimeoutError:
-                raise BodyError(408, f"the request body did not arrive within {self.read_timeout:g} s "
-                                "(engram serve --read-timeout)", "request_timeout") from None
+            while True:  # wait for the next part of the body, looking every STOP_POLL s whether the server stops
+                left = state["deadline"] - time.monotonic()
+                try:
+                    message = await asyncio.wait_for(receive(), timeout=max(min(left, STOP_POLL) if stop else left,
+                                                                            0.0))
+                    break
+                except asyncio.TimeoutError:
+                    if stop is not None and stop.is_set():  # shutting down: a request not yet sent gets no grace
+                        raise BodyError(503, "the server is shutting down and this request's body had not all "
+                                        "arrived; send it again when the server is back", "server_shutting_down") \
+                            from None
+                    if time.monotonic() >= state["deadline"]:
+                        raise BodyError(408, f"the request body did not arrive within {self.read_timeout:g} s "
+                                        "(engram serve --read-timeout)", "request_timeout") from None
             if message["type"] != "http.request":
                 state["done"] = True
                 return message
@@ -89,6 +102,7 @@ class Guard:
         return wrapped
 
 
+STOP_POLL = 0.2  # seconds between looks at the shutdown flag while a request body is still arriving
 LINGER_BYTES = 64 << 20  # at most this much of an unread body is read and dropped after answering it
 LINGER_SECONDS = 10.0  # ... for at most this long
 
@@ -101,7 +115,8 @@ class _LingeringTransport:
         self._transport, self._protocol = transport, protocol
 
     def close(self) -> None:
-        if self._protocol.body_unread() and not self._transport.is_closing():
+        stop = getattr(self._protocol.config, "engram_stop", None)
+        if self._protocol.body_unread() and not self._transport.is_closing() and not (stop and stop.is_set()):
             self._protocol._linger()
         else:
             self._transport.close()
