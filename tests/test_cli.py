@@ -228,3 +228,36 @@ def test_serve_engine_vllm_refuses_a_head_dim_cpu_attention_cannot_run(monkeypat
 
     with pytest.raises(pytest.fail.Exception, match="vLLM was started"):
         launcher.launch(build_parser().parse_args(["serve", str(d), "--engine", "vllm"]))
+
+
+def test_serve_engine_vllm_sizes_the_kv_cache_on_a_cpu(tmp_path, monkeypatch, capsys):
+    """vLLM's CPU build reserves 92% of RAM for its KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise: engram
+    sizes it from the model (layers x KV heads x head_dim), --max-model-len and --max-num-seqs, and says so."""
+    from engram.cli import build_parser
+    from engram.integrations.vllm import launcher
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                               "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576,
+                                               "max_position_embeddings": 8192}))
+    (d / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(launcher, "on_cpu", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    parse = build_parser().parse_args
+    argv, env = launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm"]))
+    flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--max")}
+    assert flags == {"--max-model-len": "4096", "--max-num-seqs": "16"}  # the model's 8192 capped
+    # 2 x 30 x 3 x 64 x 4 bytes = 46,080 a token; x 4096 x 16 x 1.25 = 3.52 GiB -> 3.75
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3.75"
+    assert "KV cache 3.75 GiB (for 16 sequences of 4096 tokens" in capsys.readouterr().err
+    argv, env = launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--max-num-seqs", "2",
+                                             "--vllm-args", "--max-model-len 512"]))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # at least 1 GiB
+    assert argv.count("--max-model-len") == 1 and argv[argv.index("--max-model-len") + 1] == "512"
+    assert launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--kv-cache-gib", "2.5"]))[1][
+        "VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting is kept
+    assert launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm"]))[1]["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    with pytest.raises(launcher.VllmLaunchError, match="positive"):
+        launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--kv-cache-gib", "0"]))

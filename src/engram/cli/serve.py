@@ -177,6 +177,13 @@ def add_commands(sub) -> None:
                     "server (continuous batching, tensor parallel; overlays at load only; docs/serve.md)")
     sv.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="--engine vllm: ranks (CPU: one per core group)")
+    sv.add_argument("--max-model-len", type=int, help="--engine vllm: the longest sequence (default: the model's "
+                    "context, at most 4096); sizes the KV cache")
+    sv.add_argument("--max-num-seqs", type=int, help="--engine vllm: sequences decoded at once (default 16); sizes "
+                    "the KV cache")
+    sv.add_argument("--kv-cache-gib", type=float, help="--engine vllm on a CPU: the KV cache's GiB (default: what "
+                    "--max-num-seqs sequences of --max-model-len tokens need, printed at startup; vLLM's own default "
+                    "takes 92%% of RAM)")
     sv.add_argument("--vllm-args", help="--engine vllm: more vLLM server flags, one quoted string "
                     "(e.g. \"--max-num-batched-tokens 256 --max-model-len 2048\")")
     sv.set_defaults(func=cmd_serve)

@@ -101,6 +101,84 @@ def check_cpu_attention(d: Path, sizes: tuple[int, ...] | None = None) -> None:
                               "train a model whose head_dim is one of these")
 
 
+KV_MAX_LEN = 4096  # the context vLLM is started with by default: the model's own, capped here (--max-model-len)
+KV_SEQS = 16  # sequences decoded at once by default (--max-num-seqs)
+KV_HEADROOM = 1.25  # the KV cache sized this much over what max_num_seqs full sequences need (vLLM's blocks)
+
+
+def kv_cache_gib(d: Path, max_model_len: int, max_num_seqs: int) -> float | None:
+    """GiB of float32 KV cache that `max_num_seqs` sequences of `max_model_len` tokens need in the model of folder
+    `d` (2 x layers x KV heads x head_dim x 4 bytes a token, `KV_HEADROOM` over, at least 1 GiB, rounded up to a
+    quarter GiB); None when its config.json does not say."""
+    import math
+
+    from ...persist import read_json
+
+    try:
+        cfg = read_json(d / "config.json", "model config", "save the model again")
+        heads = int(cfg["num_attention_heads"])
+        per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * \
+            int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads) * 4
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    need = per_token * max_model_len * max_num_seqs * KV_HEADROOM / 2 ** 30
+    return max(1.0, math.ceil(need * 4) / 4)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name` in an argv list (`--x V` or `--x=V`; the last one wins), or None."""
+    found = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif a.startswith(name + "="):
+            found = a.split("=", 1)[1]
+    return found
+
+
+def kv_settings(args, d: Path, extra: list[str]) -> tuple[list[str], dict[str, str], str | None]:
+    """(vLLM flags, environment, the line to print) that size the KV cache: `--max-model-len` (the model's context,
+    capped at KV_MAX_LEN) and `--max-num-seqs` (KV_SEQS) unless given (as engram's flags or in --vllm-args), and on
+    the CPU `VLLM_CPU_KVCACHE_SPACE` from what they need (`kv_cache_gib`), --kv-cache-gib or the environment's own.
+    Without it vLLM's CPU build reserves 92% of RAM: beside another process it refuses to start, and started first
+    it takes the memory the rest of the machine needs."""
+    from ...persist import read_json
+
+    for name in ("max_model_len", "max_num_seqs", "kv_cache_gib"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise VllmLaunchError(f"--{name.replace('_', '-')} {v:g}: give a positive number")
+    flags: list[str] = []
+    length = args.max_model_len or _flag(extra, "--max-model-len")
+    if length is None:
+        try:
+            ctx = int(read_json(d / "config.json", "model config", "save the model again").get(
+                "max_position_embeddings") or KV_MAX_LEN)
+        except (ValueError, TypeError):
+            ctx = KV_MAX_LEN
+        length = min(ctx, KV_MAX_LEN)
+    seqs = args.max_num_seqs or _flag(extra, "--max-num-seqs") or KV_SEQS
+    length, seqs = int(length), int(seqs)
+    if _flag(extra, "--max-model-len") is None:
+        flags += ["--max-model-len", str(length)]
+    if _flag(extra, "--max-num-seqs") is None:
+        flags += ["--max-num-seqs", str(seqs)]
+    env: dict[str, str] = {}
+    if not on_cpu():
+        return flags, env, None
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") and args.kv_cache_gib is None:
+        gib, why = os.environ["VLLM_CPU_KVCACHE_SPACE"], "from VLLM_CPU_KVCACHE_SPACE"
+    else:
+        size = args.kv_cache_gib or kv_cache_gib(d, length, seqs)
+        if size is None:
+            return flags, env, ("engram: the model's config.json does not say its KV size: vLLM keeps its own default "
+                                "(92% of RAM); give --kv-cache-gib")
+        gib = f"{size:g}"
+        why = "--kv-cache-gib" if args.kv_cache_gib else f"for {seqs} sequences of {length} tokens"
+        env["VLLM_CPU_KVCACHE_SPACE"] = gib
+    return flags, env, f"engram: vLLM KV cache {gib} GiB ({why}; --kv-cache-gib to change)"
+
+
 def pair_dir(args) -> Path:
     """The pair folder (`pair.py`) of --base/--adapter, written under engram's cache dir (checked first)."""
     from ...adapters.introspect import AdapterError
@@ -168,7 +246,13 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp))
-    argv += shlex.split(args.vllm_args or "")  # last: vLLM's own flags win over the defaults above
+    extra = shlex.split(args.vllm_args or "")
+    kv_flags, kv_env, said = kv_settings(args, d, extra)
+    argv += kv_flags
+    env.update(kv_env)
+    if said:
+        print(said, file=sys.stderr, flush=True)
+    argv += extra  # last: vLLM's own flags win over the defaults above
     return argv, env
 
 
