@@ -5,11 +5,11 @@ per-fact outcomes become the set's shares, and the table a record renders."""
 from types import SimpleNamespace
 
 import pytest
+from test_factset import ROWS
 
 from engram_experiments import fact_edits
 from engram_experiments.factset import build_from_rows
 from engram_experiments.runs import ExperimentError
-from test_factset import ROWS
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,10 @@ def test_a_chat_answer_names_an_object_as_a_word():
 
 
 def test_summarize_is_the_share_over_facts_and_probes():
-    m = {"facts": [{"efficacy": True, "p_new_gt_old": True, "paraphrases": [True, False], "paraphrases_old": [False, True],
-                    "chat_new": True, "chat_old": False, "same_subject": []},
-                   {"efficacy": False, "p_new_gt_old": True, "paraphrases": [False, False], "paraphrases_old": [True, True],
-                    "chat_new": False, "chat_old": True, "same_subject": [True]}],
+    m = {"facts": [{"efficacy": True, "p_new_gt_old": True, "paraphrases": [True, False],
+                    "paraphrases_old": [False, True], "chat_new": True, "chat_old": False, "same_subject": []},
+                   {"efficacy": False, "p_new_gt_old": True, "paraphrases": [False, False],
+                    "paraphrases_old": [True, True], "chat_new": False, "chat_old": True, "same_subject": [True]}],
          "same_relation": [True, True, False, True], "shared_ngram": [], "text_change": 0.01,
          "text_change_shared": None}
     got = fact_edits.summarize(m)

@@ -16,9 +16,10 @@ on each chosen layer (it adds the delta). The model's code is not modified; `det
 
 Exact at attach: the value rows of every layer's fused projection (`kv_proj.weight[:D]`, `kv_proj.bias[:D]`)
 start at zero, so the value, the gated value, its short conv (RMSNorm(0) = 0, SiLU(0) = 0) and the delta
-are exactly 0.0 and the logits equal the base's bit for bit. The tables keep their N(0, 1) init and the
-keys their default init, so the first step already moves the value rows (the gradient of a zero-initialized
-LoRA B, the same idea); the tables' gradients flow from the second step on.
+are exactly 0.0 and the logits equal the base's bit for bit. The tables keep their N(0, 0.02) init
+(`table_init_std` of `default_options`; 1.0 gives the reference's N(0, 1)) and the keys their default init, so
+the first step already moves the value rows (the gradient of a zero-initialized LoRA B, the same idea); the
+tables' gradients flow from the second step on.
 
 Decoding: the cache (`generate()`'s, or one passed in) carries Engram's state (the last N-1 ids and each
 layer's short-conv inputs; `engram.cache.NgramHistory`), so cached decoding equals full recomputes.

@@ -120,7 +120,8 @@ def add_commands(sub) -> None:
                        parents=[options.config(), options.no_bos()])
     d.add_argument("--text", default=DEMO_TEXT)
     d.add_argument("--table-dtype", default="bfloat16", choices=options.TABLE_DTYPES,
-                   help="storage dtype of the Engram tables (default bfloat16: 2 x 662M rows fit the 8 GiB budget)")
+                   help="storage dtype of the Engram tables (default bfloat16: 2 x 662M parameters, two tables "
+                        "of 10.3M rows x 64, fit the 8 GiB budget)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--mock-blocks", action="store_true",
                    help="the reference demo's pass-through attention/MoE instead of real blocks")
