@@ -137,6 +137,100 @@ def test_report_counts_efficacy_and_generalization(run, edited):
     json.dumps(rep)  # the report is plain JSON
 
 
+def _close(a, b) -> bool:
+    """Equal, floats up to float rounding (a batch's shape may change their last bits)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, float):
+        return a == pytest.approx(b, rel=1e-5, abs=1e-12)
+    return a == b
+
+
+def test_report_in_chunks_is_the_report_one_sequence_at_a_time(run, edited):
+    """`edit_report(chunk=...)` runs every forward (generate's too) on at most `chunk` sequences and gives what
+    scoring each sequence alone gives (`score`): the same greedy tokens and text, the same probabilities up to float
+    rounding; `print_report` shows at most `max_facts` facts and says how many it left out."""
+    import io
+
+    from engram.editing import print_report, score
+
+    root, corpus = run
+    model, tok, overlay = edited
+    windows = text_windows(tok, [str(corpus)], "train", 32, 4)
+    facts = FACTS + [Fact("Line 6: the king", " ran"), Fact("Line 7: the king", " sat on")]  # Line 5's length
+    sizes = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(len(args[0] if args else kwargs["input_ids"])), with_kwargs=True)
+    try:
+        chunked = edit_report(model, tok, facts, overlay, windows, batch_size=2, chunk=2)
+    finally:
+        hook.remove()
+    assert max(sizes) == 2  # sequences batched, never more than a chunk
+    one = edit_report(model, tok, facts, overlay, windows, batch_size=2, chunk=1)
+    assert _close(chunked, one)
+    def alone():  # every prompt, paraphrase and passage scored on its own
+        return [{"prompt": score(model, tok, f.prompt, f.target),
+                 "paraphrases": [score(model, tok, q, f.target) for q in f.paraphrases],
+                 "passages": [score(model, tok, q, f.target) for q in f.passages]} for f in facts]
+
+    before = alone()
+    with engram.editing.applied(model, overlay):
+        after = alone()
+    assert _close([r["before"] for r in chunked["facts"]], before)
+    assert _close([r["after"] for r in chunked["facts"]], after)
+    out = io.StringIO()
+    print_report(chunked, out, max_facts=2)
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("the cat sat on") and lines[2].startswith("Line 5: the king")
+    assert lines[3] == "... 3 more facts not shown (every fact is in report.json)"
+    out = io.StringIO()
+    print_report(chunked, out, max_facts=None)
+    assert "not shown" not in out.getvalue() and "Line 7: the king" in out.getvalue()
+
+
+def test_overlay_json_is_written_in_pieces_as_write_json_writes_it(tmp_path):
+    """A report of many facts goes to disk piece by piece (never one string), with `persist.write_json`'s text."""
+    from engram.editing.overlay import _dump_json
+    from engram.persist import write_json
+
+    obj = {"facts": [{"prompt": f"fact {i}", "p": i / 7, "ok": i % 2 == 0, "none": None} for i in range(20_000)],
+           "text": "caf\u00e9"}
+    _dump_json(tmp_path / "a.json", obj)
+    write_json(tmp_path / "b.json", obj)
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+@pytest.mark.slow  # (about 2 minutes on 2 shared cores)
+def test_cli_edit_10000_facts_in_small_chunks(tmp_path, run, capsys):
+    """`engram edit` on 10,000 facts with --chunk 16: every fact in the overlay and in report.json, the overlay's
+    rows those of every fact, a printout of 20 facts and a line for the rest, progress bars on stderr."""
+    root, corpus = run
+    n = 10_000
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("".join(json.dumps({"prompt": f"The king sat on Line {i}", "target": " dog" if i % 2 else
+                                         " the king"}) + "\n" for i in range(n)))
+    out = tmp_path / "ov"
+    code, stdout, err = cli(capsys, "edit", "--checkpoint", root / "run", "--facts", facts, "--out", out,
+                            "--data", corpus, "--split", "train", "--seq-len", 32, "--max-windows", 4,
+                            "--steps", 1, "--chunk", 16)
+    assert code == 0, err[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert [r["prompt"] for r in rep["facts"]] == [f"The king sat on Line {i}" for i in range(n)]
+    assert all(set(r[w]["prompt"]) == {"p_first", "p_target", "greedy", "generated"} for r in rep["facts"]
+               for w in ("before", "after"))
+    assert rep["summary"]["facts"] == n and rep["locality"]["changed_outside"] == 0
+    ov = Overlay.load(out)
+    assert len(ov.meta["facts"]) == n and ov.meta["summary"] == rep["summary"]
+    model, tok = load_model(root / "run")
+    want = edit_rows(model, tok, read_facts(facts, tok))
+    assert {k: v.tolist() for k, v in ov.rows.items()} == {k: v.tolist() for k, v in want.items()}
+    assert f"... {n - 20:,} more facts not shown" in stdout and len(stdout.splitlines()) < 35
+    assert "0 logits rows changed" in stdout
+    assert f"editing {n} sequences" in err and f"scoring {n} facts" in err  # the progress bars
+
+
 def test_overlay_round_trip_and_refusals(tmp_path, run, edited):
     root, _ = run
     model, tok, overlay = edited

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -26,9 +25,9 @@ def cmd_edit(args) -> int:
     overlay = edit_facts(model, tok, optimized, steps=args.steps, lr=args.lr, positions=args.positions,
                          orders=args.orders, target_prob=args.target_prob, chunk=args.chunk)
     overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
-    report = edit_report(model, tok, facts, overlay, windows, args.batch_size)
+    report = edit_report(model, tok, facts, overlay, windows, args.batch_size, chunk=args.chunk, progress=True)
     overlay.meta["summary"] = report["summary"]
-    out = overlay.save(args.out, {"report.json": json.dumps(report, indent=1) + "\n"})
+    out = overlay.save(args.out, {"report.json": report})  # written as JSON piece by piece
     print_report(report)
     print(f"wrote overlay {out} ({overlay.num_rows:,} rows) and {out / 'report.json'}; apply it with --overlay {out}")
     return 0
@@ -72,8 +71,9 @@ def add_commands(sub) -> None:
     ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest; "
                                                           "every order with --positions subject)")
     ed.add_argument("--chunk", type=int, default=64,
-                    help="sequences per forward: each step sums the gradients of every chunk, so memory is bounded by "
-                         "one chunk whatever the number of facts (lower it if memory is short)")
+                    help="sequences per forward: each step sums the gradients of every chunk, and the report scores "
+                         "the facts chunk by chunk, so memory is bounded by one chunk whatever the number of facts "
+                         "(lower it if memory is short)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +13,12 @@ import torch
 from ..hashing import check_digest
 from ..persist import (
     IntegrityError,
+    atomic_file,
     atomic_write_bytes,
     new_dir,
     read_json,
     recover_dir,
     verify_manifest,
-    write_json,
 )
 from ..tables.overlay import push_overlay, restore_table
 from .digests import engram_layers, mapping_of, model_digest
@@ -40,9 +41,10 @@ class Overlay:
     def num_rows(self) -> int:
         return sum(int(r.numel()) for r in self.rows.values())
 
-    def save(self, directory, extra_files: dict[str, str] | None = None) -> Path:
-        """Write DIR/overlay.safetensors, overlay.json (+ `extra_files` {name: text}, e.g. the report) and a
-        checksum manifest, atomically: into a temp folder that `persist.new_dir` swaps into place."""
+    def save(self, directory, extra_files: dict | None = None) -> Path:
+        """Write DIR/overlay.safetensors, overlay.json (+ `extra_files` {name: text, or an object written as JSON},
+        e.g. the report) and a checksum manifest, atomically: into a temp folder that `persist.new_dir` swaps into
+        place. JSON is written piece by piece (`_dump_json`): a report of 10,000 facts is never held as one text."""
         from safetensors.torch import save_file
 
         d = Path(directory)
@@ -52,9 +54,12 @@ class Overlay:
             tensors[f"layer{lid}.values"] = self.values[lid].detach().float().contiguous()
         with new_dir(d) as tmp:
             save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
-            write_json(tmp / META, {"format": FORMAT, **self.meta})
-            for name, text in (extra_files or {}).items():
-                atomic_write_bytes(tmp / name, text.encode("utf-8"))
+            _dump_json(tmp / META, {"format": FORMAT, **self.meta})
+            for name, content in (extra_files or {}).items():
+                if isinstance(content, str):
+                    atomic_write_bytes(tmp / name, content.encode("utf-8"))
+                else:
+                    _dump_json(tmp / name, content)
         return d
 
     @classmethod
@@ -86,6 +91,19 @@ class Overlay:
         meta.pop("format", None)
         meta["path"] = str(d)
         return cls(rows, values, meta)
+
+
+def _dump_json(path: Path, obj) -> None:
+    """`obj` as JSON (indent 1, newline-terminated: `persist.write_json`'s text), atomically, written in pieces of
+    64k tokens rather than built as one string (json.dumps with an indent keeps a list of every token first)."""
+    with atomic_file(path, "w") as f:  # ensure_ascii: the text is ASCII whatever the locale's encoding
+        buf: list[str] = []
+        for piece in json.JSONEncoder(indent=1).iterencode(obj):
+            buf.append(piece)
+            if len(buf) >= 65536:
+                f.write("".join(buf))
+                buf.clear()
+        f.write("".join(buf) + "\n")
 
 
 def check_overlay(model, overlay: Overlay, where: str = "overlay", digest: str | None = None) -> None:

@@ -18,30 +18,85 @@ from .overlay import Overlay, applied
 @torch.no_grad()
 def score(model, tokenizer, prompt: str, target: str) -> dict:
     """Target probability after `prompt` (first token, whole target) and whether greedy decoding produces it."""
-    p, t = _encode(tokenizer, prompt), _encode(tokenizer, target)
-    ids = torch.tensor([p + t])
-    lp = target_logprobs(model, ids, [(p, t)])[0]  # (len(t),)
-    out = model.generate(torch.tensor([p]), max_new_tokens=len(t), do_sample=False,
-                         pad_token_id=generation_pad_id(model))
-    produced = out[0, len(p):].tolist()
-    return {"p_first": float(lp[0].exp()), "p_target": float(lp.sum().exp()), "greedy": produced == t,
-            "generated": tokenizer.decode(produced)}
+    return score_many(model, tokenizer, [(prompt, target)])[0]
 
 
-def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay) -> list[dict]:
-    """Per fact, before and after `overlay`: the prompt, each paraphrase and each passage, scored (`score`)."""
-    def all_scores():
-        rows = []
+def _groups(keys: list, chunk: int) -> list[list[int]]:
+    """Indices 0..n-1 grouped by equal `keys[i]` (first seen first, each group in order), cut into chunks."""
+    by: dict = {}
+    for i, k in enumerate(keys):
+        by.setdefault(k, []).append(i)
+    return [idx[a:a + chunk] for idx in by.values() for a in range(0, len(idx), chunk)]
+
+
+def _eos_ids(model) -> set[int]:
+    """The token ids that end `generate()` early (the generation config's `eos_token_id`)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(x) for x in eos}
+
+
+@torch.no_grad()
+def score_many(model, tokenizer, pairs: list[tuple[str, str]], chunk: int = 64, bar=None) -> list[dict]:
+    """`score` of each (prompt, target) in `pairs`, in forwards and `generate()` calls of at most `chunk` sequences.
+
+    A batch holds sequences of one length only (the probabilities: prompt + target; greedy decoding: prompts of one
+    length, targets of one length), so nothing is padded and each result is the one `score` gives the pair alone,
+    whatever `chunk`: the same greedy tokens, the same probabilities up to float rounding (a batch's shape may
+    change their last bits). A sequence that `generate` ends early at EOS is cut there, as alone. `bar`: a tqdm
+    bar, advanced by one per sequence run (two per pair: a forward, a generation). Memory: one chunk's logits
+    (chunk x T x vocab)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive number of sequences per forward, got {chunk!r}")
+    enc = [(_encode(tokenizer, p), _encode(tokenizer, t)) for p, t in pairs]
+    out: list[dict] = [{} for _ in enc]
+    for idx in _groups([len(p) + len(t) for p, t in enc], chunk):  # teacher-forced prompt + target
+        ids = torch.tensor([enc[i][0] + enc[i][1] for i in idx])
+        for i, lp in zip(idx, target_logprobs(model, ids, [enc[i] for i in idx])):
+            out[i]["p_first"], out[i]["p_target"] = float(lp[0].exp()), float(lp.sum().exp())
+        if bar is not None:
+            bar.update(len(idx))
+    pad, eos = generation_pad_id(model), _eos_ids(model)
+    for idx in _groups([(len(p), len(t)) for p, t in enc], chunk):  # greedy decoding, len(target) new tokens
+        p_len, t_len = len(enc[idx[0]][0]), len(enc[idx[0]][1])
+        gen = model.generate(torch.tensor([enc[i][0] for i in idx]), max_new_tokens=t_len, do_sample=False,
+                             pad_token_id=pad)
+        for i, row in zip(idx, gen[:, p_len:].tolist()):
+            stop = next((k for k, x in enumerate(row) if x in eos), None)  # alone, generate stops there
+            produced = row if stop is None else row[:stop + 1]
+            out[i]["greedy"], out[i]["generated"] = produced == enc[i][1], tokenizer.decode(produced)
+        if bar is not None:
+            bar.update(len(idx))
+    return [{k: r[k] for k in ("p_first", "p_target", "greedy", "generated")} for r in out]
+
+
+def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay, chunk: int = 64,
+                progress: bool = False) -> list[dict]:
+    """Per fact, before and after `overlay`: the prompt, each paraphrase and each passage, scored (`score`), in
+    batches of `chunk` sequences (`score_many`: the results of one at a time, up to float rounding). `progress`: a
+    bar on stderr."""
+    from tqdm.auto import tqdm
+
+    pairs = [(q, f.target) for f in facts for q in (f.prompt, *f.paraphrases, *f.passages)]
+    bar = tqdm(total=4 * len(pairs), desc=f"scoring {len(facts)} facts before and after", unit="seq",
+               disable=not progress, leave=False)
+    try:
+        before = score_many(model, tokenizer, pairs, chunk, bar)
+        with applied(model, overlay):
+            after = score_many(model, tokenizer, pairs, chunk, bar)
+    finally:
+        bar.close()
+
+    def split(scores):
+        rows, at = [], 0
         for f in facts:
-            rows.append({"prompt": score(model, tokenizer, f.prompt, f.target),
-                         "paraphrases": [score(model, tokenizer, q, f.target) for q in f.paraphrases],
-                         "passages": [score(model, tokenizer, q, f.target) for q in f.passages]})
+            n, m = len(f.paraphrases), len(f.passages)
+            rows.append({"prompt": scores[at], "paraphrases": scores[at + 1:at + 1 + n],
+                         "passages": scores[at + 1 + n:at + 1 + n + m]})
+            at += 1 + n + m
         return rows
 
-    before = all_scores()
-    with applied(model, overlay):
-        after = all_scores()
-    return [{"prompt": f.prompt, "target": f.target, "before": b, "after": a} for f, b, a in zip(facts, before, after)]
+    return [{"prompt": f.prompt, "target": f.target, "before": b, "after": a}
+            for f, b, a in zip(facts, split(before), split(after))]
 
 
 def table_rows_read(model, windows: np.ndarray, chunk: int = 64) -> dict[int, torch.Tensor]:
@@ -81,18 +136,22 @@ def collision_set(model, overlay: Overlay, windows: np.ndarray, tokenizer=None, 
 
 
 @torch.no_grad()
-def locality(model, overlay: Overlay, windows: np.ndarray, direct: torch.Tensor, batch_size: int = 16) -> dict:
+def locality(model, overlay: Overlay, windows: np.ndarray, direct: torch.Tensor, batch_size: int = 16,
+             progress: bool = False) -> dict:
     """Validation loss with and without `overlay`, and the bit-for-bit check outside its reach.
 
     `direct` (W, T): positions that read an edited row (`collision_set`). A prediction at position t
     depends on rows read at positions <= t (attention, short conv), so the overlay can change it only
     when some position <= t in its window is in `direct` (`affected`); every other position's logits
-    must be identical with and without the overlay, and are compared exactly.
+    must be identical with and without the overlay, and are compared exactly. `progress`: a bar on stderr.
     """
+    from tqdm.auto import tqdm
+
     affected = direct.cumsum(dim=1) > 0  # (W, T)
     sums = {k: [0.0, 0.0, 0] for k in ("all", "outside", "affected", "direct")}  # loss before, after, tokens
     changed_outside = 0
-    for i in range(0, len(windows), batch_size):
+    for i in tqdm(range(0, len(windows), batch_size), desc="locality", unit="batch", disable=not progress,
+                  leave=False):
         ids = torch.from_numpy(np.asarray(windows[i:i + batch_size], dtype=np.int64))
         lb = model(ids).logits.float()
         with applied(model, overlay):
@@ -115,12 +174,17 @@ def locality(model, overlay: Overlay, windows: np.ndarray, direct: torch.Tensor,
 
 
 def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: np.ndarray,
-                batch_size: int = 16) -> dict:
-    """Efficacy, generalization, collision set and locality of `overlay` on `model` (see the module doc)."""
-    per_fact = fact_report(model, tokenizer, facts, overlay)
+                batch_size: int = 16, chunk: int = 64, progress: bool = False) -> dict:
+    """Efficacy, generalization, collision set and locality of `overlay` on `model` (see the module doc).
+
+    The facts are scored `chunk` sequences at a time (`fact_report`; the results do not depend on it beyond float
+    rounding), the
+    windows `batch_size` at a time (`locality`): memory is bounded by one batch, whatever the number of facts.
+    `progress`: bars on stderr."""
+    per_fact = fact_report(model, tokenizer, facts, overlay, chunk, progress)
     clash = conflicts(model, tokenizer, facts, overlay.meta.get("settings", {}).get("orders"))
     coll = collision_set(model, overlay, windows, tokenizer)
-    loc = locality(model, overlay, windows, coll.pop("mask"), batch_size)
+    loc = locality(model, overlay, windows, coll.pop("mask"), batch_size, progress)
 
     summary = {"facts": len(facts), "rows_changed": overlay.num_rows,
                "rows_per_fact": overlay.num_rows / len(facts),
@@ -140,14 +204,16 @@ def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: 
             "optimization": overlay.meta.get("optimization", {})}
 
 
-def print_report(report: dict, file=None) -> None:
-    """The per-fact table and the summary lines of `edit_report`'s result (to `file`, default stdout)."""
+def print_report(report: dict, file=None, max_facts: int | None = 20) -> None:
+    """The per-fact table (the first `max_facts` facts; a line says how many more report.json holds; None: all)
+    and the summary lines of `edit_report`'s result (to `file`, default stdout)."""
     file = sys.stdout if file is None else file
     pf = report["facts"]
-    w = min(40, max(len(r["prompt"]) for r in pf))
+    shown = pf if max_facts is None else pf[:max_facts]
+    w = min(40, max((len(r["prompt"]) for r in shown), default=6))
     print(f"{'prompt':<{w}} {'target':<14} {'p before':>9} {'p after':>8} {'greedy':>7} {'paraphr.':>9} {'passage':>8}",
           file=file)
-    for r in pf:
+    for r in shown:
         a = r["after"]
         para = f"{sum(s['greedy'] for s in a['paraphrases'])}/{len(a['paraphrases'])}" if a["paraphrases"] else "-"
         pas = f"{sum(s['greedy'] for s in a['passages'])}/{len(a['passages'])}" if a["passages"] else "-"
@@ -155,6 +221,9 @@ def print_report(report: dict, file=None) -> None:
         print(f"{prompt:<{w}} {r['target'][:14]:<14} {r['before']['prompt']['p_target']:>9.4f} "
               f"{a['prompt']['p_target']:>8.4f} {'yes' if a['prompt']['greedy'] else 'no':>7} {para:>9} {pas:>8}",
               file=file)
+    if len(shown) < len(pf):
+        left = len(pf) - len(shown)
+        print(f"... {left:,} more fact{'s' if left != 1 else ''} not shown (every fact is in report.json)", file=file)
     s, c, loc, o = report["summary"], report["collisions"], report["locality"], report["optimization"]
 
     def pct(x):
@@ -179,6 +248,10 @@ def print_report(report: dict, file=None) -> None:
           f"({c['distinct_ngrams']:,} distinct n-grams); {loc['affected']['tokens']:,} predictions attend to one",
           file=file)
     la, lo = loc["all"], loc["outside"]
-    print(f"validation loss: all tokens {la['loss_before']:.5f} -> {la['loss_after']:.5f} ({la['change']:+.5f}); "
-          f"outside the collision set {lo['loss_before']:.5f} -> {lo['loss_after']:.5f}, "
+
+    def loss(x):  # None: no token there (an edit whose collision set covers every position leaves none outside)
+        return "n/a" if x is None else f"{x:.5f}"
+
+    print(f"validation loss: all tokens {loss(la['loss_before'])} -> {loss(la['loss_after'])} ({la['change']:+.5f}); "
+          f"outside the collision set ({lo['tokens']:,} tokens) {loss(lo['loss_before'])} -> {loss(lo['loss_after'])}, "
           f"{loc['changed_outside']} logits rows changed (must be 0)", file=file)

@@ -1,0 +1,89 @@
+"""`engram edit` at 100, 1,000 and 10,000 facts: wall seconds and peak RSS of the whole command.
+
+Model: the tests' tiny run (`engram train tiny`, 10 steps on tests/conftest.py's 400-line corpus), trained into a
+temp folder unless `--checkpoint` names one. Facts: distinct generated prompts "The king sat on Line N" (the last
+n-gram differs from fact to fact, so the edited rows, the collision set and the hash-shared rows grow with the
+count), targets " dog" or " the king" (one and two tokens), one paraphrase and one passage each. Each size runs
+`engram edit ... --steps 2 --chunk CHUNK` in a fresh interpreter, which reports its own peak (`VmHWM`,
+`utils.peak_rss_mib`); the overlay and report.json are checked to hold every fact.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_edit_scale.py [--sizes 100 1000 10000] [--chunk 64] [--steps 2]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = """
+import json, sys
+from engram.cli import main
+from engram.utils import peak_rss_mib
+code = main(sys.argv[2:])
+print(json.dumps({"code": code, "peak_rss_mib": peak_rss_mib()}), file=open(sys.argv[1], "w"))
+"""
+
+
+def write_facts(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"The king sat on Line {i}", "target": " dog" if i % 2 else " the king",
+                                "paraphrases": [f"the cat ran to Line {i}"],
+                                "passages": [f"the dog ran to the mat. The king sat on Line {i}"]}) + "\n")
+
+
+def tiny_checkpoint(root: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import TINY_CORPUS
+
+    from engram.training.train import train
+
+    (root / "c.txt").write_text(TINY_CORPUS)
+    train("tiny", data=[str(root / "c.txt")], out=root / "run", max_steps=10,
+          overrides={"ckpt_every": 5, "eval_every": 5}, progress=False)
+    return root / "run"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--checkpoint", help="an engram run or model folder (default: train the tiny one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        ckpt = Path(args.checkpoint) if args.checkpoint else tiny_checkpoint(tmp)
+        corpus = tmp / "c.txt"
+        if not corpus.is_file():
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from conftest import TINY_CORPUS
+
+            corpus.write_text(TINY_CORPUS)
+        print(f"{'facts':>7} {'seconds':>8} {'peak RSS MiB':>13} {'rows':>6}")
+        for n in args.sizes:
+            facts, out, res = tmp / f"facts{n}.jsonl", tmp / f"ov{n}", tmp / f"res{n}.json"
+            write_facts(facts, n)
+            argv = ["edit", "--checkpoint", ckpt, "--facts", facts, "--out", out, "--data", corpus,
+                    "--split", "train", "--seq-len", 32, "--max-windows", 16, "--steps", args.steps,
+                    "--chunk", args.chunk]
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-c", CHILD, str(res), *map(str, argv)], capture_output=True,
+                               text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            seconds = time.perf_counter() - t0
+            if p.returncode != 0:
+                sys.exit(f"engram edit failed at {n} facts:\n{p.stderr[-2000:]}")
+            r = json.loads(res.read_text())
+            report = json.loads((out / "report.json").read_text())
+            meta = json.loads((out / "overlay.json").read_text())
+            assert len(report["facts"]) == n and len(meta["facts"]) == n, "the report or overlay misses facts"
+            print(f"{n:>7,} {seconds:>8.1f} {r['peak_rss_mib']:>13.0f} {report['summary']['rows_changed']:>6,}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
