@@ -99,7 +99,7 @@ def _graph(sources: dict[str, tuple[str, bool]] | None = None) -> dict[str, set[
 
 # the flat core: what every package may use (`engram.hashing` is the core's one subpackage)
 CORE_MODULES = {"config", "model_config", "tokenizer", "hashing", "memory", "hyper", "model", "cache", "persist",
-                "errors", "utils", "deprecation", "jit", "table"}
+                "errors", "utils", "deprecation", "jit", "table", "placement"}
 
 
 def package_of(module: str) -> str:
@@ -228,7 +228,7 @@ def test_private_name_check_sees_one():
 
 CORE = ["engram.config", "engram.table", "engram.tokenizer", "engram.hashing", "engram.memory", "engram.hyper",
         "engram.model",
-        "engram.model_config", "engram.cache", "engram.persist", "engram.errors", "engram.utils"]
+        "engram.model_config", "engram.cache", "engram.persist", "engram.errors", "engram.utils", "engram.placement"]
 
 
 @pytest.mark.parametrize("module", CORE)

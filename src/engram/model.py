@@ -450,8 +450,15 @@ def check_saved_spec(mapping, folder: Path) -> None:
     mapping.check_spec(read_json(spec_path, "hash manifest", "re-save the model", ConfigError), str(folder))
 
 
-def load_model(path) -> tuple[EngramForCausalLM, object]:
-    """A run dir (uses DIR/final) or a save_pretrained folder -> (model in eval mode, its `tokenizers` tokenizer)."""
+def load_model(path, dtype=None, device=None) -> tuple[EngramForCausalLM, object]:
+    """A run dir (uses DIR/final) or a save_pretrained folder -> (model in eval mode, its `tokenizers` tokenizer).
+
+    `dtype` ("float32", "bfloat16", "float16" or a torch dtype; None: float32, as saved) is the dense weights';
+    the Engram tables keep their rows' dtype (`placement.place`: `--table-format` converts those). `device` (None:
+    the CPU) is where all of it goes. Both are checked before anything is read (`placement.check_placement`)."""
+    from .placement import check_placement, place
+
+    dtype, device = check_placement(dtype, device)
     p = Path(path)
     recover_dir(p / "final")  # a save interrupted between its renames leaves the old folder aside
     if (p / "final" / "config.json").is_file():
@@ -471,7 +478,7 @@ def load_model(path) -> tuple[EngramForCausalLM, object]:
             from None
     tok = load_tokenizer(p / "tokenizer.json" if (p / "tokenizer.json").is_file()
                          else model.config.engram.get("tokenizer_name_or_path"))
-    return model, tok
+    return place(model, dtype, device), tok
 
 
 AutoConfig.register("engram", EngramLMConfig, exist_ok=True)

@@ -29,10 +29,19 @@ from .saving import (
 )
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None, lora: bool = True) -> nn.Module:
+def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None, lora: bool = True, dtype=None,
+                 device=None) -> nn.Module:
     """Re-attach a saved adapter to `model` and load its weights; returns the model (a PEFT model when the
     adapter has LoRA weights and `lora`). Refuses a different base or tokenizer (one-line `AdapterError`);
-    nothing is modified when it refuses."""
+    nothing is modified when it refuses.
+
+    `dtype` ("float32", "bfloat16", "float16" or a torch dtype) and `device`: then the whole model, base and adapter,
+    is put there after the adapter is checked and loaded (`placement.place`: the dense weights in `dtype`, the
+    Engram tables in their rows' own dtype). None (the default): the base stays as it is and the adapter is built
+    in float32 on the base's device (its hooks cast the hidden states to it and back)."""
+    from ..placement import check_placement, place
+
+    dtype, device = check_placement(dtype, device)
     d = Path(directory)
     meta = read_adapter_config(d)
     target = _unwrap(model)
@@ -67,7 +76,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
             raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' "
                                "(or pass lora=False)") from None
         model = engram_peft_model(PeftModel.from_pretrained(target, str(lora_dir)))
-    return model
+    return place(model, dtype, device)
 
 
 from_pretrained = load_adapter  # engram.adapters.from_pretrained(base, dir), as PeftModel.from_pretrained(base, dir)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..persist import atomic_write_bytes
+from ..placement import model_device
 from ..tokenizer import load_tokenizer
 from ..training.data import eval_windows, load_manifest, load_split
 from ..training.run import read_run_file
@@ -32,10 +33,10 @@ def compute_gates(model, tokenizer, text: str):
     enc = tokenizer.encode(text, add_special_tokens=False)
     if not enc.ids:
         raise ValueError("--text is empty after tokenization")
-    ids = torch.tensor([enc.ids])
+    ids = torch.tensor([enc.ids], device=model_device(model))
     with torch.no_grad():
         out = model(ids, return_gates=True)
-    gates = {int(k): v[0].float().numpy() for k, v in out.gates.items()}
+    gates = {int(k): v[0].float().cpu().numpy() for k, v in out.gates.items()}
     if not gates:
         raise ValueError("this checkpoint has no Engram layers (trained with --no-engram?)")
     tokens = [tokenizer.decode([i]) for i in enc.ids]
@@ -146,10 +147,10 @@ def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 3
             vocab_fn[i] = True
     fn = vocab_fn[windows] & ~ent
     with torch.no_grad():
-        out = model(torch.from_numpy(windows), return_gates=True)
+        out = model(torch.from_numpy(windows).to(model_device(model)), return_gates=True)
     res = {}
     for layer, g in out.gates.items():
-        gm = g.float().mean(-1).numpy()  # (N, T)
+        gm = g.float().mean(-1).cpu().numpy()  # (N, T)
         res[int(layer)] = {"entity_completion": float(gm[ent].mean()), "function_words": float(gm[fn].mean()),
                            "all": float(gm.mean()), "n_entity": int(ent.sum()), "n_function": int(fn.sum())}
     return res

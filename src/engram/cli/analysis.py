@@ -12,7 +12,7 @@ def cmd_gates(args) -> int:
     from ..analysis import gates as G
     from ..model import load_model
 
-    model, tok = load_model(args.checkpoint)
+    model, tok = load_model(args.checkpoint, dtype=args.dtype, device=args.device)
     options.with_overlays(model, args.overlay)
     tokens, gates = G.compute_gates(model, tok, args.text)
     print(G.terminal(tokens, gates))
@@ -99,7 +99,7 @@ def _stats_v41(args, S) -> int:
 
 def add_commands(sub) -> None:
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)",
-                        parents=[options.overlays()])
+                        parents=[options.overlays(), options.placement()])
     ga.add_argument("--checkpoint", required=True)
     ga.add_argument("--text", required=True)
     ga.add_argument("--out")

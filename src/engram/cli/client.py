@@ -214,11 +214,13 @@ def crosscheck(text: str, model, tokenizer, settings: Settings, threshold: float
     enc = tokenizer.encode(text, add_special_tokens=False)
     if not enc.ids:
         raise ApiError("TEXT is empty after tokenization")
+    from ..placement import model_device
+
     with torch.no_grad():
-        out = model(torch.tensor([enc.ids]), return_gates=True)
+        out = model(torch.tensor([enc.ids], device=model_device(model)), return_gates=True)
     if not out.gates:
         raise ApiError("this checkpoint has no Engram layers (trained with --no-engram?)")
-    gates = {int(k): v[0].float().mean(-1).numpy() for k, v in out.gates.items()}  # layer -> (T,)
+    gates = {int(k): v[0].float().mean(-1).cpu().numpy() for k, v in out.gates.items()}  # layer -> (T,)
     inside, ends = align(text, enc.offsets, items)
     mean_gate = np.mean(np.stack(list(gates.values())), axis=0)
     pred = mean_gate > threshold

@@ -14,6 +14,7 @@ import sys
 
 from ..config import TABLE_DTYPES
 from ..editing.optimize import POSITIONS
+from ..placement import DTYPES
 from ..tables.quant import TABLE_FORMATS
 from ..tables.rows import TIERS as TABLE_TIERS
 from ..training.config import RENAMED_VALUES, TRAIN_TABLE_MODES
@@ -21,14 +22,21 @@ from ..training.data import SPLITS
 from ..training.presets import ADAPT_METHODS as METHODS
 from ..training.presets import BASELINES, PRESETS, TRAIN_PRESETS
 
-__all__ = ["BASELINES", "METHODS", "POSITIONS", "PRESETS", "SPLITS",
+__all__ = ["BASELINES", "DTYPES", "METHODS", "POSITIONS", "PRESETS", "SPLITS",
            "TABLE_DTYPES", "TABLE_FORMATS", "TABLE_TIERS", "TRAIN_PRESETS", "TRAIN_TABLE_MODES", "DeprecatedFlag",
-           "config", "eval_windows", "load_for_inference", "model_source", "no_bos", "overlays", "preset_metavar",
-           "run_options", "table_format", "table_tier", "train_table_mode", "with_overlays"]
+           "config", "eval_windows", "load_for_inference", "model_source", "no_bos", "overlays", "placed",
+           "placement", "preset_metavar", "run_options", "table_format", "table_tier", "train_table_mode",
+           "with_overlays"]
 
 CHECKPOINT_HELP = "run dir or save_pretrained folder of an engram model"
 BASE_HELP = "a pretrained transformers model folder (with --adapter: plus that adapter)"
 ADAPTER_HELP = "Engram adapter folder (or LoRA folder, or an `engram adapt` run dir)"
+DTYPE_HELP = ("the dense weights' dtype (default: as saved: float32 for an engram model, a base's checkpoint dtype); "
+              "the Engram tables keep theirs (--table-format converts them). On a CPU without native bfloat16 "
+              "(AVX512-BF16/AMX) half precision saves memory but runs slower")
+DEVICE_HELP = "where the model runs: cpu (default), cuda, cuda:N, mps"
+# commands whose own code builds its tensors on the CPU: --device is refused there (one line) until it does not
+CPU_ONLY = {"edit": "engram edit optimizes its rows on the CPU"}
 
 
 def _parent() -> argparse.ArgumentParser:
@@ -43,12 +51,22 @@ def preset_metavar() -> str:
 # ------------------------------------------------------------------------------------------ model options
 def model_source(checkpoint: bool = True, base_help: str = BASE_HELP,
                  adapter_help: str = ADAPTER_HELP) -> argparse.ArgumentParser:
-    """--checkpoint DIR (an engram model) or --base DIR [--adapter DIR] (a transformers model and an adapter)."""
-    p = _parent()
+    """--checkpoint DIR (an engram model) or --base DIR [--adapter DIR] (a transformers model and an adapter), and
+    --dtype / --device (`placement`): what `load_for_inference` loads, in what precision, where."""
+    p = placement()
     if checkpoint:
         p.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--base", help=base_help)
     p.add_argument("--adapter", help=adapter_help)
+    return p
+
+
+def placement() -> argparse.ArgumentParser:
+    """--dtype {float32,bfloat16,float16} and --device of every command that loads a model (`engram.placement`:
+    checked before the model loads; left out: as loaded, on the CPU)."""
+    p = _parent()
+    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--device", help=DEVICE_HELP)
     return p
 
 
@@ -152,7 +170,7 @@ def load_for_inference(args):
     from ..inference import load_inference_model
 
     tables = {"table_tier": getattr(args, "table_tier", None) or "ram",  # (commands without the options: RAM)
-              "table_dir": getattr(args, "table_dir", None)}
+              "table_dir": getattr(args, "table_dir", None), **placed(args)}
     if args.base:
         if args.checkpoint:
             raise ValueError("give either --checkpoint (an engram model) or --base [--adapter], not both")
@@ -162,6 +180,16 @@ def load_for_inference(args):
     if not args.checkpoint:
         raise ValueError("give --checkpoint RUN_DIR (an engram model) or --base DIR [--adapter DIR]")
     return load_inference_model(args.checkpoint, **tables)
+
+
+def placed(args) -> dict:
+    """{"dtype", "device"} of --dtype / --device (None where a command has not the options), refused in one line on a
+    command that runs on the CPU only (`CPU_ONLY`)."""
+    dtype, device = getattr(args, "dtype", None), getattr(args, "device", None)
+    why = CPU_ONLY.get(getattr(args, "command", None))
+    if why and device is not None and device != "cpu":
+        raise ValueError(f"--device {device}: {why}; leave --device out")
+    return {"dtype": dtype, "device": device}
 
 
 def with_overlays(model, overlay_dirs, table_format=None):

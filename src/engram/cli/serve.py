@@ -30,6 +30,7 @@ def cmd_sample(args) -> int:
     import torch
 
     from ..adapters import generation_pad_id
+    from ..placement import model_device
 
     model, tok = options.load_for_inference(args)
     options.with_overlays(model, args.overlay, args.table_format)
@@ -38,7 +39,8 @@ def cmd_sample(args) -> int:
         raise ValueError("--prompt is empty after tokenization")
     torch.manual_seed(args.seed)
     greedy = args.temperature <= 0
-    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=not greedy,
+    out = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens=args.max_new_tokens,
+                         do_sample=not greedy,
                          temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
                          pad_token_id=generation_pad_id(model))
     print(tok.decode(out[0].tolist()))
@@ -49,6 +51,9 @@ def cmd_serve(args) -> int:
     if args.engine == "vllm":
         from ..integrations.vllm.launcher import launch
 
+        if args.dtype or args.device:  # (vLLM chooses its own device; its dtype is one of its flags)
+            raise ValueError("--dtype and --device are engram's engine's; with --engine vllm give vLLM's own flags: "
+                             "--vllm-args '--dtype bfloat16' (the device: CUDA_VISIBLE_DEVICES)")
         return launch(args)
     if args.tensor_parallel_size != 1 or args.vllm_args:
         raise ValueError("--tensor-parallel-size and --vllm-args need --engine vllm")
@@ -75,7 +80,7 @@ def cmd_serve(args) -> int:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_tier, args.table_format,
-                         args.table_dir, args.name, args.chat_template)
+                         args.table_dir, args.name, args.chat_template, dtype=args.dtype, device=args.device)
     serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None,
           max_body=args.max_body_bytes, read_timeout=args.read_timeout, shutdown_timeout=args.shutdown_timeout)
     # shut down, engine closed, nothing left to write: skip the interpreter's teardown of torch and transformers
@@ -111,7 +116,7 @@ def cmd_crosscheck(args) -> int:
     from .client import crosscheck
 
     s = _settings(args)
-    model, tok = load_model(args.checkpoint)
+    model, tok = load_model(args.checkpoint, dtype=args.dtype, device=args.device)
     res = crosscheck(args.text, model, tok, s, threshold=args.threshold, timeout=args.timeout, retries=args.retries)
     if args.json:
         print(json.dumps(res, indent=1, ensure_ascii=False))
@@ -194,7 +199,7 @@ def add_commands(sub) -> None:
     a.set_defaults(func=cmd_ask)
 
     x = sub.add_parser("crosscheck", help="compare a checkpoint's gates with a hosted model's entities in TEXT",
-                       parents=[_channel()])
+                       parents=[_channel(), options.placement()])
     x.add_argument("text")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--threshold", type=float, default=0.5)

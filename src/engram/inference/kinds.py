@@ -2,7 +2,9 @@
 
 A `FolderKind` says what the folder is (`about`, for messages), whether a folder is one (`matches(path)`: cheap,
 reads config.json at most, never raises for a folder of another kind) and how to load it
-(`load(path, tier, table_dir) -> (model in eval mode, tokenizer)`, the Engram tables already in `tier`).
+(`load(path, tier, table_dir) -> (model in eval mode, tokenizer)`, the Engram tables already in `tier`). A `load`
+that also takes `dtype=` and `device=` (torch objects or None: `engram.placement`) places the model itself;
+another one's model is placed after it loads (`load_inference_model`).
 
 Kinds other packages define (a released model's checkpoint: `qwen4_exp`) are declared in the entry-point group
 `engram.folder_kinds` (pyproject.toml: `NAME = "package.module:KIND"`, the way the hash families are found,
@@ -37,15 +39,16 @@ class UnknownFolderError(EngramError, FileNotFoundError):
     """No folder kind claims a path; the message names the kinds tried."""
 
 
-def _load_engram(path: Path, tier: str, table_dir=None) -> tuple:
+def _load_engram(path: Path, tier: str, table_dir=None, dtype=None, device=None) -> tuple:
     from ..model import load_model
+    from ..placement import place
 
-    model, tok = load_model(path)
+    model, tok = load_model(path, dtype=dtype)  # (on the CPU: the tables go to their tier before the model moves)
     if tier != "ram":
         from ..tables import offload_tables
 
         offload_tables(model, tier, table_dir)
-    return model, tok
+    return place(model, None, device), tok
 
 
 def _is_engram(path: Path) -> bool:

@@ -3,21 +3,31 @@
     model, tok = load_inference_model("runs/tiny")                        # a folder: its kind says how (kinds.py)
     model, tok = load_inference_model(base="bases/llama", adapter="runs/adapt", table_tier="disk", table_dir=d)
     model, tok_file = load_base("bases/llama")                            # the transformers base alone
+    model, tok = load_inference_model("runs/tiny", dtype="bfloat16", device="cuda")   # --dtype, --device
+
+`dtype` and `device` (every loader here; `--dtype`/`--device` on the commands) are the dense weights' dtype and where
+the model runs; the Engram tables keep their rows' own dtype (`engram.placement`). None: as loaded before these
+options existed (float32 for an engram model, a base in its checkpoint's dtype; the CPU).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
 from ..deprecation import renamed_keywords
+from ..placement import check_placement, place
 from .kinds import find_folder_kind
 
 
-def load_base(base: str | os.PathLike, device=None):
-    """(model, tokenizer.json path) of a `save_pretrained` folder holding a causal LM and its tokenizer.json."""
+def load_base(base: str | os.PathLike, device=None, dtype=None):
+    """(model, tokenizer.json path) of a `save_pretrained` folder holding a causal LM and its tokenizer.json, loaded
+    by transformers in `dtype` (None: the checkpoint's own, transformers' "auto") and moved to `device` (None: the
+    CPU)."""
     from transformers import AutoModelForCausalLM
 
+    dtype, device = check_placement(dtype, device)
     d = Path(base)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--base {base}: no model here (expected a save_pretrained folder with config.json)")
@@ -26,19 +36,27 @@ def load_base(base: str | os.PathLike, device=None):
         raise FileNotFoundError(f"--base {base}: no tokenizer.json beside the model (Engram hashes with the base "
                                 "model's own tokenizer; save it there with tokenizer.save_pretrained)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, **({"dtype": dtype} if dtype is not None else {}))
     except (ValueError, OSError) as e:
         raise ValueError(f"--base {base}: could not load the model: {str(e).splitlines()[0]}") from None
     return model.to(device or "cpu"), tok
 
 
-def load_with_adapter(base, adapter=None, device=None):
+def load_with_adapter(base, adapter=None, device=None, dtype=None):
     """(model in eval mode, `tokenizers` tokenizer): the base, with the adapter in `adapter` when given (an
-    Engram adapter folder, a PEFT LoRA folder, or a run dir whose final/ holds either)."""
+    Engram adapter folder, a PEFT LoRA folder, or a run dir whose final/ holds either); with `dtype`, the dense
+    weights of both in it (the Engram tables in their own), all on `device`.
+
+    The base loads straight in `dtype`, except float16 with an adapter: then the base loads as saved and is cast
+    after the adapter is checked, since an Engram adapter recognises its base by a bfloat16-rounded sample of the
+    embedding, which float32 and bfloat16 weights round to exactly and float16 ones (rounded twice) not always."""
+    import torch
+
     from ..adapters import CONFIG_FILE, load_adapter
     from ..tokenizer import load_tokenizer
 
-    model, tok_file = load_base(base, device)
+    dtype, device = check_placement(dtype, device)
+    model, tok_file = load_base(base, device, None if dtype == torch.float16 and adapter is not None else dtype)
     if adapter is not None:
         a = Path(adapter)
         if (a / "final").is_dir():
@@ -54,24 +72,40 @@ def load_with_adapter(base, adapter=None, device=None):
         else:
             raise FileNotFoundError(f"--adapter {adapter}: no adapter here (expected engram_adapter.json or a PEFT "
                                     "adapter_config.json, or a run dir with final/)")
-    return model.eval(), load_tokenizer(tok_file)
+    return place(model, dtype, device).eval(), load_tokenizer(tok_file)
 
 
 @renamed_keywords(table_backend="table_tier")
-def load_inference_model(path=None, base=None, adapter=None, table_tier: str = "ram", table_dir=None):
+def load_inference_model(path=None, base=None, adapter=None, table_tier: str = "ram", table_dir=None, dtype=None,
+                         device=None):
     """(model in eval mode, tokenizer) of a model folder `path` of any folder kind (an engram run dir / model
     folder, or a kind an installed package declares, e.g. a qwen4_exp checkpoint with its n-gram tables served by
     engram), or of a pretrained transformers `base` with its Engram or LoRA `adapter`; the tables in tier
     `table_tier` ("ram", or "mmap"/"disk" files under `table_dir`; `table_backend=` is its deprecated spelling).
-    What `engram serve`, `edit`, `eval` and `sample` load."""
+    `dtype` / `device`: the dense weights' dtype and the device (module doc; None: as loaded, on the CPU), checked
+    before anything loads. What `engram serve`, `edit`, `eval` and `sample` load."""
     if table_tier != "ram" and not table_dir:
         raise ValueError(f"--table-tier {table_tier} needs --table-dir DIR for the table files")
+    dtype, device = check_placement(dtype, device)
     if base is None:
         _, kind = find_folder_kind(path)  # (a kind opens its tables in their tier as they load)
-        return kind.load(Path(path), table_tier, table_dir)
-    model, tok = load_with_adapter(base, adapter)
+        if _takes_placement(kind.load):
+            return kind.load(Path(path), table_tier, table_dir, dtype=dtype, device=device)
+        model, tok = kind.load(Path(path), table_tier, table_dir)  # (a kind that does not place: placed here)
+        return place(model, dtype, device) if dtype is not None or device is not None else model, tok
+    model, tok = load_with_adapter(base, adapter, dtype=dtype)  # (tables to their tier before the model moves)
     if table_tier != "ram":
         from ..tables import offload_tables
 
         offload_tables(model, table_tier, table_dir)
-    return model, tok
+    return place(model, None, device), tok
+
+
+def _takes_placement(load) -> bool:
+    """Whether a folder kind's `load` takes `dtype=` and `device=` (engram's own does; a kind declared before
+    they existed takes (path, tier, table_dir) only, and its model is placed after it loads)."""
+    try:
+        params = inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        return False
+    return {"dtype", "device"} <= set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -30,13 +30,21 @@ def prepare_inference(model, tier: str | None = None, table_dir=None, table_form
         offload_tables(model, tier, table_dir)
     loaded = {}
     if overlays:
-        from ..editing import Overlay, check_overlay, model_digest
+        from ..editing import EditError, Overlay, check_overlay, model_digest
 
         loaded = {name: Overlay.load(d) for name, d in overlays.items()}
         digest = digest or model_digest(model)  # (once for all overlays: it hashes every dense weight)
         for name, o in loaded.items():
             d = str(overlays[name])
-            check_overlay(model, o, where=d if name == d else f"--overlay {name}={d}", digest=digest)
+            try:
+                check_overlay(model, o, where=d if name == d else f"--overlay {name}={d}", digest=digest)
+            except EditError as e:
+                cast = getattr(model, "engram_cast_to", None)  # (`placement.place`: --dtype)
+                if cast is None or o.meta.get("base_digest") == digest:
+                    raise
+                raise EditError(f"{e} (or made in another dtype: this model's dense weights were cast to {cast} "
+                                f"at load, --dtype {cast}, and an overlay fits the weights it was optimized on; "
+                                "apply it in the dtype it was made in)") from None
     if table_format and table_format != "float32":
         from ..tables.quant import set_table_format
 

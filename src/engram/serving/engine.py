@@ -108,7 +108,7 @@ class _Stop:
 
     def __call__(self, input_ids, scores, **kwargs):
         done = self.job.cancelled.is_set() or self.streamer.finish is not None
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 class Engine:
@@ -118,8 +118,10 @@ class Engine:
     def __init__(self, model, tokenizer, name: str, overlays: dict | None = None, chat_template: str | None = None,
                  max_context: int | None = None):
         from ..adapters import generation_pad_id
+        from ..placement import model_device
 
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
+        self.device = model_device(model)  # (where the prompt's ids go: --device)
         self.overlays = dict(overlays or {})
         self.chat_template = chat_template
         cfg = getattr(model, "config", None)
@@ -254,7 +256,8 @@ class Engine:
         if job.seed is not None:
             torch.manual_seed(job.seed)
         with ctx, torch.no_grad():
-            self.model.generate(torch.tensor([job.ids]), max_new_tokens=job.max_tokens, do_sample=not greedy,
+            self.model.generate(torch.tensor([job.ids], device=self.device), max_new_tokens=job.max_tokens,
+                                do_sample=not greedy,
                                 temperature=None if greedy else job.temperature, top_k=None,
                                 top_p=None if greedy or job.top_p >= 1 else job.top_p, pad_token_id=self.pad_id,
                                 streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop(job, streamer)]))
@@ -271,13 +274,13 @@ class Engine:
 @renamed_keywords(table_backend="table_tier")
 def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None, table_tier: str = "ram",
                 table_format: str | None = None, table_dir=None, name: str | None = None,
-                chat_template: str | None = None) -> Engine:
+                chat_template: str | None = None, dtype=None, device=None) -> Engine:
     """An `Engine` for a model folder of any kind (`path`: a run dir, an engram model folder, a qwen4_exp folder, as
     `inference.load_inference_model`) or a pretrained base + adapter;
     `overlays` {name: folder}, each checked against the model as `engram sample --overlay` does. `chat_template`:
     "plain", a Jinja file, or None (the tokenizer's own, from tokenizer_config.json, if it has one). `table_tier`
-    (`table_backend=`: its deprecated spelling), `table_dir`: as `load_inference_model`."""
-    model, tok = load_inference_model(path, base, adapter, table_tier, table_dir)
+    (`table_backend=`: its deprecated spelling), `table_dir`, `dtype`, `device`: as `load_inference_model`."""
+    model, tok = load_inference_model(path, base, adapter, table_tier, table_dir, dtype=dtype, device=device)
     template = model_chat_template(path, base)
     if base is not None:
         name = name or Path(adapter or base).name

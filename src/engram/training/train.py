@@ -30,6 +30,7 @@ from ..distributed.parallel import DistContext
 from ..memory import is_table_key
 from ..model import EngramForCausalLM
 from ..persist import new_dir
+from ..placement import model_device
 from ..tables import installed_tables, table_entries, write_safetensors
 from ..tables.base import find_tables
 from ..tokenizer import write_tokenizer_files
@@ -54,7 +55,7 @@ def evaluate_text(model, tokenizer, data: list[str] | None = None, split: str = 
     Returns (loss in nats/token, tokens scored, windows of `seq_len`).
     """
     windows = text_windows(tokenizer, data, split, seq_len, max_windows)
-    return evaluate(model, windows, batch_size, torch.device("cpu")), windows.size, len(windows)
+    return evaluate(model, windows, batch_size, model_device(model)), windows.size, len(windows)
 
 
 def save_final(model, run_dir: Path, manifest: dict) -> Path:
