@@ -58,3 +58,26 @@ def test_summarize_is_the_share_over_facts_and_probes():
                               "sets": ["selection-0"], "edit_seconds": {"mean": 0.0}}}}
     md = fact_edits.markdown(rec)
     assert "| none | 1 |" in md and "—" in md  # a measure no set had is a dash, not a number
+
+
+def test_the_preregistered_choice_and_number_of_test_sets():
+    def cell(mean, std=0.0):
+        return {"mean": mean, "std": std}
+
+    table = {"trigger": {"efficacy": cell(1.0), "same_relation": cell(0.5), "paraphrases": cell(0.5),
+                         "chat_new": cell(0.2)},
+             "subject+ctx": {"efficacy": cell(0.9), "same_relation": cell(0.9), "paraphrases": cell(0.3),
+                             "chat_new": cell(0.3, 0.2)},
+             "subject+trigger+ctx": {"efficacy": cell(1.0), "same_relation": cell(0.85), "paraphrases": cell(0.2),
+                                     "chat_new": cell(0.2)},
+             "grace": {"efficacy": cell(1.0), "same_relation": cell(1.0), "paraphrases": cell(0.0, 0.05),
+                       "chat_new": cell(0.0)}}
+    runs = [{"method": m, "info": {"rows": 10}} for m in table]
+    s = {"table": table, "runs": runs}
+    assert fact_edits.choose(s) == "subject+ctx"  # trigger fails the locality bar; the best generalizer of the rest
+    assert fact_edits.sets_needed(s, "subject+ctx") == 16  # ceil((2.8 * 0.2 / 0.15)^2) + 2 = 14 + 2
+    table["subject+ctx"]["chat_new"] = cell(0.3, 0.05)
+    assert fact_edits.sets_needed(s, "subject+ctx") == 6  # the floor
+    for v in table.values():
+        v["same_relation"] = cell(0.5)
+    assert fact_edits.choose(s) == "trigger"  # none passes: the highest efficacy + locality

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -417,6 +418,30 @@ def summary(root: Path, phase: str, design: dict) -> dict:
            "methods": methods, "table": table, "runs": runs}
     out["environments"] = index_environments(out["runs"])
     return out
+
+
+def choose(s: dict, variants=("trigger", "trigger+ctx", "subject+ctx", "subject+trigger+ctx")) -> str | None:
+    """The preregistered choice of the Engram variant from a pilot summary (docs/prereg/fact-edits.toml [choice]):
+    among the variants with mean efficacy >= 0.8 and same-relation locality >= 0.8, the highest mean of held-out
+    paraphrases and chat answers (ties: fewer rows); if none passes, the highest efficacy + locality. None when the
+    pilot ran none of them."""
+    t = {v: s["table"][v] for v in variants if v in s["table"]}
+    if not t:
+        return None
+    rows = {v: statistics.fmean(r["info"]["rows"] for r in s["runs"] if r["method"] == v) for v in t}
+    ok = [v for v in t if t[v]["efficacy"]["mean"] >= 0.8 and t[v]["same_relation"]["mean"] >= 0.8]
+    if ok:
+        return max(ok, key=lambda v: ((t[v]["paraphrases"]["mean"] + t[v]["chat_new"]["mean"]) / 2, -rows[v]))
+    return max(t, key=lambda v: t[v]["efficacy"]["mean"] + t[v]["same_relation"]["mean"])
+
+
+def sets_needed(s: dict, chosen: str, effect: float = 0.15) -> int:
+    """The preregistered number of test sets from a pilot summary: max(6, ceil(((1.96 + 0.84) sd / effect)^2) + 2),
+    sd the largest over the pilot's sets of `chosen`'s and grace's paraphrase and chat shares."""
+    import math
+
+    sd = max(s["table"][m][k]["std"] for m in (chosen, "grace") for k in ("paraphrases", "chat_new"))
+    return max(6, math.ceil(((1.96 + 0.84) * sd / effect) ** 2) + 2)
 
 
 def markdown(s: dict) -> str:
