@@ -413,8 +413,16 @@ def summary(root: Path, phase: str, design: dict) -> dict:
                     if all(r["summary"][k] is not None for r in rs)}
         table[m]["sets"] = [r["set"] for r in rs]
         table[m]["edit_seconds"] = seed_stats([r["edit_seconds"] for r in rs])
+    kn = read_json(root / "known.json", "known facts", f"delete {root / 'known.json'}", ExperimentError)
+    facts = factset.read(root / "facts.jsonl")
+    by_rel = {r: sum(f.id in set(kn["known"]) for f in facts if f.relation == r and f.kind == "real")
+              for r in dict.fromkeys(f.relation for f in facts)}
     out = {"experiment": f"{NAME}-{phase}", "date": datetime.date.today().isoformat(), "phase": phase,
-           "command": f"python -m engram_experiments.fact_edits {phase} " + design.get("argv", ""), "design": design,
+           "known": {"known": len(kn["known"]), "of": kn["of"], "real_by_relation": by_rel},
+           "settings": {"chat_tokens": CHAT_TOKENS, "engram": {"steps": 80, "lr": 0.1, "target_prob": 0.9},
+                        "grace": {"layer": 20, "eps": 1.0}, "rome": {"layer": 9}, "ft-l": {"layer": 9}},
+           "command": f"engram experiment {NAME}-{phase} --record docs/results" if phase == "pilot" else
+           f"python -m engram_experiments.fact_edits {phase}", "design": design,
            "methods": methods, "table": table, "runs": runs}
     out["environments"] = index_environments(out["runs"])
     return out
