@@ -81,3 +81,22 @@ def test_the_preregistered_choice_and_number_of_test_sets():
     for v in table.values():
         v["same_relation"] = cell(0.5)
     assert fact_edits.choose(s) == "trigger"  # none passes: the highest efficacy + locality
+
+
+def test_the_family_pairs_by_set_and_tests_locality_as_non_inferiority():
+    def run(method, i, para, chat, loc):
+        return {"method": method, "set": f"test-{i}", "summary": {"paraphrases": para, "chat_new": chat,
+                                                                  "same_relation": loc}}
+
+    runs = []
+    for i in range(6):
+        runs += [run("subject+trigger+ctx", i, 0.6 + 0.02 * i, 0.4, 0.97 + 0.005 * (i % 2)),
+                 run("grace", i, 0.0, 0.0, 1.0), run("rome", i, 0.5 + 0.03 * i, 0.5 - 0.01 * i, 0.3)]
+    rows = fact_edits.analyse({"runs": runs}, "subject+trigger+ctx")
+    by = {(r["a"], r["metric"]): r for r in rows}
+    assert len(rows) == 7 and by[("ft-l", "paraphrases")]["p"] is None  # ft-l never ran: untested, not dropped
+    assert by[("grace", "paraphrases")]["diff"] == pytest.approx(0.65) and by[("grace", "paraphrases")]["finding"]
+    ni = by[("grace", "same_relation")]
+    assert ni["diff"] == pytest.approx(-0.0275) and not ni["finding"]  # 0.0275 below grace: outside the 0.02 margin
+    tested = [r for r in rows if r["p"] is not None]
+    assert all(r["p_holm"] >= r["p"] for r in tested)

@@ -18,4 +18,4 @@ from . import records  # noqa: F401  (the records other commands write: stats)
 # the order `engram experiment all` runs them and `--list` shows them (whatever imported a module first)
 ORDER = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
          "adapter-init", "smollm2-adapt", "smollm2-edit",
-         "fact-edits-pilot")
+         "fact-edits-pilot", "fact-edits")

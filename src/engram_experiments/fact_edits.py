@@ -381,10 +381,11 @@ def run_one(s: Setup, root: Path, set_name: str, edited: list, method: str, opt_
            "probes": {k: v for k, v in pr.items() if not k.startswith("_")}, **m, "summary": summarize(m),
            "environment": environment()}
     write_json(f, rec)
-    if progress:
+    if progress:  # the test phase shows no measure before its family is complete (its stop rule)
         sm = rec["summary"]
-        print(f"[{NAME}] {set_name} {method}: " + ", ".join(f"{k} {v:.3f}" for k, v in sm.items() if v is not None)
-              + f" ({rec['edit_seconds']} s edit)", file=sys.stderr, flush=True)
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in sm.items() if v is not None) if not set_name.startswith("test") \
+            else "done"
+        print(f"[{NAME}] {set_name} {method}: {shown} ({rec['edit_seconds']} s edit)", file=sys.stderr, flush=True)
     return rec
 
 
@@ -417,7 +418,8 @@ def summary(root: Path, phase: str, design: dict) -> dict:
     facts = factset.read(root / "facts.jsonl")
     by_rel = {r: sum(f.id in set(kn["known"]) for f in facts if f.relation == r and f.kind == "real")
               for r in dict.fromkeys(f.relation for f in facts)}
-    out = {"experiment": f"{NAME}-{phase}", "date": datetime.date.today().isoformat(), "phase": phase,
+    out = {"experiment": NAME if phase == "test" else f"{NAME}-{phase}", "phase": phase,
+           "date": datetime.date.today().isoformat(),
            "known": {"known": len(kn["known"]), "of": kn["of"], "real_by_relation": by_rel},
            "settings": {"chat_tokens": CHAT_TOKENS, "engram": {"steps": 80, "lr": 0.1, "target_prob": 0.9},
                         "grace": {"layer": 20, "eps": 1.0}, "rome": {"layer": 9}, "ft-l": {"layer": 9}},
@@ -450,6 +452,44 @@ def sets_needed(s: dict, chosen: str, effect: float = 0.15) -> int:
 
     sd = max(s["table"][m][k]["std"] for m in (chosen, "grace") for k in ("paraphrases", "chat_new"))
     return max(6, math.ceil(((1.96 + 0.84) * sd / effect) ** 2) + 2)
+
+
+def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
+    """The preregistered family of the test phase (docs/prereg/fact-edits.toml [test]): `chosen` - X for X in
+    grace, rome, ft-l on held-out paraphrases and chat answers (paired t over the sets both ran, two-sided), and
+    `chosen` vs grace on same-relation locality as non-inferiority at `margin` (one-sided paired t of
+    chosen - grace + margin > 0); Holm over all of them. A comparison whose methods share fewer than two sets is
+    listed untested (p None)."""
+    from scipy import stats
+
+    from .significance import holm, is_finding, paired
+
+    def per_set(m, k):
+        return {r["set"]: r["summary"][k] for r in s["runs"] if r["method"] == m and r["summary"][k] is not None}
+
+    rows = []
+    for other in ("grace", "rome", "ft-l"):
+        for k in ("paraphrases", "chat_new"):
+            rows.append({"a": other, "b": chosen, "metric": k, "kind": "two-sided"})
+    rows.append({"a": "grace", "b": chosen, "metric": "same_relation", "kind": f"non-inferiority, margin {margin}"})
+    for r in rows:
+        a, b = per_set(r["a"], r["metric"]), per_set(r["b"], r["metric"])
+        common = sorted(set(a) & set(b))
+        r["n"] = len(common)
+        if len(common) < 2:
+            r.update(diff=None, se=None, p=None)
+            continue
+        t = paired([a[x] for x in common], [b[x] for x in common])
+        r.update(diff=t.diff, se=t.se)
+        if r["kind"] == "two-sided":
+            r["p"] = t.p
+        else:
+            r["p"] = float(stats.t.sf((t.diff + margin) / t.se, t.df)) if t.se > 0 else \
+                (0.0 if t.diff + margin > 0 else 1.0)
+    tested = [r for r in rows if r["p"] is not None]
+    for r, adj in zip(tested, holm([r["p"] for r in tested])):
+        r["p_holm"], r["finding"] = adj, is_finding(adj)
+    return rows
 
 
 def markdown(s: dict) -> str:
@@ -518,12 +558,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--relations", nargs="+")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
-    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-PHASE.json")
+    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-pilot.json (the pilot) or "
+                    "RECORD/fact-edits.json (the test)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     root = Path(a.out) / NAME
     design = {"sets": a.sets, "size": a.size, "neighbours": a.neighbours, "seed": a.seed,
               "relations": a.relations, "methods": a.methods}
+    pre = None
+    if a.phase == "test":  # the confirmatory phase: its whole design from the preregistration
+        from . import prereg
+
+        pre = prereg.load(NAME, record=a.record is not None)
+        d = pre.design
+        a.methods = [d["chosen"] if m == "CHOSEN" else m for m in d["methods"]["order"]]
+        a.sets, a.size, a.relations = d["test_sets"], d["facts"]["set_size"], d["facts"]["test_relations"]
+        a.neighbours = d["measures"]["neighbours"]
+        design = d
     if not a.summary_only:
         s = setup(root)
         split = "selection" if a.phase == "pilot" else "test"
@@ -532,8 +583,18 @@ def main(argv: list[str] | None = None) -> dict:
         for m in a.methods:
             for name, edited in sets.items():
                 run_one(s, root / a.phase, name, edited, m, opt, held, a.neighbours, a.seed, True)
-    return publish(summary(root, a.phase, design), root / a.phase, a.record, f"{NAME}-{a.phase}.json", markdown,
-                   plot)
+    out = summary(root, a.phase, design)
+    if pre is not None:
+        out["prereg"] = pre.stamp()
+        done = {(r["set"], r["method"]) for r in out["runs"]}
+        complete = all((f"test-{i}", m) in done for i in range(a.sets) for m in a.methods)
+        # the stop rule: nothing is tested until every run of the family is in
+        if not complete:
+            print(f"[{NAME}] {len(done)} of {a.sets * len(a.methods)} test runs done; nothing is summarized until "
+                  "every run of the family is (the preregistered stop rule)", file=sys.stderr)
+            return {"done": len(done), "of": a.sets * len(a.methods)}
+        out["tests"] = analyse(out, design["chosen"])
+    return publish(out, root / a.phase, a.record, f"{out['experiment']}.json", markdown, plot)
 
 
 def _options_argv(o) -> list[str]:
@@ -547,6 +608,13 @@ register(Experiment("fact-edits-pilot", """
     paraphrase template, chat answer, locality (`fact_edits.py`; about an hour on 2 cores).""",
                     run=lambda o: main(PILOT + _options_argv(o)), table=markdown, plot=plot,
                     plot_file="fact-edits-pilot.png", section="14", in_all=False))
+register(Experiment("fact-edits", """
+    issue 56's confirmatory test, its whole design read from docs/prereg/fact-edits.toml: the Engram variant
+    the pilot chose vs GRACE, ROME and FT-L on the held-out relations and templates of the real fact set,
+    paired by edit set, Holm (`fact_edits.py`; about 13 hours of one core: it resumes from its cached runs and
+    summarizes nothing until every run is in).""",
+                    run=lambda o: main(["test"] + _options_argv(o)), table=markdown, plot=plot,
+                    plot_file="fact-edits.png", section="14", in_all=False))
 
 
 if __name__ == "__main__":
