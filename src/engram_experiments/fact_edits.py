@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.editing import Fact, apply_overlay, edit_facts, edit_rows, engram_layers, mapping_of, remove_overlays
+from engram.editing import Fact, apply_overlay, edit_facts, edit_rows, remove_overlays, table_rows_read
 from engram.persist import read_json, write_json
 
 from . import factset
@@ -97,9 +97,7 @@ def setup(root: Path, progress: bool = True, windows: int = 16, seq_len: int = 1
     render = chat_renderer(model_chat_template(base=base), lambda m: (_ for _ in ()).throw(ValueError(m)))
     w = torch.as_tensor(np.asarray(text_windows(tok, ["wordnet"], "val", seq_len, windows)), dtype=torch.long)
     s = Setup(model, tok, facts, known, render, w, token_losses(model, w))
-    mapping = mapping_of(model)
-    h = mapping.hash(w.numpy())
-    s.hashed = {lid: mhe.table_rows(h[lid]) for lid, mhe in engram_layers(model).items()}  # (W, T, H)
+    s.hashed = table_rows_read(model, w.numpy())  # {layer: (W, T, H)}
     return s
 
 
@@ -273,7 +271,6 @@ def probes(s: Setup, edited: list, n_neighbours: int, seed: int) -> dict:
         pool = [f.id for f in kn if f.relation == r and f.subject.casefold() not in subjects]
         same_rel += rng.sample(pool, min(n_neighbours, len(pool)))
     rows = edit_rows(s.model, s.tok, [as_fact(f) for f in edited], "subject+trigger")
-    shared = []
     others = [f for f in kn if f.relation not in rels and f.subject.casefold() not in subjects]
     shared = [f.id for f in others if reads_any(s, f.prompt + " " + f.object, rows)]
     shared = rng.sample(shared, min(n_neighbours, len(shared)))
@@ -288,10 +285,8 @@ def probes(s: Setup, edited: list, n_neighbours: int, seed: int) -> dict:
 
 def reads_any(s: Setup, text: str, rows: dict) -> bool:
     """Does any n-gram of `text` read one of `rows` ({layer: row ids})?"""
-    ids = s.tok.encode(text, add_special_tokens=False).ids
-    h = mapping_of(s.model).hash(np.asarray([ids], dtype=np.int64))
-    return any(bool(torch.isin(mhe.table_rows(h[lid][0]), rows[lid]).any())
-               for lid, mhe in engram_layers(s.model).items())
+    read = table_rows_read(s.model, np.asarray([s.tok.encode(text, add_special_tokens=False).ids]))  # (1, T, H)
+    return any(bool(torch.isin(read[lid], r).any()) for lid, r in rows.items())
 
 
 def measure(s: Setup, edited: list, pr: dict, held_out: str) -> dict:
@@ -494,8 +489,7 @@ def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
 
 def markdown(s: dict) -> str:
     """Per method, each measure's mean ± sd over the edit sets (n sets of the record)."""
-    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()
-                                                                 if k != "argv"), "",
+    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()), "",
              "| method | n sets | " + " | ".join(LABELS[k] for k in MEASURES) + " | edit s |",
              "|---" * (len(MEASURES) + 3) + "|"]
     for m, t in s["table"].items():
