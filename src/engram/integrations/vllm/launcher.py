@@ -106,16 +106,13 @@ KV_SEQS = 16  # sequences decoded at once by default (--max-num-seqs)
 KV_HEADROOM = 1.25  # the KV cache sized this much over what max_num_seqs full sequences need (vLLM's blocks)
 
 
-def kv_cache_gib(d: Path, max_model_len: int, max_num_seqs: int) -> float | None:
-    """GiB of float32 KV cache that `max_num_seqs` sequences of `max_model_len` tokens need in the model of folder
-    `d` (2 x layers x KV heads x head_dim x 4 bytes a token, `KV_HEADROOM` over, at least 1 GiB, rounded up to a
-    quarter GiB); None when its config.json does not say."""
+def kv_cache_gib(cfg: dict, max_model_len: int, max_num_seqs: int) -> float | None:
+    """GiB of float32 KV cache that `max_num_seqs` sequences of `max_model_len` tokens need in a model of config
+    `cfg` (its config.json: 2 x layers x KV heads x head_dim x 4 bytes a token, `KV_HEADROOM` over, at least 1 GiB,
+    rounded up to a quarter GiB); None when the config does not say."""
     import math
 
-    from ...persist import read_json
-
     try:
-        cfg = read_json(d / "config.json", "model config", "save the model again")
         heads = int(cfg["num_attention_heads"])
         per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * \
             int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads) * 4
@@ -148,16 +145,19 @@ def kv_settings(args, d: Path, extra: list[str]) -> tuple[list[str], dict[str, s
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise VllmLaunchError(f"--{name.replace('_', '-')} {v:g}: give a positive number")
+    try:
+        cfg = read_json(d / "config.json", "model config", "save the model again")
+    except ValueError:
+        cfg = {}
     flags: list[str] = []
-    length = args.max_model_len or _flag(extra, "--max-model-len")
+    length = _flag(extra, "--max-model-len") or args.max_model_len  # vLLM's own flag wins, as it does in vLLM
     if length is None:
         try:
-            ctx = int(read_json(d / "config.json", "model config", "save the model again").get(
-                "max_position_embeddings") or KV_MAX_LEN)
+            ctx = int(cfg.get("max_position_embeddings") or KV_MAX_LEN)
         except (ValueError, TypeError):
             ctx = KV_MAX_LEN
         length = min(ctx, KV_MAX_LEN)
-    seqs = args.max_num_seqs or _flag(extra, "--max-num-seqs") or KV_SEQS
+    seqs = _flag(extra, "--max-num-seqs") or args.max_num_seqs or KV_SEQS
     length, seqs = int(length), int(seqs)
     if _flag(extra, "--max-model-len") is None:
         flags += ["--max-model-len", str(length)]
@@ -169,7 +169,7 @@ def kv_settings(args, d: Path, extra: list[str]) -> tuple[list[str], dict[str, s
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") and args.kv_cache_gib is None:
         gib, why = os.environ["VLLM_CPU_KVCACHE_SPACE"], "from VLLM_CPU_KVCACHE_SPACE"
     else:
-        size = args.kv_cache_gib or kv_cache_gib(d, length, seqs)
+        size = args.kv_cache_gib or kv_cache_gib(cfg, length, seqs)
         if size is None:
             return flags, env, ("engram: the model's config.json does not say its KV size: vLLM keeps its own default "
                                 "(92% of RAM); give --kv-cache-gib")
