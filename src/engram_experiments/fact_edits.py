@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import re
 import statistics
 import sys
 import time
@@ -552,9 +553,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--relations", nargs="+")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
+    ap.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="run only every N-th (method, set) run, from the K-th (0-based): N processes on N cores "
+                         "share a phase; each run is its own cached file, so any process summarizes them all")
     ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-pilot.json (the pilot) or "
                     "RECORD/fact-edits.json (the test)")
     a = ap.parse_args(argv)
+    shard = _shard(a.shard, ap)
     torch.manual_seed(0)
     root = Path(a.out) / NAME
     design = {"sets": a.sets, "size": a.size, "neighbours": a.neighbours, "seed": a.seed,
@@ -574,9 +579,9 @@ def main(argv: list[str] | None = None) -> dict:
         split = "selection" if a.phase == "pilot" else "test"
         opt, held = ("selection-0", "selection-1") if a.phase == "pilot" else ("selection", "test")
         sets = edit_sets(s, split, a.sets, a.size, a.seed, a.relations)
-        for m in a.methods:
-            for name, edited in sets.items():
-                run_one(s, root / a.phase, name, edited, m, opt, held, a.neighbours, a.seed, True)
+        todo = [(m, name) for m in a.methods for name in sets]  # the preregistered order: methods, then sets
+        for m, name in todo[shard[0]::shard[1]]:
+            run_one(s, root / a.phase, name, sets[name], m, opt, held, a.neighbours, a.seed, True)
     out = summary(root, a.phase, design)
     if pre is not None:
         out["prereg"] = pre.stamp()
@@ -589,6 +594,14 @@ def main(argv: list[str] | None = None) -> dict:
             return {"done": len(done), "of": a.sets * len(a.methods)}
         out["tests"] = analyse(out, design["chosen"])
     return publish(out, root / a.phase, a.record, f"{out['experiment']}.json", markdown, plot)
+
+
+def _shard(text: str, ap) -> tuple[int, int]:
+    """`--shard K/N` as (K, N), 0 <= K < N; a bad value is an argparse error naming the form."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 0 <= int(m[1]) < int(m[2]):
+        ap.error(f"--shard {text!r}: give K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
+    return int(m[1]), int(m[2])
 
 
 def _options_argv(o) -> list[str]:
