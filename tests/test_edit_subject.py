@@ -78,3 +78,20 @@ def test_a_subject_named_without_its_space_takes_the_space_before_it(model_tok):
     assert subject_positions(tok, Fact("Line 5: the king sat on", " dog", subject="the king")) == with_space
     assert subject_positions(tok, Fact("the king sat on", " dog", subject="the king")) == \
         list(range(len(tok.encode("the king", add_special_tokens=False).ids)))  # at the start: no space to take
+
+
+def test_a_subject_that_opens_the_prompt_capitalized_is_found(model_tok):
+    """"the Bahamas" opens "The Bahamas is on" with a capital: the edit's subject rows and ROME's subject token
+    find it there (one finder, `engram.editing.subject_span`); a subject the prompt does not name is still refused."""
+    from engram.editing import subject_span
+
+    assert subject_span("The Bahamas is on", "the Bahamas") == (0, len("the Bahamas"))
+    assert subject_span("The Bahamas: the Bahamas is on", "the Bahamas", last=False) == (13, 24)
+    assert subject_span("He saw the Bahamas", "The Bahamas") is None  # only a sentence's first letter is raised
+    _, tok = model_tok
+    assert subject_positions(tok, Fact("The king sat on", " dog", subject="the king")) == \
+        subject_positions(tok, Fact("The king sat on", " dog", subject="The king"))
+    assert parse_fact({"prompt": "The king sat on", "target": " dog", "subject": "the king"}, "l1").subject \
+        == "the king"
+    with pytest.raises(EditError, match="'subject' must be"):
+        parse_fact({"prompt": "The king sat on", "target": " dog", "subject": "the queen"}, "l1")

@@ -32,6 +32,19 @@ class Fact:
 _FACT_KEYS = {"prompt", "target", "paraphrases", "passages", "question", "subject"}
 
 
+def subject_span(prompt: str, subject: str, last: bool = True) -> tuple[int, int] | None:
+    """Character span (start, end) of `subject` as `prompt` writes it: its last (or, `last=False`, first)
+    occurrence, or, when it is absent but opens the prompt with its first letter capitalized ("the Bahamas" in "The
+    Bahamas is located on"), there. None when the prompt does not name it. One home for finding a subject: the
+    edit's subject rows and the experiments' editors (ROME's subject token) both use it."""
+    if not subject:
+        return None
+    at = prompt.rfind(subject) if last else prompt.find(subject)
+    if at < 0 and prompt.startswith(subject[:1].upper() + subject[1:]):
+        at = 0  # a sentence starts with the subject: its first letter capitalized
+    return None if at < 0 else (at, at + len(subject))
+
+
 def parse_fact(obj, where: str, tokenizer=None) -> Fact:
     """A `Fact` from a JSON object; `tokenizer` (optional) also checks that prompt and target tokenize to something."""
     if not isinstance(obj, dict):
@@ -52,7 +65,8 @@ def parse_fact(obj, where: str, tokenizer=None) -> Fact:
         raise EditError(f"{where}: 'question' must be a non-empty string (a user turn whose answer starts with the "
                         "prompt)")
     subject = obj.get("subject")
-    if subject is not None and (not isinstance(subject, str) or not subject.strip() or subject not in obj["prompt"]):
+    if subject is not None and (not isinstance(subject, str) or not subject.strip()
+                                or subject_span(obj["prompt"], subject) is None):
         raise EditError(f"{where}: 'subject' must be a non-empty string that the prompt contains, got {subject!r}")
     fact = Fact(obj["prompt"], obj["target"], list(obj.get("paraphrases", [])), list(obj.get("passages", [])), q,
                 subject)

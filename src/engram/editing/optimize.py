@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..adapters.introspect import generation_pad_id
 from ..tables.overlay import overlays_of, push_overlay
 from .digests import engram_layers, frozen, mapping_of, model_digest, spec_digest
-from .facts import EditError, Fact, _encode
+from .facts import EditError, Fact, _encode, subject_span
 from .overlay import Overlay, _restore_tables
 
 
@@ -59,15 +59,15 @@ POSITIONS = ("trigger", "all", "subject", "subject+trigger")  # where a fact's r
 
 
 def subject_positions(tokenizer, fact: Fact) -> list[int]:
-    """Token positions of `fact.subject` in `fact.prompt` (its last occurrence, with the space before it when one
-    precedes it, so "France" names the same tokens after "of " as at a prompt's start): the tokens of the prompt up
+    """Token positions of `fact.subject` in `fact.prompt` (its last occurrence, `subject_span`; with the space before
+    it when one precedes it, so "France" names the same tokens after "of " as at a prompt's start): the tokens up
     to the subject's end that the prefix before it does not already hold. A subject whose ends fall inside a token (the
     prompt's tokenization differs from its prefixes') is an `EditError`: name it on token boundaries."""
-    if not fact.subject or fact.subject not in fact.prompt:
+    span = subject_span(fact.prompt, fact.subject or "")
+    if span is None:
         raise EditError(f"positions='subject' needs each fact's subject, written in its prompt: {fact.prompt!r} has "
                         f"subject {fact.subject!r}")
-    start = fact.prompt.rindex(fact.subject)
-    end = start + len(fact.subject)
+    start, end = span
     if start > 0 and fact.prompt[start - 1] == " " and not fact.subject.startswith(" "):
         start -= 1  # "France" in "The capital of France is": the word's token carries the space before it
     full, head, upto = (_encode(tokenizer, x) for x in (fact.prompt, fact.prompt[:start],

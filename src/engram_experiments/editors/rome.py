@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engram.editing import EditError, Fact
+from engram.editing import subject_span as find_subject
 
 from .base import Edit, Timer, encode, mlp_out, snapshot
 from .covariance import _Stop, add_to_weight, ensure_eval, weight_out_in
@@ -56,13 +57,14 @@ def _ids_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]
 
 
 def subject_span(prompt: str, subject: str) -> tuple[int, int]:
-    """Character span of the first `subject` in `prompt`; a one-line `EditError` if it is not there."""
+    """Character span of the first `subject` in `prompt` (`engram.editing.subject_span`: capitalized where it opens
+    the prompt); a one-line `EditError` if it is not there."""
     if not subject or not subject.strip():
         raise EditError(f"empty subject for the prompt {prompt!r}: give the subject as it appears in the prompt")
-    at = prompt.find(subject)
-    if at < 0:
+    span = find_subject(prompt, subject, last=False)
+    if span is None:
         raise EditError(f"subject {subject!r} not found in the prompt {prompt!r}: give it exactly as it appears there")
-    return at, at + len(subject)
+    return span
 
 
 def subject_last_token(tokenizer, text: str, end: int) -> tuple[list[int], int]:
