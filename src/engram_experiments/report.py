@@ -616,7 +616,8 @@ def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Un
 # ------------------------------------------------------------------------------------------ CLI
 # the pages `engram results` renders by default: (template, page, the template whose families it may also name)
 PAGES = (("docs/results.in.md", "docs/results.md", None),
-         ("docs/performance.in.md", "docs/performance.md", "docs/results.in.md"))
+         ("docs/performance.in.md", "docs/performance.md", "docs/results.in.md"),
+         ("README.in.md", "README.md", "docs/results.in.md"))  # the front door's results box
 
 
 def main(results_dir: str, template: str | None = None, out: str | None = None, img: str = "",
