@@ -103,7 +103,7 @@ def test_save_load_round_trip_is_identical(kind, tok, tmp_path):
     engram.save_adapter(m, tmp_path / "a")
     names = {f.name for f in (tmp_path / "a").iterdir()}
     assert names == {"engram_adapter.json", "engram_adapter.safetensors", "engram_hash_spec.json", "tokenizer.json",
-                     "engram_manifest.json"}
+                     "engram_manifest.json", "README.md"}  # README.md: the model card (adapters/card.py)
     m2 = engram.load_adapter(make(kind), tmp_path / "a")
     assert torch.equal(logits(m2, ids), want)
 

@@ -24,7 +24,8 @@ _config.moved.add("TrainConfig", "engram.training.config", TrainConfig)
 _config.moved.add("TRAIN_TABLE_BACKENDS", "engram.training.config", ("param", "mmap"), "TRAIN_TABLE_MODES")
 
 _HF_NAMES = ("EngramLMConfig", "EngramForCausalLM", "EngramCache", "EngramCausalLMOutput")
-_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError")
+_ADAPTER_NAMES = ("attach", "detach", "save_adapter", "load_adapter", "add_lora", "AdapterError", "get_engram_model",
+                  "EngramAdapterModel", "EngramAdapterConfig")
 _TRAINING_NAMES = ("hf_optimizers",)  # (training/hf.py: the optimizer argument of transformers.Trainer)
 _EDIT_NAMES = ("edit_facts", "apply_overlay", "remove_overlays", "Overlay", "Fact", "EditError")
 

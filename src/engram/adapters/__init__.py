@@ -8,6 +8,10 @@
     engram.load_adapter(AutoModelForCausalLM.from_pretrained(...), "out/adapter")
     engram.detach(model)                                             # the base, untouched
 
+The same in PEFT's shape (`wrapper.py`, which says why a wrapper and not a tuner registered in PEFT):
+`model = get_engram_model(base, EngramAdapterConfig(layer_ids=[1]))`, `model.save_pretrained(dir)`,
+`EngramAdapterModel.from_pretrained(base, dir)`, `with model.disable_adapter(): ...` (the base, bit for bit).
+
 Where the memory goes: in front of decoder layer i the residual stream becomes
 `h + Engram_i(h, rows_i)`, `rows_i` looked up from layer i's table for the n-gram hash ids of the
 call's tokens (compressed with the base model's own tokenizer). Two forward pre-hooks do it: one on
@@ -29,8 +33,11 @@ its forward pre-hooks), `lifecycle.py` (attach, detach, what trains), `saving.py
 attached model's `save_pretrained`), `loading.py` (`load_adapter`, alias `from_pretrained`), `clipping.py`
 (clipping the tables' sparse gradients, which `attach` enables). Trainer / TRL / accelerate's optimizer argument,
 `engram.hf_optimizers`, lives with the optimizers (`engram.training.hf`: what clipping and DDP do there too).
+`wrapper.py` (`EngramAdapterConfig`, `get_engram_model`, `EngramAdapterModel`: PEFT's names), `card.py` (the
+`README.md` model card every saved adapter and overlay carries).
 """
 
+from .card import CARD_FILE
 from .hooks import EngramAdapter, adapter_of
 from .introspect import (
                          LAYER_LISTS,
@@ -63,10 +70,13 @@ from .saving import (
                          save_adapter,
                          save_pretrained,
 )
+from .wrapper import EngramAdapterConfig, EngramAdapterModel, get_engram_model
 
-__all__ = ["AdapterError", "EngramAdapter", "adapter_of", "add_lora", "attach", "clear_rows", "base_fingerprint",
+__all__ = ["AdapterError", "EngramAdapter", "EngramAdapterConfig", "EngramAdapterModel", "get_engram_model",
+           "adapter_of", "add_lora", "attach", "clear_rows", "base_fingerprint",
            "compressed_tokenizer", "default_options", "detach", "find_layers", "freeze_base", "from_pretrained",
            "generation_pad_id",
            "load_adapter", "pad_or_eos_id", "read_adapter_config", "save_adapter", "save_pretrained",
            "trainable_summary", "unfreeze",
-           "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR"]
+           "LAYER_LISTS", "FORMAT", "CONFIG_FILE", "WEIGHTS_FILE", "BASE_MODULES_FILE", "SPEC_FILE", "LORA_DIR",
+           "CARD_FILE"]

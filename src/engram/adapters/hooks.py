@@ -4,6 +4,7 @@ adds the delta). The model's code is not modified."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -40,6 +41,7 @@ class EngramAdapter(nn.Module):
         self._cache = None
         self._handles: list = []
         self._root = None  # the model attach() was called on (not a submodule: no cycle in the module tree)
+        self.enabled = True  # False (`disabled()`): both hooks pass every call through untouched
 
     def extra_repr(self) -> str:
         return f"layers_path={self.layers_path!r}"
@@ -62,6 +64,19 @@ class EngramAdapter(nn.Module):
         self._inputs, self._cache = {}, None
         self.__dict__["_root"] = None
 
+    @contextlib.contextmanager
+    def disabled(self):
+        """The base model's own computation inside the block: the hooks stay installed but pass every call through
+        untouched (no hashing, no delta, a cache's Engram state left as it is), so the logits are the base's bit
+        for bit; on again after (also after an exception). A KV cache filled inside the block holds no Engram
+        history: start a new one after it."""
+        was = self.enabled
+        self.enabled = False
+        try:
+            yield self
+        finally:
+            self.enabled = was
+
     def __getstate__(self) -> dict:
         """`copy.deepcopy` and pickle: the call's transient inputs and cache are not part of the adapter."""
         return {**self.__dict__, "_inputs": {}, "_cache": None}
@@ -76,6 +91,8 @@ class _LayerHook:
 
     def __call__(self, module, args, kwargs):
         ad, layer_id = self.adapter, self.layer_id
+        if not ad.enabled:
+            return None  # (a pre-hook returning None leaves the call as it was)
         layer = ad.layers[str(layer_id)]
         x = ad._inputs.get(layer_id)
         if x is None:
@@ -134,6 +151,8 @@ class _HashingHook:
     def __call__(self, module, args, kwargs):
         from ..cache import NgramHistory, with_ngram_history
 
+        if not self.adapter.enabled:
+            return None
         a, bound = self.arguments(args, kwargs)
         ids = a.get("input_ids")  # (B, T)
         if ids is None:

@@ -1,6 +1,7 @@
 """An adapter on disk: only what attach added (`save_adapter`, the attached model's `save_pretrained`, a PEFT
-model's beside LoRA), its config read back after checking the manifest (`read_adapter_config`) and its weights
-into an attached adapter (`load_adapter_weights`); `loading.py` attaches it to a base and loads it."""
+model's beside LoRA) and its model card (`card.py`), its config read back after checking the manifest
+(`read_adapter_config`) and its weights into an attached adapter (`load_adapter_weights`); `loading.py` attaches it
+to a base and loads it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..persist import (
     write_json,
     write_manifest,
 )
+from .card import CARD_FILE, adapter_card, write_card
 from .hooks import adapter_of
 from .introspect import (
     TOKENIZER_FILE,
@@ -37,20 +39,24 @@ PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")  # PEFT's save
 ADAPTER_PREFIX = "engram_adapter."  # where attach puts the adapter in the model (`model.engram_adapter`)
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+def save_adapter(model: nn.Module, directory: str | os.PathLike, training: dict | None = None) -> Path:
     """Write only what attach added (and modules `unfreeze`d, and LoRA weights of a PEFT wrapper) to `directory`.
 
     Files: `engram_adapter.safetensors`, `engram_adapter.json` (Engram config, layers path, base
     fingerprint), `engram_hash_spec.json`, `tokenizer.json` (the compression's tokenizer),
-    `base_modules.safetensors` and `lora/` when present, and `engram_manifest.json` (every file's sha256,
-    last). Written to a temp folder that `persist.new_dir` swaps into place.
+    `base_modules.safetensors` and `lora/` when present, `README.md` (the model card, `card.py`; `training`: what
+    the run recorded, shown on it) and `engram_manifest.json` (every file's sha256 but the card's, last). Written to
+    a temp folder that `persist.new_dir` swaps into place. `model` may be an `EngramAdapterModel` (`wrapper.py`).
     """
+    model = _inner(model)
     target, adapter = _attached(model)
     out = Path(directory)
-    with new_dir(out) as tmp:  # the checksum manifest is written last, then the folder swapped in
+    lora = model is not target and hasattr(model, "peft_config")
+    with new_dir(out, exclude=(CARD_FILE,)) as tmp:  # the manifest written last (the card left out), then swapped in
         _write_adapter(target, adapter, tmp, trainer_layout=False)
-        if model is not target and hasattr(model, "peft_config"):
+        if lora:
             model.save_pretrained(str(tmp / LORA_DIR))
+        write_card(tmp, adapter_card(target, adapter, training, lora))
     return out
 
 
@@ -67,8 +73,10 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
     `tokenizer.json` over ours, so the manifest leaves it out: `load_adapter` checks the tokenizer by its
     compression's digest instead). `engram.load_adapter` (alias `from_pretrained`) reads it.
     `is_main_process` False (other DDP ranks) writes nothing; other Trainer keywords (`state_dict`, ...) are
-    ignored: the adapter's tensors are read from the model.
+    ignored: the adapter's tensors are read from the model. The model card (`README.md`, `card.py`) is written too,
+    outside the manifest, over PEFT's own card when LoRA is saved.
     """
+    model = _inner(model)
     target, adapter = _attached(model)
     d = Path(save_directory)
     if not is_main_process:
@@ -83,6 +91,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
     # (not model.safetensors beside a PEFT adapter: Trainer would load that into the PEFT model by the wrong names
     # instead of calling its load_adapter, which engram_peft_model extends to these files)
     names = _write_adapter(target, adapter, d, trainer_layout=not peft)
+    write_card(d, adapter_card(target, adapter, lora=peft))
     write_manifest(d, files=[n for n in names if n != TOKENIZER_FILE] + peft_names)
     return d
 
@@ -104,6 +113,12 @@ def engram_peft_model(pm: nn.Module) -> nn.Module:
     pm.save_pretrained = types.MethodType(save_pretrained, pm)
     pm.load_adapter = types.MethodType(load_adapter, pm)
     return pm
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """What an `EngramAdapterModel` (`wrapper.py`, which marks its class `wraps_engram_adapter`) wraps; any other
+    model as it is. (Read on the class: the wrapper forwards unknown attributes to what it wraps.)"""
+    return model.base_model if getattr(type(model), "wraps_engram_adapter", False) else model
 
 
 def _attached(model: nn.Module):

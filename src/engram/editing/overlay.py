@@ -43,16 +43,20 @@ class Overlay:
 
     def save(self, directory, extra_files: dict | None = None) -> Path:
         """Write DIR/overlay.safetensors, overlay.json (+ `extra_files` {name: text, or an object written as JSON},
-        e.g. the report) and a checksum manifest, atomically: into a temp folder that `persist.new_dir` swaps into
-        place. JSON is written piece by piece (`_dump_json`): a report of 10,000 facts is never held as one text."""
+        e.g. the report), the model card README.md (`adapters.card.overlay_card`: what it was made for, the facts,
+        the rows written; left out of the manifest, never read back) and a checksum manifest, atomically: into a temp
+        folder that `persist.new_dir` swaps into place. JSON is written piece by piece (`_dump_json`): a report of
+        10,000 facts is never held as one text."""
         from safetensors.torch import save_file
+
+        from ..adapters.card import CARD_FILE, overlay_card, write_card
 
         d = Path(directory)
         tensors = {}
         for lid in sorted(self.rows):
             tensors[f"layer{lid}.rows"] = self.rows[lid].to(torch.long).contiguous()
             tensors[f"layer{lid}.values"] = self.values[lid].detach().float().contiguous()
-        with new_dir(d) as tmp:
+        with new_dir(d, exclude=(CARD_FILE,)) as tmp:
             save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
             _dump_json(tmp / META, {"format": FORMAT, **self.meta})
             for name, content in (extra_files or {}).items():
@@ -60,6 +64,7 @@ class Overlay:
                     atomic_write_bytes(tmp / name, content.encode("utf-8"))
                 else:
                     _dump_json(tmp / name, content)
+            write_card(tmp, overlay_card(self.meta, {lid: int(r.numel()) for lid, r in self.rows.items()}))
         return d
 
     @classmethod
