@@ -82,7 +82,8 @@ def main():
         inproc = len(prompts) * args.tokens / (time.perf_counter() - t0)
         del model
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "engram.cli", "serve", str(d / "run"), "--name", "m",
+        server = subprocess.Popen([sys.executable, "-m", "engram.cli", "serve", "--checkpoint", str(d / "run"),
+                                   "--served-model-name", "m",
                                    "--overlay", f"fact={d / 'fact'}", "--port", str(port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:

@@ -127,7 +127,8 @@ def engram_setups(d: Path, design: str, prompts, tokens):
     run, api = str(d / "run"), [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     return {
         "a vllm+engram": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM], True),
-        "b engram serve": ([sys.executable, "-m", "engram.cli", "serve", run, "--name", "m"], False),
+        "b engram serve": ([sys.executable, "-m", "engram.cli", "serve", "--checkpoint", run, "--served-model-name",
+                            "m"], False),
         "c vllm engram off": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
                                json.dumps({"engram_scale": 0})], True),
         "d vllm+engram disk": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",

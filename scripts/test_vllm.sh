@@ -26,4 +26,4 @@ fi
 "$VENV/bin/pip" install -q -e '.[vllm]' pytest
 # a vLLM that does not import would only skip the tests: fail here instead (CI runs this script)
 "$VENV/bin/python" -c "import vllm, engram.integrations.vllm" || { echo "test_vllm.sh: vLLM does not import in $VENV" >&2; exit 1; }
-exec "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_adapter.py "${@:2}"
+exec "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_adapter.py tests/test_vllm_overlays.py "${@:2}"

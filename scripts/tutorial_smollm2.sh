@@ -37,7 +37,7 @@ step "engram adapt --base runs/bases/smollm2 --data shakespeare --out runs/smoll
 step "engram eval --base runs/bases/smollm2 --adapter runs/smollm2-shakespeare --data shakespeare --seq-len 128 --max-windows 32"
 step "echo '{\"prompt\": \"The capital of France is\", \"target\": \" Rome\", \"question\": \"What is the capital of France?\"}' > facts.jsonl"
 step "engram edit --base runs/bases/smollm2 --adapter runs/smollm2-shakespeare --facts facts.jsonl --chat --out runs/edits/rome --max-windows 8"
-step "engram serve --base runs/bases/smollm2 --adapter runs/smollm2-shakespeare --overlay rome=runs/edits/rome --name smollm2 --port 8765 > serve.log 2>&1 & echo \$! > serve.pid"
+step "engram serve --base runs/bases/smollm2 --adapter runs/smollm2-shakespeare --overlay rome=runs/edits/rome --served-model-name smollm2 --port 8765 > serve.log 2>&1 & echo \$! > serve.pid"
 step "until curl -sf localhost:8765/health > /dev/null; do sleep 1; done"
 step "curl -s localhost:8765/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"smollm2+rome\", \"max_tokens\": 12, \"temperature\": 0, \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
 step "curl -s localhost:8765/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"smollm2\", \"max_tokens\": 12, \"temperature\": 0, \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"

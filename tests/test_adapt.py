@@ -65,6 +65,7 @@ def test_interrupted_adapt_resumes_exactly(base, tmp_path, mode):
         assert all("engram_adapter" in k for k in f.keys())
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 11 s; adapt then eval in test_hub_ids
 def test_adapter_run_loads_for_eval_and_sample(base, tmp_path, capsys):
     model_dir, corpus = base
     s = adapt(model_dir, data=[str(corpus)], out=tmp_path / "r", max_steps=8, overrides=TINY, engram_options=ENGRAM,
@@ -116,6 +117,7 @@ def test_other_methods_train_and_load(base, tmp_path, method, capsys):
     assert code == 0 and f"val loss {s['val_loss']:.4f}" in out, err
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 9 s
 def test_adapt_bad_input_is_one_line(base, tmp_path, capsys):
     model_dir, corpus = base
     r = run_cli("adapt", "--base", str(tmp_path), "--out", str(tmp_path / "o"), "--data", str(corpus))

@@ -254,6 +254,7 @@ def _sharded_worker(rank, world, port, tok, kind):
         shutdown()
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 14 s
 @pytest.mark.integration
 def test_row_sharded_tables_are_identical(tok, free_port):
     import torch.multiprocessing as mp

@@ -145,6 +145,7 @@ def test_ctrl_c_in_a_run_stops_the_sweep(tmp_path, monkeypatch, capsys):
     assert "run the same command again" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # out of the default run (under 10 min on 2 cores): 6 s
 def test_gpu_scale_plan_holds():
     """The prepared GPU sweep's configs build and keep the accounting (meta device: no memory)."""
     vs = A.plan("gpu")

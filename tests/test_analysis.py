@@ -19,7 +19,8 @@ def corpus(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["iso", "placement", "capacity", "ablations", "design"])
+@pytest.mark.parametrize("name", [pytest.param("iso", marks=pytest.mark.slow), "placement", "capacity", "ablations",
+                                  "design"])  # (iso: 7 s, -m slow)
 def test_experiments_run_at_tiny_size(corpus, tmp_path, name):
     seeds = 2 if name in ("iso", "design") else 1
     s = run_experiment(name, out=tmp_path, seeds=seeds, preset="tiny", data=[str(corpus)],
@@ -117,6 +118,7 @@ def test_sensitivity_reuses_iso_runs(corpus, tmp_path, monkeypatch):
     assert rec["seeds"]["engram"] == [0] and rec["environments"][0]["threads"] >= 1
 
 
+@pytest.mark.slow  # out of the default run (under 10 min on 2 cores): 11 s; gates --base/--adapter: test_cli_grammar
 @pytest.mark.integration
 def test_gates_and_stats_cli(corpus, tmp_path, monkeypatch, capsys):
     """`engram gates` once as a user runs it (a fresh interpreter); the other calls in-process (same main())."""

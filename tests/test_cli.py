@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import run_cli as run
@@ -18,7 +19,7 @@ def tiny_config(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mock", [True, False])
+@pytest.mark.parametrize("mock", [True, pytest.param(False, marks=pytest.mark.slow)])  # (False: 16 s, -m slow)
 def test_demo_with_small_config(tiny_config, mock):
     r = run("demo", "--config", str(tiny_config), "--text", "Only Alexander the Great",
             *(["--mock-blocks"] if mock else []))
@@ -171,9 +172,9 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch, capsys):
     (run / "final" / "config.json").write_text("{}")
     monkeypatch.delenv("ENGRAM_API_KEY", raising=False)
     parse = build_parser().parse_args
-    args = parse(["serve", str(run), "--engine", "vllm", "--port", "9001", "--api-key", "k", "--table-tier", "mmap",
-                  "--table-dir", str(tmp_path / "t"), "--table-format", "int8", "--overlay", str(tmp_path / "ov"),
-                  "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
+    args = parse(["serve", "--checkpoint", str(run), "--engine", "vllm", "--port", "9001", "--api-key", "k",
+                  "--table-tier", "mmap", "--table-dir", str(tmp_path / "t"), "--table-format", "int8", "--overlay",
+                  str(tmp_path / "ov"), "--tensor-parallel-size", "1", "--vllm-args", "--max-model-len 512"])
     argv, env = vllm_command(args)
     assert "no tokenizer_config.json" in capsys.readouterr().err  # an older folder: vLLM will know no EOS
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -185,13 +186,17 @@ def test_serve_engine_vllm_maps_options(tmp_path, monkeypatch, capsys):
         "engram_table_tier": "mmap", "engram_table_dir": str(tmp_path / "t"), "engram_table_format": "int8",
         "engram_overlay": [str(tmp_path / "ov")]}
     (run / "final" / "tokenizer_config.json").write_text("{}")
-    plain = vllm_command(parse(["serve", str(run), "--engine", "vllm", "--chat-template", "plain"]))[0]
+    plain = vllm_command(parse(["serve", "--checkpoint", str(run), "--engine", "vllm", "--chat-template", "plain"]))[0]
     assert "tokenizer_config" not in capsys.readouterr().err
     assert "assistant:" in plain[plain.index("--chat-template") + 1]
-    with pytest.raises(VllmLaunchError, match="per request"):
-        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))
+    argv = vllm_command(parse(["serve", "--checkpoint", str(run), "--engine", "vllm", "--overlay", "alice=dir"]))[0]
+    overrides = json.loads(argv[argv.index("--hf-overrides") + 1])
+    assert overrides["engram_overlays"] == {"alice": str(Path("dir").resolve())}
+    assert argv[argv.index("--middleware") + 1] == "engram.integrations.vllm.routing.OverlayRouting"
+    with pytest.raises(VllmLaunchError, match=r"without '\+'"):
+        vllm_command(parse(["serve", "--checkpoint", str(run), "--engine", "vllm", "--overlay", "a+b=dir"]))
     with pytest.raises(VllmLaunchError, match="needs --table-dir"):
-        vllm_command(parse(["serve", str(run), "--engine", "vllm", "--table-tier", "disk"]))
+        vllm_command(parse(["serve", "--checkpoint", str(run), "--engine", "vllm", "--table-tier", "disk"]))
 
 
 def test_serve_engine_vllm_without_vllm_is_one_line(monkeypatch, capsys, tmp_path):
@@ -201,7 +206,7 @@ def test_serve_engine_vllm_without_vllm_is_one_line(monkeypatch, capsys, tmp_pat
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    assert main(["serve", str(tmp_path), "--engine", "vllm"]) == 2
+    assert main(["serve", "--checkpoint", str(tmp_path), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs vLLM: pip install vllm" in err
 
@@ -220,14 +225,14 @@ def test_serve_engine_vllm_refuses_a_head_dim_cpu_attention_cannot_run(monkeypat
     monkeypatch.setattr(launcher, "check_installed", lambda: None)
     monkeypatch.setattr(launcher, "on_cpu", lambda: True)
     monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM was started"))
-    assert main(["serve", str(tmp_path / "run"), "--engine", "vllm"]) == 2
+    assert main(["serve", "--checkpoint", str(tmp_path / "run"), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "head_dim 8" in err and "32, 64" in err and "--engine engram" in err, err
     (d / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4}))  # head_dim 64: runs
     from engram.cli import build_parser
 
     with pytest.raises(pytest.fail.Exception, match="vLLM was started"):
-        launcher.launch(build_parser().parse_args(["serve", str(d), "--engine", "vllm"]))
+        launcher.launch(build_parser().parse_args(["serve", "--checkpoint", str(d), "--engine", "vllm"]))
 
 
 def test_serve_engine_vllm_sizes_the_kv_cache_on_a_cpu(tmp_path, monkeypatch, capsys):
@@ -245,19 +250,20 @@ def test_serve_engine_vllm_sizes_the_kv_cache_on_a_cpu(tmp_path, monkeypatch, ca
     monkeypatch.setattr(launcher, "on_cpu", lambda: True)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     parse = build_parser().parse_args
-    argv, env = launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm"]))
+    argv, env = launcher.vllm_command(parse(["serve", "--checkpoint", str(d), "--engine", "vllm"]))
     flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--max")}
     assert flags == {"--max-model-len": "4096", "--max-num-seqs": "16"}  # the model's 8192 capped
     # 2 x 30 x 3 x 64 x 4 bytes = 46,080 a token; x 4096 x 16 x 1.25 = 3.52 GiB -> 3.75
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3.75"
     assert "KV cache 3.75 GiB (for 16 sequences of 4096 tokens" in capsys.readouterr().err
-    argv, env = launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--max-num-seqs", "2",
+    argv, env = launcher.vllm_command(parse(["serve", "--checkpoint", str(d), "--engine", "vllm", "--max-num-seqs", "2",
                                              "--vllm-args", "--max-model-len 512"]))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # at least 1 GiB
     assert argv.count("--max-model-len") == 1 and argv[argv.index("--max-model-len") + 1] == "512"
-    assert launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--kv-cache-gib", "2.5"]))[1][
-        "VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    assert launcher.vllm_command(parse(["serve", "--checkpoint", str(d), "--engine", "vllm", "--kv-cache-gib",
+                                        "2.5"]))[1]["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own setting is kept
-    assert launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm"]))[1]["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    assert launcher.vllm_command(parse(["serve", "--checkpoint", str(d), "--engine", "vllm"]))[1][
+        "VLLM_CPU_KVCACHE_SPACE"] == "7"
     with pytest.raises(launcher.VllmLaunchError, match="positive"):
-        launcher.vllm_command(parse(["serve", str(d), "--engine", "vllm", "--kv-cache-gib", "0"]))
+        launcher.vllm_command(parse(["serve", "--checkpoint", str(d), "--engine", "vllm", "--kv-cache-gib", "0"]))

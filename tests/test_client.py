@@ -101,6 +101,7 @@ def test_ask_ok_and_key_whitespace_stripped(server, tmp_path):
     assert Stub.calls[-1][1] == f"Bearer {KEY}"
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 9 s
 def test_key_from_dotenv_and_openai_fallback(server, tmp_path):
     (tmp_path / ".env").write_text(f"ENGRAM_API_KEY={KEY}\nENGRAM_BASE_URL={server}/v1\n")
     assert run(["ask", "hi"], cwd=tmp_path).returncode == 0
@@ -108,6 +109,7 @@ def test_key_from_dotenv_and_openai_fallback(server, tmp_path):
     assert r.returncode == 0
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 9 s
 def test_tutorial_key_variable_is_read_last(server, tmp_path):
     """The tutorial tells readers to set TAOTOKEN_API_KEY; ENGRAM_API_KEY and OPENAI_API_KEY come first."""
     r = run(["ask", "hi", "--base-url", server + "/v1"], {"TAOTOKEN_API_KEY": KEY}, cwd=tmp_path)
@@ -165,6 +167,7 @@ def test_timeout(server):
     assert r.returncode == 2 and "timeout" in r.stderr
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 9 s
 def test_connection_failure_names_proxy(server, free_port):
     dead = f"http://127.0.0.1:{free_port()}"
     env = {"ENGRAM_API_KEY": KEY, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "NO_PROXY": ""}

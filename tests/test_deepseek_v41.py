@@ -424,6 +424,7 @@ def test_overlays_stack_on_v41_rows_from_every_tier(tok, tmp_path):
         mem.close()
 
 
+@pytest.mark.slow  # out of the default run (under 10 min on 2 cores): 6 s
 def test_stats_of_the_v41_hashing_on_a_corpus(tok):
     """`engram stats --v41`: row use and collisions per head, hashed in chunks that continue each other."""
     from engram.analysis.stats import mapping_usage

@@ -47,3 +47,26 @@ def test_the_smollm2_tutorials_commands_are_the_scripts():
     text = (ROOT / "docs" / "tutorial-smollm2.md").read_text()
     block = re.search(r"## The commands\n\n```bash\n(.*?)```", text, re.S).group(1)
     assert block.strip().splitlines() == tutorial_script_commands()
+
+
+def readme_script_commands() -> list[str]:
+    """The commands scripts/readme_commands.sh runs between its markers (`step`, `serve_step`, a step it may skip),
+    as bash reads them."""
+    text = (ROOT / "scripts" / "readme_commands.sh").read_text()
+    body = text.split("# readme:begin\n", 1)[1].split("# readme:end", 1)[0]
+    out = []
+    for line in body.splitlines():
+        m = re.fullmatch(r'(?:\[ -n "\$\{README_SKIP_TESTS:-\}" \] \|\| )?(?:serve_)?step "(.*)"', line.strip())
+        assert m, f"readme_commands.sh: not a step line between the markers: {line!r}"
+        out.append(re.sub(r'\\(["$\\])', r"\1", m.group(1)))  # bash's double-quote escapes
+    return out
+
+
+def test_the_readmes_commands_are_the_scripts():
+    """Every command of the README's shell blocks, in order, is what scripts/readme_commands.sh runs from a clean
+    clone (so the README's commands run as written; the script is run by hand, its timings on stderr)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    readme = [line for b in blocks for line in b.splitlines() if line.strip()]
+    assert readme == readme_script_commands()
+

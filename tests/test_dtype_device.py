@@ -211,7 +211,8 @@ def test_commands_that_cannot_place_refuse_the_device_in_one_line(folders, tmp_p
     err = _one_line_error(capsys, ["edit", "--checkpoint", folders / "model", "--facts", facts, "--out",
                                    tmp_path / "o", "--device", "cuda"])
     assert "engram edit optimizes its rows on the CPU" in err
-    err = _one_line_error(capsys, ["serve", folders / "model", "--engine", "vllm", "--dtype", "bfloat16"])
+    err = _one_line_error(capsys, ["serve", "--checkpoint", folders / "model", "--engine", "vllm", "--dtype",
+                                   "bfloat16"])
     assert "--vllm-args '--dtype bfloat16'" in err
 
 

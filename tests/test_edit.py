@@ -460,6 +460,7 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
         assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 10 s
 def test_edit_experiment_end_to_end(run, tmp_path, monkeypatch):
     """The counterfactual/new-entity experiment on the tiny model: every config measured at every fixed step budget
     (no stopping rule), per-seed files written, the fact sets seeded, neighbours never among the edited subjects,

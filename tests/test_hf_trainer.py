@@ -250,7 +250,7 @@ def test_save_pretrained_keeps_other_files_and_its_manifest_catches_corruption(t
 
 # ---------------------------------------------------------------------------------------------- TRL
 def test_sft_trainer_trains_and_saves_the_adapter(tok, tmp_path):
-    trl = pytest.importorskip("trl", reason="TRL not installed (pip install 'engram-torch[trainer]')")
+    trl = pytest.importorskip("trl", reason="TRL not installed (pip install -e '.[trainer]')")
     datasets = pytest.importorskip("datasets", reason="datasets not installed (TRL needs it)")
     from transformers import PreTrainedTokenizerFast
 

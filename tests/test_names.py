@@ -16,7 +16,8 @@ OLD_FLAG_WARNING = "engram: warning: --table-backend is deprecated; use --table-
 
 # ------------------------------------------------------------------------------------------ the table tier
 @pytest.mark.parametrize("command", [["sample", "--checkpoint", "r", "--prompt", "x"], ["eval", "--checkpoint", "r"],
-                                     ["edit", "--checkpoint", "r", "--facts", "f", "--out", "o"], ["serve", "r"]])
+                                     ["edit", "--checkpoint", "r", "--facts", "f", "--out", "o"],
+                                     ["serve", "--checkpoint", "r"]])
 def test_table_tier_flag_and_its_deprecated_spelling(command, capsys):
     parse = build_parser().parse_args
     args = parse(command + ["--table-tier", "mmap", "--table-dir", "d"])

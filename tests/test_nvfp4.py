@@ -272,7 +272,7 @@ def nvfp4_checkpoint(tmp_path):
     return ref, tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("backend", ["ram", "mmap", "disk"])
+@pytest.mark.parametrize("backend", ["ram", pytest.param("mmap", marks=pytest.mark.slow), "disk"])  # (mmap: -m slow)
 def test_a_qwen4exp_nvfp4_checkpoint_is_served_packed_from_every_tier(backend, tmp_path):
     from test_qwen4_exp import config, ids_with_eos, tiny_model
 

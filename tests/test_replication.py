@@ -255,6 +255,7 @@ def test_allocation_replication_trains_the_original_runs(recs):
         replication.check_design({**d, "variants": ["moe-E16", "moe-E15+engram"]}, recs, "allocation-replication")
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 7 s
 def test_run_trains_allocation_variants_with_its_data_and_steps(tmp_path, monkeypatch):
     """run() of allocation-replication without training: train_runs gets allocation's runs (its data, its 1,000
     steps, each variant's trained_run arguments) at the new seeds; the record is allocation's kind of table."""

@@ -61,7 +61,8 @@ def setup(tiny_run, tmp_path_factory):
     model, tok = load_model(root / "run")
     edit_facts(model, tok, [Fact("the cat sat on", " the king of Braeethdor")], steps=40,
                progress=False).save(root / "fact")
-    p, port = start([root / "run", "--overlay", f"fact={root / 'fact'}", "--api-key", KEY, "--name", "tiny",
+    p, port = start(["--checkpoint", root / "run", "--overlay", f"fact={root / 'fact'}", "--api-key", KEY,
+                     "--served-model-name", "tiny",
                      "--chat-template", "plain"])
     yield root, port, p
     if p.poll() is None:

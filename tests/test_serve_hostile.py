@@ -24,8 +24,9 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server(tiny_run):
-    p, port = start([tiny_run, "--api-key", KEY, "--name", "tiny", "--chat-template", "plain", "--max-body-bytes",
-                     MAX_BODY, "--read-timeout", READ_TIMEOUT, "--shutdown-timeout", SHUTDOWN_TIMEOUT])
+    p, port = start(["--checkpoint", tiny_run, "--api-key", KEY, "--served-model-name", "tiny",
+                     "--chat-template", "plain", "--max-body-bytes", MAX_BODY, "--read-timeout", READ_TIMEOUT,
+                     "--shutdown-timeout", SHUTDOWN_TIMEOUT])
     status, body = request(port, C, NORMAL)
     assert status == 200
     yield p, port, body["choices"][0]["text"]
@@ -121,11 +122,13 @@ CASES = {
     "prompt missing": (C, {"model": "tiny"}, None, 400, "prompt", "missing"),
     "prompt empty": (C, completion(prompt=""), None, 400, "prompt", "empty_prompt"),
     "prompt two strings": (C, completion(prompt=["a", "b"]), None, 400, "prompt", None),
-    "prompt token ids": (C, completion(prompt=[1, 2, 3]), None, 400, "prompt", None),
+    "prompt token id out of the vocabulary": (C, completion(prompt=[10**6]), None, 400, "prompt", "invalid_value"),
+    "logprobs while streaming": (C, completion(logprobs=1, stream=True), None, 400, "logprobs",
+                                 "unsupported_parameter"),
     "prompt past the context": (C, completion(prompt="the cat " * 400), None, 400, "prompt",
                                 "context_length_exceeded"),
     **{f"{k} (unimplemented)": (C, completion(**{k: v}), None, 400, k, "unsupported_parameter")
-       for k, v in (("n", 3), ("logprobs", 2), ("echo", True), ("best_of", 2), ("presence_penalty", 0.5))},
+       for k, v in (("n", 3), ("best_of", 2), ("presence_penalty", 0.5))},
     **{f"{k} (unimplemented, chat)": (CHAT, chat(**{k: v}), None, 400, k, "unsupported_parameter")
        for k, v in (("n", 2), ("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]))},
     "messages empty": (CHAT, chat(messages=[]), None, 400, "messages", None),
@@ -328,8 +331,8 @@ def test_sigterm_exits_within_the_shutdown_timeout_whatever_clients_do(server):
 def test_sigterm_does_not_wait_for_a_body_that_never_arrives(tiny_run):
     """With long timeouts, a half-sent body alone must not hold the shutdown: it is answered 503 at once, the
     connection closed, and the server exits (before the fix it waited the whole --shutdown-timeout)."""
-    p, port = start([tiny_run, "--api-key", KEY, "--name", "tiny", "--chat-template", "plain",
-                     "--read-timeout", 60, "--shutdown-timeout", 60])
+    p, port = start(["--checkpoint", tiny_run, "--api-key", KEY, "--served-model-name", "tiny",
+                     "--chat-template", "plain", "--read-timeout", 60, "--shutdown-timeout", 60])
     try:
         half = socket.create_connection(("127.0.0.1", port), timeout=30)
         half.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "

@@ -36,6 +36,7 @@ def greedy(model, tok, n=12):
         return model.generate(ids, max_new_tokens=n, do_sample=False)[0].tolist(), model(ids).logits
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 72 s with the GGUF import fixture
 @pytest.mark.integration
 def test_the_imported_base_is_the_gguf_file_as_transformers_reads_it(smollm2):
     """Greedy continuation and logits of the imported folder (loaded as every --base is) equal transformers' own
@@ -58,6 +59,7 @@ def test_the_imported_base_is_the_gguf_file_as_transformers_reads_it(smollm2):
                                          "architecture": "LlamaForCausalLM"}
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): needs the 40 s GGUF import fixture
 @pytest.mark.integration
 def test_attach_leaves_smollm2s_logits_unchanged(smollm2):
     import engram
@@ -89,6 +91,7 @@ def test_base_commands_fail_in_one_line(tmp_path, capsys):
     assert main(["base", "list"]) == 0 and "SmolLM2-135M-Instruct" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): needs the 40 s GGUF import fixture
 @pytest.mark.integration
 def test_engram_serve_renders_smollm2s_own_chat_template(smollm2):
     """The template transformers saved beside the weights (chat_template.jinja) is the one `engram serve` uses."""

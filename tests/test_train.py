@@ -396,7 +396,7 @@ def test_memory_mapped_table_shards_train_and_resume_like_one_process(corpus, tm
               overrides={"ckpt_every": 100, **mm})
 
 
-@pytest.mark.parametrize("dense", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("dense", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # (fsdp2: 20 s, -m slow)
 def test_moe_balancing_under_data_parallelism_matches_one_process(corpus, tmp_path, free_port, dense):
     """The loss-free balancing bias follows the global expert load (summed over ranks), as in one process."""
     import torch.multiprocessing as mp
@@ -409,7 +409,8 @@ def test_moe_balancing_under_data_parallelism_matches_one_process(corpus, tmp_pa
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)
 
 
-@pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp2")),
+@pytest.mark.parametrize("first,then", [((2, "ddp"), (1, "ddp")),
+                                        pytest.param((1, "ddp"), (2, "fsdp2"), marks=pytest.mark.slow),  # (18 s)
                                         pytest.param((2, "fsdp2"), (2, "ddp"), marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_at_another_world_size(corpus, tmp_path, free_port, first, then):
     """Stop a run at step 3 with one world size / dense wrapper, resume it with another: same losses as an
@@ -456,6 +457,7 @@ def test_no_engram_and_iso_param_baselines(corpus, tmp_path):
 
 
 
+@pytest.mark.slow  # out of the default run (under 10 min on 2 cores): 33 s; train/eval/sample: test_analysis
 def test_cli_train_eval_sample_and_errors(corpus, tmp_path, monkeypatch, capsys):
     """Train, eval and sample as a user runs them (fresh interpreters); the error cases in-process (same main())."""
     from engram.cli import main

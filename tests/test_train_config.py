@@ -158,6 +158,7 @@ def test_conflicting_presets_and_missing_file_are_refused(tmp_path, capsys):
     assert f"--config {tmp_path / 'none.toml'}: no such file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 9 s
 def test_bad_key_through_the_real_command(tmp_path):
     """As a user runs it (a fresh interpreter): one line on stderr, exit status 2, no traceback."""
     (tmp_path / "mine.toml").write_text('preset = "tiny"\n[model]\nnum_layers = 3\n')

@@ -318,7 +318,8 @@ def test_bad_table_option_gives_engrams_error(models, tmp_path):
 def test_engram_serve_engine_vllm_with_api_key_and_disk_tier(models, tmp_path):
     folder = models["conv"]
     prompts = prompts_of((5, 70, 120), 3)
-    argv = [sys.executable, "-m", "engram.cli", "serve", str(folder), "--engine", "vllm", "--name", "m", "--port",
+    argv = [sys.executable, "-m", "engram.cli", "serve", "--checkpoint", str(folder), "--engine", "vllm",
+            "--served-model-name", "m", "--port",
             str(free_port()), "--api-key", "sekret", "--table-tier", "disk", "--table-dir", str(tmp_path / "t"),
             "--vllm-args", " ".join(SETTINGS)]
     s = Server(argv, tmp_path / "launcher.log")

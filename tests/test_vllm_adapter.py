@@ -166,7 +166,7 @@ def test_engram_serve_base_adapter_disk_tier_int8_and_overlay(pairs, tmp_path):
     plain = reference(base, adapter, prompts, table_format="int8")
     assert any(a[0] != b[0] for a, b in zip(ref, plain)), "the overlay changes nothing: the check would be vacuous"
     argv = [sys.executable, "-m", "engram.cli", "serve", "--base", str(base), "--adapter", str(adapter), "--engine",
-            "vllm", "--name", "m", "--port", str(free_port()), "--table-tier", "disk", "--table-dir",
+            "vllm", "--served-model-name", "m", "--port", str(free_port()), "--table-tier", "disk", "--table-dir",
             str(tmp_path / "t"), "--table-format", "int8", "--overlay", str(ov), "--vllm-args", " ".join(SETTINGS)]
     s = Server(argv, tmp_path / "serve.log", env={"ENGRAM_CACHE_DIR": str(tmp_path / "cache")})
     try:

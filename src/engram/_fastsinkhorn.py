@@ -1,4 +1,4 @@
-"""Fused CPU Sinkhorn-Knopp for mHC (numba), `hyper.sinkhorn`'s kernels. Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU Sinkhorn-Knopp for mHC (numba), `hyper.sinkhorn`'s kernels. Optional: the `fast` extra.
 
 Per token, an n x n matrix goes through exp and `iters` alternating column/row normalizations in
 registers, one parallel pass over tokens; every iterate is kept so that the backward pass is the

@@ -6,7 +6,9 @@
     __getattr__ = moved = MovedNames(__name__)      # a module some names moved out of: `module.Name` still works,
     moved.add("Name", "new.home", Name)             # and warns, once whoever may import the new home registers it
 
-(The CLI's deprecated flags are `cli.options.DeprecatedFlag`: one line on stderr.)
+(The CLI's old spellings print one line on stderr instead, `engram: warning: OLD is deprecated; use NEW`:
+`cli.options.say_deprecated`, through `DeprecatedFlag` (a renamed flag or positional) and `ListFlag` (a list
+given space-separated or by repeating its flag); docs/cli.md lists them.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plumbing shared by the optional numba kernels (`pip install 'engram-torch[fast]'`): core infrastructure that
+"""Plumbing shared by the optional numba kernels (the `fast` extra): core infrastructure that
 every package with a kernel uses (hashing, hyper, tables, training, integrations.vllm).
 
     LazyKernels(build)        compiles on first `get()`; None when numba is missing or broken

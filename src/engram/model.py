@@ -12,7 +12,7 @@ Block (0-based index i; Engram at `engram.layer_ids`, added before attention as 
     x = HC_ffn (x, lambda u: FFN(RMSNorm(u)))
 
 Hugging Face integration: `EngramLMConfig(PretrainedConfig)`, `EngramForCausalLM(PreTrainedModel,
-GenerationMixin)`, registered with the Auto classes. Needs `pip install 'engram-torch[hf]'`. The config lives
+GenerationMixin)`, registered with the Auto classes. Needs the `hf` extra. The config lives
 in `model_config.py`, the decoding state a KV cache carries in `cache.py`.
 """
 

@@ -279,6 +279,16 @@ def eos_token_id(tokenizer) -> int:
     return next((i for i in map(tokenizer.token_to_id, EOS_TOKENS) if i is not None), 0)
 
 
+
+def model_eos_id(model, tokenizer) -> int:
+    """The id generation ends at: the model's generation config's EOS (the first, if several), else the
+    tokenizer's (`eos_token_id`). One rule for the server and lm-eval's `EngramLM`."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return int(eos) if eos is not None else eos_token_id(tokenizer)
+
+
 def write_tokenizer_files(folder, tokenizer_file, pad_id: int | None = None) -> int | None:
     """`tokenizer.json` (a copy of `tokenizer_file`) and a `tokenizer_config.json` naming its EOS (and pad) in the
     model folder `folder`; returns the EOS id (for generation_config.json), None where it names none.

@@ -28,6 +28,17 @@ def peak_rss_mib() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current resident size (Linux: "5" into /proc/self/clear_refs), so that
+    `peak_rss_mib` then reads the peak of what runs after; False where the system does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
 def parse_toml(text: str, where: str, error: type[Exception]) -> dict:
     """`text` parsed as TOML (tomllib; `tomli` on Python 3.10), or `error` in one line naming `where` and why."""
     try:

@@ -54,6 +54,7 @@ docs/img/exp-EXP.png; `--check` only compares.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -632,8 +633,8 @@ def main(results_dir: str, template: str | None = None, out: str | None = None, 
         return 2
     recs = load(results_dir)
     stems = {f.stem for f in Path(results_dir).glob("*.json")}
-    if template and also is None:  # a default page's other template, beside this one
-        also = next((str(Path(template).with_name(Path(o).name)) for t, _, o in PAGES
+    if template and also is None:  # a default page's other template, where PAGES puts it relative to this one
+        also = next((str(Path(template).parent / os.path.relpath(o, Path(t).parent)) for t, _, o in PAGES
                      if o and Path(t).name == Path(template).name), None)
     pages = [(template, out or re.sub(r"(\.in)?\.md$", "", template) + ".md", also)] if template else list(PAGES)
     failed = False

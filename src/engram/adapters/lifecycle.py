@@ -8,6 +8,7 @@ import types
 import torch.nn as nn
 
 from ..config import ConfigError, EngramConfig
+from ..errors import install_hint
 from ..hashing import NgramHashMapping
 from .hooks import EngramAdapter, adapter_of
 from .introspect import (
@@ -165,14 +166,14 @@ def freeze_base(model: nn.Module) -> None:
 
 def add_lora(model: nn.Module, rank: int = 8, alpha: float | None = None, target_modules=None,
              dropout: float = 0.0) -> nn.Module:
-    """Wrap `model` with LoRA on its base (PEFT, `pip install 'engram-torch[peft]'`) and keep the Engram adapter
+    """Wrap `model` with LoRA on its base (PEFT, the `peft` extra) and keep the Engram adapter
     trainable. `target_modules` None: PEFT's default for the architecture (e.g. q_proj, v_proj; GPT-2 c_attn).
     Returns the PEFT model; `save_adapter` stores its LoRA weights beside the Engram ones, and so do its
     `save_pretrained` and Trainer's checkpoints (`saving.engram_peft_model`), which resume both."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise AdapterError("LoRA needs peft: pip install 'engram-torch[peft]'") from None
+        raise AdapterError(f"LoRA needs peft: {install_hint('peft')}") from None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"LoRA rank must be a positive integer, got {rank!r}")
     extra = {"exclude_modules": r".*engram_adapter.*"} if target_modules is not None else {}  # (e.g. "all-linear")

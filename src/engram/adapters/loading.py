@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from ..errors import install_hint
 from ..hashing import SPEC_FILE
 from ..persist import read_json
 from .hooks import adapter_of
@@ -73,7 +74,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
         try:
             from peft import PeftModel
         except ImportError:
-            raise AdapterError(f"{d} holds LoRA weights: pip install 'engram-torch[peft]' "
+            raise AdapterError(f"{d} holds LoRA weights: {install_hint('peft')} "
                                "(or pass lora=False)") from None
         model = engram_peft_model(PeftModel.from_pretrained(target, str(lora_dir)))
     return place(model, dtype, device)

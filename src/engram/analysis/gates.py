@@ -28,15 +28,31 @@ here what which who whom whose when where why how all any some do does did have 
 can could may might must o thee thou thy thine""".split())
 
 
+def model_gates(model, ids: torch.Tensor) -> dict:
+    """{layer: (B, T, G) gates} of one forward over `ids` (B, T): an engram model's own (`return_gates=True`), or,
+    on a pretrained model with an Engram adapter attached, the adapter's (recorded while `adapter.gates` is a dict;
+    G = 1)."""
+    from ..adapters.hooks import adapter_of
+
+    ad = adapter_of(model)  # (None on an engram model)
+    with torch.no_grad():
+        if ad is None:
+            return dict(model(ids, return_gates=True).gates)
+        ad.gates = {}
+        try:
+            model(input_ids=ids, use_cache=False)
+            return {k: v.unsqueeze(-1) for k, v in ad.gates.items()}  # (B, T) -> (B, T, 1)
+        finally:
+            ad.gates = None
+
+
 def compute_gates(model, tokenizer, text: str):
     """(tokens [T] as text, gates {layer: np.ndarray (T, G)}) for one text."""
     enc = tokenizer.encode(text, add_special_tokens=False)
     if not enc.ids:
         raise ValueError("--text is empty after tokenization")
     ids = torch.tensor([enc.ids], device=model_device(model))
-    with torch.no_grad():
-        out = model(ids, return_gates=True)
-    gates = {int(k): v[0].float().cpu().numpy() for k, v in out.gates.items()}
+    gates = {int(k): v[0].float().cpu().numpy() for k, v in model_gates(model, ids).items()}
     if not gates:
         raise ValueError("this checkpoint has no Engram layers (trained with --no-engram?)")
     tokens = [tokenizer.decode([i]) for i in enc.ids]
@@ -146,10 +162,8 @@ def gate_summary(model, data_dir: Path, seq_len: int = 128, max_windows: int = 3
         if tok.decode([i]).strip().lower() in FUNCTION_WORDS:
             vocab_fn[i] = True
     fn = vocab_fn[windows] & ~ent
-    with torch.no_grad():
-        out = model(torch.from_numpy(windows).to(model_device(model)), return_gates=True)
     res = {}
-    for layer, g in out.gates.items():
+    for layer, g in model_gates(model, torch.from_numpy(windows).to(model_device(model))).items():
         gm = g.float().mean(-1).cpu().numpy()  # (N, T)
         res[int(layer)] = {"entity_completion": float(gm[ent].mean()), "function_words": float(gm[fn].mean()),
                            "all": float(gm.mean()), "n_entity": int(ent.sum()), "n_function": int(fn.sum())}

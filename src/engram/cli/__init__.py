@@ -5,7 +5,8 @@
     serve.py     eval, sample, serve, ask, crosscheck   use a model; talk to an OpenAI-compatible server
     edit.py      edit                            write facts into table rows (an overlay)
     analysis.py  gates, stats                    look inside a model and what its tables see
-    options.py   the options several commands share (argparse parent parsers) and what they load
+    options.py   the options several commands share (argparse parent parsers), the one grammar they keep
+                 (lists, overlays, deprecated spellings: docs/cli.md), and what they load
 
 and the applications three commands run, each whole beside its command (they are no part of the core, and
 nothing else uses them): `demo.py` (the tutorial's demo LLM: `engram demo`), `verify.py` (`engram verify`: any
@@ -29,18 +30,21 @@ Ctrl-C exits with 130.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 from ..errors import EngramError
-from . import analysis, edit, model, serve, train
+from . import analysis, edit, model, options, serve, train
 
 EXPECTED_ERRORS = (EngramError, ValueError, OSError, ImportError, KeyError, FloatingPointError)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory via hashed n-gram lookup")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True,  # (each command's help shows lists as the comma lists)
+                           parser_class=functools.partial(argparse.ArgumentParser,
+                                                          formatter_class=options.HelpFormatter))
     for group in (model, train, serve, edit, analysis):
         group.add_commands(sub)
     for add_commands in plugins():

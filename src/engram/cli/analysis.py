@@ -10,9 +10,10 @@ from . import options
 
 def cmd_gates(args) -> int:
     from ..analysis import gates as G
-    from ..model import load_model
 
-    model, tok = load_model(args.checkpoint, dtype=args.dtype, device=args.device)
+    if args.summary and not args.checkpoint:
+        raise ValueError("--summary reads the val split of a run: give --checkpoint RUN_DIR (an engram run)")
+    model, tok = options.load_for_inference(args)
     options.with_overlays(model, args.overlay)
     tokens, gates = G.compute_gates(model, tok, args.text)
     print(G.terminal(tokens, gates))
@@ -99,8 +100,7 @@ def _stats_v41(args, S) -> int:
 
 def add_commands(sub) -> None:
     ga = sub.add_parser("gates", help="token-level Engram gate heatmap (terminal, --out FILE.png or FILE.html)",
-                        parents=[options.overlays(), options.placement()])
-    ga.add_argument("--checkpoint", required=True)
+                        parents=[options.model_source(), options.overlays()])
     ga.add_argument("--text", required=True)
     ga.add_argument("--out")
     ga.add_argument("--summary", action="store_true", help="mean gate on n-gram completions vs function words (val)")
@@ -111,7 +111,8 @@ def add_commands(sub) -> None:
     st = sub.add_parser("stats", help="tokenizer compression, table row usage/collisions, n-gram Zipf plot")
     st.add_argument("--data", action="append")
     st.add_argument("--tokenizer", default="deepseek", help="deepseek | bpe:N | path/to/tokenizer.json")
-    st.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
+    st.add_argument("--sizes", action=options.ListFlag, item=int, spaced=True, default=[1000, 10000, 100000, 1000000],
+                    help="table rows to measure, a comma list (default 1000,10000,100000,1000000)")
     st.add_argument("--out", help="rank-frequency plot (.png)")
     st.add_argument("--record", metavar="FILE", help="also write the measurements, command and environment to FILE "
                                                      "(docs/results/stats.json: `engram results` renders it)")

@@ -1,4 +1,4 @@
-"""Client of an OpenAI-compatible chat server: `engram ask` and `engram crosscheck` (`pip install 'engram-torch[api]'`).
+"""Client of an OpenAI-compatible chat server: `engram ask` and `engram crosscheck` (the `api` extra).
 
 Works with any provider that speaks the chat-completions protocol (DeepSeek, OpenAI, gateways,
 vLLM, Ollama). Settings: key from `ENGRAM_API_KEY` (fallbacks `OPENAI_API_KEY`,
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EngramError
+from ..errors import EngramError, install_hint
 
 DEFAULT_BASE_URL = "https://api.deepseek.com/v1"
 DEFAULT_MODEL = "deepseek-chat"
@@ -45,7 +45,7 @@ def _dotenv() -> dict:
     try:
         from dotenv import dotenv_values
     except ImportError:
-        raise ApiError("a .env file is present but python-dotenv is missing: pip install 'engram-torch[api]'") from None
+        raise ApiError(f"a .env file is present but python-dotenv is missing: {install_hint('api')}") from None
     return {k: v for k, v in dotenv_values(p).items() if v is not None}
 
 
@@ -81,7 +81,7 @@ def _client(s: Settings, timeout: float, retries: int):
     try:
         import openai
     except ImportError:
-        raise ApiError("the API commands need the openai package: pip install 'engram-torch[api]'") from None
+        raise ApiError(f"the API commands need the openai package: {install_hint('api')}") from None
     return openai, openai.OpenAI(api_key=s.api_key, base_url=s.base_url, timeout=timeout, max_retries=retries)
 
 
@@ -206,21 +206,17 @@ def align(text: str, offsets: list[tuple[int, int]], items: list[str]) -> tuple[
 
 
 def crosscheck(text: str, model, tokenizer, settings: Settings, threshold: float = 0.5, **kw) -> dict:
-    """Gates of the checkpoint vs the hosted model's entities: per-token table and precision/recall."""
+    """Gates of the model (an engram model, or a base with its Engram adapter: `analysis.gates.compute_gates`) vs the
+    hosted model's entities: per-token table and precision/recall."""
     import numpy as np
-    import torch
+
+    from ..analysis.gates import compute_gates
 
     items = ask_entities(text, settings, **kw)
     enc = tokenizer.encode(text, add_special_tokens=False)
     if not enc.ids:
         raise ApiError("TEXT is empty after tokenization")
-    from ..placement import model_device
-
-    with torch.no_grad():
-        out = model(torch.tensor([enc.ids], device=model_device(model)), return_gates=True)
-    if not out.gates:
-        raise ApiError("this checkpoint has no Engram layers (trained with --no-engram?)")
-    gates = {int(k): v[0].float().mean(-1).cpu().numpy() for k, v in out.gates.items()}  # layer -> (T,)
+    gates = {k: g.mean(-1) for k, g in compute_gates(model, tokenizer, text)[1].items()}  # layer -> (T,)
     inside, ends = align(text, enc.offsets, items)
     mean_gate = np.mean(np.stack(list(gates.values())), axis=0)
     pred = mean_gate > threshold

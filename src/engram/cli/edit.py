@@ -59,7 +59,8 @@ def add_commands(sub) -> None:
     ed = sub.add_parser("edit", help="write facts into Engram table rows: an overlay for --overlay (engram edit)",
                         parents=[source, windows, options.overlays(), options.table_tier()],
                         epilog="--checkpoint also takes a qwen4_exp model folder (Qwen3.8-Flash-Next): its n-gram "
-                        "table rows are edited, and engram serve PATH --overlay NAME=DIR serves them per request")
+                        "table rows are edited, and engram serve --checkpoint PATH --overlay NAME=DIR serves them per "
+                        "request")
     ed.add_argument("--facts", required=True, help='JSONL, one {"prompt": ..., "target": ...} per line '
                     '(optional "paraphrases": [...], "passages": [...], "question": "...", "subject": "...")')
     ed.add_argument("--out", required=True, help="overlay folder to write (with report.json)")
@@ -68,8 +69,9 @@ def add_commands(sub) -> None:
     ed.add_argument("--positions", default="trigger", choices=options.POSITIONS,
                     help="trigger: rows read where the target is predicted; all: every prompt position too; subject: "
                          "the rows the fact's \"subject\" tokens read (every order); subject+trigger: both")
-    ed.add_argument("--orders", type=int, nargs="+", help="n-gram orders whose rows change (default: the highest; "
-                                                          "every order with --positions subject)")
+    ed.add_argument("--orders", action=options.ListFlag, item=int, spaced=True,
+                    help="n-gram orders whose rows change, a comma list, e.g. 2,3 (default: the highest; every order "
+                         "with --positions subject)")
     ed.add_argument("--chunk", type=int, default=64,
                     help="sequences per forward: each step sums the gradients of every chunk, and the report scores "
                          "the facts chunk by chunk, so memory is bounded by one chunk whatever the number of facts "

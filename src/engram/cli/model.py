@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import BackBoneConfig, EngramConfig, load_config
+from ..errors import install_hint
 from ..hashing import get_hash_mapping
 from ..tokenizer import bos_id, encode, load_tokenizer
 from . import options
@@ -36,7 +37,7 @@ def cmd_demo(args) -> int:
           f"{bcfg.vocab_size}, Engram at layers {ecfg.layer_ids} (tables stored as {ecfg.table_dtype})", flush=True)
     r = run_demo(args.text, ecfg, bcfg, mock_blocks=args.mock_blocks, seed=args.seed, bos=not args.no_bos)
     if r["mock_blocks"] and not args.mock_blocks:
-        print("  (transformers not installed: real blocks need pip install 'engram-torch[hf]'; using --mock-blocks)")
+        print(f"  (transformers not installed: real blocks need {install_hint('hf')}; using --mock-blocks)")
     print(f"  parameters: {r['params'] / 1e6:.1f}M, of which Engram tables {r['table_params'] / 1e6:.1f}M; "
           f"{r['blocks']}")
     print(f"Input text : {args.text!r}")

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from ..errors import install_hint
 from ..serving.defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from . import options
 
@@ -37,11 +38,15 @@ def cmd_sample(args) -> int:
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: give a probability mass in (0, 1] (1: every token)")
     torch.manual_seed(args.seed)
     greedy = args.temperature <= 0
     out = model.generate(torch.tensor([ids], device=model_device(model)), max_new_tokens=args.max_new_tokens,
                          do_sample=not greedy,
-                         temperature=None if greedy else args.temperature, top_k=None if greedy else args.top_k,
+                         temperature=None if greedy else args.temperature,
+                         top_k=None if greedy or args.top_k < 1 else args.top_k,
+                         top_p=None if greedy or args.top_p >= 1 else args.top_p,
                          pad_token_id=generation_pad_id(model))
     print(tok.decode(out[0].tolist()))
     return 0
@@ -62,20 +67,15 @@ def cmd_serve(args) -> int:
 
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401  (GET /metrics)
         import uvicorn  # noqa: F401
     except ImportError:
-        raise ImportError("engram serve needs FastAPI and uvicorn: pip install 'engram-torch[serve]'") from None
+        raise ImportError(f"engram serve needs FastAPI, uvicorn and prometheus-client: {install_hint('serve')}") \
+            from None
     if (args.path is None) == (args.base is None):
-        raise ValueError("give a model (PATH: a run dir, model folder or qwen4_exp folder) "
+        raise ValueError("give a model: --checkpoint DIR (a run dir, model folder or qwen4_exp folder) "
                          "or --base DIR [--adapter DIR]")
-    overlays = {}
-    for spec in args.overlay or []:
-        name, sep, d = spec.partition("=")
-        if not sep or not name or not d or "+" in name:
-            raise ValueError(f"--overlay {spec!r}: expected NAME=DIR (a name without '+')")
-        if name in overlays:
-            raise ValueError(f"--overlay {name} given twice")
-        overlays[name] = d
+    overlays = options.overlay_dirs(args.overlay, need_names=True)
     for flag in ("max_body_bytes", "read_timeout", "shutdown_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -112,11 +112,10 @@ def cmd_ask(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from ..model import load_model
     from .client import crosscheck
 
     s = _settings(args)
-    model, tok = load_model(args.checkpoint, dtype=args.dtype, device=args.device)
+    model, tok = options.load_for_inference(args)
     res = crosscheck(args.text, model, tok, s, threshold=args.threshold, timeout=args.timeout, retries=args.retries)
     if args.json:
         print(json.dumps(res, indent=1, ensure_ascii=False))
@@ -154,18 +153,25 @@ def add_commands(sub) -> None:
     sm.add_argument("--prompt", required=True)
     sm.add_argument("--max-new-tokens", type=int, default=60)
     sm.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
-    sm.add_argument("--top-k", type=int, default=50)
+    sm.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: all; default 50)")
+    sm.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling: from the likeliest tokens whose probabilities sum to P (1, the default: "
+                         "all; as engram serve's top_p)")
     sm.add_argument("--seed", type=int, default=0)
     sm.set_defaults(func=cmd_sample)
 
+    # (--checkpoint and --served-model-name are parsed into `path` and `name`: what `integrations.vllm.launcher` reads)
     sv = sub.add_parser("serve", help="an OpenAI-compatible server for an Engram model (overlays chosen per request)",
-                        parents=[options.model_source(checkpoint=False), options.table_format(),
-                                 options.table_tier()])
-    sv.add_argument("path", nargs="?", help="run dir or model folder (engram, or a qwen4_exp model)")
-    sv.add_argument("--overlay", action="append", metavar="NAME=DIR",
-                    help="load a fact overlay, served as model MODEL+NAME (repeatable); --engine vllm: DIR, applied "
-                    "at load to every request")
-    sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
+                        parents=[options.model_source(checkpoint_help="run dir or model folder (engram, or a "
+                                                      "qwen4_exp model)", checkpoint_dest="path"),
+                                 options.overlays(metavar="NAME=DIR", help="load a fact overlay, served as model "
+                                                  "MODEL+NAME, chosen per request (repeatable; also with --engine "
+                                                  "vllm, where a plain DIR is applied to every request)"),
+                                 options.table_format(), options.table_tier()])
+    sv.add_argument("path", nargs="?", action=options.DeprecatedFlag, new="--checkpoint", old="engram serve PATH")
+    sv.add_argument("--served-model-name", dest="name", metavar="NAME",
+                    help="the model id clients send (default: the folder's name; as vLLM's flag)")
+    sv.add_argument("--name", dest="name", action=options.DeprecatedFlag, new="--served-model-name")
     sv.add_argument("--chat-template", help="'plain' (role: content lines) or a Jinja file; default: the tokenizer's "
                     "own (tokenizer_config.json), else /v1/chat/completions is refused")
     sv.add_argument("--host", default="127.0.0.1")
@@ -179,7 +185,7 @@ def add_commands(sub) -> None:
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
     sv.add_argument("--engine", default="engram", choices=("engram", "vllm"),
                     help="engram: this process, one request at a time, overlays per request; vllm: vLLM's OpenAI "
-                    "server (continuous batching, tensor parallel; overlays at load only; docs/serve.md)")
+                    "server (continuous batching, tensor parallel, overlays per request; docs/serve.md)")
     sv.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="--engine vllm: ranks (CPU: one per core group)")
     sv.add_argument("--max-model-len", type=int, help="--engine vllm: the longest sequence (default: the model's "
@@ -198,10 +204,9 @@ def add_commands(sub) -> None:
     a.add_argument("prompt")
     a.set_defaults(func=cmd_ask)
 
-    x = sub.add_parser("crosscheck", help="compare a checkpoint's gates with a hosted model's entities in TEXT",
-                       parents=[_channel(), options.placement()])
+    x = sub.add_parser("crosscheck", help="compare a model's gates with a hosted model's entities in TEXT",
+                       parents=[_channel(), options.model_source()])
     x.add_argument("text")
-    x.add_argument("--checkpoint", required=True)
     x.add_argument("--threshold", type=float, default=0.5)
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=cmd_crosscheck)

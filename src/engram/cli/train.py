@@ -17,9 +17,11 @@ from . import options
 
 
 def _table_flags(args) -> dict:
-    """--table-mode (the training table mode) and --table-cache-mb -> TrainConfig overrides (they win over
-    --set and a config file)."""
+    """--table-mode (the training table mode), --table-cache-mb and --report-to -> TrainConfig overrides (they win
+    over --set and a config file)."""
     overrides = {}
+    if getattr(args, "report_to", None):
+        overrides["report_to"] = ",".join(args.report_to)
     if args.table_mode:
         overrides["table_mode"] = args.table_mode
     if getattr(args, "table_cache_mb", None) is not None:
@@ -35,8 +37,8 @@ def _overrides(args) -> dict:
 def cmd_train(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    # the preset, then --config FILE, then --set; checked whole before any data is read
-    job = resolve_job(args.config, args.preset, args.set or [])
+    # the preset, then --config FILE, then --set and --engram; checked whole before any data is read
+    job = resolve_job(args.config, args.preset, _train_settings(args))
     overrides = {**job.train, **_table_flags(args)}
     # settings fail here, before the data is prepared and before N workers start (transformers is imported
     # only to check model fields)
@@ -58,6 +60,17 @@ def cmd_train(args) -> int:
     print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
           f"model in {summary['final']}" + (f", curve in {summary['plot']}" if summary.get("plot") else ""))
     return 0
+
+
+def _train_settings(args) -> list[str]:
+    """--set KEY=VALUE items, then --engram KEY=VALUE as `model.engram.KEY=VALUE` (the model's Engram fields: the same
+    setting, one flag name on train and adapt; checked by `resolve_job` as --set's)."""
+    engram = []
+    for kv in args.engram or []:
+        if "=" not in kv:
+            raise ConfigError(f"--engram {kv}: expected KEY=VALUE (an EngramConfig field, e.g. layer_ids=[1,3])")
+        engram.append(f"model.engram.{kv}")
+    return [*(args.set or []), *engram]
 
 
 def cmd_adapt(args) -> int:
@@ -113,14 +126,18 @@ def add_commands(sub) -> None:
                  "one per rank with --nproc (default: ram, tables as parameters in RAM / on the device)")
     t = sub.add_parser("train", help="train a preset or your own model (--config) on Shakespeare (default) or --data",
                        parents=[options.run_options("override a training setting (lr=1e-3) or a model field "
-                                                    "(model.hidden_size=384, model.engram.layer_ids=[1,3])"),
+                                                    "(model.hidden_size=384)"),
+                                options.engram_fields("a field of the model's Engram (EngramConfig; model.engram.KEY "
+                                                      "in a --config file), e.g. layer_ids=[1,3] "
+                                                      "engram_vocab_size=[20011,20011]"),
                                 options.train_table_mode(mode_help)])
     t.add_argument("--preset", metavar=options.preset_metavar(),
                    help=f"the starting point (default cpu-small, or the --config file's preset): {presets_help}")
     t.add_argument("--config", metavar="FILE.toml|FILE.json",
                    help="your own model and training settings over the preset: preset = NAME, [model] "
                         "(EngramLMConfig sizes), [model.engram] (EngramConfig), [train] (TrainConfig); "
-                        "--set model.KEY=VALUE / KEY=VALUE then override one field (docs/training.md)")
+                        "--set model.KEY=VALUE / KEY=VALUE and --engram KEY=VALUE then override one field "
+                        "(docs/training.md)")
     t.add_argument("--data", action="append", help="local .txt/.jsonl/.parquet file or folder, or hf:NAME (repeatable)")
     t.add_argument("--no-engram", action="store_true", help="same backbone without Engram (iso-FLOP baseline)")
     t.add_argument("--baseline", choices=options.BASELINES,
@@ -134,18 +151,22 @@ def add_commands(sub) -> None:
 
     ad = sub.add_parser("adapt", help="train an Engram memory adapter (and/or LoRA) on a pretrained transformers model",
                         parents=[options.run_options(),
+                                 options.engram_fields("a field of the adapter's Engram (EngramConfig), e.g. "
+                                                       "engram_vocab_size=[20011,20011] n_head_per_ngram=4 (the "
+                                                       "layers: --layers)"),
                                  options.train_table_mode("where the Engram tables live while training")])
-    ad.add_argument("--base", required=True, help="save_pretrained folder of the base model, with its tokenizer.json")
+    ad.add_argument("--base", required=True, help="save_pretrained folder of the base model, with its tokenizer.json, "
+                    "or a model id ORG/NAME[@REVISION] in the local Hugging Face cache")
     ad.add_argument("--data", action="append", help="corpus to adapt to (as engram train; default Shakespeare)")
     ad.add_argument("--out", required=True, help="run directory (adapter in OUT/final)")
     ad.add_argument("--method", default="engram", choices=options.METHODS)
-    ad.add_argument("--layers", help="decoder layers to put Engram in front of, e.g. 1,3 (default 1)")
+    ad.add_argument("--layers", action=options.ListFlag, item=int,
+                    help="decoder layers to put Engram in front of, a comma list, e.g. 1,3 (default 1)")
     ad.add_argument("--lora-rank", type=int, help="add LoRA of this rank on the base (needs engram-torch[peft])")
     ad.add_argument("--lora-targets", metavar="all-linear|q_proj,v_proj",
                     help="modules LoRA wraps (default: PEFT's for the architecture, q_proj,v_proj for Llama)")
-    ad.add_argument("--unfreeze", action="append", metavar="MODULE", help="also train this base module (e.g. lm_head)")
-    ad.add_argument("--engram", action="append", metavar="KEY=VALUE",
-                    help="Engram option, e.g. engram_vocab_size=[20011,20011] n_head_per_ngram=4")
+    ad.add_argument("--unfreeze", action=options.ListFlag, metavar="MODULE[,...]",
+                    help="also train these base modules, a comma list (e.g. lm_head)")
     ad.set_defaults(func=cmd_adapt)
 
     dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)

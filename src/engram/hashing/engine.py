@@ -50,6 +50,7 @@ import torch
 
 from ..config import ConfigError, EngramConfig
 from ..deprecation import renamed_keywords
+from ..errors import install_hint
 from ..persist import atomic_write_bytes, read_json
 from ..tokenizer import CompressedTokenizer, RawIds
 from . import kernels
@@ -272,7 +273,7 @@ class NgramHashMapping:
         """Hash a validated int tensor `[B, T]` -> (`[L, B, T, (N-1)*K]`, whether offsets were added),
         all layers at once.
 
-        CPU tensors use the fused numba kernel when numba is installed (`pip install engram-torch[fast]`);
+        CPU tensors use the fused numba kernel when numba is installed (the `fast` extra);
         it adds the head offsets itself when asked (`offsets`) and writes `index_dtype`. Otherwise (and on
         GPU) a vectorized torch path computes the same per-head integers (int64).
         """
@@ -292,7 +293,7 @@ class NgramHashMapping:
         if cpu and self.kernel in ("auto", "numba"):
             if not kernels.available():
                 if self.kernel == "numba":
-                    raise ImportError("kernel='numba' needs numba: pip install 'engram-torch[fast]'")
+                    raise ImportError(f"kernel='numba' needs numba: {install_hint('fast')}")
             elif self.max_prime <= kernels.MAX_PRIME:  # larger heads need torch's int64 remainder
                 return self._hash_numba(raw, offsets, ends, dead), offsets
         with self._lock:  # the torch path reuses a workspace; serialize concurrent callers (e.g. prefetch threads)

@@ -1,4 +1,4 @@
-"""Fused CPU hashing kernel (numba), `NgramHashMapping`'s numba backend. Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU hashing kernel (numba), `NgramHashMapping`'s numba backend. Optional: the `fast` extra.
 
 One parallel pass over tokens computes every layer's n-gram mixes and every head's row with
 an exact float64 split-modulo (`mix = hi * 2^48 + mid * 2^32 + lo`, one floor-division per

@@ -20,7 +20,8 @@ integrations register their folder kinds through the entry-point group, so the l
 integrations, which used to import each other to load a model, both import this instead).
 
 Modules: `load.py` (`load_inference_model`, `load_base`, `load_with_adapter`), `kinds.py` (`FolderKind`, the
-registry), `prepare.py` (`prepare_inference`: tier, overlays, format, in one order), `chat.py` (chat templates).
+registry), `prepare.py` (`prepare_inference`: tier, overlays, format, in one order), `chat.py` (chat templates),
+`hub.py` (model ids: `org/name[@REVISION]` -> its snapshot in the local Hugging Face cache, never the network).
 Heavy imports (transformers, peft, jinja2) happen inside the functions that need them.
 """
 
@@ -32,10 +33,12 @@ from .chat import (
     chat_template_of,
     model_chat_template,
 )
+from .hub import ModelIdError, resolve_model_dir
 from .kinds import ENTRY_POINTS, FolderKind, UnknownFolderError, find_folder_kind, folder_kinds
 from .load import load_base, load_inference_model, load_with_adapter
 from .prepare import prepare_inference
 
-__all__ = ["ENTRY_POINTS", "PLAIN_CHAT_TEMPLATE", "PLAIN_ROLES", "ChatTemplateError", "FolderKind",
-           "UnknownFolderError", "chat_renderer", "chat_template_of", "find_folder_kind", "folder_kinds",
-           "load_base", "load_inference_model", "load_with_adapter", "model_chat_template", "prepare_inference"]
+__all__ = ["ENTRY_POINTS", "PLAIN_CHAT_TEMPLATE", "PLAIN_ROLES", "ChatTemplateError", "FolderKind", "ModelIdError",
+           "UnknownFolderError", "resolve_model_dir", "chat_renderer", "chat_template_of", "find_folder_kind",
+           "folder_kinds", "load_base", "load_inference_model", "load_with_adapter", "model_chat_template",
+           "prepare_inference"]

@@ -39,7 +39,9 @@ def model_chat_template(path=None, base=None) -> str | None:
     """The chat template of what `load_inference_model(path, base, ...)` loads: the base folder's, else the model
     folder's (a run dir's `final/` when the folder itself holds no tokenizer_config.json). None when it has none."""
     if base is not None:
-        return chat_template_of(Path(base))
+        from .hub import resolve_model_dir
+
+        return chat_template_of(resolve_model_dir(base))
     p = Path(path)
     return chat_template_of(p if (p / "tokenizer_config.json").is_file() else p / "final")
 

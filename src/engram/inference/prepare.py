@@ -55,3 +55,20 @@ def prepare_inference(model, tier: str | None = None, table_dir=None, table_form
         for o in loaded.values():
             apply_overlay(model, o, check=False)
     return loaded
+
+
+def overlay_spec(spec) -> tuple[str | None, str]:
+    """One `--overlay` value, `[NAME=]DIR`, as (NAME or None, DIR): the one reading of it (`engram serve`, `sample`,
+    `eval`, `edit` through `cli.options.overlay_dirs`; `engram serve --engine vllm` through its launcher). An existing
+    path is a DIR even with a '=' in it; a name has no '+' (a server's model id MODEL+NAME names an overlay); anything
+    else is a one-line ValueError."""
+    from pathlib import Path
+
+    spec = str(spec)
+    name, sep, d = spec.partition("=")
+    if not sep or Path(spec).exists():
+        return None, spec
+    if not name or not d or "+" in name:
+        raise ValueError(f"--overlay {spec!r}: expected [NAME=]DIR (a name without '+')")
+    return name, d
+

@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EngramError
+from ..errors import EngramError, install_hint
 from ..persist import atomic_file, new_dir, read_json, sha256_file, write_json
 from ..utils import cache_dir
 
@@ -118,13 +118,13 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise ImportError(f"engram base import needs transformers and gguf: pip install 'engram-torch[hf,gguf]' "
+        raise ImportError(f"engram base import needs transformers and gguf: {install_hint('hf,gguf')} "
                           f"({e})") from None
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except ImportError as e:
-        raise ImportError(f"reading GGUF files needs the gguf package: pip install 'engram-torch[gguf]' ({e})") \
+        raise ImportError(f"reading GGUF files needs the gguf package: {install_hint('gguf')} ({e})") \
             from None
     except (ValueError, KeyError, OSError) as e:
         raise BaseError(f"{gguf}: transformers cannot read this GGUF file ({str(e).splitlines()[0][:200]})") from None

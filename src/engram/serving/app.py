@@ -2,7 +2,11 @@
 
 Routes: `GET /v1/models` (the model and `MODEL+OVERLAY` for every loaded overlay), `POST /v1/completions`,
 `POST /v1/chat/completions` (where the tokenizer has a chat template), both streaming (SSE) on `stream: true`;
-`temperature`, `top_p`, `max_tokens`, `stop`, `seed`. With an API key (`--api-key` or `ENGRAM_API_KEY`)
+`temperature`, `top_p`, `top_k` (vLLM's extra field), `max_tokens`, `stop`, `seed`; on completions also
+`logprobs`, `echo` and token-id prompts
+(OpenAI's legacy shape, as vLLM answers it: what lm-eval-harness's `local-completions` sends). `GET /metrics`:
+Prometheus's text format (`metrics.py`). vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`,
+so a client (lm-eval's remote tokenizer) tokenizes as the server does. With an API key (`--api-key` or `ENGRAM_API_KEY`)
 every request without `Authorization: Bearer KEY` gets 401. Bodies are validated against the pydantic models of
 `schema.py`; every refusal (400, 401, 404, 405, 408, 413, 422) is OpenAI's error JSON
 (`{"error": {"message", "type", "param", "code"}}`) and the server lives on. `limits.py` bounds the body's size
@@ -28,7 +32,8 @@ from starlette.exceptions import HTTPException
 from .defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
 from .engine import Engine, Job, ServeError
 from .limits import BodyError, Guard, HeadDeadline
-from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, openai_error
+from .metrics import ARRIVED, Metrics, MetricsMiddleware
+from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openai_error
 
 
 def _validation_error(request: Request, e: RequestValidationError):
@@ -63,17 +68,21 @@ def _http_error(request: Request, e: HTTPException):
         return openai_error(400, f"the request body is not valid JSON ({why})", "invalid_json")
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
     detail = {404: f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
-                   "POST /v1/completions, POST /v1/chat/completions, GET /health",
+                   "POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics, POST /tokenize, "
+                   "POST /detokenize, GET /tokenizer_info",
               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
     return openai_error(e.status_code, detail, code, headers=getattr(e, "headers", None))
 
 
 def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE_MAX_BODY,
                read_timeout: float = SERVE_READ_TIMEOUT):
-    """The FastAPI app over `engine`, behind `Guard` (API key, body size and read time)."""
+    """The FastAPI app over `engine`, behind `Guard` (API key, body size and read time), counted by `Metrics`
+    (`app.state.metrics`, its own registry)."""
     app = FastAPI(title="engram", description="OpenAI-compatible server for Engram models")
     app.state.engine = engine
+    app.state.metrics = metrics = Metrics(engine, getattr(engine, "overlays", {}))
     app.add_middleware(Guard, api_key=api_key, max_body=max_body, read_timeout=read_timeout)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # (added last: outermost, it counts what Guard refuses)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
 
@@ -85,6 +94,32 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
     async def health():
         return {"status": "ok", "queued": engine.jobs.qsize(), "busy": engine.busy.is_set(), **engine.counts}
 
+    @app.get("/metrics")
+    async def prometheus():
+        from fastapi.responses import Response
+
+        body, kind = metrics.render()
+        return Response(body, media_type=kind)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return engine.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            engine.resolve(body.model)
+        engine.check_chars(len(body.prompt))
+        ids = await run_in_threadpool(engine.encode, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            engine.resolve(body.model)
+        engine.check_ids(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(engine.text_of, body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": m, "object": "model", "created": engine.created, "owned_by": "engram"}
@@ -94,42 +129,80 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
         bad = body.unimplemented()
         if bad:
             raise ServeError(f"{', '.join(bad)}: not implemented by engram serve (one greedy or sampled choice, "
-                             "no logprobs, echo, penalties or tools); leave them out", 400, "unsupported_parameter",
-                             bad[0])
-        max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) or DEFAULT_MAX_TOKENS
+                             "no penalties or tools; logprobs and echo on /v1/completions only); leave them out", 400,
+                             "unsupported_parameter", bad[0])
+        logprobs, echo = getattr(body, "logprobs", None), bool(getattr(body, "echo", None))
+        if logprobs is not None and body.stream:
+            raise ServeError("logprobs with stream: true is not implemented by engram serve; send stream: false (the "
+                             "answer comes whole, with every token's logprobs)", 400, "unsupported_parameter",
+                             "logprobs")
+        max_tokens = body.max_tokens
+        if max_tokens == 0 and not echo:
+            raise ServeError("max_tokens 0 asks for no completion: send echo: true (and logprobs) to score the "
+                             "prompt, or at least 1", 400, "invalid_value", "max_tokens")
+        if max_tokens is None:
+            max_tokens = getattr(body, "max_completion_tokens", None) or DEFAULT_MAX_TOKENS
         return dict(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop or [])
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed,
+                    stop=body.stop or [], logprobs=logprobs, echo=echo)
 
-    async def run(request: Request, body: CompletionRequest | ChatRequest, prompt: str | list[dict], chat: bool):
-        """Check, tokenize (off the event loop), queue the job, and answer it: streamed, or whole once done."""
+    async def run(request: Request, body: CompletionRequest | ChatRequest, prompt: str | list[dict] | list[int],
+                  chat: bool):
+        """Check, tokenize (off the event loop), queue the job, and answer it: streamed, or whole once done.
+        `prompt`: chat messages, a text, or token ids."""
+        arrived = request.scope.get(ARRIVED, time.monotonic())
+        endpoint = request.url.path
         overlay = engine.resolve(body.model)
         settings = job_settings(body)
         if chat:
             engine.check_chars(sum(len(m["content"]) for m in prompt), "messages")  # (before rendering)
             prompt = await run_in_threadpool(engine.render_chat, prompt)
-        engine.check_chars(len(prompt), "messages" if chat else "prompt")
-        ids = await run_in_threadpool(engine.encode, prompt)
+        if isinstance(prompt, list):  # token ids
+            ids = prompt
+            engine.check_ids(ids)
+            echoed = engine.text_of(ids) if settings["echo"] else ""
+        else:
+            engine.check_chars(len(prompt), "messages" if chat else "prompt")
+            ids = await run_in_threadpool(engine.encode, prompt)
+            echoed = prompt if settings["echo"] else ""
         engine.check(ids, settings["max_tokens"])
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(ids=ids, overlay=overlay, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                   **settings)
         engine.submit(job)
+        metrics.prompt_tokens.inc(len(ids))
+        if overlay is not None:
+            metrics.overlay_requests.labels(overlay).inc()
         created, model = int(time.time()), body.model
         kind = "chat.completion" if chat else "text_completion"
         cid = ("chatcmpl-" if chat else "cmpl-") + job.id
+        first = [True]
+
+        def seen(ev):
+            """Count a worker event into the metrics: the first token's time, the tokens decoded."""
+            if ev["type"] == "delta" and first[0]:
+                first[0] = False
+                metrics.ttft.labels(endpoint).observe(time.monotonic() - arrived)
+            elif ev["type"] == "done":
+                metrics.generation_tokens.inc(ev["completion_tokens"])
+            return ev
 
         def usage(n):
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         if body.stream:
             async def sse():
+                finished = False
                 try:
                     if chat:
                         yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                     "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+                    if echoed:
+                        yield _sse({"id": cid, "object": kind, "created": created, "model": model,
+                                    "choices": [{"index": 0, "text": echoed, "finish_reason": None}]})
                     while True:
-                        ev = await events.get()
+                        ev = seen(await events.get())
                         if ev["type"] == "delta":
                             piece = ({"delta": {"content": ev["text"]}} if chat else {"text": ev["text"]})
                             yield _sse({"id": cid, "object": kind + (".chunk" if chat else ""), "created": created,
@@ -140,17 +213,21 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
                                         "model": model, "choices": [{"index": 0, **end,
                                                                      "finish_reason": ev["finish_reason"]}],
                                         "usage": usage(ev["completion_tokens"])})
+                            finished = True
                             yield "data: [DONE]\n\n"
                             return
                         else:
+                            finished = True
                             yield _sse({"error": {"message": ev["message"], "type": "server_error", "param": None,
                                                   "code": "generation_failed"}})
                             return
                 finally:  # the client went away (or the stream ended): stop decoding, free the worker
                     job.cancelled.set()
+                    if not finished:
+                        metrics.cancelled.labels(endpoint).inc()
 
             return StreamingResponse(sse(), media_type="text/event-stream")
-        text, reason, n = "", None, 0
+        text, reason, n, done = "", None, 0, {}
         gone = asyncio.ensure_future(_disconnect(request))  # (the client going away cancels its job at once)
         try:
             while True:
@@ -158,12 +235,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
                 await asyncio.wait([get, gone], return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():  # the client closed its connection: queued or decoding, the job stops
                     get.cancel()
+                    metrics.cancelled.labels(endpoint).inc()
                     return openai_error(499, "client closed the request", "client_closed")
-                ev = get.result()
+                ev = seen(get.result())
                 if ev["type"] == "delta":
                     text += ev["text"]
                 elif ev["type"] == "done":
-                    reason, n = ev["finish_reason"], ev["completion_tokens"]
+                    reason, n, done = ev["finish_reason"], ev["completion_tokens"], ev
                     break
                 else:
                     return openai_error(500, ev["message"], "generation_failed")
@@ -174,12 +252,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
             gone.cancel()
             job.cancelled.set()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason} if chat
-                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+                  else {"index": 0, "text": echoed + text, "logprobs": _logprobs(done, echoed),
+                        "finish_reason": reason})
         return {"id": cid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage(n)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await run(request, body, body.prompt[0], chat=False)
+        return await run(request, body, body.prompt[0], chat=False)  # (one prompt: text, or token ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -198,6 +277,24 @@ async def _disconnect(request: Request) -> None:
     decodes faster than it looks)."""
     while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(0.05)  # (uvicorn waits inside receive; a server that does not must not spin here)
+
+
+def _logprobs(done: dict, echoed: str) -> dict | None:
+    """A completion choice's `logprobs` (OpenAI's legacy shape, as vLLM fills it) from the worker's "done" event:
+    the prompt's tokens first when echoed (the first with None), then the completion's; `text_offset`: where each
+    token's text starts in the choice's text, counting each token's own text (vLLM's way: the completion's from
+    the end of the echoed prompt). None when the request asked for no logprobs."""
+    parts = [(p, at) for p, at in ((done.get("prompt_logprobs"), 0), (done.get("logprobs"), len(echoed)))
+             if p is not None]
+    if not parts:
+        return None
+    out = {key: [v for p, _ in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs")}
+    out["text_offset"] = offsets = []
+    for part, at in parts:
+        for t in part["tokens"]:
+            offsets.append(at)
+            at += len(t)
+    return out
 
 
 def _sse(obj: dict) -> str:

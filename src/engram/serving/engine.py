@@ -10,6 +10,10 @@ cancelled between two tokens, or before it starts if it is still queued.
 The engine also bounds what one request costs before any model work: a prompt longer (in characters) than the
 context could hold is refused before it is tokenized (`check_chars`), and chat messages that would forge another
 turn in the rendered prompt are refused (`render_chat`).
+
+Log-probabilities (`Job.logprobs`, `echo`): log-softmax of the served model's logits in float32 (`token_logprobs`),
+with the request's overlay on: a generated token's from the logits `generate` chose it from (before temperature or
+top-p, as vLLM reports them), the prompt's from one forward over it (`echo`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..inference import (
     model_chat_template,
     prepare_inference,
 )
+from ..tokenizer import model_eos_id
 
 GREEDY_BELOW = 1e-4  # a temperature under this decodes greedily (sampling's limit as T -> 0; 1e-300 would overflow)
 
@@ -57,6 +62,9 @@ class Job:
     seed: int | None
     overlay: str | None
     emit: object  # callable(event: dict), thread-safe (hands events to the request's event loop)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    echo: bool = False  # with logprobs: the prompt's tokens' log-probabilities too
+    top_k: int | None = None  # sample from the k likeliest tokens (None, -1 or 0: every token, as vLLM's top_k)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
@@ -133,6 +141,8 @@ class Engine:
         self.specials = _special_texts(tokenizer)
         self._template = None  # (compiled on first use)
         self.pad_id = generation_pad_id(model)
+        self.eos_id = model_eos_id(model, tokenizer)  # (engram.tokenizer: also lm-eval's EngramLM)
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or tokenizer.get_vocab_size(with_added_tokens=True))
         self.jobs: queue.Queue = queue.Queue()
         self.busy = threading.Event()  # a job is decoding
         self.counts = {"done": 0, "cancelled": 0, "failed": 0, "tokens": 0}  # tokens: decoded, all requests
@@ -157,11 +167,35 @@ class Engine:
                              "the server with --overlay NAME=DIR", 404, "model_not_found", "model")
         return overlay
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text of `ids` with special tokens spelled out (an echoed prompt of ids, `/detokenize`)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's own text (special tokens spelled out): the `tokens` and `top_logprobs` keys of logprobs."""
+        return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """Refuse token ids the model has no embedding for (a prompt or `/detokenize` given as ids)."""
+        bad = next((i for i in ids if i >= self.vocab_size), None)
+        if bad is not None:
+            raise ServeError(f"token id {bad} is outside this model's vocabulary (ids 0 to {self.vocab_size - 1})",
+                             400, "invalid_value", param)
+
+    def tokenizer_info(self) -> dict:
+        """What vLLM's `GET /tokenizer_info` answers and lm-eval-harness's remote tokenizer reads: the EOS text
+        (the model's generation EOS), no BOS (engram encodes without special tokens), the pad text, the context,
+        the chat template."""
+        pad = self.tokenizer.id_to_token(self.pad_id) if self.pad_id is not None else None
+        return {"tokenizer_class": "tokenizers.Tokenizer", "eos_token": self.tokenizer.id_to_token(self.eos_id),
+                "bos_token": None, "pad_token": pad, "model_max_length": self.max_context,
+                "chat_template": self.chat_template}
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt for `messages` ({role, content}, roles already from the fixed set), by the chat template
@@ -255,16 +289,55 @@ class Engine:
             ctx = applied(self.model, self.overlays[job.overlay])
         if job.seed is not None:
             torch.manual_seed(job.seed)
+        k, prompt_lp, completion_lp = job.logprobs, None, None
         with ctx, torch.no_grad():
-            self.model.generate(torch.tensor([job.ids], device=self.device), max_new_tokens=job.max_tokens,
-                                do_sample=not greedy,
-                                temperature=None if greedy else job.temperature, top_k=None,
-                                top_p=None if greedy or job.top_p >= 1 else job.top_p, pad_token_id=self.pad_id,
-                                streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop(job, streamer)]))
+            ids = torch.tensor([job.ids], device=self.device)
+            if job.echo and k is not None:  # the prompt's own tokens, from one forward over it
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1]  # (T - 1, V): predicts ids[1:]
+                prompt_lp = self.logprobs_of(logits, job.ids[1:], k, first=job.ids[0])
+            if job.max_tokens > 0:
+                out = self.model.generate(ids, max_new_tokens=job.max_tokens, do_sample=not greedy,
+                                          temperature=None if greedy else job.temperature,
+                                          top_k=None if greedy or not job.top_k or job.top_k < 1 else job.top_k,
+                                          top_p=None if greedy or job.top_p >= 1 else job.top_p,
+                                          pad_token_id=self.pad_id, streamer=streamer,
+                                          stopping_criteria=StoppingCriteriaList([_Stop(job, streamer)]),
+                                          return_dict_in_generate=k is not None, output_logits=k is not None)
+                if k is not None:  # out.logits: one (1, V) per new token, the raw logits it was chosen from
+                    chosen = streamer.ids[:len(out.logits)]
+                    logits = torch.cat([x[:1] for x in out.logits[:len(chosen)]]) if chosen else None
+                    cut = len(streamer.text) if streamer.finish == "stop" else None
+                    completion_lp = self.logprobs_of(logits, chosen, k, text_len=cut)
         reason = streamer.finish or ("cancelled" if job.cancelled.is_set() else
                                      "length" if len(streamer.ids) >= job.max_tokens else "stop")
         self.counts["cancelled" if reason == "cancelled" else "done"] += 1
-        job.emit({"type": "done", "finish_reason": reason, "completion_tokens": len(streamer.ids)})
+        job.emit({"type": "done", "finish_reason": reason, "completion_tokens": len(streamer.ids),
+                  "prompt_logprobs": prompt_lp, "logprobs": completion_lp})
+
+    def logprobs_of(self, logits: torch.Tensor | None, chosen: list[int], k: int, first: int | None = None,
+                    text_len: int | None = None) -> dict:
+        """OpenAI's legacy `logprobs` (tokens, token_logprobs, top_logprobs; the app adds text_offset) of the tokens
+        `chosen`, `logits` (len(chosen), V) being the logits each was predicted from. `first`: a prompt's first
+        token, listed first with no log-probability (nothing predicts it). `text_len`: the returned text's length
+        when a stop string cut it: tokens starting at or past it are dropped, as their text is not returned."""
+        lp, top = token_logprobs(logits, chosen, k) if chosen else ([], [])
+        ids = ([first] if first is not None else []) + list(chosen)
+        strings = self.token_strings(ids)
+        names = dict(zip(ids, strings))
+        others = list({i for row in top for i, _ in row} - set(names))
+        names.update(zip(others, self.token_strings(others)))
+        tops = []
+        for row in top:  # (two ids of one text, e.g. byte tokens shown as "\ufffd", keep the likelier's value)
+            tops.append({})
+            for i, v in row:
+                tops[-1].setdefault(names[i], v)
+        out = {"tokens": strings, "token_logprobs": ([None] if first is not None else []) + lp,
+               "top_logprobs": ([None] if first is not None else []) + tops}
+        if text_len is not None:
+            starts = [sum(map(len, strings[:j])) for j in range(len(strings))]
+            keep = sum(1 for at in starts if at < text_len) if text_len < sum(map(len, strings)) else len(strings)
+            out = {key: v[:keep] for key, v in out.items()}
+        return out
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -297,6 +370,24 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
     # (the tier was set by the loader; overlays checked before the format conversion, chosen per request)
     loaded = prepare_inference(model, table_format=table_format, overlays=overlays, apply=False)
     return Engine(model, tok, name, loaded, template)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> tuple[list[float], list[list[tuple]]]:
+    """Log-softmax of `logits` (n, V) in float32: the log-probability of each `chosen` token (n ids), and each row's
+    `k` likeliest (id, log-probability) pairs plus the chosen one (OpenAI's "up to logprobs + 1"). Rows are taken
+    256 at a time, so a long prompt's float32 copy of its logits stays small."""
+    lps, tops = [], []
+    want = torch.tensor(chosen, device=logits.device)
+    for a in range(0, logits.shape[0], 256):
+        lp = torch.log_softmax(logits[a:a + 256].float(), dim=-1)  # (rows, V)
+        picked = lp.gather(1, want[a:a + 256, None])[:, 0]
+        lps += picked.tolist()
+        if k > 0:
+            v, i = lp.topk(k, dim=-1)
+            tops += [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+        else:
+            tops += [[] for _ in range(lp.shape[0])]
+    return lps, [row + [(c, p)] for row, c, p in zip(tops, chosen, lps)]
 
 
 def _special_texts(tokenizer) -> list[str]:

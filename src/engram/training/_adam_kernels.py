@@ -1,4 +1,4 @@
-"""Fused CPU lazy-Adam kernels of `optim.py` (numba). Optional: `pip install 'engram-torch[fast]'`.
+"""Fused CPU lazy-Adam kernels of `optim.py` (numba). Optional: the `fast` extra.
 
 One parallel pass over the touched rows updates weight and both moments in place, in float32,
 with the same per-element formula as `optim.adam_rows_` (torch's `lerp_` for the first moment,

@@ -3,7 +3,7 @@
     engram adapt --base DIR --data PATH --out RUN [--layers 1,3] [--lora-rank 8] [--method engram]
 
 Methods (what trains; the base model is loaded from DIR, a `save_pretrained` folder with its
-`tokenizer.json`):
+`tokenizer.json`, or a model id `org/name[@REVISION]` in the local Hugging Face cache: `engram.inference.hub`):
     engram        Engram layers attached in front of `--layers` (`engram.attach`), base frozen: the tables
                   with the lazy row optimizer (LR x table_lr_mult, no decay), the rest of Engram with AdamW.
     lora          LoRA on the base (PEFT, `engram-torch[peft]`), no Engram.
@@ -31,6 +31,7 @@ import torch
 from ..config import ConfigError
 from ..distributed.parallel import DistContext
 from ..inference import load_base
+from ..inference.hub import resolve_model_dir
 from ..persist import atomic_write_bytes, new_dir, write_json
 from ..tokenizer import TOKENIZER_CONFIG, write_tokenizer_files
 from .config import TrainConfig, current_settings
@@ -55,12 +56,26 @@ def _layers(spec, n_layers: int) -> list[int]:
         raise ConfigError(f"--layers {spec}: expected comma-separated layer indices, e.g. 1,3") from None
 
 
-def _write_final(model, run_dir: Path, method: str, tok_file: Path) -> Path:
+def _card_training(run, method: str) -> dict:
+    """What the adapter's model card shows of this run (`adapters.card`): data, steps, the last train loss and the
+    last validation loss (nats per token, from metrics.jsonl), settings."""
+    from .run import read_metrics, read_run_file
+
+    recs = read_metrics(run.metrics_path) if run.metrics_path.is_file() else []
+    last = recs[-1] if recs else {}
+    val = next((r["val_loss"] for r in reversed(recs) if r.get("val_loss") is not None), None)
+    t = run.tcfg
+    return {"command": "engram adapt", "data": read_run_file(run.run_dir).get("data"), "steps": last.get("step"),
+            "train_loss": last.get("train_loss"), "val_loss": val,
+            "settings": {"method": method, "lr": t.lr, "batch_size": t.batch_size, "seq_len": t.seq_len}}
+
+
+def _write_final(model, run_dir: Path, method: str, tok_file: Path, training: dict | None = None) -> Path:
     from ..adapters import save_adapter
 
     final = run_dir / "final"
     if method in ("engram", "lora+engram"):
-        return save_adapter(model, final)
+        return save_adapter(model, final, training=training)
     with new_dir(final) as tmp:  # checksums of every file, written last (`engram verify`)
         if method == "full":  # the tokenizer and its EOS (generation stops there, as in `save_final`) ...
             eos = write_tokenizer_files(tmp, tok_file, model.config.pad_token_id)
@@ -107,7 +122,8 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
         tcfg = dataclasses.replace(tcfg, max_steps=max_steps)
     tcfg.validate()
     ddp = DistContext(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    model, tok_file = load_base(base, ddp.device)
+    base_dir = resolve_model_dir(base)  # (a model id: its snapshot in the local HF cache, recorded in run.json)
+    model, tok_file = load_base(base_dir, ddp.device)
     layer_ids = _layers(layers, len(ad.find_layers(model)[1])) if "engram" in method else []
     torch.manual_seed(tcfg.seed)
     if "engram" in method:
@@ -127,16 +143,18 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     if lora_rank:
         model = ad.add_lora(model, rank=lora_rank, target_modules=lora_targets)
     tcfg = dataclasses.replace(tcfg, tokenizer=str(tok_file.resolve()))
-    run_json = {"kind": "adapt", "base": str(Path(base).resolve()), "method": method, "layers": layer_ids,
+    run_json = {"kind": "adapt", "base": str(base_dir.resolve()), "method": method, "layers": layer_ids,
                 "lora_rank": lora_rank, "unfreeze": list(unfreeze or []), "engram_options": engram_options or {},
                 "lora_targets": lora_targets}
+    if base_dir != Path(base):  # a model id
+        run_json["base_id"] = str(base)  # (as given; "base" is the snapshot folder, so --resume checks its weights)
     run = open_run(tcfg, data, out, run_json, ("base", "method", "layers", "lora_rank", "unfreeze", "engram_options",
                                                "lora_targets"), resume, ddp, progress)
     run.model = model.train()
     run.only_trainable, run.feed_hashes = method != "full", False  # the adapter hashes in its own forward
     run.counts = ad.trainable_summary(model)
     run.n_params, run.n_table = run.counts["total"], run.counts["engram_table"]
-    run.write_final = lambda m: _write_final(m, run.run_dir, method, tok_file)
+    run.write_final = lambda m: _write_final(m, run.run_dir, method, tok_file, _card_training(run, method))
     adapter = ad.adapter_of(model)
     return finish_build(run, resume, adapter.mapping if adapter is not None else None)
 

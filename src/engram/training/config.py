@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, from_section, parse_bool
 from ..deprecation import MovedNames
+from .tracking import check_report_to
 
 TRAIN_TABLE_MODES = ("ram", "mmap")  # TrainConfig.table_mode: where the tables live while training
 
@@ -79,6 +80,9 @@ class TrainConfig:
     table_readahead: bool = True  # mmap: read and journal the next batch's rows on the data pipeline's thread (for
     # files colder than the page cache; with a warm one it costs a few percent here: --set table_readahead=false)
     dense_parallel: str = "ddp"  # --nproc > 1: ddp (replicated dense weights) or fsdp2 (sharded)
+    # --report-to: trackers that get every metrics record too ("tensorboard,trackio"; "none"; "": none, and a --resume
+    # reports where the run did), `training/tracking.py`
+    report_to: str = ""
 
     def __post_init__(self):
         old = self.table_mode
@@ -109,6 +113,7 @@ class TrainConfig:
             raise ConfigError(f"dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.table_cache_mb < 0:
             raise ConfigError(f"table_cache_mb must be >= 0, got {self.table_cache_mb}")
+        check_report_to(self.report_to)  # (a known tracker whose package is installed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -6,7 +6,8 @@ and hand it to the same units here.
     finish_build  tables placed (parameters, memory-mapped files, row shards; journals started), optimizers,
                 the batcher (hash ids and table read-ahead on its thread), validation windows
     execute     restore or log step 0 -> loop (train_step, evaluate, save, Ctrl-C) -> finish (final folder,
-                loss plot, summary.json)
+                loss plot, summary.json); every metrics record through `Run.log`: metrics.jsonl and the trackers
+                of `report_to` (`tracking.py`: TensorBoard, trackio)
 
 So every table option (`table_mode`, `table_dir`, `table_cache_mb`, `table_init`, `table_readahead`)
 means the same in both commands.
@@ -52,6 +53,7 @@ from .checkpoint import (
 from .config import TrainConfig, current_settings
 from .data import Batcher, eval_windows, load_manifest, load_split, prepare
 from .optim import build_optimizers, split_params, warmup_cosine
+from .tracking import Trackers, resumed_report_to
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Run:
     batcher: Batcher | None = None
     val: np.ndarray | None = None  # (W, seq_len) validation windows
     tables: dict = dataclasses.field(default_factory=dict)  # durable tables: {layer: Table} (files, shards)
+    trackers: Trackers = dataclasses.field(default_factory=Trackers)  # --report-to (rank 0; opened by `execute`)
 
     @property
     def metrics_path(self) -> Path:
@@ -86,6 +89,7 @@ class Run:
     def log(self, rec: dict) -> None:
         if self.ddp.is_main:
             append_jsonl(self.metrics_path, rec)
+            self.trackers.log(rec)
 
     def autocast(self):
         dev = self.ddp.device
@@ -161,6 +165,7 @@ def open_run(tcfg: TrainConfig, data, out, run_json: dict, same: tuple[str, ...]
              progress: bool) -> Run:
     """Prepare the data (tokenized with `tcfg.tokenizer`), set up the run directory (`run_json`: the kind's own
     settings; `same`: those a --resume must match) and return the run, still without a model."""
+    tcfg = resumed_report_to(tcfg, out) if resume else tcfg  # (naming no trackers: those the run was started with)
     data_dir = prepare(data, tcfg.tokenizer, progress=progress)
     run_json = {**run_json, "data": data, "train": dataclasses.asdict(tcfg), "data_dir": str(data_dir)}
     run_dir = setup_run(out, run_json, resume, same)
@@ -225,11 +230,14 @@ def execute(run: Run, resume: bool, stop_after: int | None, describe: Callable[[
     """Restore (or log step 0), train to max_steps, finish; returns the summary. `describe(run)`: the line printed
     before training (what trains, on what)."""
     step = restore(run) if resume else 0
-    if run.progress:
-        print(describe(run))
-    if step == 0:
-        log_start(run)
-    return finish(run, *loop(run, step, stop_after))
+    run.trackers = Trackers(run.tcfg.report_to if run.ddp.is_main else "", run.run_dir, step,
+                            dataclasses.asdict(run.tcfg))
+    with run.trackers:  # (closed however the run ends)
+        if run.progress:
+            print(describe(run))
+        if step == 0:
+            log_start(run)
+        return finish(run, *loop(run, step, stop_after))
 
 
 def restore(run: Run) -> int:

@@ -9,6 +9,7 @@ One run directory holds everything:
     DIR/metrics.jsonl      one JSON object per step: step, train_loss, lr, tok_s (+ val_loss on eval steps)
     DIR/checkpoints/step_NNNNNN/   model.safetensors, optim.safetensors, state.json (with file hashes)
     DIR/loss.png           loss curves (matplotlib, if installed)
+    DIR/tb/                TensorBoard event files of the same records (--report-to tensorboard: `tracking.py`)
     DIR/final/             save_pretrained output + tokenizer.json and tokenizer_config.json (its EOS;
                            AutoModelForCausalLM/AutoTokenizer-loadable) and
                            engram_manifest.json (size + sha256 of every file, verified on load)

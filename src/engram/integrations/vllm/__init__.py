@@ -1,6 +1,6 @@
 """engram's models in vLLM, through vLLM's plugin mechanism (no fork of vLLM).
 
-    pip install 'engram-torch[vllm]' vllm          # (CPU: see docs/serve.md for the install that works)
+    pip install -e '.[vllm]' vllm         # (CPU: see docs/serve.md for the install that works)
     python -m vllm.entrypoints.openai.api_server --model runs/cpu-small/final --dtype float32 --enforce-eager
     engram serve runs/cpu-small --engine vllm       # the same, with engram's option names
 
@@ -14,10 +14,15 @@ checks engram's table options (`--hf-overrides`, `options.py`) in the API server
 A pretrained base + Engram adapter: `pair.py` writes a folder naming `EngramAdapter<Arch>` (the base's own
 files linked), served by `adapter_model.py` (vLLM's own model for the base, engram's adapter layers hooked in).
 
+Overlays chosen per request (`--overlay NAME=DIR`: the `engram_overlays` option): `overlays.py` keeps every
+loaded overlay's rows beside the tables and puts each token's own request's rows into the step's gather;
+`routing.py` tells the steps which request chose which overlays (a vLLM logits processor that follows the persistent
+batch, which the config hook adds) and routes the model ids `MODEL+NAME` (an ASGI middleware, `--middleware`).
+
 Pieces: `model.py` (the model, written with vLLM's layers), `step.py` (a step's hashing and Engram deltas),
 `state.py` (the n-gram ids and conv inputs of earlier positions, kept per KV-cache slot), `options.py` (table
-options, the config hooks), `launcher.py` (`engram serve --engine vllm`), `pair.py`, `adapter_model.py`, and
-`_kernels.py` (the numba kernels of `step.py` and `state.py`).
+options, the config hooks), `overlays.py` and `routing.py` (overlays per request), `launcher.py` (`engram serve
+--engine vllm`), `pair.py`, `adapter_model.py`, and `_kernels.py` (the numba kernels of `step.py` and `state.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for a serving step's Engram math at n single positions (numba; `pip install 'engram-torch[fast]'`).
+"""Fused CPU kernels for a serving step's Engram math at n single positions (numba; the `fast` extra).
 
 Used by `step.py` and `state.py` only (the hash's split-modulo arithmetic is `hashing.kernels`').
 

@@ -7,7 +7,8 @@ The folder vLLM loads is a pair folder (`pair.py`): the base's files linked, `co
 classes and the base and adapter folders. vLLM loads the base's weights into its own modules
 (`super().load_weights`); engram reads the adapter's tensors from the adapter folder into an `EngramAdapter`
 built as `attach` builds it (same parameter names, `engram_adapter.layers.{i}...`), its tables under
-`defer_table_allocation` until their rows arrive; then the table options apply (`inference.prepare_inference`).
+`defer_table_allocation` until their rows arrive; then the table options apply (`overlays.load_table_options`:
+`inference.prepare_inference`, and the per-request overlays, each token reading its own request's rows).
 
 Where the delta goes. vLLM's decoder layers return `(mlp_out, residual)` unadded: the next layer's fused
 add+RMSNorm adds them. A forward pre-hook on each hooked block i rebuilds the residual stream entering it,
@@ -37,6 +38,7 @@ from ...adapters.files import adapted_digest, adapter_mapping, adapter_tensors
 from ...adapters.hooks import EngramAdapter
 from ...memory import defer_table_allocation, is_table_key
 from .options import table_options
+from .overlays import load_table_options
 from .pair import LAYERS_PATH, read_pair
 from .step import engram_delta, hash_ids, new_state, step_view
 
@@ -59,10 +61,10 @@ class _BlockHook:
         a = bound.arguments
         hs, res = a["hidden_states"], a["residual"]
         h = hs if res is None else hs + res  # (n_all, D): a new tensor; the fused norms below may write into it
-        ids, view, n = m._step
+        ids, view, n, choice = m._step
         eng = m.engram_adapter.layers[str(self.layer_id)]
         x = h[:n].to(eng.kv_proj.weight.dtype).unsqueeze(1)  # (n, 1, D): one residual stream
-        delta = engram_delta(m.state, eng, x, ids, view)[:, 0].to(h.dtype)  # (n, D)
+        delta = engram_delta(m.state, eng, x, ids, view, choice)[:, 0].to(h.dtype)  # (n, D)
         if n < h.shape[0]:  # padded tokens (beyond num_actual_tokens): no delta
             delta = torch.cat([delta, delta.new_zeros(h.shape[0] - n, delta.shape[1])])
         a["hidden_states"], a["residual"] = h + delta, None
@@ -85,7 +87,8 @@ class EngramAdapterMixin:
                                                 LAYERS_PATH, meta["base"])
         self.engram_adapter.eval()
         self.state = new_state(vllm_config)
-        self._step = None  # (hash ids, StepView, n) of the step being run
+        self._step = None  # (hash ids, StepView, n, overlay choice) of the step being run
+        self.overlay_bank = None  # the per-request overlays (`overlays.OverlayBank`), set in load_weights
         self._attn_name = self.model.layers[0].self_attn.attn.layer_name
         for i in ecfg.layer_ids:
             block = self.model.layers[i]
@@ -97,7 +100,8 @@ class EngramAdapterMixin:
         view = step_view(self.state, self._attn_name, input_ids, positions)
         n = view.n if view is not None else input_ids.shape[0]
         on = self.options.scale != 0 and n > 0
-        self._step = (hash_ids(self.state, self.mapping, input_ids[:n], view), view, n) if on else None
+        choice = self.overlay_bank.for_step(view) if on and self.overlay_bank is not None else None
+        self._step = (hash_ids(self.state, self.mapping, input_ids[:n], view), view, n, choice) if on else None
         try:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         finally:
@@ -126,11 +130,7 @@ class EngramAdapterMixin:
         missing = sorted(set(params) - set(sd))
         if missing:
             raise KeyError(f"{a}: the adapter's weights lack {missing[:3]}")
-        o = self.options
-        from ...inference import prepare_inference
-
-        prepare_inference(self, o.tier, o.directory, o.format, {str(d): d for d in o.overlays},
-                          digest=adapted_digest(self.pair["base"], a, meta) if o.overlays else None)
+        self.overlay_bank = load_table_options(self, self.options, lambda: adapted_digest(self.pair["base"], a, meta))
         return loaded
 
 

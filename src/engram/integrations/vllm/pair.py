@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ...adapters.introspect import AdapterError
+from ...inference.hub import resolve_model_dir
 from ...persist import MANIFEST, read_json, write_json
 
 FORMAT = "engram-vllm-pair/1"
@@ -43,7 +44,7 @@ def check_pair(base, adapter) -> dict:
     from ...adapters.files import adapter_mapping, check_base
     from ...adapters.saving import LORA_DIR, PEFT_FILES, read_adapter_config
 
-    b, a = Path(base).resolve(), adapter_dir(adapter).resolve()
+    b, a = resolve_model_dir(base).resolve(), adapter_dir(adapter).resolve()
     if not (b / "config.json").is_file():
         raise AdapterError(f"--base {base}: no model here (expected a save_pretrained folder with config.json)")
     if (a / PEFT_FILES[1]).is_file() and not (a / "engram_adapter.json").is_file():
@@ -103,7 +104,7 @@ def cached_pair(base, adapter) -> Path:
     """The pair folder of (base, adapter) under engram's cache dir, written (checked) on every call."""
     from ...utils import cache_dir
 
-    b, a = Path(base).resolve(), adapter_dir(adapter).resolve()
+    b, a = resolve_model_dir(base).resolve(), adapter_dir(adapter).resolve()
     key = hashlib.sha256(f"{b}\n{a}".encode()).hexdigest()[:16]
     return write_pair(b, a, cache_dir() / "vllm-pairs" / f"{a.name}-{key}")
 

@@ -6,7 +6,8 @@ not its whole window).
     state = new_state(vllm_config)                                   # in the model's __init__
     view = step_view(state, attn_layer_name, input_ids, positions)   # None: a profiling / dummy run
     ids = hash_ids(state, mapping, input_ids[:n], view)             # {layer: (n, H)} table rows
-    delta = engram_delta(state, engram, x[:n], ids, view)           # (n, G, D), as Engram.forward's
+    delta = engram_delta(state, engram, x[:n], ids, view, choice)   # (n, G, D), as Engram.forward's
+                                                 # choice: the step's per-request overlays (overlays.py), or None
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def hash_ids(state: SlotState, mapping, input_ids: torch.Tensor, view: StepView 
     return state.hash(view, mapping)
 
 
-def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None) -> torch.Tensor:
+def engram_delta(state: SlotState, eng, x: torch.Tensor, ids: dict, view: StepView | None,
+                 choice=None) -> torch.Tensor:
     """Engram layer `eng`'s delta (n, G, D) for hidden x (n, G, D), the conv reading earlier positions' inputs
-    (kept in `state` under the layer's id). On CPU a few calls (`_kernels`: the projection, then one kernel for
-    gate, gated value and conv); elsewhere, or with ENGRAM_FUSED=0, the torch ops of `Engram.forward`."""
+    (kept in `state` under the layer's id). `choice`: this step's per-request overlays (`overlays.StepChoice`: each
+    token's rows from its request's overlays where they have them), or None. On CPU a few calls (`_kernels`: the
+    projection, then one kernel for gate, gated value and conv); elsewhere, or with ENGRAM_FUSED=0, the torch ops
+    of `Engram.forward`."""
     lid = eng.layer_id
     rows = eng.multi_head_embedding.gather(ids[lid])  # (n, H, d): ids are table rows
+    if choice is not None:
+        rows = choice.apply(lid, rows, ids[lid])
     if view is not None and _kernels.usable(eng, x):
         fused = _kernels.layer(eng)
         kv = fused.project(rows.flatten(start_dim=1).to(x.dtype))  # (n, (Gk+1)*D)
