@@ -129,7 +129,8 @@ def test_401(server):
     assert r.returncode == 2 and "rejected the API key (HTTP 401)" in r.stderr
 
 
-@pytest.mark.parametrize("suffix", ["/v1/chat/completions", "/v1/v1", "/v1/"])
+@pytest.mark.parametrize("suffix", ["/v1/chat/completions", pytest.param("/v1/v1", marks=pytest.mark.slow),
+                                    pytest.param("/v1/", marks=pytest.mark.slow)])  # (5 s each: -m slow)
 def test_base_url_normalized(server, suffix):
     r = run(["ask", "hi", "--base-url", server + suffix], {"ENGRAM_API_KEY": KEY})
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr
@@ -153,7 +154,8 @@ def test_response_without_choices_shows_body(server):
     assert r.returncode == 2 and "no `choices`" in r.stderr and "upstream quota exhausted" in r.stderr
 
 
-@pytest.mark.parametrize("mode, msg", [("429", "rate limited"), ("500", "server error")])
+@pytest.mark.parametrize("mode, msg", [pytest.param("429", "rate limited", marks=pytest.mark.slow),  # (6 s: -m slow)
+                                       ("500", "server error")])
 def test_retries_then_clear_error(server, mode, msg):
     before = len(Stub.calls)
     r = run(["ask", "hi", "--base-url", server + "/v1", "--retries", "2"], {"ENGRAM_API_KEY": KEY}, mode=mode)
@@ -186,7 +188,8 @@ def test_parse_and_align():
     assert inside == [False, True, True, True, False] and ends == [False, False, False, True, False]
 
 
-@pytest.mark.parametrize("mode", ["ok", pytest.param("badjson", marks=pytest.mark.slow)])  # (15 s: -m slow)
+@pytest.mark.slow  # out of the default run (23 s); crosscheck --base/--adapter runs in test_cli_grammar
+@pytest.mark.parametrize("mode", ["ok", "badjson"])
 def test_crosscheck_table_and_json(server, tiny_run, mode):
     args = ["crosscheck", "Only Alexander the Great could tame Bucephalus", "--checkpoint", str(tiny_run),
             "--base-url", server + "/v1"]
