@@ -37,6 +37,7 @@ from _timing import timeit
 
 from engram.inference import load_inference_model
 from engram.memory import is_table_key
+from engram.utils import reset_peak_rss
 
 PROMPTS = ["The function returns", "This module provides", "If the argument is", "A list of the", "Return a new",
            "The default value of", "Raise an error when", "For example, the"]
@@ -55,16 +56,6 @@ def status_kib(field: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def reset_peak() -> bool:
-    """Linux: set VmHWM to the current RSS (`5` to /proc/self/clear_refs); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def corpus_docstrings(path: Path) -> Path:
@@ -121,7 +112,7 @@ def greedy(model, tok, prompts, n: int) -> tuple[list[list[int]], float]:
 
 def measure(load, dtype: str, args, prompts, reference=None) -> tuple[dict, list]:
     gc.collect()
-    peak_ok = reset_peak()
+    peak_ok = reset_peak_rss()
     rss0 = status_kib("VmRSS")
     t = time.perf_counter()
     model, tok = load(dtype)

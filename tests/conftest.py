@@ -86,6 +86,19 @@ def _unit_tier_guard(request, monkeypatch):
 TINY_CORPUS = "".join(f"Line {i}: the cat sat on the mat, the dog ran to the king.\n" for i in range(400))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): its models are
+    tiny, and on a shared machine a second thread costs more than it gives (MEMIT's test took 18 s with two, 3 s with
+    one)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """One tiny trained run for the whole session: `engram train tiny` for 10 steps on a 400-line corpus,

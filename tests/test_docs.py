@@ -30,14 +30,15 @@ def test_readme_use_it_snippet_runs():
     assert tuple(ns["delta"].shape) == (1, 4, 4, 1024) and tuple(ns["gate"].shape) == (1, 4, 4)
 
 
-def tutorial_script_commands() -> list[str]:
-    """The `step "..."` commands of scripts/tutorial_smollm2.sh between its markers, as bash reads them."""
-    text = (ROOT / "scripts" / "tutorial_smollm2.sh").read_text()
-    body = text.split("# tutorial:begin\n", 1)[1].split("# tutorial:end", 1)[0]
+def script_commands(script: str, marker: str, step: str = r'step "(.*)"') -> list[str]:
+    """The commands `script` (in scripts/) runs between its `# MARKER:begin` / `# MARKER:end` lines, each line
+    matching `step` (its one group the command as bash writes it), as bash reads them."""
+    text = (ROOT / "scripts" / script).read_text()
+    body = text.split(f"# {marker}:begin\n", 1)[1].split(f"# {marker}:end", 1)[0]
     out = []
     for line in body.splitlines():
-        m = re.fullmatch(r'step "(.*)"', line.strip())
-        assert m, f"tutorial_smollm2.sh: not a step line between the markers: {line!r}"
+        m = re.fullmatch(step, line.strip())
+        assert m, f"{script}: not a step line between the markers: {line!r}"
         out.append(re.sub(r'\\(["$\\])', r"\1", m.group(1)))  # bash's double-quote escapes
     return out
 
@@ -46,20 +47,7 @@ def test_the_smollm2_tutorials_commands_are_the_scripts():
     """docs/tutorial-smollm2.md shows exactly the commands scripts/tutorial_smollm2.sh runs (and times), in order."""
     text = (ROOT / "docs" / "tutorial-smollm2.md").read_text()
     block = re.search(r"## The commands\n\n```bash\n(.*?)```", text, re.S).group(1)
-    assert block.strip().splitlines() == tutorial_script_commands()
-
-
-def readme_script_commands() -> list[str]:
-    """The commands scripts/readme_commands.sh runs between its markers (`step`, `serve_step`, a step it may skip),
-    as bash reads them."""
-    text = (ROOT / "scripts" / "readme_commands.sh").read_text()
-    body = text.split("# readme:begin\n", 1)[1].split("# readme:end", 1)[0]
-    out = []
-    for line in body.splitlines():
-        m = re.fullmatch(r'(?:\[ -n "\$\{README_SKIP_TESTS:-\}" \] \|\| )?(?:serve_)?step "(.*)"', line.strip())
-        assert m, f"readme_commands.sh: not a step line between the markers: {line!r}"
-        out.append(re.sub(r'\\(["$\\])', r"\1", m.group(1)))  # bash's double-quote escapes
-    return out
+    assert block.strip().splitlines() == script_commands("tutorial_smollm2.sh", "tutorial")
 
 
 def test_the_readmes_commands_are_the_scripts():
@@ -68,5 +56,6 @@ def test_the_readmes_commands_are_the_scripts():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     readme = [line for b in blocks for line in b.splitlines() if line.strip()]
-    assert readme == readme_script_commands()
+    assert readme == script_commands("readme_commands.sh", "readme",  # (a serve_step, a step it may skip)
+                                     r'(?:\[ -n "\$\{README_SKIP_TESTS:-\}" \] \|\| )?(?:serve_)?step "(.*)"')
 

@@ -25,14 +25,7 @@ FACTS = [(Fact("The quick brown fox", " dog"), "quick brown fox"), (Fact("over t
          (Fact("of the tale", " line"), "tale")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a shared machine a second thread costs more than it gives
-    (MEMIT's test took 18 s with two, 3 s with one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (conftest: tiny models, one intra-op thread)
 
 
 @pytest.fixture(scope="module")

@@ -72,12 +72,7 @@ def tiny_facts(root):
     return facts, known
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (conftest: tiny models, one intra-op thread)
 
 
 @pytest.fixture(scope="module")

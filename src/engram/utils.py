@@ -39,6 +39,7 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
 
+
 def parse_toml(text: str, where: str, error: type[Exception]) -> dict:
     """`text` parsed as TOML (tomllib; `tomli` on Python 3.10), or `error` in one line naming `where` and why."""
     try:

@@ -488,20 +488,23 @@ def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
     return rows
 
 
+def cell(t: dict, k: str) -> str:
+    """A table cell of measure `k` from `t` ({measure: seed_stats}): mean ± sd, a text-loss change signed to 4
+    places, "—" where `t` lacks it (`markdown` here and in fact_scale)."""
+    if k not in t:
+        return "—"
+    if k.startswith("text_"):
+        return f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}"
+    return f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}"
+
+
 def markdown(s: dict) -> str:
     """Per method, each measure's mean ± sd over the edit sets (n sets of the record)."""
     lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()), "",
              "| method | n sets | " + " | ".join(LABELS[k] for k in MEASURES) + " | edit s |",
              "|---" * (len(MEASURES) + 3) + "|"]
     for m, t in s["table"].items():
-        cells = []
-        for k in MEASURES:
-            if k not in t:
-                cells.append("—")
-            elif k.startswith("text_"):
-                cells.append(f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}")
-            else:
-                cells.append(f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}")
+        cells = [cell(t, k) for k in MEASURES]
         lines.append(f"| {m} | {len(t['sets'])} | " + " | ".join(cells) + f" | {t['edit_seconds']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -622,7 +622,7 @@ def markdown(s: dict) -> str:
     bytes per fact, row sharing; then each sequential run's steps."""
     lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()
                                                                 if k not in ("settings",)), ""]
-    cols = [k for k in MEASURES]
+    cols = list(MEASURES)
     for kind, by_m in s["table"].items():
         lines += [f"**{kind}**", "",
                   "| method | facts (known) | sets | " + " | ".join(LABELS[k] for k in cols) +
@@ -630,14 +630,7 @@ def markdown(s: dict) -> str:
                   "|---" * (len(cols) + 8) + "|"]
         for m, by_n in by_m.items():
             for n, c in sorted(by_n.items(), key=lambda kv: int(kv[0])):
-                cells = []
-                for k in cols:
-                    if k not in c:
-                        cells.append("—")
-                    elif k.startswith("text_"):
-                        cells.append(f"{c[k]['mean']:+.4f} ± {c[k]['std']:.4f}")
-                    else:
-                        cells.append(f"{c[k]['mean']:.2f} ± {c[k]['std']:.2f}")
+                cells = [fact_edits.cell(c, k) for k in cols]
                 lines.append(f"| {m} | {n} ({c['known']}) | {len(c['sets'])} | " + " | ".join(cells) +
                              f" | {c['edit_seconds']['mean']:.1f} | {c['vmhwm_edit_mib']['mean']:.0f} | "
                              f"{c['bytes_per_fact']['mean']:.0f} | {c['rows']['mean']:.0f} | "
