@@ -106,6 +106,8 @@ def test_other_methods_train_and_load(base, tmp_path, method, capsys):
               progress=False)
     c = s["trainable"]
     assert (c["base_trainable"] > 0) and ((c["engram_table"] > 0) == ("engram" in method))
+    if method == "lora+engram":  # lora/ holds PEFT's files only, not a second copy of the Engram tables
+        assert not list((tmp_path / "r" / "final" / "lora").glob("engram_*"))
     from engram.cli.verify import verify_path
 
     assert all(status == "ok" for _, status, _ in verify_path(tmp_path / "r"))  # every final carries checksums
@@ -201,3 +203,42 @@ def test_adapt_table_init_file_creates_the_tables_from_the_seed(base, tmp_path):
     with safe_open(str(ref), "pt") as f:
         assert torch.equal(rows["file"], f.get_tensor("weight"))
     assert not torch.equal(rows["model"], rows["file"])
+
+
+def test_edit_ready_adapter_is_the_base_until_an_edit_writes_rows(base, tmp_path, capsys):
+    """`engram adapt --edit-ready` saves the trained adapter with its rows cleared: loaded on its base, the logits are
+    the base's exactly, its card says so, and an edit then moves a fact's target (the trained projections carry
+    the rows' values). A method without Engram is refused in one line."""
+    from transformers import AutoModelForCausalLM
+
+    from engram.editing import Fact, apply_overlay, edit_facts
+    from engram.inference import load_with_adapter
+
+    model_dir, corpus = base
+    code, out, err = cli(capsys, "adapt", "--base", model_dir, "--data", corpus, "--out", tmp_path / "r",
+                         "--max-steps", "6", "--edit-ready", "--engram", "engram_vocab_size=[211,223]",
+                         "--engram", "n_embed_per_ngram=16", "--engram", "n_head_per_ngram=2",
+                         *[x for k, v in TINY.items() for x in ("--set", f"{k}={v}")])
+    assert code == 0 and "edit-ready" in out, err
+    assert "edit_ready" in (tmp_path / "r" / "final" / "README.md").read_text()
+    model, tok = load_with_adapter(model_dir, tmp_path / "r" / "final")
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([tok.encode("def f3(x):\n    return x", add_special_tokens=False).ids])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+    fact = Fact("def f3(x):\n    return x", " * 5")
+    overlay = edit_facts(model, tok, [fact], steps=20, lr=0.3, progress=False)
+    p, t = (tok.encode(x, add_special_tokens=False).ids for x in (fact.prompt, fact.target))
+    seq = torch.tensor([p + t])
+
+    def target_lp():
+        with torch.no_grad():
+            lp = torch.log_softmax(model(seq).logits[0].float(), -1)
+        return sum(float(lp[len(p) - 1 + j, t[j]]) for j in range(len(t)))
+
+    before = target_lp()
+    apply_overlay(model, overlay)
+    assert target_lp() > before + 0.5
+    code, out, err = cli(capsys, "adapt", "--base", model_dir, "--out", tmp_path / "l", "--method", "lora",
+                         "--edit-ready", "--max-steps", "1")
+    assert code != 0 and "--edit-ready" in err and "Traceback" not in err

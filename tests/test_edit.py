@@ -329,6 +329,80 @@ def test_edit_on_an_adapter(tmp_path):
     assert target_logp(model, tok, facts[0]) > before + 0.5
 
 
+def test_target_logprobs_project_only_the_target_positions_and_match_all_positions(run):
+    """An edit step projects only the positions that predict a target token (`logits_to_keep`); its log-probabilities
+    and their gradients are those of projecting every position, on engram's own model and on a transformers base
+    with an adapter; engram's model keeps an int (the last k) or a tensor of positions, and refuses it with labels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engram.editing.optimize import fact_sequences, pad_batch, target_logprobs
+
+    root, _ = run
+    model, tok = load_model(root / "run")
+    seqs = fact_sequences(tok, FACTS)
+    ids = pad_batch([p + t for p, t in seqs], 0)  # (3, T), right-padded
+    calls = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
+    kept, full = target_logprobs(model, ids, seqs), target_logprobs(model, ids, seqs, full_logits=True)
+    hook.remove()
+    need = len({i for p, t in seqs for i in range(len(p) - 1, len(p) + len(t) - 1)})
+    assert calls[0][1] == need < ids.shape[1] == calls[1][1]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(kept, full))
+    assert [len(a) for a in kept] == [len(t) for _, t in seqs]
+    with torch.no_grad():
+        last = model(ids, logits_to_keep=2).logits
+        assert torch.allclose(last, model(ids).logits[:, -2:], atol=1e-6)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=2)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128)).eval()
+    x = hf.model.embed_tokens.weight
+    grads = []
+    for full_logits in (False, True):
+        x.grad = None
+        lps = target_logprobs(hf, ids, seqs, full_logits=full_logits)
+        torch.stack([lp.mean() for lp in lps]).sum().backward()
+        grads.append(x.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and grads[0].abs().sum() > 0
+
+
+def test_an_interrupted_edit_resumes_from_its_checkpoint_to_the_same_overlay(run, tmp_path, monkeypatch):
+    """An edit stopped after step 3 (the process killed) and started again with its checkpoint ends with the overlay
+    of an uninterrupted edit, bit for bit; the checkpoint is removed when the edit completes, and one of another edit
+    is refused in one line."""
+    root, _ = run
+    model, tok = load_model(root / "run")
+    kw = dict(steps=6, lr=0.3, target_prob=0.999999, progress=False)
+    whole = edit_facts(model, tok, FACTS, **kw)
+    ckpt = tmp_path / "edit.ckpt"
+    real, calls = torch.optim.Adam.step, []
+
+    def dies_after_3(self, *a, **k):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", dies_after_3)
+    with pytest.raises(KeyboardInterrupt):
+        edit_facts(model, tok, FACTS, checkpoint=ckpt, checkpoint_every=0, **kw)
+    monkeypatch.setattr(torch.optim.Adam, "step", real)
+    assert ckpt.is_file()
+    resumed = edit_facts(model, tok, FACTS, checkpoint=ckpt, **kw)
+    assert resumed.meta["optimization"]["resumed_after_step"] == 3 and not ckpt.exists()
+    assert all(torch.equal(whole.values[k], resumed.values[k]) for k in whole.values)
+    assert resumed.meta["optimization"]["final_loss"] == whole.meta["optimization"]["final_loss"]
+    monkeypatch.setattr(torch.optim.Adam, "step", dies_after_3)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        edit_facts(model, tok, FACTS, checkpoint=ckpt, checkpoint_every=0, **kw)
+    monkeypatch.setattr(torch.optim.Adam, "step", real)
+    with pytest.raises(EditError, match="belongs to another edit"):
+        edit_facts(model, tok, FACTS[:2], checkpoint=ckpt, **kw)
+
+
 def test_edit_refuses_a_freshly_attached_adapter_in_one_line(tmp_path):
     """A new adapter's value projection is zero: its rows cannot move the output, so no edit can work. Before,
     `edit_facts` ran all its steps and returned an overlay that did nothing."""

@@ -364,8 +364,11 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, use_cache=None,
                 return_gates: bool = False, engram_scale: float | None = None, hash_ids: dict | None = None,
-                cache=None, engram_rows: dict | None = None, **kwargs):
+                cache=None, engram_rows: dict | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
         """Logits (B, T, vocab); `labels` (B, T) gives the next-token loss.
+
+        `logits_to_keep` (transformers' convention): an int k > 0 projects only the last k positions, a 1-D tensor
+        of positions only those, giving (B, K, vocab); 0 keeps every position. Not with `labels`.
 
         Engram inputs per layer, when computed ahead: `hash_ids` `{layer: (B, T, H)}` (the data
         pipeline, `Batcher`) or `engram_rows` `{layer: (B, T, H, d) or pending}` (`Prefetcher.submit`);
@@ -390,6 +393,10 @@ class EngramForCausalLM(PreTrainedModel, GenerationMixin):
             h = self.model(input_ids, past_key_values, gates, hash_ids, engram_rows)
         finally:
             self.model.engram_scale = old
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
+            if labels is not None:
+                raise ValueError("logits_to_keep drops positions the loss needs: pass labels or it, not both")
+            h = h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else h[:, logits_to_keep]  # (B, K, D)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:

@@ -221,11 +221,14 @@ def units(facts: list, known: set, design: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ one edit
-def engram_edit(s, edited: list, method: str, settings: dict, progress: bool) -> tuple[Overlay, list[list[Fact]]]:
-    """Edit `edited` at once with `method` (not applied): the overlay and each fact's optimized sequences."""
+def engram_edit(s, edited: list, method: str, settings: dict, progress: bool,
+                checkpoint: Path | None = None) -> tuple[Overlay, list[list[Fact]]]:
+    """Edit `edited` at once with `method` (not applied): the overlay and each fact's optimized sequences.
+    `checkpoint`: where the edit saves its state every 5 minutes and resumes from (a batch of 1,000 runs for hours)."""
     per = [optimized_facts(f, method) for f in edited]
     ov = edit_facts(s.model, s.tok, [x for p in per for x in p], steps=settings["steps"], lr=settings["lr"],
-                    positions=positions_of(method), target_prob=settings["target_prob"], progress=progress)
+                    positions=positions_of(method), target_prob=settings["target_prob"], progress=progress,
+                    checkpoint=checkpoint)
     return ov, per
 
 
@@ -335,9 +338,8 @@ def run_batch(s, path: Path, name: str, spec: dict, settings: dict, progress: bo
               f"~{est['step_seconds']:.2f} s -> edit <= {hours(est['edit_seconds'])} (estimate)", file=sys.stderr,
               flush=True)
     col = collisions(s, edited, per, method)
-    t0 = time.perf_counter()
-    ov, _ = engram_edit(s, edited, method, settings, progress)
-    secs = time.perf_counter() - t0
+    ov, _ = engram_edit(s, edited, method, settings, progress, path.with_name(path.stem + ".edit.ckpt"))
+    secs = ov.meta["optimization"]["seconds"]  # over every process a stopped edit ran in
     hwm["edit"] = round(peak_rss_mib(), 1)
     if col["rows"] != ov.num_rows:
         raise ExperimentError(f"{name}: the facts' own rows ({col['rows']}) are not the overlay's ({ov.num_rows}); "

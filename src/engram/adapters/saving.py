@@ -54,8 +54,8 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, training: dict 
     lora = model is not target and hasattr(model, "peft_config")
     with new_dir(out, exclude=(CARD_FILE,)) as tmp:  # the manifest written last (the card left out), then swapped in
         _write_adapter(target, adapter, tmp, trainer_layout=False)
-        if lora:
-            model.save_pretrained(str(tmp / LORA_DIR))
+        if lora:  # PEFT's own save (the instance's save_pretrained is attach's: it would write the tables again)
+            type(model).save_pretrained(model, str(tmp / LORA_DIR))
         write_card(tmp, adapter_card(target, adapter, training, lora))
     return out
 

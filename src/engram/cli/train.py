@@ -82,11 +82,13 @@ def cmd_adapt(args) -> int:
                     lora_rank=args.lora_rank, unfreeze=args.unfreeze, engram_options=engram_options,
                     lora_targets=(args.lora_targets if args.lora_targets in (None, "all-linear")
                                   else args.lora_targets.split(",")),
-                    max_steps=args.max_steps, overrides=overrides, resume=args.resume, device=args.device)
+                    max_steps=args.max_steps, overrides=overrides, resume=args.resume, device=args.device,
+                    edit_ready=args.edit_ready)
     if summary.get("interrupted"):
         return 130
+    ready = " (edit-ready: rows cleared, the model is the base until an overlay writes rows)" if args.edit_ready else ""
     print(f"done: step {summary['step']}, train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; "
-          f"adapter in {summary['final']}")
+          f"adapter in {summary['final']}{ready}")
     return 0
 
 
@@ -167,6 +169,9 @@ def add_commands(sub) -> None:
                     help="modules LoRA wraps (default: PEFT's for the architecture, q_proj,v_proj for Llama)")
     ad.add_argument("--unfreeze", action=options.ListFlag, metavar="MODULE[,...]",
                     help="also train these base modules, a comma list (e.g. lm_head)")
+    ad.add_argument("--edit-ready", action="store_true",
+                    help="save the adapter with its rows cleared (trained projections kept): exactly the base until "
+                         "`engram edit` writes facts, the starting point of fact edits")
     ad.set_defaults(func=cmd_adapt)
 
     dp = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)

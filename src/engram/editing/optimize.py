@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -141,28 +142,53 @@ def shared_rows(model, tokenizer, facts: list[Fact], orders=None) -> int:
     return sum(len(v) > 1 for v in owner.values())
 
 
-def target_logprobs(model, ids: torch.Tensor, seqs) -> list[torch.Tensor]:
-    """Per fact, log p(target token j | prompt, target[:j]) for each target token: list of (len(t),)."""
-    logits = model(ids).logits.float()  # (B, T, V)
+def target_logprobs(model, ids: torch.Tensor, seqs, full_logits: bool = False) -> list[torch.Tensor]:
+    """Per fact, log p(target token j | prompt, target[:j]) for each target token: list of (len(t),).
+
+    Only the positions that predict a target token are projected onto the vocabulary (`logits_to_keep`, the
+    transformers convention, which engram's own models follow too): an edit's sequences are mostly prompt, and the
+    (B, T, V) logits and their log-softmax were the largest tensors of an edit step. `full_logits` (or a model whose
+    forward lacks `logits_to_keep`) projects every position, the same numbers by another route
+    (benchmarks/bench_edit_step.py compares the two)."""
+    where = [torch.arange(len(p) - 1, len(p) + len(t) - 1) for p, t in seqs]  # per row, positions predicting t
+    keep = torch.unique(torch.cat(where))  # (K,) sorted positions any row needs
+    if full_logits or not _keeps_logits(model):
+        keep = torch.arange(ids.shape[1])
+        logits = model(ids).logits.float()  # (B, T, V)
+    else:
+        logits = model(ids, logits_to_keep=keep).logits.float()  # (B, K, V)
     logp = F.log_softmax(logits, dim=-1)
-    out = []
-    for b, (p, t) in enumerate(seqs):
-        pos = torch.arange(len(p) - 1, len(p) + len(t) - 1)
-        out.append(logp[b, pos, torch.tensor(t)])
-    return out
+    col = torch.full((ids.shape[1],), -1, dtype=torch.long)
+    col[keep] = torch.arange(len(keep))  # position -> its column in the kept logits
+    return [logp[b, col[pos], torch.tensor(t)] for b, (pos, (p, t)) in enumerate(zip(where, seqs))]
+
+
+def _keeps_logits(model) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (transformers' causal LMs and engram's own do)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
-               orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64) -> Overlay:
+               orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64,
+               full_logits: bool = False, checkpoint=None, checkpoint_every: float = 300.0) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
 
     Every fact is one sequence `prompt + target`; the loss is the mean over facts of the mean negative
     log-probability of the target tokens; Adam on the new rows, the model frozen. Each step runs the facts in
     forwards of `chunk` sequences (similar lengths together) and sums their gradients, so one step is the
     full-batch step while memory holds one chunk's activations and logits (chunk x T x vocab): 10,000 facts
-    cost time, not memory. Stops when every target token has probability >= `target_prob` and is the argmax
+    cost time, not memory. Only positions that predict a target token are projected onto the vocabulary
+    (`target_logprobs`; `full_logits` projects all, the reference route benchmarks/bench_edit_step.py times).
+    Stops when every target token has probability >= `target_prob` and is the argmax
     (greedy decoding produces it), or after `steps`. `progress`: a bar over steps (loss, facts at target).
-    Returns the `Overlay` (not applied).
+
+    `checkpoint` (a file path): an edit of thousands of facts runs for hours, so its state (rows, Adam's moments,
+    step, loss log) is written there atomically at most every `checkpoint_every` seconds, and an edit started again
+    with the same model, facts and settings resumes from it and ends with the same overlay as an uninterrupted one
+    (same threads: float sums are order-dependent). A checkpoint of another edit is an `EditError`; it is removed
+    when the edit completes. Returns the `Overlay` (not applied).
     """
     if not facts:
         raise EditError("no facts to edit")
@@ -183,6 +209,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         part = [seqs[i] for i in order[a:a + chunk]]
         batches.append((pad_batch([p + t for p, t in part], pad), part))  # ((b, T), its (prompt, target) ids)
     t0 = time.perf_counter()
+    digest = model_digest(model)  # before any row is pushed: the base the overlay belongs to
     values, log = {}, []
     bar = tqdm(total=steps, desc=f"editing {len(facts)} sequences", unit="step", disable=not progress, leave=False)
     with frozen(model):
@@ -194,12 +221,17 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                 values[lid] = torch.nn.Parameter(start)
                 push_overlay(layers[lid], r, values[lid], name="edit")
             opt = torch.optim.Adam(list(values.values()), lr=lr)
-            step = 0
-            for step in range(1, steps + 1):
+            key = _edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
+                                                      target_prob=target_prob, chunk=chunk))
+            first, log, earlier = _resume(checkpoint, key, values, opt)
+            saved_at = time.monotonic()
+            bar.update(first - 1)
+            step = first - 1
+            for step in range(first, steps + 1):
                 opt.zero_grad(set_to_none=True)
                 total, done = 0.0, 0
                 for ids, part in batches:
-                    lps = target_logprobs(model, ids, part)
+                    lps = target_logprobs(model, ids, part, full_logits)
                     loss = torch.stack([lp.mean() for lp in lps]).sum().neg() / len(seqs)  # its share of the mean
                     done += sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
                     loss.backward()
@@ -216,18 +248,69 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                                     "train the adapter first (engram adapt), then edit")
                 opt.step()
                 bar.update(1)
+                if checkpoint is not None and time.monotonic() - saved_at >= checkpoint_every:
+                    _save_checkpoint(checkpoint, key, step, values, opt, log,
+                                     earlier + time.perf_counter() - t0)
+                    saved_at = time.monotonic()
         finally:
             bar.close()
             _restore_tables(layers, before)
-    seconds = time.perf_counter() - t0
+    seconds = earlier + time.perf_counter() - t0  # a resumed edit: with the time of the runs before
+    if checkpoint is not None:
+        Path(checkpoint).unlink(missing_ok=True)
     meta = {
         "hash_spec_sha256": spec_digest(mapping), "hash_family": mapping.family.name,
-        "base_digest": model_digest(model),
+        "base_digest": digest,
         "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
         "settings": {"steps": steps, "lr": lr, "positions": positions,
                      "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob},
         "optimization": {"steps_run": step, "seconds": round(seconds, 3), "final_loss": log[-1]["loss"],
-                         "facts_at_target": log[-1]["facts_done"]},
+                         "facts_at_target": log[-1]["facts_done"],
+                         **({"resumed_after_step": first - 1} if first > 1 else {})},
         "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),
     }
     return Overlay({lid: r for lid, r in rows.items()}, {lid: v.detach().clone() for lid, v in values.items()}, meta)
+
+
+def _edit_key(digest: str, facts: list[Fact], rows: dict, settings: dict) -> str:
+    """What makes two edits the same edit (so a checkpoint may resume it): the model, the facts, the rows, the
+    settings."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps([digest, [f.__dict__ for f in facts], settings], sort_keys=True,
+                                  default=str).encode())
+    for lid in sorted(rows):
+        h.update(rows[lid].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save_checkpoint(path, key: str, step: int, values: dict, opt, log: list, seconds: float) -> None:
+    """The edit's state after `step` steps, written aside and swapped in (a crash leaves the old or the new)."""
+    import io
+
+    from ..persist import atomic_write_bytes
+
+    buf = io.BytesIO()
+    torch.save({"key": key, "step": step, "values": {lid: v.detach() for lid, v in values.items()},
+                "opt": opt.state_dict(), "log": log, "seconds": seconds}, buf)
+    atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def _resume(path, key: str, values: dict, opt) -> tuple[int, list, float]:
+    """(first step to run, loss log so far, seconds spent so far): from the checkpoint at `path` when there is one,
+    else (1, [], 0.0)."""
+    if path is None or not Path(path).is_file():
+        return 1, [], 0.0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a torn or foreign file: name it, do not guess
+        raise EditError(f"cannot read the edit checkpoint {path} ({e}); delete it to start the edit over") from None
+    if not isinstance(state, dict) or state.get("key") != key:
+        raise EditError(f"the edit checkpoint {path} belongs to another edit (model, facts or settings differ); "
+                        "delete it or pass another checkpoint path")
+    with torch.no_grad():
+        for lid, v in values.items():
+            v.copy_(state["values"][lid])
+    opt.load_state_dict(state["opt"])
+    return state["step"] + 1, list(state["log"]), float(state["seconds"])

@@ -70,11 +70,19 @@ def _card_training(run, method: str) -> dict:
             "settings": {"method": method, "lr": t.lr, "batch_size": t.batch_size, "seq_len": t.seq_len}}
 
 
-def _write_final(model, run_dir: Path, method: str, tok_file: Path, training: dict | None = None) -> Path:
-    from ..adapters import save_adapter
+EDIT_READY_NOTE = ("rows and the value bias cleared after training (engram.adapters.clear_rows): the model is exactly "
+                   "the base until an overlay writes rows; the losses above are the adapter's before clearing")
+
+
+def _write_final(model, run_dir: Path, method: str, tok_file: Path, training: dict | None = None,
+                 edit_ready: bool = False) -> Path:
+    from ..adapters import clear_rows, save_adapter
 
     final = run_dir / "final"
     if method in ("engram", "lora+engram"):
+        if edit_ready:  # the trained projections kept, the rows zero: the base's logits until a fact is written
+            clear_rows(model)
+            training = {**(training or {}), "edit_ready": EDIT_READY_NOTE}
         return save_adapter(model, final, training=training)
     with new_dir(final) as tmp:  # checksums of every file, written last (`engram verify`)
         if method == "full":  # the tokenizer and its EOS (generation stops there, as in `save_final`) ...
@@ -104,7 +112,7 @@ def _method(method: str, lora_rank: int | None) -> tuple[str, int | None]:
 def build(base, data, out, method: str = "engram", layers=None, lora_rank: int | None = None,
           unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
           overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True,
-          lora_targets: str | list[str] | None = None):
+          lora_targets: str | list[str] | None = None, edit_ready: bool = False):
     """Settings, data, run dir, model (adapter attached / LoRA / unfrozen) and optimizers of an adapt run.
     `lora_targets`: PEFT's `target_modules` ("all-linear", or names such as ["q_proj", "v_proj"]); None: PEFT's
     default for the architecture (q_proj and v_proj for Llama)."""
@@ -154,7 +162,7 @@ def build(base, data, out, method: str = "engram", layers=None, lora_rank: int |
     run.only_trainable, run.feed_hashes = method != "full", False  # the adapter hashes in its own forward
     run.counts = ad.trainable_summary(model)
     run.n_params, run.n_table = run.counts["total"], run.counts["engram_table"]
-    run.write_final = lambda m: _write_final(m, run.run_dir, method, tok_file, _card_training(run, method))
+    run.write_final = lambda m: _write_final(m, run.run_dir, method, tok_file, _card_training(run, method), edit_ready)
     adapter = ad.adapter_of(model)
     return finish_build(run, resume, adapter.mapping if adapter is not None else None)
 
@@ -163,14 +171,24 @@ def adapt(base, data=None, out="runs/adapt", method: str = "engram", layers=None
           unfreeze: list[str] | None = None, engram_options: dict | None = None, max_steps: int | None = None,
           overrides: dict | None = None, resume: bool = False, device: str | None = None, progress: bool = True,
           stop_after: int | None = None, extra_eval: dict | None = None,
-          lora_targets: str | list[str] | None = None) -> dict:
+          lora_targets: str | list[str] | None = None, edit_ready: bool = False) -> dict:
     """Train an adapter on `data` (default: Shakespeare) for the model in `base`; returns a summary dict.
+
+    `edit_ready`: save the adapter *edit-ready* (`adapters.clear_rows` after training: trained projections, zero
+    rows), the starting point of fact edits (`engram edit --base --adapter`): the model equals the base until an
+    overlay writes rows, so an edit adds only what it writes. The summary's losses are measured before clearing.
 
     `extra_eval` {name: data sources}: after training, also report the validation loss on those corpora
     (the retrofit experiment measures forgetting on the base's own corpus this way).
     """
+    if edit_ready and "engram" not in _method(method, lora_rank)[0]:
+        raise ConfigError(f"--edit-ready clears an Engram adapter's rows; --method {method} trains no Engram: drop "
+                          "--edit-ready or use --method engram / lora+engram")
+    if edit_ready and extra_eval:
+        raise ConfigError("extra_eval measures the trained adapter after saving it, and edit_ready clears its rows "
+                          "before: measure the trained adapter in a run without edit_ready")
     run = build(base, data, out, method, layers, lora_rank, unfreeze, engram_options, max_steps, overrides, resume,
-                device, progress, lora_targets)
+                device, progress, lora_targets, edit_ready)
     c, how = run.counts, _method(method, lora_rank)[0]
     summary = execute(run, resume, stop_after, lambda r: (
         f"adapt ({how}): {c['trainable'] / 1e6:.3f}M trainable parameters ({c['engram_table'] / 1e6:.3f}M in "
