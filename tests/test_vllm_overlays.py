@@ -5,7 +5,8 @@ The unit tests (default run, no vLLM): the bank's rows equal `apply_overlay`'s f
 the request plumbing (`route`, `requested`). The server tests (marker `vllm`, `scripts/test_vllm.sh`; one vLLM start
 each, minutes on 2 shared cores): `engram serve --engine vllm --overlay NAME=DIR ...` on engram's model and on a base
 + adapter pair, concurrent requests over several overlays, a stack, and none, chosen by model id (`MODEL+NAME`) and
-by `vllm_xargs`; an unknown overlay is a 400 naming the loaded ones; `/v1/models` lists them.
+by `vllm_xargs`; an unknown overlay is a 400 naming the loaded ones; `/v1/models` lists them; overlays loaded and
+dropped while requests run (`POST /v1/load_overlay`, `/v1/unload_overlay`), a foreign or corrupted one refused.
 """
 
 import importlib.util
@@ -100,6 +101,23 @@ def make_overlays(load, mapping_of, prompts, out, names):
     return made
 
 
+def made_foreign(d) -> None:
+    """Overlay folder `d` rewritten as one made for another checkpoint: its recorded weights digest changed, its
+    checksums written again (only the digest check can refuse it)."""
+    from engram.persist import read_json, write_json, write_manifest
+
+    write_json(d / "overlay.json", {**read_json(d / "overlay.json", "overlay metadata", ""), "base_digest": "0" * 64})
+    write_manifest(d)
+
+
+def flipped(d) -> None:
+    """One byte of overlay folder `d`'s weights flipped (its checksums left as they were: a corrupted copy)."""
+    w = d / "overlay.safetensors"
+    b = bytearray(w.read_bytes())
+    b[-5] ^= 0xFF
+    w.write_bytes(bytes(b))
+
+
 def request(server, prompt, how):
     """One greedy completion choosing overlays `how`: ("model", NAME), ("xargs", [NAMES]) or None."""
     extra = {}
@@ -127,6 +145,16 @@ def mixed_batch(server, prompts, hows, reference, overlays, what):
     ref = [refs[i] for i in range(len(prompts))]
     assert_same(got, ref, what)
     return ref
+
+
+def post(server, path, body) -> tuple[int, str]:
+    """(HTTP status, body text) of a JSON POST to `path`, errors included."""
+    req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def post_error(server, body) -> tuple[int, str]:
@@ -206,3 +234,70 @@ def test_base_adapter_mixed_overlays_in_one_batch(tmp_path):
     finally:
         s.close()
 
+
+
+@pytest.mark.vllm
+@has_vllm
+def test_overlays_loaded_and_dropped_while_requests_run(tmp_path):
+    """`ENGRAM_ALLOW_OVERLAY_UPDATES=1` and vLLM's worker extension `routing.OverlayWorker` (what `engram serve
+    --engine vllm --allow-overlay-updates` passes): an overlay loaded while serving is chosen per request in a mixed
+    batch; while a long request with overlay b streams, c loads, a foreign and a corrupted overlay are refused and
+    change nothing, b is unloaded (later requests for it: 400 naming the loaded ones; loading it again: 409 until its
+    request ends) and the streaming request keeps b's rows to its last token."""
+    import shutil
+
+    from test_vllm import SETTINGS, Server, assert_same, build_model, free_port, prompts_of
+    from test_vllm import reference as engram_reference
+
+    from engram.integrations.vllm.routing import WORKER
+    from engram.model import load_model
+
+    folder = build_model(tmp_path / "conv", "conv")
+    prompts = prompts_of([2, 5, 9, 20, 40, 7], 9)
+    ovs = make_overlays(lambda: load_model(folder)[0], lambda m: m.model.mapping, prompts, tmp_path / "ov",
+                        ("a", "b", "c", "foreign"))
+    made_foreign(tmp_path / "ov" / "foreign")
+    shutil.copytree(tmp_path / "ov" / "a", tmp_path / "ov" / "corrupt")
+    flipped(tmp_path / "ov" / "corrupt")
+    ref_of = lambda ps, stack, new=16: engram_reference(folder, ps, stack, new=new)  # noqa: E731
+    argv = [sys.executable, "-m", "engram.cli", "serve", "--checkpoint", str(folder), "--engine", "vllm",
+            "--served-model-name", "m", "--port", str(free_port()), f"--overlay=a={ovs['a']}",
+            "--vllm-args", " ".join([*SETTINGS, "--worker-extension-cls", WORKER])]
+    s = Server(argv, tmp_path / "serve.log", env={"ENGRAM_ALLOW_OVERLAY_UPDATES": "1"})
+    models = lambda: [m["id"] for m in json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=60))["data"]]  # noqa: E731
+    try:
+        code, text = post(s, "/v1/load_overlay", {"overlay_name": "b", "overlay_path": ovs["b"]})
+        assert code == 200 and "overlay 'b' loaded" in text, (code, text, s.tail())
+        assert models() == ["m", "m+a", "m+b"]
+        mixed_batch(s, prompts, [None, ("model", "a"), ("model", "b"), ("xargs", ["a", "b"]), ("model", "b"), None],
+                    ref_of, ovs, "an overlay loaded while serving, in a mixed batch")
+        long = 300
+        body = {"model": "m+b", "prompt": prompts[1], "max_tokens": long, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True}
+        stream = urllib.request.urlopen(urllib.request.Request(s.url + "/v1/completions", json.dumps(body).encode(),
+                                                               {"Content-Type": "application/json"}), timeout=600)
+        chunks = (json.loads(line[6:]) for line in map(bytes.decode, stream)
+                  if line.startswith("data: {"))
+        tokens = list(next(chunks)["choices"][0]["token_ids"] or [])  # the request is decoding with b
+        code, text = post(s, "/v1/unload_overlay", {"overlay_name": "b"})
+        assert code == 200 and "1 running request finish with it" in text, (code, text)
+        code, text = post(s, "/v1/completions", {"model": "m+b", "prompt": [5, 6], "max_tokens": 2})
+        assert code == 400 and "overlay 'b' is not loaded (loaded: a)" in text, (code, text)
+        code, text = post(s, "/v1/load_overlay", {"overlay_name": "b", "overlay_path": ovs["b"]})
+        assert code == 409, (code, text)  # (its running request still reads the old rows under that name)
+        for name, why in (("foreign", "another checkpoint"), ("corrupt", "")):
+            code, text = post(s, "/v1/load_overlay", {"overlay_name": name,
+                                                      "overlay_path": str(tmp_path / "ov" / name)})
+            assert code == 400 and "nothing changed" in text and why in text, (name, code, text)
+        code, text = post(s, "/v1/load_overlay", {"overlay_name": "c", "overlay_path": ovs["c"]})
+        assert code == 200, (code, text)
+        assert models() == ["m", "m+a", "m+c"]
+        for ch in chunks:
+            tokens += [t for c in ch["choices"] for t in (c.get("token_ids") or [])]
+        assert_same([tokens], ref_of([prompts[1]], [ovs["b"]], new=long), "a request streaming through b's unload")
+        mixed_batch(s, prompts[:4], [("model", "c"), None, ("xargs", ["c", "a"]), ("model", "a")], ref_of, ovs,
+                    "after the unload, with an overlay loaded while another request ran")
+        code, text = post(s, "/v1/load_overlay", {"overlay_name": "b", "overlay_path": ovs["b"]})
+        assert code == 200, (code, text)  # (its request is over: the name is free again)
+    finally:
+        s.close()

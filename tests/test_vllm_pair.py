@@ -89,14 +89,41 @@ def test_wrong_base_is_refused_in_engrams_words(llama, tmp_path):
     assert "python -m engram.integrations.vllm.pair" in one_line(e)
 
 
-def test_lora_and_engram_adapter_is_refused_naming_engram_engine(llama, tmp_path):
+def test_lora_and_engram_adapter_pair_names_its_lora_for_vllm(llama, tmp_path, monkeypatch):
+    """An adapter with LoRA beside Engram: the pair records its PEFT folder and rank (`pair.lora_info`); `engram serve
+    --engine vllm` serves the LoRA as the served name and the pair's base as NAME-no-lora (no vLLM needed); a LoRA
+    on a module vLLM's model takes none on, and overlays with a LoRA, are refused in one line."""
     pytest.importorskip("peft")
+    import engram
+    from engram.adapters import add_lora, save_adapter
+    from engram.cli import build_parser
+    from engram.inference import load_base
+    from engram.integrations.vllm.launcher import VllmLaunchError, vllm_command
+
     base, _ = llama
     adapter = save_adapter_for(base, tmp_path / "lora-adapter", lora=True)
+    lora = check_pair(base, adapter)["lora"]
+    assert lora == {"path": str((adapter / "lora").resolve()), "rank": 2}
+    d = write_pair(base, adapter, tmp_path / "pair")
+    assert json.loads((d / "config.json").read_text())[KEY]["lora"] == lora
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    parse = build_parser().parse_args
+    argv = vllm_command(parse(["serve", "--base", str(base), "--adapter", str(adapter), "--engine", "vllm",
+                               "--served-model-name", "m"]))[0]
+    assert argv[argv.index("--served-model-name") + 1] == "m-no-lora"
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+    assert json.loads(argv[argv.index("--lora-modules") + 1]) == {"name": "m", "path": lora["path"],
+                                                                  "base_model_name": "m-no-lora"}
+    with pytest.raises(VllmLaunchError, match="overlays on an adapter with LoRA"):
+        vllm_command(parse(["serve", "--base", str(base), "--adapter", str(adapter), "--engine", "vllm", "--overlay",
+                            str(tmp_path / "ov")]))
+    model, tok = load_base(base)  # a LoRA also on lm_head, where vLLM's model takes none
+    engram.attach(model, [1], tokenizer=tok, verbose=False)
+    model = add_lora(model, rank=2, target_modules=["q_proj", "lm_head"])
+    save_adapter(model, tmp_path / "head-lora")
     with pytest.raises(AdapterError) as e:
-        check_pair(base, adapter)
-    msg = one_line(e)
-    assert "LoRA" in msg and "--engine engram" in msg
+        check_pair(base, tmp_path / "head-lora")
+    assert "takes LoRA only on the blocks'" in one_line(e) and "lm_head" in one_line(e)
 
 
 def test_unsupported_architecture_and_bad_folders_are_refused(llama, tmp_path):

@@ -13,10 +13,11 @@ from . import smollm2_adapt  # noqa: F401
 from . import smollm2_edit  # noqa: F401
 from . import fact_edits  # noqa: F401
 from . import fact_scale  # noqa: F401
+from . import adapt_budget  # noqa: F401
 from . import records  # noqa: F401  (the records other commands write: stats)
 # isort: on
 
 # the order `engram experiment all` runs them and `--list` shows them (whatever imported a module first)
 ORDER = ("iso", "placement", "capacity", "ablations", "sensitivity", "design", "retrofit", "edit", "allocation",
          "adapter-init", "smollm2-adapt", "smollm2-edit",
-         "fact-edits-pilot", "fact-edits", "fact-scale-pilot", "fact-scale")
+         "fact-edits-pilot", "fact-edits", "fact-scale-pilot", "fact-scale", "adapt-budget-pilot", "adapt-budget")

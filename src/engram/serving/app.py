@@ -6,9 +6,12 @@ Routes: `GET /v1/models` (the model and `MODEL+OVERLAY` for every loaded overlay
 `logprobs`, `echo` and token-id prompts
 (OpenAI's legacy shape, as vLLM answers it: what lm-eval-harness's `local-completions` sends). `GET /metrics`:
 Prometheus's text format (`metrics.py`). vLLM's `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`,
-so a client (lm-eval's remote tokenizer) tokenizes as the server does. With an API key (`--api-key` or `ENGRAM_API_KEY`)
-every request without `Authorization: Bearer KEY` gets 401. Bodies are validated against the pydantic models of
-`schema.py`; every refusal (400, 401, 404, 405, 408, 413, 422) is OpenAI's error JSON
+so a client (lm-eval's remote tokenizer) tokenizes as the server does. With `--allow-overlay-updates` (or
+`ENGRAM_ALLOW_OVERLAY_UPDATES=1`; off by default, 404 then, as vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`):
+`POST /v1/load_overlay {"overlay_name", "overlay_path"}` and `POST /v1/unload_overlay {"overlay_name"}`, vLLM's
+dynamic LoRA endpoints' shape (200 and a one-line text; OpenAI's error JSON otherwise). With an API key
+(`--api-key` or `ENGRAM_API_KEY`) every request without `Authorization: Bearer KEY` gets 401. Bodies are validated
+against the pydantic models of `schema.py`; every refusal (400, 401, 404, 405, 408, 413, 422) is OpenAI's error JSON
 (`{"error": {"message", "type", "param", "code"}}`) and the server lives on. `limits.py` bounds the body's size
 and read time; a prompt longer than the context could hold is refused before it is tokenized, and tokenizing
 runs off the event loop, so `/health` answers while a big request is refused.
@@ -30,10 +33,21 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .defaults import SERVE_MAX_BODY, SERVE_READ_TIMEOUT, SERVE_SHUTDOWN_TIMEOUT
-from .engine import Engine, Job, ServeError
+from .engine import Engine, Job, ServeError, overlay_updates_allowed
 from .limits import BodyError, Guard, HeadDeadline
 from .metrics import ARRIVED, Metrics, MetricsMiddleware
-from .schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, openai_error
+from .schema import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadOverlayRequest,
+    TokenizeRequest,
+    UnloadOverlayRequest,
+    openai_error,
+)
+
+OVERLAY_ROUTES = ("/v1/load_overlay", "/v1/unload_overlay")  # with --allow-overlay-updates only
 
 
 def _validation_error(request: Request, e: RequestValidationError):
@@ -66,6 +80,9 @@ def _http_error(request: Request, e: HTTPException):
         why = ("it is not valid UTF-8" if isinstance(cause, UnicodeDecodeError) else
                f"{type(cause).__name__}: {str(cause)[:200]}")
         return openai_error(400, f"the request body is not valid JSON ({why})", "invalid_json")
+    if e.status_code == 404 and request.url.path in OVERLAY_ROUTES:
+        return openai_error(404, f"{request.url.path} is off: start engram serve with --allow-overlay-updates (or "
+                            "ENGRAM_ALLOW_OVERLAY_UPDATES=1) to load and unload overlays while serving", "not_found")
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
     detail = {404: f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
                    "POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics, POST /tokenize, "
@@ -75,9 +92,10 @@ def _http_error(request: Request, e: HTTPException):
 
 
 def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE_MAX_BODY,
-               read_timeout: float = SERVE_READ_TIMEOUT):
+               read_timeout: float = SERVE_READ_TIMEOUT, allow_overlay_updates: bool | None = None):
     """The FastAPI app over `engine`, behind `Guard` (API key, body size and read time), counted by `Metrics`
-    (`app.state.metrics`, its own registry)."""
+    (`app.state.metrics`, its own registry). `allow_overlay_updates`: add the overlay load/unload routes (None: as
+    `ENGRAM_ALLOW_OVERLAY_UPDATES` says, `engine.overlay_updates_allowed`)."""
     app = FastAPI(title="engram", description="OpenAI-compatible server for Engram models")
     app.state.engine = engine
     app.state.metrics = metrics = Metrics(engine, getattr(engine, "overlays", {}))
@@ -125,6 +143,24 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
         return {"object": "list", "data": [{"id": m, "object": "model", "created": engine.created, "owned_by": "engram"}
                                            for m in engine.model_ids()]}
 
+    if overlay_updates_allowed(allow_overlay_updates):
+        from fastapi.responses import PlainTextResponse
+
+        @app.post("/v1/load_overlay")
+        async def load_overlay(body: LoadOverlayRequest):
+            """Check the folder off the event loop (decoding goes on), then serve it as MODEL+NAME."""
+            rows = await run_in_threadpool(engine.load_overlay, body.overlay_name, body.overlay_path)
+            metrics.overlay_requests.labels(body.overlay_name)  # (listed at zero, as a startup overlay)
+            return PlainTextResponse(f"Success: overlay '{body.overlay_name}' loaded ({rows:,} rows), served as model "
+                                     f"{engine.name}+{body.overlay_name}.")
+
+        @app.post("/v1/unload_overlay")
+        async def unload_overlay(body: UnloadOverlayRequest):
+            running = engine.unload_overlay(body.overlay_name)
+            after = (f"; its {running} queued or running request{'s' if running != 1 else ''} finish with it"
+                     if running else "")
+            return PlainTextResponse(f"Success: overlay '{body.overlay_name}' unloaded{after}.")
+
     def job_settings(body: CompletionRequest | ChatRequest) -> dict:
         bad = body.unimplemented()
         if bad:
@@ -153,6 +189,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
         arrived = request.scope.get(ARRIVED, time.monotonic())
         endpoint = request.url.path
         overlay = engine.resolve(body.model)
+        held = None if overlay is None else engine.overlays[overlay]  # (taken now: an unload from here on leaves it)
         settings = job_settings(body)
         if chat:
             engine.check_chars(sum(len(m["content"]) for m in prompt), "messages")  # (before rendering)
@@ -169,7 +206,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body: int = SERVE
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(ids=ids, overlay=overlay, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                  **settings)
+                  rows=held, **settings)
         engine.submit(job)
         metrics.prompt_tokens.inc(len(ids))
         if overlay is not None:
@@ -303,15 +340,15 @@ def _sse(obj: dict) -> str:
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           log_level: str = "warning", max_body: int = SERVE_MAX_BODY, read_timeout: float = SERVE_READ_TIMEOUT,
-          shutdown_timeout: float = SERVE_SHUTDOWN_TIMEOUT) -> None:
+          shutdown_timeout: float = SERVE_SHUTDOWN_TIMEOUT, allow_overlay_updates: bool | None = None) -> None:
     """Run the server until SIGINT/SIGTERM. Then it stops accepting, closes idle connections, answers a request
     whose body is still arriving with 503 at once, lets the requests in flight finish for up to `shutdown_timeout`
-    s, cancels what is left (their decodes stop) and exits 0."""
+    s, cancels what is left (their decodes stop) and exits 0. `allow_overlay_updates`: as `create_app`'s."""
     import threading
 
     import uvicorn
 
-    app = create_app(engine, api_key, max_body, read_timeout)
+    app = create_app(engine, api_key, max_body, read_timeout, allow_overlay_updates)
     app.state.stop = stop = threading.Event()  # set on SIGINT/SIGTERM: bodies still arriving are refused at once
 
     class _Server(uvicorn.Server):
@@ -326,7 +363,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: st
     config.engram_stop = stop  # (HeadDeadline: no lingering once stopping)
     server = _Server(config)
     print(f"engram serve: {', '.join(engine.model_ids())} on http://{host}:{port}/v1"
-          + (" (API key required)" if api_key else ""), flush=True)
+          + (" (API key required)" if api_key else "")
+          + ("; overlays may be loaded and unloaded (POST /v1/load_overlay, /v1/unload_overlay)"
+             if overlay_updates_allowed(allow_overlay_updates) else ""), flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal with the handler found before it ran:
     # that handler ends the process with status 0 (a requested stop, not a crash)
     import signal

@@ -11,6 +11,17 @@ The engine also bounds what one request costs before any model work: a prompt lo
 context could hold is refused before it is tokenized (`check_chars`), and chat messages that would forge another
 turn in the rendered prompt are refused (`render_chat`).
 
+Overlays loaded and dropped while serving (`load_overlay`, `unload_overlay`: the app's `POST /v1/load_overlay` and
+`/v1/unload_overlay`, behind `--allow-overlay-updates` / `ENGRAM_ALLOW_OVERLAY_UPDATES`): a folder is checked as
+at startup (`inference.prepare_inference`, against the weights digest taken then) before it is swapped in; a request
+holds the `Overlay` it was admitted with (`Job.rows`), so an unload drops the name at once (later requests get the 404
+naming the loaded ones) while the requests admitted before decode with it to their last token, and its memory goes
+with the last of them.
+
+Over 450 lines on purpose: everything a request meets between the app and the model (its checks, the chat template,
+decoding, log-probabilities, the overlays it may name) is one class, `Engine`, which a stand-in engine replaces whole
+in the app's tests.
+
 Log-probabilities (`Job.logprobs`, `echo`): log-softmax of the served model's logits in float32 (`token_logprobs`),
 with the request's overlay on: a generated token's from the logits `generate` chose it from (before temperature or
 top-p, as vLLM reports them), the prompt's from one forward over it (`echo`).
@@ -39,7 +50,19 @@ from ..inference import (
 )
 from ..tokenizer import model_eos_id
 
+OVERLAY_UPDATES_ENV = "ENGRAM_ALLOW_OVERLAY_UPDATES"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, for overlays
 GREEDY_BELOW = 1e-4  # a temperature under this decodes greedily (sampling's limit as T -> 0; 1e-300 would overflow)
+
+
+def overlay_updates_allowed(flag: bool | None = None) -> bool:
+    """Whether overlays may be loaded and unloaded while serving: `flag` (`--allow-overlay-updates`) when given, else
+    the environment's `ENGRAM_ALLOW_OVERLAY_UPDATES` (1/true/yes), as vLLM gates its runtime LoRA endpoints. Off by
+    default: whoever can call the endpoints can make the server read any overlay folder its user can read."""
+    import os
+
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(OVERLAY_UPDATES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class ServeError(EngramError, ValueError):
@@ -65,6 +88,7 @@ class Job:
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
     echo: bool = False  # with logprobs: the prompt's tokens' log-probabilities too
     top_k: int | None = None  # sample from the k likeliest tokens (None, -1 or 0: every token, as vLLM's top_k)
+    rows: object = None  # the `Overlay` taken at admission (right after `resolve`): an unload leaves it to this job
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
@@ -121,16 +145,20 @@ class _Stop:
 
 class Engine:
     """A loaded model behind a queue. `name`: the model id clients send; `overlays`: {name: Overlay}, each
-    served as the model id `name+overlay`."""
+    served as the model id `name+overlay`; `digest`: the weights digest they were checked against (taken before any
+    table format conversion; None: taken from the model when a later load needs it)."""
 
     def __init__(self, model, tokenizer, name: str, overlays: dict | None = None, chat_template: str | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, digest: str | None = None):
         from ..adapters import generation_pad_id
         from ..placement import model_device
 
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.device = model_device(model)  # (where the prompt's ids go: --device)
-        self.overlays = dict(overlays or {})
+        self.overlays = dict(overlays or {})  # (replaced whole on a load or unload, never changed in place)
+        self.digest = digest
+        self.in_use: dict[str, int] = {}  # overlay name -> its requests queued or decoding
+        self._lock = threading.Lock()
         self.chat_template = chat_template
         cfg = getattr(model, "config", None)
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 0) or 4096)
@@ -164,8 +192,50 @@ class Engine:
                              404, "model_not_found", "model")
         if overlay not in self.overlays:
             raise ServeError(f"overlay {overlay!r} is not loaded (loaded: {', '.join(self.overlays) or 'none'}); start "
-                             "the server with --overlay NAME=DIR", 404, "model_not_found", "model")
+                             "the server with --overlay NAME=DIR (or POST /v1/load_overlay where allowed)", 404,
+                             "model_not_found", "model")
         return overlay
+
+    # ---- overlays loaded and dropped while serving
+    def load_overlay(self, name: str, folder: str) -> int:
+        """Read `folder`, check it against this model as at startup (`inference.prepare_inference`: checksums, hash
+        manifest, the startup weights digest, layers) and serve it as `MODEL+name`; returns its rows. Nothing
+        changes unless every check passes (ServeError: 400 a taken or bad name, a foreign or corrupt overlay; 404 no
+        overlay there). Runs off the event loop: a decode goes on meanwhile."""
+        if not name or "+" in name or name != name.strip():
+            raise ServeError(f"overlay_name {name!r}: give a non-empty name without '+' or surrounding spaces (it is "
+                             "served as MODEL+NAME)", 400, "invalid_value", "overlay_name")
+        if name in self.overlays:
+            raise ServeError(f"overlay {name!r} is already loaded; unload it first (POST /v1/unload_overlay)", 400,
+                             "overlay_exists", "overlay_name")
+        try:
+            if self.digest is None:  # (no overlay at startup and no table conversion: the model's rows are the saved)
+                from ..editing import model_digest
+
+                self.digest = model_digest(self.model)
+            o = prepare_inference(self.model, overlays={name: folder}, apply=False, digest=self.digest)[name]
+        except FileNotFoundError as e:
+            raise ServeError(str(e).splitlines()[0], 404, "overlay_not_found", "overlay_path") from None
+        except (EngramError, OSError, ValueError) as e:  # (EditError, IntegrityError, ... : one line each)
+            raise ServeError(f"overlay {name!r} refused, nothing changed: {str(e).splitlines()[0]}", 400,
+                             "invalid_overlay", "overlay_path") from None
+        with self._lock:  # (two loads of one name at once: the first wins)
+            if name in self.overlays:
+                raise ServeError(f"overlay {name!r} is already loaded; unload it first", 400, "overlay_exists",
+                                 "overlay_name")
+            self.overlays = {**self.overlays, name: o}
+        return o.num_rows
+
+    def unload_overlay(self, name: str) -> int:
+        """Stop serving `MODEL+name`: later requests for it get the 404 naming the loaded ones; the requests admitted
+        before keep it to their last token (each holds its `Overlay`). Returns how many are still queued or
+        decoding with it; 404 ServeError for a name not loaded."""
+        with self._lock:
+            if name not in self.overlays:
+                raise ServeError(f"overlay {name!r} is not loaded (loaded: {', '.join(self.overlays) or 'none'})", 404,
+                                 "overlay_not_found", "overlay_name")
+            self.overlays = {k: v for k, v in self.overlays.items() if k != name}
+            return self.in_use.get(name, 0)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -253,7 +323,20 @@ class Engine:
                              "context_length_exceeded", "max_tokens")
 
     def submit(self, job: Job) -> None:
+        if job.overlay is not None:
+            with self._lock:
+                self.in_use[job.overlay] = self.in_use.get(job.overlay, 0) + 1
         self.jobs.put(job)
+
+    def _release(self, job: Job) -> None:
+        if job.overlay is not None:
+            with self._lock:
+                left = self.in_use.get(job.overlay, 0) - 1
+                if left > 0:
+                    self.in_use[job.overlay] = left
+                else:
+                    self.in_use.pop(job.overlay, None)
+            job.rows = None  # (the last request of an unloaded overlay lets its rows go)
 
     # ---- the worker
     def _run(self) -> None:
@@ -269,6 +352,7 @@ class Engine:
                 job.emit({"type": "error",
                           "message": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             finally:
+                self._release(job)
                 self.busy.clear()
 
     def _decode(self, job: Job) -> None:
@@ -286,7 +370,7 @@ class Engine:
         if job.overlay is not None:
             from ..editing import applied
 
-            ctx = applied(self.model, self.overlays[job.overlay])
+            ctx = applied(self.model, job.rows if job.rows is not None else self.overlays[job.overlay])
         if job.seed is not None:
             torch.manual_seed(job.seed)
         k, prompt_lp, completion_lp = job.logprobs, None, None
@@ -367,9 +451,15 @@ def load_engine(path=None, base=None, adapter=None, overlays: dict | None = None
         if not f.is_file():
             raise ServeError(f"--chat-template {chat_template}: no such file (give 'plain' or a Jinja template file)")
         template = f.read_text(encoding="utf-8")
-    # (the tier was set by the loader; overlays checked before the format conversion, chosen per request)
-    loaded = prepare_inference(model, table_format=table_format, overlays=overlays, apply=False)
-    return Engine(model, tok, name, loaded, template)
+    # (the tier was set by the loader; overlays checked before the format conversion, chosen per request). The
+    # digest is kept for overlays loaded while serving: taken now if a conversion would change the rows it samples
+    digest = None
+    if overlays or (table_format and table_format != "float32"):
+        from ..editing import model_digest
+
+        digest = model_digest(model)
+    loaded = prepare_inference(model, table_format=table_format, overlays=overlays, apply=False, digest=digest)
+    return Engine(model, tok, name, loaded, template, digest=digest)
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> tuple[list[float], list[list[tuple]]]:

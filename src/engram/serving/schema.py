@@ -165,3 +165,26 @@ class DetokenizeRequest(BaseModel):
 
     model: Text | None = None
     tokens: list[TokenId]
+
+
+OverlayName = Annotated[StrictStr, Field(min_length=1, max_length=200), AfterValidator(_unicode)]
+
+
+class LoadOverlayRequest(BaseModel):
+    """POST /v1/load_overlay (`--allow-overlay-updates`): serve the overlay folder `overlay_path` (on the server's
+    machine, as `--overlay NAME=DIR`) as model `MODEL+overlay_name`; vLLM's `/v1/load_lora_adapter` shape
+    (`lora_name`, `lora_path`) with overlay names. Also the vLLM plugin's body (`integrations.vllm.routing`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    overlay_name: OverlayName
+    overlay_path: Annotated[StrictStr, Field(min_length=1, max_length=4096), AfterValidator(_unicode)]
+
+
+class UnloadOverlayRequest(BaseModel):
+    """POST /v1/unload_overlay: stop serving `MODEL+overlay_name` (the requests admitted before keep it to their
+    end); vLLM's `/v1/unload_lora_adapter` shape."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    overlay_name: OverlayName

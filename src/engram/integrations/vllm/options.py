@@ -92,7 +92,9 @@ def enable_selection(model_config, o: TableOptions) -> None:
     """With per-request overlays: engram's logits processor added to the model config (it passes each request's
     choice to the steps; vLLM builds it in every worker and checks each request with it in the API server), and the
     served model names recorded for `MODEL+NAME` routing (`routing.OverlayRouting`)."""
-    if not o.per_request:
+    from ...serving.engine import overlay_updates_allowed
+
+    if not (o.per_request or overlay_updates_allowed()):  # (a server started empty may load overlays later)
         return
     from .overlays import REGISTRY
 
@@ -103,10 +105,49 @@ def enable_selection(model_config, o: TableOptions) -> None:
     REGISTRY.served = tuple([served] if isinstance(served, str) else served or [model_config.model])
 
 
+def check_lora(vllm_config) -> None:
+    """A pair whose adapter holds LoRA beside Engram (`pair.lora_info`): refused in one line when vLLM runs without
+    LoRA (every request would run without it), cannot load that LoRA (vLLM's own `PEFTHelper` checks: rank over
+    --max-lora-rank, DoRA, bias, ...), or is given overlays (`pair.LORA_OVERLAYS`), before any worker starts."""
+    from pathlib import Path
+
+    from .pair import KEY, LORA_OVERLAYS, lora_info
+
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_config", None)
+    entry = getattr(hf, KEY, None) or {}
+    arch = (getattr(hf, "architectures", None) or ["?"])[0].removeprefix("EngramAdapter")
+    lora = lora_info(Path(entry["adapter"]), arch) if entry.get("adapter") else None
+    if lora is None:
+        return
+    from ...serving.engine import overlay_updates_allowed
+
+    if getattr(hf, "engram_overlay", None) or getattr(hf, "engram_overlays", None) or overlay_updates_allowed():
+        raise ConfigError(LORA_OVERLAYS)
+    lc = getattr(vllm_config, "lora_config", None)
+    if lc is None:
+        from .launcher import max_lora_rank
+
+        raise ConfigError(f"the pair's adapter {entry['adapter']} holds LoRA beside Engram, and vLLM runs without "
+                          f"LoRA: start it with --enable-lora --max-lora-rank {max_lora_rank(lora['rank'])} "
+                          f"--lora-modules NAME={lora['path']} and name NAME in requests (engram serve --engine vllm "
+                          "does)")
+    from vllm.lora.peft_helper import PEFTHelper
+
+    try:
+        peft = PEFTHelper.from_local_dir(lora["path"], getattr(hf, "max_position_embeddings", None))
+        peft.validate_legal(lc)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{lora['path']}: vLLM cannot serve this LoRA: {str(e).splitlines()[0]}") from None
+
+
 def check_runner(vllm_config) -> None:
     """Per-request overlays follow vLLM's V1 model runner's persistent batch (what its logits processors see);
     the V2 runner (GPUs, by default where it applies) passes requests otherwise: refused in one line."""
-    if not getattr(getattr(vllm_config.model_config, "hf_config", None), "engram_overlays", None):
+    from ...serving.engine import overlay_updates_allowed
+
+    if not (getattr(getattr(vllm_config.model_config, "hf_config", None), "engram_overlays", None)
+            or overlay_updates_allowed()):
         return
     try:
         v2 = bool(vllm_config.use_v2_model_runner)
@@ -115,6 +156,28 @@ def check_runner(vllm_config) -> None:
     if v2:
         raise ConfigError("engram's per-request overlays (engram_overlays) follow vLLM's V1 model runner: start vLLM "
                           "with VLLM_USE_V2_MODEL_RUNNER=0")
+
+
+def check_updates(vllm_config) -> None:
+    """Overlays loaded while serving (ENGRAM_ALLOW_OVERLAY_UPDATES): the workers need engram's worker extension (how
+    the routes reach their banks), and one API server (the in-flight counts that decide when an unloaded overlay
+    goes live in it, as vLLM requires for its runtime LoRA updates)."""
+    from ...serving.engine import overlay_updates_allowed
+
+    if not overlay_updates_allowed():
+        return
+    from .overlays import WORKER
+
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None:
+        ext = getattr(pc, "worker_extension_cls", "") or ""
+        if ext and ext != WORKER:
+            raise ConfigError(f"overlay updates need vLLM's worker extension {WORKER}, and --worker-extension-cls "
+                              f"names {ext}: drop it or start without overlay updates")
+        pc.worker_extension_cls = WORKER
+        if getattr(pc, "_api_process_count", 1) > 1:
+            raise ConfigError("overlay updates need one API server (--api-server-count 1): the routes count the "
+                              "requests using each overlay in that process")
 
 
 try:
@@ -133,6 +196,7 @@ class EngramVllmConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         check_runner(vllm_config)
+        check_updates(vllm_config)
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise ConfigError("engram's vLLM model does not support speculative decoding (its per-slot n-gram state "
                               "assumes every scheduled token is kept)")
@@ -143,7 +207,8 @@ class EngramVllmConfig(VerifyAndUpdateConfig):
 
 class EngramAdapterVllmConfig(VerifyAndUpdateConfig):
     """The config hook of the base + adapter architectures (`adapter_model.py`): the pair checked (`pair.read_pair`:
-    the wrong base refused in engram's words), the table options and overlays checked, eager mode forced."""
+    the wrong base refused in engram's words), the table options and overlays checked, an adapter's LoRA checked
+    against vLLM's LoRA settings (`check_lora`), eager mode forced."""
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
@@ -156,6 +221,7 @@ class EngramAdapterVllmConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         EngramVllmConfig.verify_and_update_config(vllm_config)
+        check_lora(vllm_config)
         pc = getattr(vllm_config, "parallel_config", None)
         if pc is not None and getattr(pc, "pipeline_parallel_size", 1) > 1:
             raise ConfigError("engram's adapter in vLLM does not support pipeline parallel (the n-gram hashing runs "

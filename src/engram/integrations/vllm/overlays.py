@@ -21,6 +21,13 @@ Memory: per Engram layer, one sorted int64 key per overlay row (`overlay index *
 values (d floats): proportional to the overlays' rows, no copy of a table. A stack of S overlays costs S
 `searchsorted` calls over the step's n*H ids per Engram layer.
 
+Loaded and dropped while serving (`ENGRAM_ALLOW_OVERLAY_UPDATES`, `engram serve --allow-overlay-updates`): the API
+server's `POST /v1/load_overlay` / `/v1/unload_overlay` (`routing.py`) reach each worker's bank through vLLM's
+`collective_rpc` (`routing.OverlayWorker`, a worker extension). A load is checked as at startup and swapped in
+whole; an unloaded overlay leaves `REGISTRY.names` at once (later requests get the 400 naming the loaded ones) and
+leaves the workers once the requests admitted before have finished (counted by the API server, then by each
+worker's batch rows: `OverlayBank.unload`, `settle`).
+
 Imports nothing of vLLM (the vLLM-facing classes are in `routing.py`).
 """
 
@@ -34,6 +41,7 @@ import torch
 from ...errors import EngramError
 
 XARG = "engram_overlay"  # the SamplingParams.extra_args / vllm_xargs key a request names its overlays with
+WORKER = "engram.integrations.vllm.routing.OverlayWorker"  # vLLM's --worker-extension-cls for overlay updates
 
 
 class OverlayChoiceError(EngramError, ValueError):
@@ -119,38 +127,125 @@ def route(body: dict, served: tuple[str, ...]) -> dict | None:
 
 class OverlayBank:
     """Every per-request overlay of one model, per Engram layer: sorted keys `k * table_rows + row` (k = the
-    overlay's index, from 1) with their values (R, d), in the table's device. `layers`: {layer id:
+    overlay's index, from 1, never reused) with their values (R, d), in the table's device. `layers`: {layer id:
     MultiHeadEmbedding} (`editing.engram_layers`); `overlays`: {name: Overlay}, already checked against the model
-    (`check_overlay`: hash manifest, weights digest, layers)."""
+    (`check_overlay`: hash manifest, weights digest, layers). `model`, `digest` (a callable giving the weights digest
+    the startup check used, or a callable giving it, called once): what `load` checks a folder against while serving.
 
-    def __init__(self, layers: dict, overlays: dict):
-        from ...editing import EditError
+    Loaded and dropped while serving (`load`, `unload`, from `routing.OverlayWorker` between two steps): a load reads
+    and checks the folder as at startup, then swaps in new keys and values; an unload of an overlay that a batch row
+    still reads waits (`dropping`) until no row does (`settle`, before each step), so a running request keeps its
+    rows to its last token. The bank never holds the `Overlay` objects: its memory is the rows alone."""
 
-        self.names = tuple(overlays)
-        self.index = {n: k for k, n in enumerate(self.names, 1)}
-        self.stride: dict[int, int] = {}
+    def __init__(self, layers: dict, overlays: dict, model=None, digest=None):
+        import weakref
+
+        self.layers = layers
+        self.index: dict[str, int] = {}  # name -> k (the key's high part), in loading order
+        self.dropping: set[str] = set()  # unloaded, still read by a batch row: dropped by `settle`
+        self.stride = {lid: mhe.num_rows for lid, mhe in layers.items()}
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (R,) int64 sorted, on the host (ids are hashed there)
         self.values: dict[int, torch.Tensor] = {}  # layer -> (R, d), the table's device
-        for lid, mhe in layers.items():
-            keys, values = [], []
+        self._next, self._version, self._settled = 1, -1, -1
+        self._table = np.zeros((0, 1), dtype=np.int64)
+        self._model = weakref.ref(model) if model is not None else None
+        self._digest = digest if isinstance(digest, str) else None
+        self._digest_of = digest if callable(digest) else None
+        self.add(overlays)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.index)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(k.numel()) for k in self.keys.values())
+
+    def add(self, overlays: dict) -> None:
+        """Put checked overlays {name: Overlay} in: the new keys and values are built whole, then swapped in (an
+        error leaves the bank as it was). A name already loaded is refused."""
+        from ...editing import EditError
+
+        taken = sorted(set(overlays) & set(self.index))
+        if taken:
+            raise OverlayChoiceError(f"overlay {taken[0]!r} is already loaded; unload it first")
+        index = {n: self._next + j for j, n in enumerate(overlays)}
+        keys, values = dict(self.keys), dict(self.values)
+        for lid, mhe in self.layers.items():
+            parts = [(self.keys[lid], self.values[lid])] if lid in self.keys else []
             for name, o in overlays.items():
                 if lid not in o.rows:
                     continue
                 r = o.rows[lid].long().reshape(-1)
                 if r.numel() and (int(r.min()) < 0 or int(r.max()) >= mhe.num_rows):
                     raise EditError(f"overlay {name}: layer {lid}'s row ids must lie in [0, {mhe.num_rows})")
-                keys.append(r + self.index[name] * mhe.num_rows)
-                values.append(o.values[lid].detach().float())
-            if keys:
-                k = torch.cat(keys)
+                parts.append((r + index[name] * mhe.num_rows,
+                              o.values[lid].detach().float().to(mhe.embedding.weight.device)))
+            if parts:
+                k = torch.cat([p[0] for p in parts])
                 order = torch.argsort(k)
-                self.stride[lid], self.keys[lid] = mhe.num_rows, k[order]
-                self.values[lid] = torch.cat(values)[order].to(mhe.embedding.weight.device)
-        self._version, self._table = -1, np.zeros((0, 1), dtype=np.int64)
+                keys[lid], values[lid] = k[order], torch.cat([p[1] for p in parts])[order.to(parts[0][1].device)]
+        self.keys, self.values = keys, values
+        self.index.update(index)
+        self._next += len(index)
+        self._version = -1  # (the rows table maps names to indices: rebuilt at the next step)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(int(k.numel()) for k in self.keys.values())
+    def digest(self) -> str | None:
+        """The weights digest the overlays are checked against (the startup one; computed once, on first use)."""
+        if self._digest is None and self._digest_of is not None:
+            self._digest = self._digest_of()
+        return self._digest
+
+    def load(self, name: str, folder: str) -> int:
+        """Read `folder` and check it against the model as at startup (`inference.prepare_inference`: checksums, hash
+        manifest, weights digest, layers), then add it as `name`. Returns its rows. Engram's one-line errors
+        (`OverlayChoiceError` for a taken name, `EditError`, `IntegrityError`, FileNotFoundError) change nothing."""
+        from ...inference import prepare_inference
+
+        check_names({name: folder})
+        if name in self.index:
+            raise OverlayChoiceError(f"overlay {name!r} is already loaded" + (
+                " and still read by running requests: load it again once they finish" if name in self.dropping
+                else "; unload it first"))
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise OverlayChoiceError("this overlay bank has no model to check overlays against")
+        o = prepare_inference(model, overlays={name: folder}, apply=False, digest=self.digest())[name]
+        self.add({name: o})
+        return o.num_rows
+
+    def unload(self, name: str) -> bool:
+        """Drop overlay `name`: at once when no batch row reads it (True), else when the last one leaves (`settle`,
+        False). `OverlayChoiceError` naming the loaded ones for a name not loaded."""
+        if name not in self.index or name in self.dropping:
+            loaded = [n for n in self.index if n not in self.dropping]
+            raise OverlayChoiceError(f"overlay {name!r} is not loaded (loaded: {', '.join(loaded) or 'none'})")
+        if any(name in names for names in CHOICES.rows.values()):
+            self.dropping.add(name)
+            return False
+        self._drop(name)
+        return True
+
+    def settle(self) -> None:
+        """Drop the unloaded overlays no batch row reads any more (once per change of the batch's choices)."""
+        if not self.dropping or CHOICES.version == self._settled:
+            return
+        self._settled = CHOICES.version
+        used = {n for names in CHOICES.rows.values() for n in names}
+        for name in [n for n in self.dropping if n not in used]:
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        k = self.index[name]
+        keys, values = {}, {}
+        for lid, ks in self.keys.items():
+            keep = torch.div(ks, self.stride[lid], rounding_mode="floor") != k
+            if bool(keep.any()):
+                keys[lid], values[lid] = ks[keep], self.values[lid][keep.to(self.values[lid].device)]
+        self.keys, self.values = keys, values
+        del self.index[name]
+        self.dropping.discard(name)
+        self._version = -1
 
     def _rows_table(self) -> np.ndarray:
         """(rows, S) int64: each persistent-batch row's overlay indices, 0-padded (0: none), cached per version."""
@@ -170,7 +265,8 @@ class OverlayBank:
 
     def for_step(self, view) -> StepChoice | None:
         """This step's per-token overlay indices (`StepChoice`), or None when no token reads an overlay (or `view`
-        is None: a profiling / dummy run)."""
+        is None: a profiling / dummy run). Drops the unloaded overlays no row reads any more first (`settle`)."""
+        self.settle()
         if view is None or not self.keys:
             return None
         t = self._rows_table()
@@ -215,16 +311,19 @@ def load_table_options(model, o, digest) -> OverlayBank | None:
     """Apply table options `o` (`options.TableOptions`) to a loaded vLLM model: tier, format and the overlays at load
     by engram's one inference path (`inference.prepare_inference`, as `engram sample`), then the per-request
     overlays read and checked the same way (hash manifest, weights digest, layers; `--overlay NAME=DIR` in the
-    errors) into an `OverlayBank` (None without them). `digest`: a callable giving the weights digest read from the
-    checkpoint's files (no second model in the worker), called once, only when there are overlays."""
+    errors) into an `OverlayBank` (None without them, unless overlays may be loaded while serving:
+    `serving.overlay_updates_allowed`, an empty bank then). `digest`: a callable giving the weights digest read
+    from the checkpoint's files (no second model in the worker), called once, only when an overlay is checked."""
     from ...inference import prepare_inference
+    from ...serving.engine import overlay_updates_allowed
 
     dg = digest() if (o.overlays or o.per_request) else None
     prepare_inference(model, o.tier, o.directory, o.format, {str(d): d for d in o.overlays}, digest=dg)
-    if not o.per_request:
+    updates = overlay_updates_allowed()
+    if not o.per_request and not updates:
         return None
     from ...editing import engram_layers
 
-    loaded = prepare_inference(model, overlays=dict(o.per_request), apply=False, digest=dg)
+    loaded = prepare_inference(model, overlays=dict(o.per_request), apply=False, digest=dg) if o.per_request else {}
     REGISTRY.names = tuple(loaded)
-    return OverlayBank(engram_layers(model), loaded)
+    return OverlayBank(engram_layers(model), loaded, model=model, digest=dg or digest)

@@ -7,16 +7,24 @@
 
 The folder: every file of the base's folder as a symbolic link (weights, tokenizer, generation config, chat
 template) but `config.json`, which is the base's with `architectures: ["EngramAdapter<Arch>"]` and an
-`engram_pair` entry {format, base, adapter (absolute paths), base fingerprint, adapter manifest sha256}. vLLM
+`engram_pair` entry {format, base, adapter (absolute paths), base fingerprint, adapter manifest sha256, lora}. vLLM
 then loads the base's own weights with its own model for the architecture (`adapter_model.py`) and engram reads
-the adapter's tensors from the adapter folder. Every check (`check_pair`) runs when the pair is written, again
-in vLLM's API server before any worker starts, and in the workers: each refusal is one line.
+the adapter's tensors from the adapter folder.
+
+An adapter with LoRA beside Engram (`engram adapt --method lora+engram`): the pair serves the Engram part, and
+vLLM's own LoRA support the LoRA part, from the adapter's PEFT folder (`lora` in the entry: {path, rank}, from
+`lora_info`), given to vLLM as `--enable-lora --max-lora-rank R --lora-modules NAME=PATH`; vLLM applies a LoRA
+only to requests that name it, so `engram serve` gives the LoRA the served name (`launcher.lora_flags`).
+
+Every check (`check_pair`) runs when the pair is written, again in vLLM's API server before any worker starts, and
+in the workers: each refusal is one line.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +38,16 @@ KEY = "engram_pair"
 ARCHITECTURES = {a: f"EngramAdapter{a}" for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                    "Qwen3ForCausalLM")}
 LAYERS_PATH = "model.layers"  # where vLLM's models (and transformers') of these architectures keep their blocks
+# the modules a LoRA may sit on: the projections vLLM's models of these architectures wrap with their LoRA layers
+# (as PEFT names them; vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj, `packed_modules_mapping`)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# overlays are checked against the digest of the model they were fit on (`editing.check_overlay`); with a LoRA that
+# is the PEFT model (`model_digest` of `load_adapter`'s result), which the pair's digest from files (base + Engram,
+# `adapters.files.adapted_digest`) is not: refused rather than checked against the wrong weights
+LORA_OVERLAYS = ("overlays on an adapter with LoRA beside Engram are not served by vLLM yet (they are checked against "
+                 "the model with its LoRA, which engram's vLLM path does not digest): serve them with --engine engram")
+LORA_KEY = re.compile(rf"base_model\.model\.{re.escape(LAYERS_PATH)}\.\d+\.(self_attn|mlp)\."
+                      rf"({'|'.join(LORA_MODULES)})\.lora_[AB]\.weight")
 
 
 def adapter_dir(adapter) -> Path:
@@ -40,9 +58,10 @@ def adapter_dir(adapter) -> Path:
 
 def check_pair(base, adapter) -> dict:
     """Everything that decides whether vLLM can serve adapter `adapter` on base `base`; returns {"base", "adapter"
-    (absolute paths), "meta" (the adapter's config), "architecture" (the base's)} or raises a one-line AdapterError."""
+    (absolute paths), "meta" (the adapter's config), "architecture" (the base's), "lora" (`lora_info`: the LoRA saved
+    beside Engram, which vLLM applies itself, or None)} or raises a one-line AdapterError."""
     from ...adapters.files import adapter_mapping, check_base
-    from ...adapters.saving import LORA_DIR, PEFT_FILES, read_adapter_config
+    from ...adapters.saving import PEFT_FILES, read_adapter_config
 
     b, a = resolve_model_dir(base).resolve(), adapter_dir(adapter).resolve()
     if not (b / "config.json").is_file():
@@ -50,10 +69,7 @@ def check_pair(base, adapter) -> dict:
     if (a / PEFT_FILES[1]).is_file() and not (a / "engram_adapter.json").is_file():
         raise AdapterError(f"--adapter {adapter} is a LoRA adapter without Engram: serve it with vLLM's own LoRA "
                            "support (--enable-lora --lora-modules), or with --engine engram")
-    meta = read_adapter_config(a)
-    if (a / LORA_DIR).is_dir() or (a / PEFT_FILES[0]).is_file():
-        raise AdapterError(f"--adapter {adapter} holds LoRA weights beside Engram: vLLM applies a LoRA only to "
-                           "requests that name it, so the pair would run without it; serve it with --engine engram")
+    meta = read_adapter_config(a)  # (the manifest lists the LoRA's files too: checked here with the rest)
     cfg = read_json(b / "config.json", "model config", "save the base again", AdapterError)
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
@@ -67,7 +83,47 @@ def check_pair(base, adapter) -> dict:
                            "step; serve the pair with --engine engram")
     adapter_mapping(a, meta)  # tokenizer and hash manifest
     check_base(b, a, meta)  # "... was saved for another base model: ..."
-    return {"base": b, "adapter": a, "meta": meta, "architecture": arch}
+    return {"base": b, "adapter": a, "meta": meta, "architecture": arch, "lora": lora_info(a, arch)}
+
+
+def lora_folder(a: Path) -> Path | None:
+    """The PEFT LoRA folder of adapter folder `a`: `lora/` (`save_adapter`), `a` itself when PEFT's files sit beside
+    the Engram ones (`save_pretrained` of a PEFT model, Trainer's checkpoints), or None (Engram only)."""
+    from ...adapters.saving import LORA_DIR, PEFT_FILES
+
+    a = Path(a)
+    return a / LORA_DIR if (a / LORA_DIR / PEFT_FILES[1]).is_file() else a if (a / PEFT_FILES[1]).is_file() else None
+
+
+def lora_info(a: Path, arch: str) -> dict | None:
+    """{"path" (the PEFT folder vLLM loads with --lora-modules), "rank" (the largest, rank_pattern included)} of the
+    LoRA saved in adapter folder `a`, or None. Refused in one line: a LoRA whose weights sit on modules other than
+    the decoder blocks' projections (`LORA_MODULES`: what vLLM's models of these architectures take LoRA on; e.g.
+    Engram's own layers, embeddings, `modules_to_save`), since vLLM's loader would stop the server on them."""
+    from ...adapters.saving import PEFT_FILES
+
+    d = lora_folder(a)
+    if d is None:
+        return None
+    cfg = read_json(d / PEFT_FILES[1], "LoRA config", "save the adapter again", AdapterError)
+    if cfg.get("peft_type") != "LORA":
+        raise AdapterError(f"{d}: a PEFT {cfg.get('peft_type')!r} adapter, not LoRA: vLLM serves only LoRA; serve the "
+                           "pair with --engine engram")
+    weights = d / PEFT_FILES[0]
+    if not weights.is_file():
+        raise AdapterError(f"{d}: no {PEFT_FILES[0]} (vLLM reads LoRA weights from it); save the adapter again")
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        keys = list(f.keys())
+    bad = sorted({k for k in keys if not LORA_KEY.fullmatch(k)})
+    if bad or not keys:
+        raise AdapterError(f"{d}: LoRA weights on {bad[:2] or 'nothing'}: vLLM's {arch} takes LoRA only on the "
+                           f"blocks' {', '.join(LORA_MODULES)}; serve the pair with --engine engram")
+    ranks = [cfg.get("r"), *(cfg.get("rank_pattern") or {}).values()]
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in ranks):
+        raise AdapterError(f"{d / PEFT_FILES[1]}: LoRA ranks {ranks} must be positive integers; save the adapter again")
+    return {"path": str(d), "rank": max(ranks)}
 
 
 def manifest_sha(a: Path) -> str:
@@ -95,7 +151,7 @@ def write_pair(base, adapter, out) -> Path:
     cfg = read_json(b / "config.json", "model config", "save the base again", AdapterError)
     cfg["architectures"] = [ARCHITECTURES[info["architecture"]]]
     cfg[KEY] = {"format": FORMAT, "base": str(b), "adapter": str(a), "base_fingerprint": info["meta"]["base"],
-                "adapter_manifest_sha256": manifest_sha(a)}
+                "adapter_manifest_sha256": manifest_sha(a), "lora": info["lora"]}
     write_json(out / "config.json", cfg)
     return out
 
