@@ -35,15 +35,17 @@ from bench_dtype import status_kib
 from bench_edit_scale import tiny_checkpoint
 
 
-def make_overlays(ckpt: Path, out: Path, n: int, facts: int, steps: int) -> list[Path]:
-    """`n` overlay folders of `facts` distinct facts each, made by `edit_facts` on the model at `ckpt`."""
+def make_overlays(ckpt: Path, out: Path, n: int, facts: int, steps: int, fact=None) -> list[Path]:
+    """`n` overlay folders of `facts` facts each, made by `edit_facts` on the model at `ckpt`; `fact(k, i)` ->
+    (prompt, target) is overlay k's fact i (default: distinct generated facts, "The king sat on Line N")."""
     from engram.editing import Fact, edit_facts
     from engram.inference import load_inference_model
 
     model, tok = load_inference_model(ckpt)
     dirs = []
     for k in range(n):
-        fs = [Fact(f"The king sat on Line {k * facts + i}", " dog" if i % 2 else " the king") for i in range(facts)]
+        fs = [Fact(*fact(k, i)) if fact else Fact(f"The king sat on Line {k * facts + i}", " dog" if i % 2 else
+                                                  " the king") for i in range(facts)]
         dirs.append(edit_facts(model, tok, fs, steps=steps, progress=False).save(out / f"o{k}"))
     return dirs
 

@@ -10,14 +10,25 @@ smollm2-135m-instruct runs/bases/smollm2`; the adapter: `engram.attach` at layer
 randomized so its delta is not 0), three ways: (e) vLLM serving the base alone, (f) vLLM serving base + adapter
 (the pair folder `integrations/vllm/pair.py` writes), (g) `engram serve --base --adapter`.
 
+Per-request overlays on engram's own model (issue 58): (h) `engram serve --engine vllm` with 16 overlays of 20 facts
+loaded (`--overlay oK=DIR`, `--allow-overlay-updates`; each overlay's facts are request K's prompt and 19 lines no
+request reads, written by `edit_facts`, `bench_overlay_bank.make_overlays`), every request naming none; (i) the same
+server, request K naming overlay K (`model: m+oK`): 16 clients, 16 overlays, one batch. Then, on (h)'s server,
+overlays loaded and unloaded under load (`POST /v1/load_overlay`, `/v1/unload_overlay`, one every
+`--update-every` s) while 16 streaming clients decode: each call's time, and the gaps between a request's
+tokens that overlap a call against the request's median gap (the latency a call adds to running requests), beside
+the same clients streaming with no call made (the noise floor).
+
 Every request: a different prompt, `--tokens` greedy tokens (`ignore_eos` on vLLM's side, so every engine produces
 the same count). The servers of a group run side by side and are measured in turn (a round: every setup once,
 in rotating order), so the machine's noise falls on all of them. Needs vLLM (docs/serve.md, "The vLLM engine");
 run it in that env:
 
-    python benchmarks/bench_vllm.py [--design reference|v41] [--base DIR] [--runs 3] [--tokens 64] [--record FILE]
+    python benchmarks/bench_vllm.py [--design reference|v41] [--base DIR] [--setups abcdefghi] [--runs 3]
+                                    [--tokens 64] [--record FILE]
 
-Prints a table, the ratios the issues ask for (a/b, a/c, d/a; f/e and f/g) with their range over the rounds, and
+Prints a table, the ratios the issues ask for (a/b, a/c, d/a; f/e and f/g; i/h, target >= 0.9, and h/a) with their
+range over the rounds, the overlay updates' added latency (target < 100 ms), and
 one JSON line; `--record FILE` appends it, with the environment, to a record (docs/results/bench-vllm.json).
 """
 
@@ -29,19 +40,34 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
+from bench_overlay_bank import make_overlays  # noqa: E402
 from bench_serve import build, free_port  # noqa: E402  (the same model as engram serve's benchmark)
 
 VLLM = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 RATIOS = {"a/b": ("a vllm+engram", "b engram serve"), "a/c": ("a vllm+engram", "c vllm engram off"),
           "d/a": ("d vllm+engram disk", "a vllm+engram"), "f/e": ("f vllm base+adapter", "e vllm base"),
-          "f/g": ("f vllm base+adapter", "g engram serve base+adapter")}
+          "f/g": ("f vllm base+adapter", "g engram serve base+adapter"),
+          "i/h": ("i vllm+engram 16 overlays chosen", "h vllm+engram overlays, none chosen"),
+          "h/a": ("h vllm+engram overlays, none chosen", "a vllm+engram")}
+OVERLAYS, FACTS = 16, 20  # (h)/(i): overlays loaded, facts per overlay
+
+
+class Setup(NamedTuple):
+    """One measured setup: its server's command (None: it uses setup `on`'s server), whether it is vLLM, and the
+    model each request names (None: "m" for all)."""
+    argv: list | None
+    vllm: bool
+    models: list | None = None
+    on: str | None = None
 
 
 def start(argv, log, env=None):
@@ -67,8 +93,8 @@ def stop(p):
         os.killpg(p.pid, signal.SIGKILL)
 
 
-def one(port, prompt, tokens, vllm):
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+def one(port, prompt, tokens, vllm, model="m"):
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
     if vllm:
         body.update(ignore_eos=True, return_token_ids=True)
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
@@ -79,10 +105,10 @@ def one(port, prompt, tokens, vllm):
     return time.perf_counter() - t, r["usage"]["completion_tokens"], c.get("token_ids") or c["text"]
 
 
-def measure(port, prompts, tokens, clients, vllm):
+def measure(port, prompts, tokens, clients, vllm, models=None):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
-        res = list(ex.map(lambda p: one(port, p, tokens, vllm), prompts))
+        res = list(ex.map(lambda a: one(port, a[0], tokens, vllm, a[1]), zip(prompts, models or ["m"] * len(prompts))))
     wall = time.perf_counter() - t0
     lat = sorted(r[0] for r in res)
     return {"tok_s": sum(r[1] for r in res) / wall, "p50_s": statistics.median(lat),
@@ -119,21 +145,48 @@ def greedy(model, tok, pad, prompts, tokens) -> dict:
     return want
 
 
-def engram_setups(d: Path, design: str, prompts, tokens):
-    """Setups a-d on engram's own model (built in `d`) and its greedy ids / text per prompt, in process."""
+def overlay_fact(k: int, i: int) -> tuple[str, str]:
+    """Overlay k's fact i: request k's prompt (i = 0), then lines no request reads."""
+    return f"Line {k + OVERLAYS * i}: the quick brown fox", " sleeps under the king"
+
+
+def engram_setups(d: Path, design: str, prompts, tokens, overlays: bool = False):
+    """Setups a-d (and, with `overlays`, h-i) on engram's own model (built in `d`) and its greedy ids / text per
+    setup and prompt, in process (for (i): with the request's overlay applied)."""
+    from engram.cli.options import with_overlays
+    from engram.model import load_model
+
     model, tok, pad = build(d, design)
-    want = greedy(model, tok, pad, prompts, tokens)
+    plain = greedy(model, tok, pad, prompts, tokens)
     del model
     run, api = str(d / "run"), [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    return {
-        "a vllm+engram": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM], True),
-        "b engram serve": ([sys.executable, "-m", "engram.cli", "serve", "--checkpoint", run, "--served-model-name",
-                            "m"], False),
-        "c vllm engram off": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
-                               json.dumps({"engram_scale": 0})], True),
-        "d vllm+engram disk": ([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM, "--hf-overrides",
-                                json.dumps({"engram_table_tier": "disk", "engram_table_dir": str(d / "t")})], True),
-    }, want
+    setups = {
+        "a vllm+engram": Setup([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM], True),
+        "b engram serve": Setup([sys.executable, "-m", "engram.cli", "serve", "--checkpoint", run,
+                                 "--served-model-name", "m"], False),
+        "c vllm engram off": Setup([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM,
+                                    "--hf-overrides", json.dumps({"engram_scale": 0})], True),
+        "d vllm+engram disk": Setup([*api, "--model", run + "/final", "--served-model-name", "m", *VLLM,
+                                     "--hf-overrides", json.dumps({"engram_table_tier": "disk",
+                                                                   "engram_table_dir": str(d / "t")})], True),
+    }
+    want = {k: plain for k in setups}
+    if overlays:
+        dirs = make_overlays(d / "run", d / "ov", OVERLAYS, FACTS, steps=5, fact=overlay_fact)
+        chosen = {}
+        for k, folder in enumerate(dirs):  # (i)'s reference: each prompt with its own request's overlay alone
+            mine = prompts[k::OVERLAYS]
+            m, _ = load_model(run)
+            chosen.update(greedy(with_overlays(m, [str(folder)]), tok, pad, mine, tokens))
+        h = "h vllm+engram overlays, none chosen"
+        setups[h] = Setup([sys.executable, "-m", "engram.cli", "serve", "--checkpoint", run, "--engine", "vllm",
+                           "--served-model-name", "m", "--allow-overlay-updates",
+                           *[f"--overlay=o{k}={p}" for k, p in enumerate(dirs)], "--vllm-args", " ".join(VLLM)],
+                          True)
+        setups["i vllm+engram 16 overlays chosen"] = Setup(
+            None, True, [f"m+o{j % OVERLAYS}" for j in range(len(prompts))], on=h)
+        want.update({h: plain, "i vllm+engram 16 overlays chosen": chosen})
+    return setups, want, (d / "ov" if overlays else None)
 
 
 def adapter_setups(d: Path, base: Path, prompts, tokens):
@@ -150,12 +203,76 @@ def adapter_setups(d: Path, base: Path, prompts, tokens):
     want = greedy(model, tok, pad, prompts, tokens)
     del model
     api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", "m", *VLLM]
-    return {
-        "e vllm base": ([*api, "--model", str(base)], True),
-        "f vllm base+adapter": ([*api, "--model", str(pair)], True),
-        "g engram serve base+adapter": ([sys.executable, "-m", "engram.cli", "serve", "--base", str(base),
-                                         "--adapter", str(adapter), "--name", "m"], False),
-    }, want
+    setups = {
+        "e vllm base": Setup([*api, "--model", str(base)], True),
+        "f vllm base+adapter": Setup([*api, "--model", str(pair)], True),
+        "g engram serve base+adapter": Setup([sys.executable, "-m", "engram.cli", "serve", "--base", str(base),
+                                              "--adapter", str(adapter), "--name", "m"], False),
+    }
+    return setups, {k: want for k in setups}, None
+
+
+def stream(port, prompt, tokens, model) -> list[float]:
+    """One streamed greedy completion: the arrival time of each chunk that carries tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for line in r:
+            if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
+                times.append(time.perf_counter())
+    return times
+
+
+def post(port, path, body) -> float:
+    """Seconds one JSON POST took (an error status raises)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    urllib.request.urlopen(req, timeout=300).read()
+    return time.perf_counter() - t
+
+
+def updates_under_load(port, prompts, tokens, models, folder: Path, every: float, calls: bool) -> dict:
+    """16 streaming clients decode while, every `every` s, an overlay is loaded then unloaded (`calls`; without, the
+    same schedule with no call: the noise floor). Each call's seconds; the excess of every inter-token gap that
+    overlaps a call window (or, without calls, the same windows) over its request's median gap."""
+    windows, spent, done = [], {"load": [], "unload": []}, threading.Event()
+
+    def updater():
+        j = 0
+        time.sleep(every)
+        while not done.is_set():
+            t0 = time.perf_counter()
+            if calls:
+                spent["load"].append(post(port, "/v1/load_overlay", {"overlay_name": f"x{j}",
+                                                                     "overlay_path": str(folder / f"o{j % OVERLAYS}")}))
+                spent["unload"].append(post(port, "/v1/unload_overlay", {"overlay_name": f"x{j}"}))
+            else:
+                time.sleep(0.05)
+            windows.append((t0, time.perf_counter()))
+            j += 1
+            done.wait(every)
+
+    th = threading.Thread(target=updater)
+    th.start()
+    try:
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            arrivals = list(ex.map(lambda a: stream(port, a[0], tokens, a[1]), zip(prompts, models)))
+    finally:
+        done.set()
+        th.join()
+    excess = []
+    for ts in arrivals:
+        gaps = [(a, b) for a, b in zip(ts, ts[1:])]
+        med = statistics.median(b - a for a, b in gaps)
+        excess += [(b - a) - med for a, b in gaps if any(a < w1 and b > w0 for w0, w1 in windows)]
+    q = sorted(excess) or [float("nan")]
+    return {"calls": len(windows), "load_ms": [round(1000 * x, 1) for x in spent["load"]],
+            "unload_ms": [round(1000 * x, 1) for x in spent["unload"]], "overlapping_gaps": len(excess),
+            "added_ms_median": round(1000 * statistics.median(q), 1), "added_ms_max": round(1000 * q[-1], 1)}
 
 
 def main():
@@ -167,7 +284,10 @@ def main():
                     help="engram's model: the reference's Engram design (short conv) or DeepSeek-V4.1's (no conv)")
     ap.add_argument("--base", type=Path, help="a pretrained base folder: run setups e-g (its adapter) too")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--setups", default="abcdefg", help="which setups to run, by letter (default all: abcdefg)")
+    ap.add_argument("--setups", default="abcdefghi", help="which setups to run, by letter (default all: abcdefghi; "
+                    "(i) runs on (h)'s server, and the overlay updates under load run whenever (h) does)")
+    ap.add_argument("--update-every", type=float, default=1.0, metavar="S",
+                    help="(h): seconds between overlay load+unload calls under load")
     ap.add_argument("--record", metavar="FILE", help="append the JSON line, with the environment, to this record "
                                                      "(docs/results/bench-vllm.json)")
     args = ap.parse_args()
@@ -178,32 +298,45 @@ def main():
     rows, texts, want, startup = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         groups = []
-        if set(args.setups) & set("abcd"):
-            groups.append(engram_setups(Path(tmp) / "engram", args.design, prompts, args.tokens))
+        if set(args.setups) & set("abcdhi"):
+            groups.append(engram_setups(Path(tmp) / "engram", args.design, prompts, args.tokens,
+                                        overlays=bool(set(args.setups) & set("hi"))))
         if args.base is not None and set(args.setups) & set("efg"):
             groups.append(adapter_setups(Path(tmp) / "adapter", args.base, prompts, args.tokens))
-        for setups, w in groups:
-            setups = {k: v for k, v in setups.items() if k[0] in args.setups}
-            if not setups:
+        updates = []
+        for setups, w, ov in groups:
+            chosen = {k: v for k, v in setups.items() if k[0] in args.setups}
+            if not chosen:
                 continue
-            want.update({k: w for k in setups})
+            want.update({k: w[k] for k in chosen})
             servers = {}
             try:
-                for name, (argv, vllm) in setups.items():  # side by side: measured in turn below
+                for name in dict.fromkeys(v.on or k for k, v in chosen.items()):  # side by side: measured in turn
                     t0 = time.perf_counter()
-                    servers[name] = (*start(argv + ["--port", str(free_port())], Path(tmp) / f"{name[0]}.log"), vllm)
+                    servers[name] = start(setups[name].argv + ["--port", str(free_port())],
+                                          Path(tmp) / f"{name[0]}.log")  # (process, port)
                     startup[name] = time.perf_counter() - t0
-                    measure(servers[name][1], prompts[:2], 4, 2, vllm)  # warm-up
-                names = list(servers)
+                    measure(servers[name][1], prompts[:2], 4, 2, setups[name].vllm)  # warm-up
+                names = list(chosen)
                 for n in args.clients:
                     for r in range(args.runs):
                         for name in names[r % len(names):] + names[: r % len(names)]:  # rotating order
-                            _, port, vllm = servers[name]
-                            m = measure(port, prompts, args.tokens, n, vllm)
+                            st = chosen[name]
+                            m = measure(servers[st.on or name][1], prompts, args.tokens, n, st.vllm, st.models)
                             texts.setdefault(name, m.pop("texts"))
-                            rows.append({"setup": name, "clients": n, "run": r, "startup_s": startup[name], **m})
+                            rows.append({"setup": name, "clients": n, "run": r,
+                                         "startup_s": startup[st.on or name], **m})
+                h = "h vllm+engram overlays, none chosen"
+                if h in servers:  # overlays loaded and dropped while 16 clients stream, and the same without
+                    models = [f"m+o{j % OVERLAYS}" for j in range(len(prompts))]
+                    for r in range(args.runs):
+                        for calls in (True, False):
+                            updates.append({"run": r, "calls": calls, **updates_under_load(
+                                servers[h][1], prompts, args.tokens, models, ov, args.update_every, calls)})
+                            print(f"updates under load, round {r}, {'with' if calls else 'without'} calls: "
+                                  f"{updates[-1]}", file=sys.stderr)
             finally:
-                for p, _, _ in servers.values():
+                for p, _ in servers.values():
                     stop(p)
     # vLLM: token ids (its detokenizer holds back a trailing partial UTF-8 character, so texts may differ there);
     # engram serve: text. (c runs without Engram and e without the adapter: they are expected to differ.) A real
@@ -245,6 +378,14 @@ def main():
           ", ".join(f"{k} {v:.2f} ({spread[k][0]:.2f}-{spread[k][1]:.2f})" for k, v in ratios.items()))
     print("prompts whose greedy output equals engram's in-process generate():",
           {k: f"{v['equal']}/{v['of']}" for k, v in agree.items()})
+    if updates:  # the latency an overlay update adds to running requests: with calls, and the floor without
+        for calls in (True, False):
+            u = [x for x in updates if x["calls"] == calls]
+            print(f"overlay updates under load ({'load+unload calls' if calls else 'no calls, same windows'}): "
+                  f"added latency per overlapping gap median {statistics.median(x['added_ms_median'] for x in u):.0f}"
+                  f" ms, max {max(x['added_ms_max'] for x in u):.0f} ms over {len(u)} rounds"
+                  + (f"; load {statistics.median(t for x in u for t in x['load_ms']):.0f} ms, unload "
+                     f"{statistics.median(t for x in u for t in x['unload_ms']):.0f} ms (medians)" if calls else ""))
     from engram.integrations.vllm.state import vllm_version
 
     out = {"bench": "vllm", "design": args.design, "base": args.base.name if args.base else None,
@@ -252,7 +393,7 @@ def main():
            "server_threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
            "ratios": {k: round(v, 3) for k, v in ratios.items()},
            "ratio_ranges": {k: [round(a, 3), round(b, 3)] for k, (a, b) in spread.items()},
-           "startup_s": {k: round(v, 1) for k, v in startup.items()}, "agree": agree,
+           "startup_s": {k: round(v, 1) for k, v in startup.items()}, "agree": agree, "updates": updates,
            "table": {s: {str(n): [round(r["tok_s"], 1) for r in rows if r["setup"] == s and r["clients"] == n]
                          for n in args.clients} for s in names},  # tokens/s per setup, clients and round
            "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "startup_s"}

@@ -73,13 +73,25 @@ class Stub(BaseHTTPRequestHandler):
                                       "message": {"role": "assistant", "content": content}}]})
 
 
+class StubServer(ThreadingHTTPServer):
+    """The stub's server: a client that hangs up on a slow reply is expected (mode "slow"), not an error to print;
+    and its handler threads are joined on close. Printed from a handler thread still running after this module,
+    the traceback landed in a later test's captured stderr (test_corruption failed on it)."""
+    daemon_threads = False
+    block_on_close = True
+
+    def handle_error(self, request, client_address):
+        pass
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    srv = StubServer(("127.0.0.1", 0), Stub)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
+    srv.server_close()  # waits for the handler threads (a slow reply still being written)
 
 
 def run(args, env_extra=None, cwd=None, mode="ok"):

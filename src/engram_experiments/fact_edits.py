@@ -73,6 +73,8 @@ class Setup:
 def setup(root: Path, progress: bool = True, windows: int = 16, seq_len: int = 128) -> Setup:
     """The base (imported once), §13's adapter (trained once) made edit-ready, the fact set and the base's known
     facts (cached in root/known.json), general-text windows."""
+    from filelock import FileLock
+
     from engram.adapters import clear_rows
     from engram.inference import chat_renderer, load_with_adapter, model_chat_template
     from engram.training.data import text_windows
@@ -81,19 +83,22 @@ def setup(root: Path, progress: bool = True, windows: int = 16, seq_len: int = 1
     from .smollm2_edit import starting_adapter
 
     root.mkdir(parents=True, exist_ok=True)
-    base = smollm2_base(root, BASE, progress, NAME)
-    adapter = starting_adapter(root, base, {"adapter": ADAPTER}, progress)
-    facts_file = root / "facts.jsonl"
-    if not facts_file.is_file():
-        factset.write(facts_file, factset.build(progress=progress))
-    facts = factset.read(facts_file)
-    model, tok = load_with_adapter(base, adapter)
-    clear_rows(model)
-    model.eval()
-    known_file = root / "known.json"
-    if not known_file.is_file():
-        hits = factset.known(model, tok, facts)  # edit-ready: exactly the base's answers
-        write_json(known_file, {"known": [f.id for f, h in zip(facts, hits) if h], "of": len(facts)})
+    # one preparer of the shared files (`--shard`: processes started together); without the lock two imports of
+    # the base wrote into the same temp folder and both failed
+    with FileLock(str(root / ".setup.lock")):
+        base = smollm2_base(root, BASE, progress, NAME)
+        adapter = starting_adapter(root, base, {"adapter": ADAPTER}, progress)
+        facts_file = root / "facts.jsonl"
+        if not facts_file.is_file():
+            factset.write(facts_file, factset.build(progress=progress))
+        facts = factset.read(facts_file)
+        model, tok = load_with_adapter(base, adapter)
+        clear_rows(model)
+        model.eval()
+        known_file = root / "known.json"
+        if not known_file.is_file():
+            hits = factset.known(model, tok, facts)  # edit-ready: exactly the base's answers
+            write_json(known_file, {"known": [f.id for f, h in zip(facts, hits) if h], "of": len(facts)})
     known = set(read_json(known_file, "known facts", f"delete {known_file}", ExperimentError)["known"])
     render = chat_renderer(model_chat_template(base=base), lambda m: (_ for _ in ()).throw(ValueError(m)))
     w = torch.as_tensor(np.asarray(text_windows(tok, ["wordnet"], "val", seq_len, windows)), dtype=torch.long)
