@@ -61,6 +61,21 @@ def test_welch_check_is_unpaired_even_where_seeds_are_shared():
     assert f"(Welch t, n=4/4, unadjusted, outside the family; p {sig.fmt_p(p)})" in text
 
 
+def test_a_spread_that_is_not_zero_never_prints_as_zero():
+    """`records.fmt_pm`: 4 decimals (or the places asked) where they show the spread; more, to its second significant
+    digit, where a spread that is not zero would print as 0.0000; a spread of exactly zero keeps the places."""
+    assert records.fmt_pm(6.646, 0.000516) == "6.6460 ± 0.0005"
+    assert records.fmt_pm(-0.00040976, 3.8675e-05, sign=True) == "-0.000410 ± 0.000039"
+    assert records.fmt_pm(-2.732e-05, 3.401e-05, sign=True) == "-0.000027 ± 0.000034"
+    assert records.fmt_pm(0.0, 0.0, sign=True) == "+0.0000 ± 0.0000"
+    assert records.fmt_pm(0.12, 0.0, places=2) == "0.12 ± 0.00"
+    assert records.fmt_pm(0.12, 0.004, places=2) == "0.1200 ± 0.0040"
+    assert records.fmt_pm(0.12, 0.006, places=2) == "0.12 ± 0.01"  # shown at 2 places: as it was
+    assert records.fmt_pm(1.0, 2e-9) == "1.00000000 ± <1e-08"
+    assert records.fmt_pm(-0.1, 2.96e-16, sign=True) == "-0.1000 ± 0.0000"  # rounding of equal differences: zero
+    assert records.fmt_stat({"mean": -0.0004, "std": 3.9e-05, "n": 3}) == "-0.000400 ± 0.000039 (n=3)"
+
+
 def test_a_record_with_summaries_only_is_tested_by_welch_from_them():
     rec = {"experiment": "sweep", "variants": {"a": {"mean": 4.3, "std": 0.01, "n": 2, "half_range": 0.007},
                                                "b": {"mean": 4.28, "std": 0.005, "n": 3, "half_range": 0.004}}}

@@ -6,6 +6,7 @@ of `iso`, the environments its runs recorded), and each record's table, environm
 from __future__ import annotations
 
 import datetime
+import math
 from pathlib import Path
 
 from engram.persist import write_json
@@ -77,8 +78,29 @@ def record_experiment(path: Path, summary: dict, results: dict[str, list[dict]],
 
 
 # ------------------------------------------------------------------------------------------ formatting
+PM_MAX_PLACES = 8  # the most decimals `fmt_pm` gives a spread too small for its places
+PM_ROUNDING = 1e-9  # a spread below this fraction of its value (or of 1) is floating-point rounding: zero
+
+
+def fmt_pm(value: float, spread: float, places: int = 4, sign: bool = False) -> str:
+    """"value ± spread" at `places` decimals, the one format of a mean and its sd (or a difference and its se) on
+    the pages; where a spread that is not zero would print as zero at `places` ("± 0.0000"), both to the spread's
+    second significant digit instead ("-0.000410 ± 0.000039"; at most `PM_MAX_PLACES` decimals, "± <1e-08" below).
+    A spread of zero keeps `places`, as does one of floating-point rounding (below `PM_ROUNDING` of the value: the
+    sd of identical values summed in another order)."""
+    places = max(0, places)
+    if abs(spread) < PM_ROUNDING * max(1.0, abs(value)):
+        spread = 0.0
+    if spread and float(f"{abs(spread):.{places}f}") == 0:
+        places = min(PM_MAX_PLACES, max(places, 1 - math.floor(math.log10(abs(spread)))))
+    shown = f"{spread:.{places}f}"
+    if spread and float(shown) == 0:
+        shown = f"<1e-{places:02d}"
+    return f"{value:{'+' if sign else ''}.{places}f} ± {shown}"
+
+
 def fmt_stat(s: dict) -> str:
-    return f"{s['mean']:.4f} ± {s['std']:.4f} (n={s['n']})"
+    return f"{fmt_pm(s['mean'], s['std'])} (n={s['n']})"
 
 
 def fmt_env(rec: dict) -> str:
@@ -111,8 +133,7 @@ def table_markdown(rec: dict, name: str | None = None) -> str:
         for v, r in table.items():
             rho = f"{100 * r['rho']:.1f}%" if r.get("rho") is not None else "-"
             vs = f"{r['mean'] - base['mean']:+.4f}" if base else ""
-            lines.append(f"| {v} | {rho} | {r['n']} | {r['mean']:.4f} ± {r['half_range']:.4f} | {r['std']:.4f} | "
-                         f"{vs} |")
+            lines.append(f"| {v} | {rho} | {r['n']} | {fmt_pm(r['mean'], r['half_range'])} | {r['std']:.4f} | {vs} |")
         return "\n".join(lines)
     base = baseline
     lines = [f"| variant | final val loss (mean ± sd, n) | vs {base} (difference of means) | params | table params |",

@@ -44,6 +44,9 @@ Placeholders (`render`), filled section by section (a section starts at `## `):
                             "TEXT (quoted: DATE, MACHINE)"; the source must start with the date measured
     {{cited:SOURCE|TEXT}}   a number that is not ours (the paper's), rendered "TEXT (cited: SOURCE)"
 
+A value and its spread (mean ± sd, difference ± se) are written by `records.fmt_pm`: 4 decimals, more where a
+spread that is not zero would print as "± 0.0000".
+
 The guard (`unsourced_numbers`) lists every place in a template, prose, headings, tables and code alike, that
 holds a measured-looking number (`MEASURED`: decimals, percentages, ±, multiples and number words used as
 quantities, k/M counts, quantities with units, approximations, proportions, counts over seeds) or a typed
@@ -64,7 +67,7 @@ from typing import NamedTuple
 from engram.persist import atomic_write_bytes
 
 from . import significance as sig
-from .records import fmt_env, fmt_stat, machines_markdown, table_markdown
+from .records import fmt_env, fmt_pm, fmt_stat, machines_markdown, table_markdown
 from .registry import find
 from .runs import read_result, seed_stats
 
@@ -206,7 +209,7 @@ def family_markdown(label: str, rows: list[dict]) -> str:
     for r in rows:
         t = r["test"]
         verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
-        lines.append(f"| {_short(r['b'], r['a'])} - {_short(r['a'], r['b'])} | {t.diff:+.4f} ± {t.se:.4f} | "
+        lines.append(f"| {_short(r['b'], r['a'])} - {_short(r['a'], r['b'])} | {fmt_pm(t.diff, t.se, sign=True)} | "
                      f"{t.label} | {sig.fmt_p(t.p)} | {sig.fmt_p(r['p_holm'])} | {verdict} |")
     return "\n".join(lines)
 
@@ -255,7 +258,7 @@ def replication_markdown(label: str, rec: dict, fams: dict[str, list[dict]], rec
     def cells(r: dict) -> str:
         t = r["test"]
         verdict = "**finding**" if r["finding"] else f"not a finding (detectable: ±{sig.min_detectable(t):.4f})"
-        return f"{t.diff:+.4f} ± {t.se:.4f} ({t.label}) | {sig.fmt_p(r['p_holm'])} | {verdict}"
+        return f"{fmt_pm(t.diff, t.se, sign=True)} ({t.label}) | {sig.fmt_p(r['p_holm'])} | {verdict}"
 
     fields = {x.partition("#")[2] for s in stored for x in (s["a"], s["b"])}
     n = len(rec["design"]["seeds"])
@@ -443,7 +446,7 @@ def render(template: str, recs: dict[str, dict], also: str = "") -> str:
                 a, b = arg.split(":")
                 sa, sb = _stat(recs, a), _stat(recs, b)
                 t = sig.welch(sa["values"], sb["values"])
-                return (f"{t.diff:+.4f} ± {t.se:.4f} ({t.label}, unadjusted, outside the family; "
+                return (f"{fmt_pm(t.diff, t.se, sign=True)} ({t.label}, unadjusted, outside the family; "
                         f"p {sig.fmt_p(t.p)})")
             if kind == "family":
                 label = arg.strip().splitlines()[0].strip()

@@ -500,7 +500,9 @@ def replication_table(results: dict[str, list[dict]]) -> dict:
 
 
 def _fmt(s: dict, sign: bool = False) -> str:
-    return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f}"
+    from .records import fmt_pm
+
+    return fmt_pm(s["mean"], s["std"], sign=sign)
 
 
 METRIC = {"domain_val": "domain loss", "forgetting": "forgetting", "forgetting_shared": "forgetting (shared)"}

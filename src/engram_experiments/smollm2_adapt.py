@@ -33,6 +33,7 @@ from engram.training.checkpoint import checkpoints
 from engram.training.run import read_run_file
 
 from . import prereg
+from .records import fmt_pm
 from .registry import Experiment, register
 from .retrofit import (
     LORA_ALL,
@@ -228,20 +229,60 @@ def run(out: str | Path = "runs/experiments", progress: bool = True, record: str
 
 
 def _fmt(s: dict, sign: bool = False) -> str:
-    return f"{s['mean']:{'+' if sign else ''}.4f} ± {s['std']:.4f}"
+    return fmt_pm(s["mean"], s["std"], sign=sign)
 
 
 METRIC = {"domain_val": "domain loss", "forgetting_general": "forgetting (general)",
           "forgetting_shared": "forgetting (shared n-grams)"}
 
 
+def dominated_by(points: list[dict], keys=tuple(METRIC)) -> list[list[int]]:
+    """For each point, the indices of the points that dominate it: at least as low on every key of `keys` (domain
+    loss and forgetting on both sets; lower is better) and lower on one. Empty: the point is on the front."""
+    def beats(q: dict, p: dict) -> bool:
+        return all(q[k] <= p[k] for k in keys) and any(q[k] < p[k] for k in keys)
+    return [[j for j, q in enumerate(points) if j != i and beats(q, p)] for i, p in enumerate(points)]
+
+
+def selection_markdown(s: dict) -> list[str]:
+    """The selection seed's runs, every (method, lr) point with its three measures, the dominated ones marked and
+    named with the undominated points that beat them; the lr each method selected (its lowest domain loss) in bold."""
+    sel = s["design"]["selection"]["seed"]
+    pts = [r for m in s["methods"] for r in sorted((r for r in s["runs"] if r["method"] == m and r["seed"] == sel),
+                                                   key=lambda r: r["lr"])]
+    by = dominated_by(pts)
+    front = [i for i, d in enumerate(by) if not d]
+
+    def name(r: dict) -> str:
+        return f"{r['method']} {r['lr']:g}"
+
+    lines = [f"Selection seed {sel}, every learning rate of each grid (one run each; lower is better on all three "
+             f"measures; the selected lr, each method's lowest domain loss, in bold). † marks a dominated point: "
+             f"another point, of any method, is at least as low on all three measures and lower on at least one; "
+             f"the last column names the undominated points that dominate it:", "",
+             "| method | lr | domain val loss | forgetting (general) | forgetting (shared n-grams) | dominated by |",
+             "|---|---|---|---|---|---|"]
+    for r, d in zip(pts, by):
+        lr = f"{r['lr']:g}"
+        if s["chosen"].get(r["method"], {}).get("lr") == r["lr"]:
+            lr = f"**{lr}**"
+        who = ", ".join(name(pts[j]) for j in d if not by[j])
+        lines.append(f"| {r['method']}{' †' if d else ''} | {lr} | {r['domain_val']:.4f} | "
+                     f"{r['forgetting_general']:+.4f} | {r['forgetting_shared']:+.4f} | {who} |")
+    beaten = [m for m in s["methods"] if not any(pts[i]["method"] == m for i in front)]
+    lines += ["", f"Undominated on the selection seed: {', '.join(name(pts[i]) for i in front)}"
+              + (f"; every point of {' and '.join(beaten)} is dominated." if beaten else ".")]
+    return lines
+
+
 def markdown(s: dict) -> str:
-    """The base's losses, the selection grid, the chosen points over the test seeds, the tests and the cost."""
+    """The base's losses, the selection grid (its three measures, the dominated points marked), the chosen points over
+    the test seeds, the tests and the cost."""
     from .significance import fmt_p
 
     b, sets, sh = s["before"], s["sets"], s["shared_set"]
     rss = s.get("peak_rss_measure") == "VmHWM"  # records before it measured each run's own peak: not shown
-    n, sel = len(s["design"]["test"]["seeds"]), s["design"]["selection"]["seed"]
+    n = len(s["design"]["test"]["seeds"])
     lines = [f"Preregistration `{s['prereg']['file']}` (blob {str(s['prereg']['blob'])[:10]}, "
              f"{s['prereg']['status']}; run at commit {str(s['prereg']['commit'])[:10]}).", "",
              "The base's val loss on each candidate corpus (the rules pick the domain and the general set):", "",
@@ -252,11 +293,7 @@ def markdown(s: dict) -> str:
     lines += ["", f"Shared set: {sh['windows']} of the pool's {sh['of']} val windows, {sh['ngram_share']:.0%} of "
                   f"their token 2-/3-grams in the domain's train split (base loss {b['shared']:.4f}). "
                   f"{s['adapt_steps']} steps x {s['tokens_per_step']:,} tokens per run.", "",
-              f"Selection seed {sel} (domain val loss per learning rate):", "",
-              "| method | lr: domain val loss |", "|---|---|"]
-    for m in s["methods"]:
-        pts = sorted((r for r in s["runs"] if r["method"] == m and r["seed"] == sel), key=lambda r: r["lr"])
-        lines.append(f"| {m} | " + "; ".join(f"{r['lr']:g}: {r['domain_val']:.4f}" for r in pts) + " |")
+              *selection_markdown(s)]
     seeds = ", ".join(map(str, s["design"]["test"]["seeds"]))
     lines += ["", f"Each method at its selected learning rate, test seeds {seeds} (mean ± sd, n={n}):", "",
               "| method | lr | domain val loss | forgetting (general) | forgetting (shared) | trainable | step (ms) |"
@@ -279,7 +316,7 @@ def markdown(s: dict) -> str:
                   "detected at 80% power):",
               "", "| A | B | metric | B - A | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
     for t in s["tests"]:
-        lines.append(f"| {t['a']} | {t['b']} | {METRIC[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+        lines.append(f"| {t['a']} | {t['b']} | {METRIC[t['metric']]} | {fmt_pm(t['diff'], t['se'], sign=True)} | "
                      f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {verdict(t)} |")
     return "\n".join(lines) + "\n"
 

@@ -41,6 +41,7 @@ from engram.persist import write_json
 from . import prereg
 from .edit import fact_share, finetune
 from .known_facts import all_facts, counterfactuals, known_facts
+from .records import fmt_pm
 from .registry import Experiment, register
 from .retrofit import extend_grid, say
 from .runs import ExperimentError, detectable, index_environments, publish, read_result, seed_stats, verdict
@@ -293,8 +294,8 @@ def markdown(s: dict) -> str:
               "|---" * (len(METRICS) + 4) + "|"]
     for m, per in s["table"].items():
         for b, t in per.items():
-            cells = [f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}" if k.endswith("_change")
-                     else f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}" for k in (*METRICS, "old_kept")]
+            cells = [fmt_pm(t[k]["mean"], t[k]["std"], sign=True) if k.endswith("_change")
+                     else fmt_pm(t[k]["mean"], t[k]["std"], places=2) for k in (*METRICS, "old_kept")]
             lines.append(f"| {m} | {s['chosen_lr'][m]:g} | {b} | " + " | ".join(cells) + " |")
     cost = {m: seed_stats([r["seconds_per_step"] for r in s["runs"] if r["method"] == m and r["set"].startswith(
         "test-") and r["lr"] == s["chosen_lr"][m] and str(r["budget"]) == last]) for m in s["chosen_lr"]}
