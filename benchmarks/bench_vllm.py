@@ -212,8 +212,9 @@ def adapter_setups(d: Path, base: Path, prompts, tokens):
     return setups, {k: want for k in setups}, None
 
 
-def stream(port, prompt, tokens, model) -> list[float]:
-    """One streamed greedy completion: the arrival time of each chunk that carries tokens."""
+def stream(port, prompt, tokens, model, first: threading.Event | None = None) -> list[float]:
+    """One streamed greedy completion: the arrival time of each chunk that carries tokens (`first` set at the
+    first)."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
@@ -223,6 +224,8 @@ def stream(port, prompt, tokens, model) -> list[float]:
         for line in r:
             if line.startswith(b"data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
                 times.append(time.perf_counter())
+                if first is not None:
+                    first.set()
     return times
 
 
@@ -236,14 +239,16 @@ def post(port, path, body) -> float:
 
 
 def updates_under_load(port, prompts, tokens, models, folder: Path, every: float, calls: bool) -> dict:
-    """16 streaming clients decode while, every `every` s, an overlay is loaded then unloaded (`calls`; without, the
-    same schedule with no call: the noise floor). Each call's seconds; the excess of every inter-token gap that
-    overlaps a call window (or, without calls, the same windows) over its request's median gap."""
-    windows, spent, done = [], {"load": [], "unload": []}, threading.Event()
+    """Streaming clients decode while, from their first token on, every `every` s an overlay is loaded then unloaded
+    (`calls`; without, the same schedule with no call: the noise floor). Each call's seconds; the excess of every
+    inter-token gap that overlaps a call window (or, without calls, the same windows) over its request's median
+    gap."""
+    windows, spent, done, first = [], {"load": [], "unload": []}, threading.Event(), threading.Event()
 
     def updater():
         j = 0
-        time.sleep(every)
+        first.wait(600)
+        done.wait(0.2)  # every request is decoding by now
         while not done.is_set():
             t0 = time.perf_counter()
             if calls:
@@ -260,7 +265,7 @@ def updates_under_load(port, prompts, tokens, models, folder: Path, every: float
     th.start()
     try:
         with ThreadPoolExecutor(len(prompts)) as ex:
-            arrivals = list(ex.map(lambda a: stream(port, a[0], tokens, a[1]), zip(prompts, models)))
+            arrivals = list(ex.map(lambda a: stream(port, a[0], tokens, a[1], first), zip(prompts, models)))
     finally:
         done.set()
         th.join()
@@ -270,7 +275,7 @@ def updates_under_load(port, prompts, tokens, models, folder: Path, every: float
         med = statistics.median(b - a for a, b in gaps)
         excess += [(b - a) - med for a, b in gaps if any(a < w1 and b > w0 for w0, w1 in windows)]
     q = sorted(excess) or [float("nan")]
-    return {"calls": len(windows), "load_ms": [round(1000 * x, 1) for x in spent["load"]],
+    return {"windows": len(windows), "load_ms": [round(1000 * x, 1) for x in spent["load"]],
             "unload_ms": [round(1000 * x, 1) for x in spent["unload"]], "overlapping_gaps": len(excess),
             "added_ms_median": round(1000 * statistics.median(q), 1), "added_ms_max": round(1000 * q[-1], 1)}
 
@@ -288,6 +293,8 @@ def main():
                     "(i) runs on (h)'s server, and the overlay updates under load run whenever (h) does)")
     ap.add_argument("--update-every", type=float, default=1.0, metavar="S",
                     help="(h): seconds between overlay load+unload calls under load")
+    ap.add_argument("--update-tokens", type=int, default=256,
+                    help="(h): greedy tokens per streaming request while overlays are loaded and unloaded")
     ap.add_argument("--record", metavar="FILE", help="append the JSON line, with the environment, to this record "
                                                      "(docs/results/bench-vllm.json)")
     args = ap.parse_args()
@@ -332,7 +339,7 @@ def main():
                     for r in range(args.runs):
                         for calls in (True, False):
                             updates.append({"run": r, "calls": calls, **updates_under_load(
-                                servers[h][1], prompts, args.tokens, models, ov, args.update_every, calls)})
+                                servers[h][1], prompts, args.update_tokens, models, ov, args.update_every, calls)})
                             print(f"updates under load, round {r}, {'with' if calls else 'without'} calls: "
                                   f"{updates[-1]}", file=sys.stderr)
             finally:
@@ -380,7 +387,10 @@ def main():
           {k: f"{v['equal']}/{v['of']}" for k, v in agree.items()})
     if updates:  # the latency an overlay update adds to running requests: with calls, and the floor without
         for calls in (True, False):
-            u = [x for x in updates if x["calls"] == calls]
+            u = [x for x in updates if x["calls"] == calls and x["overlapping_gaps"]]
+            if not u:
+                print("overlay updates under load: no call overlapped a running request (raise --update-tokens)")
+                continue
             print(f"overlay updates under load ({'load+unload calls' if calls else 'no calls, same windows'}): "
                   f"added latency per overlapping gap median {statistics.median(x['added_ms_median'] for x in u):.0f}"
                   f" ms, max {max(x['added_ms_max'] for x in u):.0f} ms over {len(u)} rounds"
@@ -390,6 +400,7 @@ def main():
 
     out = {"bench": "vllm", "design": args.design, "base": args.base.name if args.base else None,
            "tokens": args.tokens, "requests": args.requests, "vllm": vllm_version(),
+           "update_tokens": args.update_tokens, "update_every_s": args.update_every,
            "server_threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
            "ratios": {k: round(v, 3) for k, v in ratios.items()},
            "ratio_ranges": {k: [round(a, 3), round(b, 3)] for k, (a, b) in spread.items()},
