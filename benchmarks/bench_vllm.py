@@ -388,18 +388,22 @@ def main():
           ", ".join(f"{k} {v:.2f} ({spread[k][0]:.2f}-{spread[k][1]:.2f})" for k, v in ratios.items()))
     print("prompts whose greedy output equals engram's in-process generate():",
           {k: f"{v['equal']}/{v['of']}" for k, v in agree.items()})
-    if updates:  # the latency an overlay update adds to running requests: with calls, and the floor without
-        for calls in (True, False):
-            u = [x for x in updates if x["calls"] == calls and x["overlapping_gaps"]]
-            if not u:
-                print("overlay updates under load: no call overlapped a running request (raise --update-tokens)")
-                continue
-            w = sorted(v for x in u for v in x["window_added_ms"] if v is not None)
-            print(f"overlay updates under load ({'load+unload calls' if calls else 'no calls, same windows'}): "
-                  f"the most a window delayed a running request: median {statistics.median(w):.0f} ms, "
-                  f"{sum(v < 100 for v in w)} of {len(w)} windows under 100 ms, max {w[-1]:.0f} ms ({len(u)} rounds)"
-                  + (f"; load {statistics.median(t for x in u for t in x['load_ms']):.0f} ms, unload "
-                     f"{statistics.median(t for x in u for t in x['unload_ms']):.0f} ms (medians)" if calls else ""))
+    update_summary = {}
+    for calls in (True, False):  # the latency an overlay update adds to running requests, and the floor without
+        u = [x for x in updates if x["calls"] == calls and x["overlapping_gaps"]]
+        w = sorted(v for x in u for v in x["window_added_ms"] if v is not None)
+        if not w:
+            continue
+        key = "calls" if calls else "no_calls"
+        update_summary[key] = {"rounds": len(u), "windows": len(w), "median_ms": statistics.median(w),
+                               "under_100ms": sum(v < 100 for v in w), "max_ms": w[-1]}
+        if calls:
+            update_summary[key].update(load_ms_median=statistics.median(t for x in u for t in x["load_ms"]),
+                                       unload_ms_median=statistics.median(t for x in u for t in x["unload_ms"]))
+        print(f"overlay updates under load ({'load+unload calls' if calls else 'no calls, same windows'}): "
+              f"{update_summary[key]}")
+    if updates and not update_summary:
+        print("overlay updates under load: no window overlapped a running request (raise --update-tokens)")
     from engram.integrations.vllm.state import vllm_version
 
     out = {"bench": "vllm", "design": args.design, "base": args.base.name if args.base else None,
@@ -409,6 +413,7 @@ def main():
            "ratios": {k: round(v, 3) for k, v in ratios.items()},
            "ratio_ranges": {k: [round(a, 3), round(b, 3)] for k, (a, b) in spread.items()},
            "startup_s": {k: round(v, 1) for k, v in startup.items()}, "agree": agree, "updates": updates,
+           "update_summary": update_summary,
            "table": {s: {str(n): [round(r["tok_s"], 1) for r in rows if r["setup"] == s and r["clients"] == n]
                          for n in args.clients} for s in names},  # tokens/s per setup, clients and round
            "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "startup_s"}
