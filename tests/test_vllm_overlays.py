@@ -177,23 +177,23 @@ def test_engram_model_mixed_overlays_in_one_batch(tmp_path):
     rng = random.Random(7)
     prompts = prompts_of([rng.choice((2, 5, 9, 20, 40, 90)) for _ in range(12)], 7)
     ovs = make_overlays(lambda: load_model(folder)[0], lambda m: m.model.mapping, prompts, tmp_path / "ov",
-                        ("a", "b", "c"))
-    hows = [None, ("model", "a"), ("model", "b"), ("model", "c"), ("xargs", ["a"]), ("xargs", ["c", "b"]),
-            None, ("model", "a"), ("xargs", "b"), ("model", "c"), ("xargs", ["b", "a"]), None]
+                        ("a", "b", "c", "d"))
+    hows = [None, ("model", "a"), ("model", "b"), ("model", "c"), ("xargs", ["d"]), ("xargs", ["c", "b"]),
+            None, ("model", "d"), ("xargs", "b"), ("model", "c"), ("xargs", ["b", "a"]), ("model", "a")]
     ref_of = lambda ps, stack: engram_reference(folder, ps, stack)  # noqa: E731
     plain = ref_of(prompts, [])
-    for n in ("a", "b", "c"):  # each overlay changes most prompts' tokens: a wrong choice would show
+    for n in ("a", "b", "c", "d"):  # each overlay changes most prompts' tokens: a wrong choice would show
         assert sum(x[0] != y[0] for x, y in zip(ref_of(prompts, [ovs[n]]), plain)) >= 8, f"overlay {n}: vacuous"
     argv = [sys.executable, "-m", "engram.cli", "serve", "--checkpoint", str(folder), "--engine", "vllm",
             "--served-model-name", "m", "--port", str(free_port()), *[f"--overlay={n}={d}" for n, d in ovs.items()],
             "--vllm-args", " ".join(SETTINGS)]
     s = Server(argv, tmp_path / "serve.log")
     try:
-        mixed_batch(s, prompts, hows, ref_of, ovs, "engram model, 12 requests over 3 overlays, a stack, none")
+        mixed_batch(s, prompts, hows, ref_of, ovs, "engram model, 12 requests over 4 overlays, a stack, none")
         ids = [m["id"] for m in json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=60))["data"]]
-        assert ids == ["m", "m+a", "m+b", "m+c"], ids
+        assert ids == ["m", "m+a", "m+b", "m+c", "m+d"], ids
         code, text = post_error(s, {"model": "m+zz", "prompt": [5, 6], "max_tokens": 2})
-        assert code == 400 and "overlay 'zz' is not loaded (loaded: a, b, c)" in text, (code, text)
+        assert code == 400 and "overlay 'zz' is not loaded (loaded: a, b, c, d)" in text, (code, text)
         code, text = post_error(s, {"model": "m", "prompt": [5, 6], "max_tokens": 2,
                                     "vllm_xargs": {"engram_overlay": ["a", "nope"]}})
         assert code == 400 and "overlay 'nope' is not loaded" in text, (code, text)
@@ -216,21 +216,21 @@ def test_base_adapter_mixed_overlays_in_one_batch(tmp_path):
 
     base, adapter = base_and_adapter(tmp_path, "llama")
     rng = random.Random(8)
-    prompts = prompts_of([rng.choice((3, 8, 30, 70)) for _ in range(8)], 8)
+    prompts = prompts_of([rng.choice((3, 8, 30, 70)) for _ in range(12)], 8)
     ovs = make_overlays(lambda: load_with_adapter(base, adapter)[0], lambda m: adapter_of(m).mapping, prompts,
-                        tmp_path / "ov", ("a", "b"))
-    hows = [("model", "a"), None, ("model", "b"), ("xargs", ["b", "a"]), ("xargs", "a"), None, ("model", "b"),
-            ("model", "a")]
+                        tmp_path / "ov", ("a", "b", "c", "d"))
+    hows = [("model", "a"), None, ("model", "b"), ("xargs", ["b", "a"]), ("xargs", "c"), None, ("model", "d"),
+            ("model", "a"), ("xargs", ["d"]), ("model", "c"), ("model", "b"), None]
     ref_of = lambda ps, stack: pair_reference(base, adapter, ps, stack)  # noqa: E731
     plain = ref_of(prompts, [])
-    for n in ("a", "b"):
-        assert sum(x[0] != y[0] for x, y in zip(ref_of(prompts, [ovs[n]]), plain)) >= 4, f"overlay {n}: vacuous"
+    for n in ("a", "b", "c", "d"):
+        assert sum(x[0] != y[0] for x, y in zip(ref_of(prompts, [ovs[n]]), plain)) >= 6, f"overlay {n}: vacuous"
     argv = [sys.executable, "-m", "engram.cli", "serve", "--base", str(base), "--adapter", str(adapter), "--engine",
             "vllm", "--served-model-name", "m", "--port", str(free_port()),
             *[f"--overlay={n}={d}" for n, d in ovs.items()], "--vllm-args", " ".join(SETTINGS)]
     s = Server(argv, tmp_path / "serve.log", env={"ENGRAM_CACHE_DIR": str(tmp_path / "cache")})
     try:
-        mixed_batch(s, prompts, hows, ref_of, ovs, "llama + adapter, 8 requests over 2 overlays, a stack, none")
+        mixed_batch(s, prompts, hows, ref_of, ovs, "llama + adapter, 12 requests over 4 overlays, a stack, none")
     finally:
         s.close()
 
