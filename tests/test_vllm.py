@@ -108,7 +108,8 @@ class Server:
         self.port = int(argv[argv.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         e = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        e.update(env or {})
+        for k, v in (env or {}).items():  # None: the variable left out
+            e.pop(k, None) if v is None else e.__setitem__(k, v)
         self.log = log
         self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=e,
                                      start_new_session=True)
@@ -347,3 +348,28 @@ def test_tensor_parallel_2_same_tokens(models, tmp_path):
         assert_same(s.many(prompts), reference(folder, prompts), "tensor parallel 2, mmap")
     finally:
         s.close()
+
+
+def test_engram_serve_starts_vllm_beside_a_process_holding_memory(tmp_path):
+    """Issue 58 item 5: vLLM's CPU build reserves 92% of RAM for its KV cache unless VLLM_CPU_KVCACHE_SPACE says
+    otherwise, so beside a process holding more than 8% of RAM it refused to start ("Available memory on node 0 ... is
+    less than desired CPU memory utilization"). `engram serve --engine vllm` sizes the cache from the model, the
+    length and the concurrency and says so: with 15% of RAM held (written, so resident) and no VLLM_CPU_KVCACHE_SPACE
+    set, the server starts and answers."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    holder = subprocess.Popen([sys.executable, "-c", f"b = b'x' * {int(0.15 * total)}; print('held', flush=True); "
+                               "import time; time.sleep(1800)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        folder = build_model(tmp_path / "conv", "conv")
+        argv = [sys.executable, "-m", "engram.cli", "serve", "--checkpoint", str(folder), "--engine", "vllm",
+                "--served-model-name", "m", "--port", str(free_port()), "--max-model-len", "512"]
+        s = Server(argv, tmp_path / "serve.log", env={"VLLM_CPU_KVCACHE_SPACE": None})
+        try:
+            assert "engram: vLLM KV cache" in s.log.read_text(errors="replace"), s.tail()
+            assert len(s.complete([5, 6, 7], 4)) == 4
+        finally:
+            s.close()
+    finally:
+        holder.kill()
+        holder.wait()
