@@ -179,7 +179,7 @@ def test_spread_aware_formatting():
     assert ab.fmt({"mean": 3.48791, "std": 0.0034, "n": 3}) == "3.4879 ± 0.0034 (n=3)"
     assert ab.fmt({"mean": 0.5, "std": 0.00004, "n": 3}, sign=True) == "+0.500000 ± 0.000040 (n=3)"
     assert ab.fmt({"mean": 0.5, "std": 0.0, "n": 1}) == "0.5000" and ab.fmt(None) == "-"
-    assert ab.pm(-0.1, 1e-17, sign=True) == "-0.100000 ± <1e-6" and ab.pm(0.2, 0.0) == "0.2000 ± 0.0000"
+    assert ab.fmt({"mean": -0.1, "std": 1e-17, "n": 3}, sign=True) == "-0.1000 ± 0.0000 (n=3)"  # rounding, not spread
 
 
 # ------------------------------------------------------------------------------------------ one unit, end to end

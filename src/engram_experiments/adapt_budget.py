@@ -55,6 +55,7 @@ import numpy as np
 
 from engram.persist import atomic_write_bytes, remove_tree, write_json
 
+from .records import fmt_pm
 from .registry import Experiment, register
 from .retrofit import COLORS, LORA_ALL, extend_grid, pareto, say, step_ms
 from .runs import (
@@ -726,21 +727,14 @@ def summarize(root: Path, d: dict, phase: str, chosen: dict, grids: dict, extend
 
 
 # ------------------------------------------------------------------------------------------ the page
-def pm(value: float, sd: float, sign: bool = False) -> str:
-    """value ± sd with the digits the spread needs: two significant digits of the sd and the value to the same place
-    (4 decimals when there is no spread; "± <1e-6" below it)."""
-    places = 4 if not sd > 0 else min(6, max(0, 1 - math.floor(math.log10(sd))))
-    spread = f"{sd:.{places}f}" if not 0 < sd < 1e-6 else "<1e-6"
-    return f"{value:{'+' if sign else ''}.{places}f} ± {spread}"
-
-
 def fmt(s: dict | None, sign: bool = False) -> str:
-    """A `seed_stats` as mean ± sd (n) with the digits its spread needs (`pm`); one value: 4 decimals; "-" for none."""
+    """A `seed_stats` as mean ± sd (n) with the digits its spread needs (`records.fmt_pm`); one value: 4 decimals;
+    "-" for none."""
     if not s:
         return "-"
     if s["n"] < 2:
         return f"{s['mean']:{'+' if sign else ''}.4f}"
-    return f"{pm(s['mean'], s['std'], sign)} (n={s['n']})"
+    return f"{fmt_pm(s['mean'], s['std'], sign=sign)} (n={s['n']})"
 
 
 METRIC = {"domain_val": "domain val loss", "forgetting_general_at_gain": "forgetting (general) at matched gain",
@@ -808,7 +802,7 @@ def markdown(s: dict) -> str:
                   "| model | budget | A | B | metric | level | B - A | p | Holm p | verdict |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for t in s["tests"]:
-            diff = "-" if t["diff"] is None else pm(t["diff"], t["se"], sign=True)
+            diff = "-" if t["diff"] is None else fmt_pm(t["diff"], t["se"], sign=True)
             v = t.get("why") or verdict(t)
             lvl = "-" if t["level"] is None else f"{t['level']:g}"
             lines.append(f"| {model_key(t['model'])} | {t['budget']:,} | {t['a']} | {t['b']} | {METRIC[t['metric']]} "

@@ -51,6 +51,7 @@ from engram.training.data import text_windows
 from engram.training.run import read_run_file
 from engram.utils import environment
 
+from .records import fmt_pm
 from .registry import Experiment, Runs, register
 from .runs import detectable, index_environments, publish, read_result, seed_stats, verdict
 from .world import WORLD_RELATIONS, fact_sets, world_facts, write_world_corpus
@@ -530,8 +531,8 @@ def markdown(s: dict) -> str:
                     cells.append("")
                     continue
                 x = t[k]
-                cells.append(f"{x['mean']:+.4f} ± {x['std']:.4f}" if k.endswith("_change")
-                             else f"{x['mean']:.2f} ± {x['std']:.2f}")
+                cells.append(fmt_pm(x["mean"], x["std"], sign=True) if k.endswith("_change")
+                             else fmt_pm(x["mean"], x["std"], places=2))
             lines.append(f"| {c} | {b} | " + " | ".join(cells) + " |")
     tests = family_tests(s)
     if tests:
@@ -542,7 +543,8 @@ def markdown(s: dict) -> str:
                   "| steps | method | metric | difference | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
         for t in tests:
             v = verdict(t, "fact set")
-            lines.append(f"| {t['budget']} | {t['b']} | {LABELS[t['metric']]} | {t['diff']:+.4f} ± {t['se']:.4f} | "
+            d = fmt_pm(t["diff"], t["se"], sign=True)
+            lines.append(f"| {t['budget']} | {t['b']} | {LABELS[t['metric']]} | {d} | "
                          f"{fmt_p(t['p'])} | {fmt_p(t['p_holm'])} | {v} |")
     if s.get("by_relation"):
         rels = list(s["known_by_relation"])

@@ -43,6 +43,7 @@ from engram.persist import read_json, write_json
 
 from . import factset
 from .editors.base import Edit
+from .records import fmt_pm
 from .registry import Experiment, register
 from .runs import ExperimentError
 
@@ -499,8 +500,8 @@ def cell(t: dict, k: str) -> str:
     if k not in t:
         return "—"
     if k.startswith("text_"):
-        return f"{t[k]['mean']:+.4f} ± {t[k]['std']:.4f}"
-    return f"{t[k]['mean']:.2f} ± {t[k]['std']:.2f}"
+        return fmt_pm(t[k]["mean"], t[k]["std"], sign=True)
+    return fmt_pm(t[k]["mean"], t[k]["std"], places=2)
 
 
 def markdown(s: dict) -> str:
