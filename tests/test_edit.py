@@ -712,3 +712,19 @@ def test_overlap_counts_the_facts_an_original_seed_would_also_edit(tmp_path, mon
     got = ed.overlap(tmp_path, [0, 1], [1, 4000], 6)
     assert got["1"] == {"counterfactual": 6, "new": 6, "of": 6}
     assert got["4000"]["counterfactual"] < 6 and got["4000"]["new"] < 6
+
+
+def test_ngram_entropy_is_the_weighted_entropy_of_word_ngrams():
+    """Generation entropy as ROME reports fluency: a text that repeats one word has none; n distinct words have
+    log2(n - 1) bits of bigrams and log2(n - 2) of trigrams, weighted 2/3 and 4/3 and averaged."""
+    import math
+
+    from engram.editing import ngram_entropy
+
+    assert ngram_entropy("the the the the the") == 0.0 and ngram_entropy("") == 0.0
+    words = " ".join(f"w{i}" for i in range(10))
+    assert ngram_entropy(words) == pytest.approx((2 / 3 * math.log2(9) + 4 / 3 * math.log2(8)) / 2)
+    assert ngram_entropy("a b a b a b a b") < ngram_entropy("a b c d e f g h")  # repetition scores lower
+    assert ngram_entropy("Paris, Paris.") == ngram_entropy("paris , paris .")  # lower case, punctuation as words
+    with pytest.raises(ValueError, match="one weight per order"):
+        ngram_entropy("a b c", orders=(2, 3), weights=(1.0,))

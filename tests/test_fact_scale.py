@@ -147,6 +147,9 @@ def test_a_batch_records_time_peak_memory_bytes_per_fact_row_sharing_and_each_fa
     assert sum(col["rows_per_fact"]) - col["rows"] >= col["shared_rows"]  # every shared row counted more than once
     assert [f["id"] for f in rec["facts"]] == spec["facts"] and len(rec["facts"][0]["paraphrases"]) == 2
     assert set(rec["reserved"]) == set(spec["probes"]) and rec["summary"]["reserved"] is not None
+    fl = rec["fluency"]  # generation entropy before (the base) and with the overlay, per prompt
+    assert fl["prompts"] == spec["facts"] and len(fl["before"]) == len(fl["after"]) == 3
+    assert rec["summary"]["entropy_change"] == pytest.approx((sum(fl["after"]) - sum(fl["before"])) / 3)
     assert rec["probes"]["same_relation"] == [p.id for p in probes if p.relation in {f.relation for f in batch}]
     assert set(rec["summary"]) >= set(fact_scale.MEASURES) - {"efficacy_known"}
     assert not overlaid(s)  # the overlay is off again

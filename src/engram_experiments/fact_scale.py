@@ -86,6 +86,7 @@ OPTIMIZED, HELD_OUT = "selection", "test"  # paraphrase templates optimized on /
 SETUP = "engram_experiments.fact_edits:setup"  # what builds the model: SmolLM2 + the edit-ready adapter
 MEASURE_CHUNK = 50  # facts measured per `measure` call (a progress bar over them)
 ESTIMATE_SAMPLE = 64  # sequences of the timed step (edit_facts' chunk)
+FLUENCY_PROMPTS, FLUENCY_TOKENS = 20, 100  # generation entropy: greedy tokens after the first facts' prompts
 
 
 def engram_methods() -> list[str]:
@@ -307,10 +308,31 @@ def measure_batch(s, edited: list, reserved: list, progress: bool, seed: int = 0
                                                 "text_positions": pr["text_positions"]}}
 
 
-def unit_summary(m: dict, kept: dict, edited: list, known: set) -> dict:
-    """`fact_edits.summarize` plus the reserved probes' share kept and efficacy over the facts the base knew; for
-    invented entities (no old object) the old-object measures are None."""
+def generation_entropy(s, facts: list) -> list[float]:
+    """Fluency (`editing.ngram_entropy`, the editing literature's generation entropy) of `FLUENCY_TOKENS` greedy
+    tokens after each of the first `FLUENCY_PROMPTS` facts' prompts, with the model as it stands."""
+    import torch
+
+    from engram.editing import ngram_entropy
+
+    out = []
+    for f in facts[:FLUENCY_PROMPTS]:
+        ids = s.tok.encode(f.prompt, add_special_tokens=False).ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = s.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=FLUENCY_TOKENS, do_sample=False,
+                                 pad_token_id=0)
+        out.append(ngram_entropy(s.tok.decode(y[0, len(ids):].tolist(), skip_special_tokens=True)))
+    return out
+
+
+def unit_summary(m: dict, kept: dict, edited: list, known: set, fluency: dict | None = None) -> dict:
+    """`fact_edits.summarize` plus the reserved probes' share kept, efficacy over the facts the base knew and (with
+    `fluency`) the generation entropy's change, after minus before, mean over its prompts; for invented entities
+    (no old object) the old-object measures are None."""
     out = summarize(m)
+    if fluency and fluency["before"]:
+        out["entropy_change"] = (sum(fluency["after"]) - sum(fluency["before"])) / len(fluency["before"])
     out["reserved"] = sum(kept.values()) / len(kept) if kept else None
     k = [x["efficacy"] for x, f in zip(m["facts"], edited) if f.id in known and f.kind == "real"]
     out["efficacy_known"] = sum(k) / len(k) if k else None
@@ -333,6 +355,8 @@ def run_batch(s, path: Path, name: str, spec: dict, settings: dict, progress: bo
     reset = reset_peak_rss()
     method = spec["method"]
     per = [optimized_facts(f, method) for f in edited]
+    fluency = {"prompts": [f.id for f in edited[:FLUENCY_PROMPTS]], "tokens": FLUENCY_TOKENS,
+               "before": generation_entropy(s, edited)}  # the edit-ready model: the base
     est = estimate(s, [x for p in per for x in p], method, settings)
     if progress:
         print(f"[{NAME}] {name}: {len(edited)} facts, {est['sequences']} sequences x {est['steps']} steps; one step "
@@ -350,6 +374,7 @@ def run_batch(s, path: Path, name: str, spec: dict, settings: dict, progress: bo
     t1 = time.perf_counter()
     try:
         got = measure_batch(s, edited, reserved, progress)
+        fluency["after"] = generation_entropy(s, edited)
     finally:
         remove_overlays(s.model)
     hwm["measure"] = round(peak_rss_mib(), 1)
@@ -362,7 +387,7 @@ def run_batch(s, path: Path, name: str, spec: dict, settings: dict, progress: bo
            "vmhwm_mib": hwm, "peak_reset": reset,
            "overlay": {"rows": ov.num_rows, "bytes": size, "bytes_per_fact": size / len(edited)},
            "collisions": col, "probes": {"reserved": spec["probes"], **got["probes"]}, "reserved": got["reserved"],
-           **got["m"], "summary": unit_summary(got["m"], got["reserved"], edited, s.known),
+           "fluency": fluency, **got["m"], "summary": unit_summary(got["m"], got["reserved"], edited, s.known, fluency),
            "environment": environment()}
     write_json(path, rec)
     if progress:
@@ -520,9 +545,9 @@ def drive(root: Path, plan: dict, todo: list[str], settings: dict, argv: list[st
 
 # ------------------------------------------------------------------------------------------ summary
 MEASURES = ("efficacy", "efficacy_known", "p_new_gt_old", "paraphrases", "chat_new", "reserved", "same_relation",
-            "same_subject", "shared_ngram", "text_change")
+            "same_subject", "shared_ngram", "text_change", "entropy_change")
 LABELS = {**fact_edits.LABELS, "efficacy_known": "efficacy (facts the base knew)",
-          "reserved": "locality: reserved probes"}
+          "reserved": "locality: reserved probes", "entropy_change": "Δ generation entropy (bits)"}
 
 
 def read_units(root: Path) -> list[dict]:

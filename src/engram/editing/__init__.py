@@ -39,10 +39,19 @@ from .digests import engram_layers, frozen, mapping_of, model_digest, spec_diges
 from .facts import EditError, Fact, chat_contexts, paraphrase_contexts, parse_fact, read_facts, subject_span
 from .optimize import conflicts, edit_facts, edit_rows, shared_rows
 from .overlay import FORMAT, META, WEIGHTS, Overlay, applied, apply_overlay, check_overlay
-from .report import collision_set, edit_report, fact_report, locality, print_report, score, table_rows_read
+from .report import (
+    collision_set,
+    edit_report,
+    fact_report,
+    locality,
+    ngram_entropy,
+    print_report,
+    score,
+    table_rows_read,
+)
 
 __all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "chat_contexts", "check_overlay", "subject_span",
            "paraphrase_contexts", "collision_set", "conflicts",
            "shared_rows", "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "frozen",
            "mapping_of", "locality", "model_digest", "parse_fact", "print_report", "read_facts", "remove_overlays",
-           "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]
+           "ngram_entropy", "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]
