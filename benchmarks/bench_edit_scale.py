@@ -7,7 +7,14 @@ count), targets " dog" or " the king" (one and two tokens), one paraphrase and o
 `engram edit ... --steps 2 --chunk CHUNK` in a fresh interpreter, which reports its own peak (`VmHWM`,
 `utils.peak_rss_mib`); the overlay and report.json are checked to hold every fact.
 
+`--facts FILE` edits the first N facts (after `--shuffle SEED`) of a real `--facts` file instead (e.g. the fact set's
+`python -m engram_experiments.factset facts.jsonl --edit-facts edit.jsonl`: countries, cities, elements and invented
+entities with paraphrases and a question), on `--checkpoint` (e.g. the README's `runs/cpu-small`); `--steps 300`
+is `engram edit`'s default (an edit stops early once every target is reached). `--record FILE` appends the rows,
+with the environment, to a JSON record (docs/results/bench-edit-scale.json).
+
     OMP_NUM_THREADS=1 python benchmarks/bench_edit_scale.py [--sizes 100 1000 10000] [--chunk 64] [--steps 2]
+        [--checkpoint DIR] [--facts FILE] [--record FILE]
 """
 
 import argparse
@@ -54,7 +61,19 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--checkpoint", help="an engram run or model folder (default: train the tiny one)")
+    ap.add_argument("--facts", type=Path, help="a real --facts file: edit its first N facts (default: generated)")
+    ap.add_argument("--shuffle", type=int, metavar="SEED", help="with --facts: shuffle its facts with SEED first (the "
+                    "fact set's file is in relation order)")
+    ap.add_argument("--record", help="append the rows, with the environment, to this JSON record")
     args = ap.parse_args()
+    real = args.facts.read_text().splitlines() if args.facts else None
+    if real is not None and args.shuffle is not None:
+        import random
+
+        random.Random(args.shuffle).shuffle(real)
+    if real is not None and max(args.sizes) > len(real):
+        sys.exit(f"bench_edit_scale: --facts {args.facts} holds {len(real)} facts, fewer than {max(args.sizes)}")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ckpt = Path(args.checkpoint) if args.checkpoint else tiny_checkpoint(tmp)
@@ -67,7 +86,10 @@ def main() -> None:
         print(f"{'facts':>7} {'seconds':>8} {'peak RSS MiB':>13} {'rows':>6}")
         for n in args.sizes:
             facts, out, res = tmp / f"facts{n}.jsonl", tmp / f"ov{n}", tmp / f"res{n}.json"
-            write_facts(facts, n)
+            if real is None:
+                write_facts(facts, n)
+            else:
+                facts.write_text("\n".join(real[:n]) + "\n")
             argv = ["edit", "--checkpoint", ckpt, "--facts", facts, "--out", out, "--data", corpus,
                     "--split", "train", "--seq-len", 32, "--max-windows", 16, "--steps", args.steps,
                     "--chunk", args.chunk]
@@ -83,6 +105,23 @@ def main() -> None:
             assert len(report["facts"]) == n and len(meta["facts"]) == n, "the report or overlay misses facts"
             print(f"{n:>7,} {seconds:>8.1f} {r['peak_rss_mib']:>13.0f} {report['summary']['rows_changed']:>6,}",
                   flush=True)
+            rows.append({"facts": n, "seconds": round(seconds, 1), "peak_rss_mib": round(r["peak_rss_mib"], 1),
+                         "rows_changed": report["summary"]["rows_changed"],
+                         "steps_run": meta.get("optimization", {}).get("steps_run"),
+                         "summary": {k: v for k, v in report["summary"].items() if isinstance(v, (int, float))}})
+    if args.record:
+        from engram.persist import write_json
+        from engram.utils import environment
+
+        rec = Path(args.record)
+        data = json.loads(rec.read_text()) if rec.exists() else {"command": "python benchmarks/bench_edit_scale.py",
+                                                                   "runs": []}
+        data["runs"].append({"checkpoint": args.checkpoint or "the tiny preset, 10 steps",
+                             "facts_file": str(args.facts) if args.facts else None, "shuffle": args.shuffle,
+                             "steps": args.steps, "chunk": args.chunk, "rows": rows, "argv": sys.argv[1:],
+                             "environment": environment(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        write_json(rec, data)
+        print(f"appended to {rec}")
 
 
 if __name__ == "__main__":
