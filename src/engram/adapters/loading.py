@@ -22,10 +22,9 @@ from .introspect import (
 )
 from .lifecycle import attach, detach
 from .saving import (
-    LORA_DIR,
-    PEFT_FILES,
     engram_peft_model,
     load_adapter_weights,
+    lora_folder,
     read_adapter_config,
 )
 
@@ -69,7 +68,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer=None,
         detach(target)
         raise AdapterError(f"{d}: could not load the adapter: {str(e).splitlines()[0]}") from None
     # LoRA: in lora/ (save_adapter) or beside the adapter (save_pretrained of a PEFT model, e.g. Trainer's)
-    lora_dir = d / LORA_DIR if (d / LORA_DIR).is_dir() else d if (d / PEFT_FILES[1]).is_file() else None
+    lora_dir = lora_folder(d)
     if lora and lora_dir is not None:
         try:
             from peft import PeftModel

@@ -39,6 +39,14 @@ PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")  # PEFT's save
 ADAPTER_PREFIX = "engram_adapter."  # where attach puts the adapter in the model (`model.engram_adapter`)
 
 
+def lora_folder(d) -> Path | None:
+    """The PEFT LoRA folder of adapter folder `d`: `lora/` (`save_adapter`), `d` itself when PEFT's files sit beside
+    the Engram ones (`save_pretrained` of a PEFT model, Trainer's checkpoints), or None (Engram only). A `lora/` that
+    lacks PEFT's files is still returned: its reader then refuses it in one line rather than dropping the LoRA."""
+    d = Path(d)
+    return d / LORA_DIR if (d / LORA_DIR).is_dir() else d if (d / PEFT_FILES[1]).is_file() else None
+
+
 def save_adapter(model: nn.Module, directory: str | os.PathLike, training: dict | None = None) -> Path:
     """Write only what attach added (and modules `unfreeze`d, and LoRA weights of a PEFT wrapper) to `directory`.
 

@@ -86,21 +86,12 @@ def check_pair(base, adapter) -> dict:
     return {"base": b, "adapter": a, "meta": meta, "architecture": arch, "lora": lora_info(a, arch)}
 
 
-def lora_folder(a: Path) -> Path | None:
-    """The PEFT LoRA folder of adapter folder `a`: `lora/` (`save_adapter`), `a` itself when PEFT's files sit beside
-    the Engram ones (`save_pretrained` of a PEFT model, Trainer's checkpoints), or None (Engram only)."""
-    from ...adapters.saving import LORA_DIR, PEFT_FILES
-
-    a = Path(a)
-    return a / LORA_DIR if (a / LORA_DIR / PEFT_FILES[1]).is_file() else a if (a / PEFT_FILES[1]).is_file() else None
-
-
 def lora_info(a: Path, arch: str) -> dict | None:
     """{"path" (the PEFT folder vLLM loads with --lora-modules), "rank" (the largest, rank_pattern included)} of the
     LoRA saved in adapter folder `a`, or None. Refused in one line: a LoRA whose weights sit on modules other than
     the decoder blocks' projections (`LORA_MODULES`: what vLLM's models of these architectures take LoRA on; e.g.
     Engram's own layers, embeddings, `modules_to_save`), since vLLM's loader would stop the server on them."""
-    from ...adapters.saving import PEFT_FILES
+    from ...adapters.saving import PEFT_FILES, lora_folder
 
     d = lora_folder(a)
     if d is None:
