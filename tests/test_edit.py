@@ -451,6 +451,26 @@ def test_conflicts_and_addressable_facts(edited):
     assert conflicts(model, tok, [Fact("the cat sat on", " the"), Fact("the cat sat on", " the")]) == []  # same target
 
 
+def test_the_report_suggests_subject_rows_for_conflicting_trigger_edits(run, edited):
+    """Facts whose prompts end in one n-gram share their trigger rows: the printout names them and, for a trigger
+    edit, suggests writing the subject's rows too (a subject+trigger edit is not told so again)."""
+    import io
+
+    from engram.editing import print_report
+
+    root, corpus = run
+    model, tok, _ = edited
+    clash = [Fact("Line 7: the cat sat on", " the", subject="Line 7"), Fact("the cat sat on", " dog", subject="cat")]
+    windows = text_windows(tok, [str(corpus)], "train", 32, 2)
+    for positions, hint in (("trigger", True), ("subject+trigger", False)):
+        ov = edit_facts(model, tok, clash, steps=1, positions=positions, progress=False)
+        out = io.StringIO()
+        print_report(edit_report(model, tok, clash, ov, windows), out)
+        line = next(x for x in out.getvalue().splitlines() if x.startswith("conflicts:"))
+        assert "2 facts end in the same n-gram" in line
+        assert ("--positions subject+trigger" in line) == hint, line
+
+
 class SyllableTokenizer:
     """A stand-in tokenizer: words with their leading space are tokens, made-up names split into syllables."""
 

@@ -220,7 +220,7 @@ def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: 
             summary[f"{kind}_p_target_{when}"] = sum(s["p_target"] for s in ys) / len(ys) if ys else None
             summary[f"{kind}_count"] = len(ys)
     return {"summary": summary, "facts": per_fact, "conflicts": clash, "collisions": coll, "locality": loc,
-            "optimization": overlay.meta.get("optimization", {})}
+            "optimization": overlay.meta.get("optimization", {}), "settings": overlay.meta.get("settings", {})}
 
 
 def print_report(report: dict, file=None, max_facts: int | None = 20) -> None:
@@ -260,7 +260,9 @@ def print_report(report: dict, file=None, max_facts: int | None = 20) -> None:
         print(f"conflicts: {s['facts_in_conflict']} facts end in the same n-gram as a fact with another target, "
               f"so they share rows and cannot all be served "
               f"({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); "
-              "put the entity within the prompt's last n-gram", file=file)
+              "put the entity within the prompt's last n-gram"
+              + (", or write the subject's rows too (--positions subject+trigger)"
+                 if report.get("settings", {}).get("positions", "trigger") == "trigger" else ""), file=file)
     print(f"rows changed: {s['rows_changed']:,} ({s['rows_per_fact']:.1f} per fact); edit took "
           f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps", file=file)
     print(f"collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "
