@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _record import append_run  # noqa: E402
 
 from engram.tables import MmapTable, write_table_file  # noqa: E402
 from engram.tables.disk import DiskTable  # noqa: E402
@@ -261,15 +262,7 @@ def main():
                                      "against": [round(x / limit, 3) for x in res["against"]]})
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = json.loads(rec.read_text()) if rec.exists() else {"command": "python benchmarks/bench_disk.py "
-                                                                            "[--against REV]", "runs": []}
-        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
-                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
+        append_run(args.record, "python benchmarks/bench_disk.py [--against REV]", out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from _record import append_run
 from _timing import timeit
 
 from engram.inference import load_inference_model
@@ -196,17 +197,8 @@ def main():
            "cpu_native_half": _cpu_native(args.dtype)}
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = json.loads(rec.read_text()) if rec.exists() else {
-            "command": "python benchmarks/bench_dtype.py [--rounds 3] [--dtype bfloat16] "
-                       "[--checkpoint DIR | --base DIR [--adapter DIR]]", "runs": []}
-        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
-                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
-        print(f"appended to {rec}", file=sys.stderr)
+        append_run(args.record, "python benchmarks/bench_dtype.py [--rounds 3] [--dtype bfloat16] "
+                   "[--checkpoint DIR | --base DIR [--adapter DIR]]", out)
 
 
 def _cpu_native(dtype: str) -> bool | None:

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _record import append_run
+
 CHILD = """
 import json, sys
 from engram.cli import main
@@ -110,18 +112,10 @@ def main() -> None:
                          "steps_run": meta.get("optimization", {}).get("steps_run"),
                          "summary": {k: v for k, v in report["summary"].items() if isinstance(v, (int, float))}})
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = json.loads(rec.read_text()) if rec.exists() else {"command": "python benchmarks/bench_edit_scale.py",
-                                                                   "runs": []}
-        data["runs"].append({"checkpoint": args.checkpoint or "the tiny preset, 10 steps",
-                             "facts_file": str(args.facts) if args.facts else None, "shuffle": args.shuffle,
-                             "steps": args.steps, "chunk": args.chunk, "rows": rows, "argv": sys.argv[1:],
-                             "environment": environment(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
-        print(f"appended to {rec}")
+        append_run(args.record, "python benchmarks/bench_edit_scale.py",
+                   {"checkpoint": args.checkpoint or "the tiny preset, 10 steps",
+                    "facts_file": str(args.facts) if args.facts else None, "shuffle": args.shuffle,
+                    "steps": args.steps, "chunk": args.chunk, "rows": rows})
 
 
 if __name__ == "__main__":

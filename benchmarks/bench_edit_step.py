@@ -16,11 +16,10 @@ is" -> " Paris"), edited with `--positions` (default subject+trigger, the rows f
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _record import append_run
 
 
 def facts_for(args):
@@ -75,17 +74,8 @@ def main() -> None:
            "threads": torch.get_num_threads()}
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = json.loads(rec.read_text()) if rec.exists() else {
-            "command": "python benchmarks/bench_edit_step.py --base DIR --adapter DIR [--facts 64] [--steps 3]",
-            "runs": []}
-        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
-                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
-        print(f"appended to {rec}", file=sys.stderr)
+        append_run(args.record,
+                   "python benchmarks/bench_edit_step.py --base DIR --adapter DIR [--facts 64] [--steps 3]", out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _record import append_run
 from bench_dtype import status_kib
 from bench_edit_scale import tiny_checkpoint
 
@@ -153,16 +154,8 @@ def main() -> None:
            "folder_bytes_mean": round(statistics.mean(folder)), "made_s": round(made_s, 1), "parts": parts}
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = json.loads(rec.read_text()) if rec.exists() else {
-            "command": "python benchmarks/bench_overlay_bank.py [--overlays 500] [--facts 20] [--steps 1]", "runs": []}
-        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
-                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
-        print(f"appended to {rec}", file=sys.stderr)
+        append_run(args.record,
+                   "python benchmarks/bench_overlay_bank.py [--overlays 500] [--facts 20] [--steps 1]", out)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
+from _record import append_run  # noqa: E402
 from bench_overlay_bank import make_overlays  # noqa: E402
 from bench_serve import build, free_port  # noqa: E402  (the same model as engram serve's benchmark)
 
@@ -420,15 +421,7 @@ def main():
                     for r in rows]}
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = (json.loads(rec.read_text()) if rec.exists()
-                else {"command": "python benchmarks/bench_vllm.py", "runs": []})
-        data["runs"].append({**out, "argv": sys.argv[1:], "environment": environment(),
-                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
+        append_run(args.record, "python benchmarks/bench_vllm.py", out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _record import append_run
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: its steps can be timed here
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 HERE = Path(__file__).resolve().parent
@@ -80,15 +82,7 @@ def main():
     out.update(vllm=vllm_version(), server_threads=os.environ.get("OMP_NUM_THREADS"))
     print(json.dumps(out))
     if args.record:
-        from engram.persist import write_json
-        from engram.utils import environment
-
-        rec = Path(args.record)
-        data = (json.loads(rec.read_text()) if rec.exists()
-                else {"command": "python benchmarks/bench_vllm.py", "runs": []})
-        data.setdefault("profiles", []).append({**out, "argv": sys.argv[1:], "environment": environment(),
-                                                "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
-        write_json(rec, data)
+        append_run(args.record, "python benchmarks/bench_vllm.py", out, key="profiles")
 
 
 def profile(llm, sampling, args) -> dict:

@@ -47,7 +47,6 @@ import gc
 import io
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -64,6 +63,7 @@ from .runs import (
     detectable,
     index_environments,
     read_result,
+    run_cli,
     run_parallel,
     seed_stats,
     verdict,
@@ -950,12 +950,8 @@ register(Experiment("adapt-budget", """
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """`main` as a command: an `ExperimentError` is one line on stderr and exit status 2, not a traceback."""
-    try:
-        main(argv)
-    except ExperimentError as e:
-        print(f"engram: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """`main` as a command (runs.run_cli: an `ExperimentError` is one line and exit status 2)."""
+    run_cli(main, argv)
 
 
 if __name__ == "__main__":

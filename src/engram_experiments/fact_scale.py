@@ -78,7 +78,7 @@ from engram.utils import peak_rss_mib, reset_peak_rss
 from . import fact_edits
 from .fact_edits import CTX, METHODS, as_fact, greedy, measure, probes, reads_any, summarize, templates
 from .registry import Experiment, register
-from .runs import ExperimentError
+from .runs import ExperimentError, run_cli
 
 NAME = "fact-scale"
 SIZES = (1, 10, 100, 1000)
@@ -853,12 +853,8 @@ register(Experiment("fact-scale", """
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """`main` as a command: an `ExperimentError` is one line on stderr and exit status 2, not a traceback."""
-    try:
-        main(argv)
-    except ExperimentError as e:
-        print(f"engram: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """`main` as a command (runs.run_cli: an `ExperimentError` is one line and exit status 2)."""
+    run_cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ class ExperimentError(EngramError, ValueError):
     """A file a run or an experiment wrote (`run.json`, `summary.json`, a cached result) is missing or corrupt."""
 
 
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run an experiment's ``main(argv)`` as a command: an `ExperimentError` is one line on stderr and exit status
+    2, not a traceback."""
+    try:
+        main(argv)
+    except ExperimentError as e:
+        print(f"engram: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def read_result(path: Path, what: str, delete: Path | None = None, expect: type = dict):
     """The JSON file `path` a run or an experiment wrote (`what` names it), or `ExperimentError` in one line
     saying to delete `delete` (default: the file; a run's folder for its files) and run the command again."""
