@@ -105,3 +105,25 @@ def test_the_commands_scale_choices_are_allocations():
     from engram_experiments import allocation, cli
 
     assert cli.SCALES == tuple(allocation.SCALES)
+
+
+def test_run_helpers_shard_argv_and_one_line_errors(capsys):
+    import argparse
+
+    from engram_experiments import runs
+
+    ap = argparse.ArgumentParser(prog="x")
+    assert runs.parse_shard("1/2", ap) == (1, 2) and runs.parse_shard(" 0/1 ", ap) == (0, 1)
+    for bad in ("2/2", "a/b", "1"):
+        with pytest.raises(SystemExit):
+            runs.parse_shard(bad, ap)
+    assert "0 <= K < N" in capsys.readouterr().err
+    assert runs.options_argv(argparse.Namespace(out="o", record=None)) == ["--out", "o"]
+    assert runs.options_argv(argparse.Namespace(out="o", record="r"))[-2:] == ["--record", "r"]
+
+    def main(argv):
+        raise runs.ExperimentError("no runs in X: run Y first")
+
+    with pytest.raises(SystemExit) as e:
+        runs.run_cli(main, [])
+    assert e.value.code == 2 and capsys.readouterr().err == "engram: no runs in X: run Y first\n"

@@ -45,7 +45,7 @@ from . import factset
 from .editors.base import Edit
 from .records import fmt_pm
 from .registry import Experiment, register
-from .runs import ExperimentError
+from .runs import ExperimentError, options_argv
 
 NAME = "fact-edits"
 CHAT_TOKENS = 24
@@ -258,7 +258,6 @@ def chat_answer(s: Setup, question: str) -> str:
 
 def names(text: str, obj: str) -> bool:
     """Does `text` name `obj` as a word (case-insensitive)?"""
-    import re
 
     return re.search(r"(?<![A-Za-z0-9])" + re.escape(obj.lower()) + r"(?![A-Za-z0-9])", text.lower()) is not None
 
@@ -549,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run a phase (every cached run reused), then publish its summary (and `--record` it); the summary."""
     import argparse
 
-    from .runs import publish
+    from .runs import parse_shard, publish
 
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_edits",
                                  description="the pilot (selection split) or a test phase of the fact-edits design")
@@ -568,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-pilot.json (the pilot) or "
                     "RECORD/fact-edits.json (the test)")
     a = ap.parse_args(argv)
-    shard = _shard(a.shard, ap)
+    shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
     root = Path(a.out) / NAME
     design = {"sets": a.sets, "size": a.size, "neighbours": a.neighbours, "seed": a.seed,
@@ -605,31 +604,19 @@ def main(argv: list[str] | None = None) -> dict:
     return publish(out, root / a.phase, a.record, f"{out['experiment']}.json", markdown, plot)
 
 
-def _shard(text: str, ap) -> tuple[int, int]:
-    """`--shard K/N` as (K, N), 0 <= K < N; a bad value is an argparse error naming the form."""
-    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not m or not 0 <= int(m[1]) < int(m[2]):
-        ap.error(f"--shard {text!r}: give K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
-    return int(m[1]), int(m[2])
-
-
-def _options_argv(o) -> list[str]:
-    return ["--out", str(o.out)] + (["--record", str(o.record)] if o.record else [])
-
-
 register(Experiment("fact-edits-pilot", """
     the pilot of issue 56's fact edits (exploratory, the selection split): SmolLM2-135M-Instruct with an
     edit-ready Engram adapter, 10 known facts of atomic_number and of city_country edited to counterfactuals by
     Engram overlays written at the trigger / subject rows in several contexts, GRACE, ROME and FT-L; held-out
     paraphrase template, chat answer, locality (`fact_edits.py`; about an hour on 2 cores).""",
-                    run=lambda o: main(PILOT + _options_argv(o)), table=markdown, plot=plot,
+                    run=lambda o: main(PILOT + options_argv(o)), table=markdown, plot=plot,
                     plot_file="fact-edits-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits", """
     issue 56's confirmatory test, its whole design read from docs/prereg/fact-edits.toml: the Engram variant
     the pilot chose vs GRACE, ROME and FT-L on the held-out relations and templates of the real fact set,
     paired by edit set, Holm (`fact_edits.py`; about 13 hours of one core: it resumes from its cached runs and
     summarizes nothing until every run is in).""",
-                    run=lambda o: main(["test"] + _options_argv(o)), table=markdown, plot=plot,
+                    run=lambda o: main(["test"] + options_argv(o)), table=markdown, plot=plot,
                     plot_file="fact-edits.png", section="14", in_all=False))
 
 

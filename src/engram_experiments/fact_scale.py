@@ -78,7 +78,7 @@ from engram.utils import peak_rss_mib, reset_peak_rss
 from . import fact_edits
 from .fact_edits import CTX, METHODS, as_fact, greedy, measure, probes, reads_any, summarize, templates
 from .registry import Experiment, register
-from .runs import ExperimentError, run_cli
+from .runs import ExperimentError, options_argv, parse_shard, run_cli
 
 NAME = "fact-scale"
 SIZES = (1, 10, 100, 1000)
@@ -775,7 +775,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--summary-only", action="store_true", help="summarize the finished units, run nothing")
     ap.add_argument("--record", help="also write the summary to RECORD/fact-scale-pilot.json or RECORD/fact-scale.json")
     a = ap.parse_args(argv)
-    shard = fact_edits._shard(a.shard, ap)
+    shard = parse_shard(a.shard, ap)
     top = Path(a.out)
     setup_root, root = top / fact_edits.NAME, top / NAME / a.phase
     pre = None
@@ -842,13 +842,13 @@ register(Experiment("fact-scale-pilot", """
     docs/prereg/fact-edits.toml chose, on 1, 10 and 100 facts at once (each batch in its own process: time, peak
     memory, overlay bytes, row sharing, per-fact measures), 10 invented-entity facts, 20 facts one after another
     with retention (`fact_scale.py`; several hours of one core).""",
-                    run=lambda o: main(PILOT + fact_edits._options_argv(o)), table=markdown, plot=plot,
+                    run=lambda o: main(PILOT + options_argv(o)), table=markdown, plot=plot,
                     plot_file="fact-scale-pilot.png", section="14", in_all=False))
 register(Experiment("fact-scale", """
     issue 56's scale and sequence test, its design read from docs/prereg/fact-scale.toml: 1 to 1,000 facts edited
     at once and 100 one after another; locality at 1,000 vs at 10 on the same reserved probes (`fact_scale.py`;
     days of one core: each unit is cached and resumed).""",
-                    run=lambda o: main(["test"] + fact_edits._options_argv(o)), table=markdown, plot=plot,
+                    run=lambda o: main(["test"] + options_argv(o)), table=markdown, plot=plot,
                     plot_file="fact-scale.png", section="14", in_all=False))
 
 

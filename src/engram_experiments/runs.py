@@ -31,6 +31,22 @@ def run_cli(main, argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+def parse_shard(text: str, ap) -> tuple[int, int]:
+    """`--shard K/N` as (K, N), 0 <= K < N: N processes on N cores share a phase's runs, the K-th taking every N-th
+    from the K-th; a bad value is an argparse error naming the form."""
+    import re
+
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 0 <= int(m[1]) < int(m[2]):
+        ap.error(f"--shard {text!r}: give K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
+    return int(m[1]), int(m[2])
+
+
+def options_argv(o) -> list[str]:
+    """`engram experiment NAME`'s options (--out, --record) as the argv of an experiment's own `main`."""
+    return ["--out", str(o.out)] + (["--record", str(o.record)] if o.record else [])
+
+
 def read_result(path: Path, what: str, delete: Path | None = None, expect: type = dict):
     """The JSON file `path` a run or an experiment wrote (`what` names it), or `ExperimentError` in one line
     saying to delete `delete` (default: the file; a run's folder for its files) and run the command again."""
