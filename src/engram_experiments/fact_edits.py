@@ -134,27 +134,38 @@ def templates(f: factset.FactRecord, which: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ methods
+def method_facts(f, contexts: tuple[str, ...], opt_templates: str, render=None) -> list[Fact]:
+    """The sequences an Engram overlay method optimizes for fact `f` (a `FactRecord`), each -> " " + its target:
+    its prompt and, per context, "paraphrases" (the `opt_templates` split's templates), "prefixes" (`PREFIXES`
+    before each of those) and "chat" (the chat question's turn rendered by `render`, then the prompt)."""
+    prompts = [f.prompt] + (templates(f, opt_templates) if "paraphrases" in contexts else [])
+    if "prefixes" in contexts:
+        prompts += [x + p for x in PREFIXES for p in prompts]
+    if "chat" in contexts:
+        if render is None:
+            raise ExperimentError("the chat context needs the model's chat template: pass render (Setup.render)")
+        prompts.append(render([{"role": "user", "content": f.question}]) + f.prompt)
+    return [Fact(p, " " + f.target, subject=f.subject) for p in prompts]
+
+
+def overlay_bytes(ov) -> int:
+    """What an overlay adds beside the model: its rows' values (their dtype) and their ids (int64)."""
+    return sum(v.numel() * v.element_size() for v in ov.values.values()) + sum(r.numel() * 8 for r in ov.rows.values())
+
+
 def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr: float = 0.1,
                   target_prob: float = 0.9):
-    """An Engram overlay method: rows at `positions`, optimized in the prompt and `contexts` ("paraphrases": the
-    optimization split's templates; "chat": the chat question's answer; "prefixes": `PREFIXES` before each)."""
+    """An Engram overlay method: rows at `positions`, optimized in the sequences `method_facts` builds for
+    `contexts`."""
 
     def run(s: Setup, edited: list, opt_templates: str) -> Edit:
-        facts = []
-        for f in edited:
-            prompts = [f.prompt] + (templates(f, opt_templates) if "paraphrases" in contexts else [])
-            if "prefixes" in contexts:
-                prompts += [x + p for x in PREFIXES for p in prompts]
-            if "chat" in contexts:
-                prompts.append(s.render([{"role": "user", "content": f.question}]) + f.prompt)
-            facts += [Fact(p, " " + f.target, subject=f.subject) for p in prompts]
+        facts = [x for f in edited for x in method_facts(f, contexts, opt_templates, s.render)]
         t0 = time.perf_counter()
         ov = edit_facts(s.model, s.tok, facts, steps=steps, lr=lr, positions=positions, target_prob=target_prob,
                         progress=False)
         secs = time.perf_counter() - t0
         apply_overlay(s.model, ov)
-        return Edit("engram", len(edited), secs, 0, sum(v.numel() * v.element_size() for v in ov.values.values()) +
-                    sum(r.numel() * 8 for r in ov.rows.values()),
+        return Edit("engram", len(edited), secs, 0, overlay_bytes(ov),
                     {"rows": ov.num_rows, "sequences": len(facts), **ov.meta["optimization"]},
                     lambda: remove_overlays(s.model))
 

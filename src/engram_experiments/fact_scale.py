@@ -76,7 +76,18 @@ from engram.persist import read_json, write_json
 from engram.utils import peak_rss_mib, reset_peak_rss
 
 from . import fact_edits
-from .fact_edits import CTX, METHODS, as_fact, greedy, measure, probes, reads_any, summarize, templates
+from .fact_edits import (
+    CTX,
+    METHODS,
+    as_fact,
+    greedy,
+    measure,
+    method_facts,
+    overlay_bytes,
+    probes,
+    reads_any,
+    summarize,
+)
 from .registry import Experiment, register
 from .runs import ExperimentError, options_argv, parse_shard, run_cli
 
@@ -104,21 +115,10 @@ def positions_of(method: str) -> str:
 
 
 def optimized_facts(f, method: str, opt_templates: str = OPTIMIZED) -> list[Fact]:
-    """The sequences `fact_edits.engram_method(positions, contexts)` optimizes for fact `f` (a `FactRecord`): its
-    prompt, and with "+ctx" (contexts `fact_edits.CTX`) its paraphrases of `opt_templates`, each -> " " + target.
-    (Mirrors engram_method's loop; tests/test_fact_scale.py checks they give the same sequences and rows.)"""
+    """The sequences `fact_edits.METHODS[method]` optimizes for fact `f` (a `FactRecord`): its prompt and, for a
+    "+ctx" method, the contexts `fact_edits.CTX` (`fact_edits.method_facts`, the one builder)."""
     positions_of(method)
-    contexts = CTX if method.endswith("+ctx") else ()
-    if set(contexts) - {"paraphrases"}:
-        raise ExperimentError(f"fact_edits.CTX is now {CTX}: fact_scale.optimized_facts builds paraphrase contexts "
-                              "only; teach it the others")
-    prompts = [f.prompt] + (templates(f, opt_templates) if "paraphrases" in contexts else [])
-    return [Fact(p, " " + f.target, subject=f.subject) for p in prompts]
-
-
-def overlay_bytes(ov: Overlay) -> int:
-    """What the overlay adds beside the model: its rows (float values) and their ids (int64), as fact_edits counts."""
-    return sum(v.numel() * v.element_size() for v in ov.values.values()) + sum(r.numel() * 8 for r in ov.rows.values())
+    return method_facts(f, CTX if method.endswith("+ctx") else (), opt_templates)
 
 
 # ------------------------------------------------------------------------------------------ the facts
