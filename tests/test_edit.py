@@ -471,6 +471,40 @@ def test_the_report_suggests_subject_rows_for_conflicting_trigger_edits(run, edi
         assert ("--positions subject+trigger" in line) == hint, line
 
 
+def test_patience_ends_an_edit_whose_conflicting_facts_can_never_all_be_met(run, edited):
+    """Two facts reading the same rows for two targets never both reach theirs: without `patience` the edit runs
+    every step; with it, it stops once that many steps meet no more facts, with the overlay the same edit of that
+    many steps makes (patience only shortens it), and the overlay and printout say why it stopped."""
+    import io
+
+    from engram.editing import print_report
+
+    root, corpus = run
+    model, tok, _ = edited
+    clash = [Fact("Line 7: the cat sat on", " the"), Fact("the cat sat on", " dog")]
+    STEPS = 150
+    full = edit_facts(model, tok, clash, steps=STEPS, progress=False)
+    assert full.meta["optimization"]["stopped"] == "steps" and full.meta["optimization"]["steps_run"] == STEPS
+    short = edit_facts(model, tok, clash, steps=STEPS, patience=5, progress=False)
+    o = short.meta["optimization"]
+    assert o["stopped"] == "patience" and o["steps_run"] < STEPS and short.meta["settings"]["patience"] == 5
+    same = edit_facts(model, tok, clash, steps=o["steps_run"], progress=False)
+    for lid in same.values:
+        assert torch.equal(same.values[lid], short.values[lid])
+    # a loss still falling (over 1% per `patience` steps here) keeps an edit going
+    going = edit_facts(model, tok, FACTS[:1], steps=30, lr=0.3, patience=10, progress=False)
+    assert going.meta["optimization"]["stopped"] == "steps" and going.meta["optimization"]["steps_run"] == 30
+    windows = text_windows(tok, [str(corpus)], "train", 32, 2)
+    for ov, said in ((full, "(stopped: the step limit)"), (short, "(stopped: no more facts met for --patience")):
+        out = io.StringIO()
+        print_report(edit_report(model, tok, clash, ov, windows), out)
+        text = out.getvalue()
+        assert said in text and ("--patience N ends an edit" in text) == (ov is full)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(EditError, match="patience must be a positive number of steps"):
+            edit_facts(model, tok, clash, steps=2, patience=bad, progress=False)
+
+
 class SyllableTokenizer:
     """A stand-in tokenizer: words with their leading space are tokens, made-up names split into syllables."""
 
@@ -547,7 +581,8 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
     (tmp_path / "empty.jsonl").write_text('{"prompt": " ", "target": " x"}\n')
     for args, msg in [(("--facts", tmp_path / "empty.jsonl"), "missing or empty"),
                       (("--facts", tmp_path / "nope.jsonl"), "no such file"),
-                      (("--facts", facts, "--overlay", tmp_path / "nowhere"), "no overlay here")]:
+                      (("--facts", facts, "--overlay", tmp_path / "nowhere"), "no overlay here"),
+                      (("--facts", facts, "--patience", 0), "patience must be a positive number")]:
         code, _, err = cli(capsys, "edit", "--checkpoint", root / "run", "--out", tmp_path / "bad", *args)
         lines = [line for line in err.splitlines() if line.startswith("engram:")]
         assert code == 2 and len(lines) == 1 and msg in lines[0] and "Traceback" not in err, err

@@ -23,7 +23,7 @@ def cmd_edit(args) -> int:
     print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
           f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
     overlay = edit_facts(model, tok, optimized, steps=args.steps, lr=args.lr, positions=args.positions,
-                         orders=args.orders, target_prob=args.target_prob, chunk=args.chunk)
+                         orders=args.orders, target_prob=args.target_prob, chunk=args.chunk, patience=args.patience)
     overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
     report = edit_report(model, tok, facts, overlay, windows, args.batch_size, chunk=args.chunk, progress=True)
     overlay.meta["summary"] = report["summary"]
@@ -76,6 +76,9 @@ def add_commands(sub) -> None:
                     help="sequences per forward: each step sums the gradients of every chunk, and the report scores "
                          "the facts chunk by chunk, so memory is bounded by one chunk whatever the number of facts "
                          "(lower it if memory is short)")
+    ed.add_argument("--patience", type=int, metavar="N",
+                    help="also stop once N steps in a row meet no more facts than before (facts that conflict can "
+                         "never all be met; default: run up to --steps)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '

@@ -172,7 +172,8 @@ def _keeps_logits(model) -> bool:
 
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
                orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64,
-               full_logits: bool = False, checkpoint=None, checkpoint_every: float = 300.0) -> Overlay:
+               full_logits: bool = False, checkpoint=None, checkpoint_every: float = 300.0,
+               patience: int | None = None) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
 
     Every fact is one sequence `prompt + target`; the loss is the mean over facts of the mean negative
@@ -182,7 +183,11 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     cost time, not memory. Only positions that predict a target token are projected onto the vocabulary
     (`target_logprobs`; `full_logits` projects all, the reference route benchmarks/bench_edit_step.py times).
     Stops when every target token has probability >= `target_prob` and is the argmax
-    (greedy decoding produces it), or after `steps`. `progress`: a bar over steps (loss, facts at target).
+    (greedy decoding produces it), or after `steps`, or (`patience`) once `patience` steps in a row have neither
+    raised the most sequences at target so far nor lowered the loss `PATIENCE_REL` below its value at the last step
+    that did (1%): facts that
+    conflict (two targets for the same rows) can never all be met, and without it such an edit runs every step. `progress`: a bar over steps (loss, facts at target). The
+    overlay's meta says why it stopped (`optimization.stopped`: "at_target", "patience" or "steps").
 
     `checkpoint` (a file path): an edit of thousands of facts runs for hours, so its state (rows, Adam's moments,
     step, loss log) is written there atomically at most every `checkpoint_every` seconds, and an edit started again
@@ -196,6 +201,8 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         raise EditError(f"target_prob must lie in (0.5, 1), got {target_prob}: above 0.5 a token is the argmax")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise EditError(f"chunk must be a positive number of sequences per forward, got {chunk!r}")
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise EditError(f"patience must be a positive number of steps (or None: run up to steps), got {patience!r}")
     from tqdm.auto import tqdm
 
     layers = engram_layers(model)
@@ -222,11 +229,15 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                 push_overlay(layers[lid], r, values[lid], name="edit")
             opt = torch.optim.Adam(list(values.values()), lr=lr)
             key = _edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
-                                                      target_prob=target_prob, chunk=chunk))
+                                                      target_prob=target_prob, chunk=chunk,
+                                                      **({"patience": patience} if patience else {})))
             first, log, earlier = _resume(checkpoint, key, values, opt)
             saved_at = time.monotonic()
             bar.update(first - 1)
-            step = first - 1
+            step, stopped = first - 1, "steps"
+            best = [-1, float("inf"), 0]  # most sequences at target, loss and step at the last progress
+            for e in log:  # a resumed edit: its patience counts from where the earlier run left it
+                _progress(best, e["facts_done"], e["loss"], e["step"] + 1)
             for step in range(first, steps + 1):
                 opt.zero_grad(set_to_none=True)
                 total, done = 0.0, 0
@@ -239,7 +250,10 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                 log.append({"step": step - 1, "loss": total, "facts_done": done})
                 bar.set_postfix(nll=f"{total:.4f}", at_target=f"{done}/{len(seqs)}", refresh=False)
                 if done == len(seqs):
-                    step -= 1
+                    step, stopped = step - 1, "at_target"
+                    break
+                if not _progress(best, done, total, step) and patience is not None and step - best[2] >= patience:
+                    step, stopped = step - 1, "patience"
                     break
                 if step == 1 and all(v.grad is None or not v.grad.any() for v in values.values()):
                     # e.g. a freshly attached adapter: its value projection starts at zero, so no row moves the output
@@ -263,13 +277,29 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         "base_digest": digest,
         "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
         "settings": {"steps": steps, "lr": lr, "positions": positions,
-                     "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob},
-        "optimization": {"steps_run": step, "seconds": round(seconds, 3), "final_loss": log[-1]["loss"],
+                     "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob,
+                     **({"patience": patience} if patience is not None else {})},
+        "optimization": {"steps_run": step, "stopped": stopped, "seconds": round(seconds, 3),
+                         "final_loss": log[-1]["loss"],
                          "facts_at_target": log[-1]["facts_done"],
                          **({"resumed_after_step": first - 1} if first > 1 else {})},
         "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),
     }
     return Overlay({lid: r for lid, r in rows.items()}, {lid: v.detach().clone() for lid, v in values.items()}, meta)
+
+
+PATIENCE_REL = 0.01  # `patience`: a loss this far below the loss at the last progress counts as progress
+
+
+def _progress(best: list, done: int, loss: float, step: int) -> bool:
+    """Whether a step made progress: more sequences at target than ever, or a loss PATIENCE_REL below the loss at
+    the last progress (so a loss still falling 1% per `patience` steps keeps an edit going). Updates `best` = [most
+    at target, loss at the last progress, step of the last progress] in place."""
+    better = done > best[0] or loss < best[1] * (1 - PATIENCE_REL)
+    best[0] = max(best[0], done)
+    if better:
+        best[1], best[2] = loss, step
+    return better
 
 
 def _edit_key(digest: str, facts: list[Fact], rows: dict, settings: dict) -> str:

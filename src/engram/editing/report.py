@@ -262,9 +262,14 @@ def print_report(report: dict, file=None, max_facts: int | None = 20) -> None:
               f"({pairs}{'; ...' if len(report['conflicts']) > 3 else ''}); "
               "put the entity within the prompt's last n-gram"
               + (", or write the subject's rows too (--positions subject+trigger)"
-                 if report.get("settings", {}).get("positions", "trigger") == "trigger" else ""), file=file)
+                 if report.get("settings", {}).get("positions", "trigger") == "trigger" else "")
+              + ("; --patience N ends an edit once N steps meet no more facts (conflicting ones never all are)"
+                 if o.get("stopped") == "steps" else ""), file=file)
+    why = {"at_target": "every target met", "patience": "no more facts met for --patience steps",
+           "steps": "the step limit"}.get(o.get("stopped"))
     print(f"rows changed: {s['rows_changed']:,} ({s['rows_per_fact']:.1f} per fact); edit took "
-          f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps", file=file)
+          f"{o.get('seconds', float('nan')):.1f} s, {o.get('steps_run', '?')} steps"
+          + (f" (stopped: {why})" if why else ""), file=file)
     print(f"collision set: {c['positions']:,} of {c['tokens']:,} validation positions read an edited row "
           f"({c['distinct_ngrams']:,} distinct n-grams); {loc['affected']['tokens']:,} predictions attend to one",
           file=file)
