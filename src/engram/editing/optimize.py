@@ -182,12 +182,12 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     full-batch step while memory holds one chunk's activations and logits (chunk x T x vocab): 10,000 facts
     cost time, not memory. Only positions that predict a target token are projected onto the vocabulary
     (`target_logprobs`; `full_logits` projects all, the reference route benchmarks/bench_edit_step.py times).
-    Stops when every target token has probability >= `target_prob` and is the argmax
-    (greedy decoding produces it), or after `steps`, or (`patience`) once `patience` steps in a row have neither
-    raised the most sequences at target so far nor lowered the loss `PATIENCE_REL` below its value at the last step
-    that did (1%): facts that
-    conflict (two targets for the same rows) can never all be met, and without it such an edit runs every step. `progress`: a bar over steps (loss, facts at target). The
-    overlay's meta says why it stopped (`optimization.stopped`: "at_target", "patience" or "steps").
+    Stops when every target token has probability >= `target_prob` and is the argmax (greedy decoding produces it),
+    or after `steps`, or (`patience`) once `patience` steps in a row have neither raised the most sequences at
+    target so far nor lowered the loss `PATIENCE_REL` (1%) below its value at the last step that did: facts that
+    conflict (two targets for the same rows) can never all be met, and without it such an edit runs every step.
+    The overlay's meta says why it stopped (`optimization.stopped`: "at_target", "patience" or "steps").
+    `progress`: a bar over steps (loss, facts at target).
 
     `checkpoint` (a file path): an edit of thousands of facts runs for hours, so its state (rows, Adam's moments,
     step, loss log) is written there atomically at most every `checkpoint_every` seconds, and an edit started again
