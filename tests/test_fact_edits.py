@@ -100,3 +100,13 @@ def test_the_family_pairs_by_set_and_tests_locality_as_non_inferiority():
     assert ni["diff"] == pytest.approx(-0.0275) and not ni["finding"]  # 0.0275 below grace: outside the 0.02 margin
     tested = [r for r in rows if r["p"] is not None]
     assert all(r["p_holm"] >= r["p"] for r in tested)
+    # the family in the test record's table: each row with its difference, Holm p and verdict
+    table = {m: {**{k: {"mean": 0.5, "std": 0.1} for k in fact_edits.MEASURES}, "sets": ["test-0"],
+                 "edit_seconds": {"mean": 1.0}} for m in ("subject+trigger+ctx", "grace", "rome")}
+    md = fact_edits.markdown({"experiment": "fact-edits", "phase": "test", "design": {"sets": 6}, "table": table,
+                              "tests": rows})
+    assert "| subject+trigger+ctx - grace | held-out paraphrases | two-sided | 6 | +0.650 ±" in md
+    assert "untested (fewer than 2 shared sets)" in md and "non-inferiority, margin 0.02" in md
+    assert by[("rome", "chat_new")]["min_detectable"] > 0 and ni["min_detectable"] is None
+    line = next(x for x in md.splitlines() if "held-out paraphrases | two-sided" in x and "- rome" in x)
+    assert line.endswith("|") and ("**finding**" in line or "detectable: ±" in line)

@@ -474,6 +474,7 @@ def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
     listed untested (p None)."""
     from scipy import stats
 
+    from .runs import detectable
     from .significance import holm, is_finding, paired
 
     def per_set(m, k):
@@ -492,9 +493,9 @@ def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
             r.update(diff=None, se=None, p=None)
             continue
         t = paired([a[x] for x in common], [b[x] for x in common])
-        r.update(diff=t.diff, se=t.se)
+        r.update(diff=t.diff, se=t.se, min_detectable=None)
         if r["kind"] == "two-sided":
-            r["p"] = t.p
+            r["p"], r["min_detectable"] = t.p, detectable(t)  # what the test could detect at 80% power
         else:
             r["p"] = float(stats.t.sf((t.diff + margin) / t.se, t.df)) if t.se > 0 else \
                 (0.0 if t.diff + margin > 0 else 1.0)
@@ -522,6 +523,22 @@ def markdown(s: dict) -> str:
     for m, t in s["table"].items():
         cells = [cell(t, k) for k in MEASURES]
         lines.append(f"| {m} | {len(t['sets'])} | " + " | ".join(cells) + f" | {t['edit_seconds']['mean']:.0f} |")
+    if s.get("tests"):  # the preregistered family (the test phase)
+        from .runs import verdict
+
+        lines += ["", "| b - a | measure | test | n sets | difference ± se | p | Holm p | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in s["tests"]:
+            if r["p"] is None:
+                lines.append(f"| {r['b']} - {r['a']} | {LABELS[r['metric']]} | {r['kind']} | {r['n']} | — | — | — | "
+                             "untested (fewer than 2 shared sets) |")
+                continue
+            v = verdict({**r, "min_detectable": r["min_detectable"] or 0.0}, "edit set")
+            if r["min_detectable"] is None and not r["finding"] and r["se"] > 0:
+                v = "not a finding"
+            lines.append(f"| {r['b']} - {r['a']} | {LABELS[r['metric']]} | {r['kind']} | {r['n']} | "
+                         f"{fmt_pm(r['diff'], r['se'], sign=True, places=3)} | {r['p']:.3g} | {r['p_holm']:.3g} | "
+                         f"{v} |")
     return "\n".join(lines) + "\n"
 
 
