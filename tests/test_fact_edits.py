@@ -110,3 +110,31 @@ def test_the_family_pairs_by_set_and_tests_locality_as_non_inferiority():
     assert by[("rome", "chat_new")]["min_detectable"] > 0 and ni["min_detectable"] is None
     line = next(x for x in md.splitlines() if "held-out paraphrases | two-sided" in x and "- rome" in x)
     assert line.endswith("|") and ("**finding**" in line or "detectable: ±" in line)
+
+
+def test_by_relation_is_each_held_out_templates_share_per_method_and_relation():
+    from engram_experiments import factset
+
+    facts = factset.build_from_rows({"continent": [("France", "Europe"), ("Peru", "South America"),
+                                                   ("Chad", "Africa")]}, new_per_relation=0)
+    fr, pe, ch = facts
+    held = "test"
+    which = fact_edits.template_indices(fr, held)
+    assert [fr.paraphrases[i] for i in which] == fact_edits.templates(fr, held) and len(which) == 2
+
+    def pf(f, hits, chat):
+        return {"id": f.id, "paraphrases": hits, "chat_new": chat}
+
+    runs = [{"method": "m", "relation": "continent", "held_out_templates": held, "same_relation": [True, False],
+             "facts": [pf(fr, [True, False], True), pf(pe, [True, True], False)]},
+            {"method": "m", "relation": "continent", "held_out_templates": held, "same_relation": [True, True],
+             "facts": [pf(ch, [False, False], False)]}]
+    d = fact_edits.by_relation(runs, facts)["m"]["continent"]
+    assert d["sets"] == 2 and d["facts"] == 3 and d["position"] == "early"
+    rel = factset.RELATIONS["continent"]
+    assert [t["template"] for t in d["templates"]] == [rel.paraphrases[i] for i in which]
+    assert [t["share"] for t in d["templates"]] == [2 / 3, 1 / 3] and d["templates"][0]["n"] == 3
+    assert d["chat_new"] == 1 / 3 and d["same_relation"] == 0.75
+    md = fact_edits.markdown({"experiment": "fact-edits", "phase": "test", "design": {}, "table": {},
+                              "by_relation": fact_edits.by_relation(runs, facts)})
+    assert f'| m | continent (early) | 2 | "{rel.paraphrases[which[0]]}" 0.67;' in md

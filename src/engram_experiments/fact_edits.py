@@ -127,10 +127,14 @@ def as_fact(f: factset.FactRecord, target: str | None = None) -> Fact:
 def templates(f: factset.FactRecord, which: str) -> list[str]:
     """f's paraphrases of the split `which`: "selection" | "test" | "selection-0" | "selection-1" (one of the two
     selection templates, the pilot's optimized and held-out ones)."""
+    return [f.paraphrases[i] for i in template_indices(f, which)]
+
+
+def template_indices(f: factset.FactRecord, which: str) -> list[int]:
+    """The indices in f's relation's paraphrase templates of `templates(f, which)`."""
     if which.startswith("selection-"):
-        sel = [p for p, s in zip(f.paraphrases, f.paraphrase_splits) if s == "selection"]
-        return [sel[int(which[-1])]]
-    return [p for p, s in zip(f.paraphrases, f.paraphrase_splits) if s == which]
+        return [template_indices(f, "selection")[int(which[-1])]]
+    return [i for i, s in enumerate(f.paraphrase_splits) if s == which]
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -409,6 +413,35 @@ LABELS = {"efficacy": "efficacy", "p_new_gt_old": "p(new) > p(old)", "paraphrase
           "text_change": "Δ text loss", "text_change_shared": "Δ loss at edited n-grams"}
 
 
+def by_relation(runs: list[dict], facts: list) -> dict:
+    """Descriptive, outside every test: per method and edited relation, the sets and facts, the share of held-out
+    paraphrases per template (its text with "{s}" for the subject: which wordings an edit reaches), of chat answers
+    naming the new object, and of same-relation locality. Each template's share is over the facts edited in the
+    method's sets of that relation."""
+    by_id = {f.id: f for f in facts}
+    out: dict = {}
+    for r in runs:
+        d = out.setdefault(r["method"], {}).setdefault(r["relation"], {
+            "position": None, "sets": 0, "facts": 0, "templates": {}, "chat_new": [], "same_relation": []})
+        d["sets"] += 1
+        d["same_relation"] += list(r["same_relation"])
+        for pf in r["facts"]:
+            f = by_id[pf["id"]]
+            d["position"], d["facts"] = f.subject_position, d["facts"] + 1
+            rel = factset.RELATIONS[f.relation]
+            for i, hit in zip(template_indices(f, r["held_out_templates"]), pf["paraphrases"]):
+                d["templates"].setdefault(rel.paraphrases[i], []).append(bool(hit))
+            d["chat_new"].append(bool(pf["chat_new"]))
+
+    def share(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    return {m: {rel: {"position": d["position"], "sets": d["sets"], "facts": d["facts"],
+                      "templates": [{"template": t, "share": share(h), "n": len(h)} for t, h in d["templates"].items()],
+                      "chat_new": share(d["chat_new"]), "same_relation": share(d["same_relation"])}
+                for rel, d in sorted(rels.items())} for m, rels in out.items()}
+
+
 def summary(root: Path, phase: str, design: dict) -> dict:
     """Every cached run of `phase` (per fact, per probe) and, per method, each measure's mean ± sd over the sets."""
     from .runs import index_environments, seed_stats
@@ -437,7 +470,7 @@ def summary(root: Path, phase: str, design: dict) -> dict:
                         "grace": {"layer": 20, "eps": 1.0}, "rome": {"layer": 9}, "ft-l": {"layer": 9}},
            "command": f"engram experiment {NAME}-{phase} --record docs/results" if phase == "pilot" else
            f"python -m engram_experiments.fact_edits {phase}", "design": design,
-           "methods": methods, "table": table, "runs": runs}
+           "methods": methods, "table": table, "by_relation": by_relation(runs, facts), "runs": runs}
     out["environments"] = index_environments(out["runs"])
     return out
 
@@ -523,6 +556,14 @@ def markdown(s: dict) -> str:
     for m, t in s["table"].items():
         cells = [cell(t, k) for k in MEASURES]
         lines.append(f"| {m} | {len(t['sets'])} | " + " | ".join(cells) + f" | {t['edit_seconds']['mean']:.0f} |")
+    if s.get("by_relation"):  # descriptive: which wordings each method reaches, per relation and template
+        lines += ["", "| method | relation (subject) | sets | held-out template: share of facts | chat answer names "
+                  "new | locality: same relation |", "|---|---|---|---|---|---|"]
+        for m, rels in s["by_relation"].items():
+            for rel, d in rels.items():
+                shares = "; ".join(f"\"{t['template']}\" {t['share']:.2f}" for t in d["templates"])
+                lines.append(f"| {m} | {rel} ({d['position']}) | {d['sets']} | {shares} | {d['chat_new']:.2f} | "
+                             f"{d['same_relation']:.2f} |")
     if s.get("tests"):  # the preregistered family (the test phase)
         from .runs import verdict
 
