@@ -550,7 +550,9 @@ def cell(t: dict, k: str) -> str:
 
 def markdown(s: dict) -> str:
     """Per method, each measure's mean ± sd over the edit sets (n sets of the record)."""
-    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()), "",
+    shown = {k: v for k, v in s["design"].items()  # not its prose or tables (the test: the whole prereg)
+             if not isinstance(v, dict) and (not isinstance(v, str) or len(v) <= 40)}
+    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in shown.items()), "",
              "| method | n sets | " + " | ".join(LABELS[k] for k in MEASURES) + " | edit s |",
              "|---" * (len(MEASURES) + 3) + "|"]
     for m, t in s["table"].items():
@@ -595,10 +597,10 @@ def plot(s: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, gk in zip(axes, ("paraphrases", "chat_new")):
-        for m, t in s["table"].items():
+        for i, (m, t) in enumerate(s["table"].items()):  # markers differ: methods may sit on one point
             if gk in t and "same_relation" in t:
                 ax.errorbar(t["same_relation"]["mean"], t[gk]["mean"], xerr=t["same_relation"]["std"],
-                            yerr=t[gk]["std"], fmt="o", capsize=2, label=m)
+                            yerr=t[gk]["std"], fmt="osD^vP*X"[i % 8], ms=9 - i, mfc="none", capsize=2, label=m)
         ax.set_xlabel(LABELS["same_relation"] + " (kept true object)")
         ax.set_ylabel(LABELS[gk])
         ax.grid(alpha=0.3)
