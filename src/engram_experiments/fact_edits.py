@@ -273,7 +273,6 @@ def chat_answer(s: Setup, question: str) -> str:
 
 def names(text: str, obj: str) -> bool:
     """Does `text` name `obj` as a word (case-insensitive)?"""
-
     return re.search(r"(?<![A-Za-z0-9])" + re.escape(obj.lower()) + r"(?![A-Za-z0-9])", text.lower()) is not None
 
 
@@ -576,9 +575,9 @@ def markdown(s: dict) -> str:
                 lines.append(f"| {r['b']} - {r['a']} | {LABELS[r['metric']]} | {r['kind']} | {r['n']} | — | — | — | "
                              "untested (fewer than 2 shared sets) |")
                 continue
-            v = verdict({**r, "min_detectable": r["min_detectable"] or 0.0}, "edit set")
-            if r["min_detectable"] is None and not r["finding"] and r["se"] > 0:
-                v = "not a finding"
+            # the non-inferiority row has no two-sided detectable difference: its verdict alone
+            v = "not a finding" if r["min_detectable"] is None and not r["finding"] and r["se"] > 0 else \
+                verdict(r, "edit set")
             lines.append(f"| {r['b']} - {r['a']} | {LABELS[r['metric']]} | {r['kind']} | {r['n']} | "
                          f"{fmt_pm(r['diff'], r['se'], sign=True, places=3)} | {r['p']:.3g} | {r['p_holm']:.3g} | "
                          f"{v} |")

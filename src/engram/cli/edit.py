@@ -77,8 +77,8 @@ def add_commands(sub) -> None:
                          "the facts chunk by chunk, so memory is bounded by one chunk whatever the number of facts "
                          "(lower it if memory is short)")
     ed.add_argument("--patience", type=int, metavar="N",
-                    help="also stop once N steps in a row meet no more facts than before (facts that conflict can "
-                         "never all be met; default: run up to --steps)")
+                    help="also stop once N steps in a row meet no more facts than before and lower the loss by "
+                         "under 1%% (facts that conflict can never all be met; default: run up to --steps)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '
