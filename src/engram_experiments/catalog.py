@@ -11,6 +11,7 @@ from . import allocation  # noqa: F401  (and its records: allocation-accounting,
 from . import adapter_init  # noqa: F401
 from . import smollm2_adapt  # noqa: F401
 from . import smollm2_edit  # noqa: F401
+from . import fact_editors  # noqa: F401
 from . import fact_edits  # noqa: F401
 from . import fact_scale  # noqa: F401
 from . import adapt_budget  # noqa: F401

@@ -203,12 +203,77 @@ def rome_method(layer: int):
     return run
 
 
-def ft_l_method(layer: int):
+def ft_l_method(layer: int, eps: float = 5e-4, lr: float = 5e-4, steps: int = 25):
+    """FT-L (`editors.finetune.ft_l`): layer `layer`'s MLP output weights, each entry within eps of its start."""
+
     def run(s: Setup, edited: list, opt_templates: str) -> Edit:
         from .editors.finetune import ft_l
 
-        return ft_l(s.model, s.tok, [as_fact(f) for f in edited], layer)
+        return ft_l(s.model, s.tok, [as_fact(f) for f in edited], layer, eps=eps, lr=lr, steps=steps)
 
+    return run
+
+
+def memit_method(layers: tuple[int, ...], mom2_update_weight: float = 15000.0):
+    """MEMIT (`editors.memit`): the set's facts at once over the MLP output projections of `layers`, key statistics
+    as ROME's (`covariance`), least-squares strength `mom2_update_weight`."""
+
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        from .editors.memit import memit
+
+        cov = covariance(s, list(layers))
+        return memit(s.model, s.tok, [as_fact(f) for f in edited], [f.subject for f in edited], list(layers), cov,
+                     mom2_update_weight=mom2_update_weight)
+
+    return run
+
+
+def lora_method(lr: float = 5e-3, steps: int = 70, rank: int = 8, alpha: float = 32.0):
+    """LoRA (`editors.finetune.lora`) on every layer's MLP output projection, merged into the weights."""
+
+    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+        from .editors.finetune import lora
+
+        return lora(s.model, s.tok, [as_fact(f) for f in edited], rank=rank, alpha=alpha, lr=lr, steps=steps)
+
+    return run
+
+
+NEIGHBOURS_HELD = 10  # fine-tuning with neighbours: known facts of the edited relation held as data
+
+
+def held_neighbours(s: Setup, edited: list, pr: dict, seed: int, n: int = NEIGHBOURS_HELD) -> list:
+    """The facts `ft_neighbours_method` holds as data: `n` known real facts, none edited, none of an edited subject
+    and none a locality probe of the set (`pr`: same relation, shared n-gram, same subject), so the probes measure
+    what the method was not shown. Drawn with `seed` from the set's relations first; where those have fewer than
+    `n` left (a relation with few known facts), the rest from the other relations."""
+    ids = {f.id for f in edited}
+    subjects = {f.subject.casefold() for f in edited}
+    probed = set(pr["same_relation"]) | set(pr["shared_ngram"]) | {i for v in pr["same_subject"].values() for i in v}
+    rels = {f.relation for f in edited}
+    pool = [f for f in s.facts if f.id in s.known and f.kind == "real" and f.id not in ids and f.id not in probed
+            and f.subject.casefold() not in subjects]
+    rng = random.Random(f"neighbours:{seed}:{','.join(sorted(ids))}")
+    same = [f for f in pool if f.relation in rels]
+    held = rng.sample(same, min(n, len(same)))
+    other = [f for f in pool if f.relation not in rels]
+    return held + rng.sample(other, min(n - len(held), len(other)))
+
+
+def ft_neighbours_method(layer: int, lr: float = 5e-4, steps: int = 100, seed: int = 0):
+    """Fine-tuning with neighbours held as data (`editors.finetune.ft_neighbours`): layer `layer`'s MLP output
+    weights, unbounded, on the facts and on `held_neighbours`' prompts -> the unedited model's own continuations."""
+
+    def run(s: Setup, edited: list, opt_templates: str, pr: dict) -> Edit:
+        from .editors.finetune import ft_neighbours
+
+        held = held_neighbours(s, edited, pr, seed)
+        e = ft_neighbours(s.model, s.tok, [as_fact(f) for f in edited], [f.prompt for f in held], layer, lr=lr,
+                          steps=steps)
+        e.info["held"] = ",".join(f.id for f in held)
+        return e
+
+    run.uses_probes = True
     return run
 
 
@@ -244,6 +309,34 @@ METHODS = {
     "rome": rome_method(layer=9),
     "ft-l": ft_l_method(layer=9),
 }
+FACTORIES = {"grace": grace_method, "rome": rome_method, "ft-l": ft_l_method, "memit": memit_method,
+             "lora": lora_method, "ft-neighbours": ft_neighbours_method}
+SETTINGS = {"grace": {"layer": 20, "eps": 1.0}, "rome": {"layer": 9}, "ft-l": {"layer": 9},
+            "memit": {"layers": (5, 6, 7, 8, 9)}, "lora": {}, "ft-neighbours": {"layer": 9}}  # what a bare name runs
+
+
+def method_named(name: str):
+    """The method a name runs: a key of `METHODS`, or an editor of `FACTORIES` with settings after "@" that replace
+    its `SETTINGS` ("ft-l@eps=0.005,lr=0.005"; numbers as Python reads them). A one-line ExperimentError otherwise."""
+    if name in METHODS:
+        return METHODS[name]
+    base, _, args = name.partition("@")
+    if base not in FACTORIES:
+        raise ExperimentError(f"unknown method {name!r}: use one of {', '.join(METHODS)}, or an editor of "
+                              f"{', '.join(FACTORIES)} with settings (ft-l@eps=0.005)")
+    kw = dict(SETTINGS[base])
+    for item in filter(None, args.split(",")):
+        k, eq, v = item.partition("=")
+        try:
+            kw[k] = int(v) if re.fullmatch(r"-?\d+", v) else float(v)
+        except ValueError:
+            raise ExperimentError(f"method {name!r}: setting {item!r} is not key=number") from None
+        if not eq:
+            raise ExperimentError(f"method {name!r}: setting {item!r} is not key=number")
+    try:
+        return FACTORIES[base](**kw)
+    except TypeError as e:
+        raise ExperimentError(f"method {name!r}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -383,7 +476,8 @@ def run_one(s: Setup, root: Path, set_name: str, edited: list, method: str, opt_
         return read_json(f, "fact-edits run", f"delete {f}", ExperimentError)
     pr = probes(s, edited, n_neighbours, seed)
     t0 = time.perf_counter()
-    e = METHODS[method](s, edited, opt_templates)
+    fn = method_named(method)
+    e = fn(s, edited, opt_templates, pr) if getattr(fn, "uses_probes", False) else fn(s, edited, opt_templates)
     try:
         m = measure(s, edited, pr, held_out)
     finally:
@@ -498,12 +592,13 @@ def sets_needed(s: dict, chosen: str, effect: float = 0.15) -> int:
     return max(6, math.ceil(((1.96 + 0.84) * sd / effect) ** 2) + 2)
 
 
-def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
+def analyse(s: dict, chosen: str, margin: float = 0.02, others=("grace", "rome", "ft-l"),
+            metrics=("paraphrases", "chat_new"), noninferior: str | None = "grace") -> list[dict]:
     """The preregistered family of the test phase (docs/prereg/fact-edits.toml [test]): `chosen` - X for X in
-    grace, rome, ft-l on held-out paraphrases and chat answers (paired t over the sets both ran, two-sided), and
-    `chosen` vs grace on same-relation locality as non-inferiority at `margin` (one-sided paired t of
-    chosen - grace + margin > 0); Holm over all of them. A comparison whose methods share fewer than two sets is
-    listed untested (p None)."""
+    `others` on `metrics` (paired t over the sets both ran, two-sided), and `chosen` vs `noninferior` on
+    same-relation locality as non-inferiority at `margin` (one-sided paired t of chosen - grace + margin > 0); Holm
+    over all of them. A comparison whose methods share fewer than two sets is listed untested (p None). The
+    defaults are fact-edits.toml's family; `fact_editors` passes its own."""
     from scipy import stats
 
     from .runs import detectable
@@ -513,10 +608,12 @@ def analyse(s: dict, chosen: str, margin: float = 0.02) -> list[dict]:
         return {r["set"]: r["summary"][k] for r in s["runs"] if r["method"] == m and r["summary"][k] is not None}
 
     rows = []
-    for other in ("grace", "rome", "ft-l"):
-        for k in ("paraphrases", "chat_new"):
+    for other in others:
+        for k in metrics:
             rows.append({"a": other, "b": chosen, "metric": k, "kind": "two-sided"})
-    rows.append({"a": "grace", "b": chosen, "metric": "same_relation", "kind": f"non-inferiority, margin {margin}"})
+    if noninferior is not None:
+        rows.append({"a": noninferior, "b": chosen, "metric": "same_relation",
+                     "kind": f"non-inferiority, margin {margin}"})
     for r in rows:
         a, b = per_set(r["a"], r["metric"]), per_set(r["b"], r["metric"])
         common = sorted(set(a) & set(b))

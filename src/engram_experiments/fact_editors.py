@@ -1,0 +1,209 @@
+"""`engram experiment fact-edits-editors`: issue 56's Engram edit against the field's other editors (MEMIT, LoRA,
+fine-tuning with neighbours held as data, and FT-L at a bound that edits), on the fact-edits design.
+
+fact-edits (docs/prereg/fact-edits.toml, `fact_edits.py`) compared the chosen Engram overlay (subject+trigger+ctx)
+with GRACE, ROME and FT-L; FT-L at ROME's GPT-2 XL bound edited nothing on SmolLM2. This design adds the editors it
+left out, each at a setting chosen by one rule on the selection split before any of its test runs:
+
+* `pilot` (exploratory, the fact-edits pilot's two selection sets, optimized on selection template 0 and measured
+  on template 1): every setting of `GRID` on both sets; `choose` applies the rule per editor.
+* `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
+  its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
+  rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
+  reruns the unedited model on two test sets and stops unless every per-fact outcome and probe equals the record's
+  (the code measures as it did). Each new run's probes must equal the record's run of its set.
+
+Every (set, method) run is cached under OUT/fact-edits/editors-pilot|editors/runs and resumed, as in fact_edits.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from engram.persist import read_json, write_json
+
+from . import fact_edits as fe
+from .registry import Experiment, register
+from .runs import ExperimentError, options_argv
+
+NAME = "fact-edits-editors"
+RECORD = "docs/results/fact-edits.json"  # the fact-edits test whose sets, probes and chosen runs this reuses
+GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.method_named` runs)
+    "ft-l": [f"ft-l@eps={e},lr={e}" for e in ("0.001", "0.002", "0.005", "0.01", "0.02", "0.05")],
+    "lora": ["lora@lr=0.001", "lora@lr=0.005"],
+    "ft-neighbours": ["ft-neighbours@lr=0.0005", "ft-neighbours@lr=0.002"],
+    "memit": ["memit@mom2_update_weight=1500", "memit@mom2_update_weight=15000"],
+}
+PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
+GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
+
+
+def choose(s: dict, settings: list[str]) -> str | None:
+    """The preregistered rule (docs/prereg/fact-edits-editors.toml [choice], fact-edits' rule for the Engram
+    variant): among `settings` with mean efficacy >= 0.8 and mean same-relation locality >= 0.8, the highest mean
+    of (held-out paraphrases, chat answers naming the new object); if none passes both bars, the highest efficacy +
+    same-relation locality. Ties: the earlier setting in the grid. None when the pilot ran none of them."""
+    t = {v: s["table"][v] for v in settings if v in s["table"]}
+    if not t:
+        return None
+    ok = [v for v in t if t[v]["efficacy"]["mean"] >= 0.8 and t[v]["same_relation"]["mean"] >= 0.8]
+    if ok:
+        return max(ok, key=lambda v: (t[v]["paraphrases"]["mean"] + t[v]["chat_new"]["mean"]) / 2)
+    return max(t, key=lambda v: t[v]["efficacy"]["mean"] + t[v]["same_relation"]["mean"])
+
+
+def reuse_record(root: Path, record: dict, method: str) -> int:
+    """Write `method`'s runs of the fact-edits record into root/runs (environment restored, `from_record` added)
+    where absent; how many it wrote."""
+    n = 0
+    for r in record["runs"]:
+        if r["method"] != method:
+            continue
+        f = root / "runs" / f"{r['set']}--{method}.json"
+        if not f.is_file():
+            env = r.get("environment")
+            write_json(f, {**r, "environment": record["environments"][env] if env is not None else None,
+                           "from_record": RECORD})
+            n += 1
+    return n
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    """Where run `a`'s per-fact outcomes and probes differ from run `b`'s (text-loss changes within 1e-4)."""
+    bad = [k for k in ("facts", "same_relation", "shared_ngram", "probes") if a[k] != b[k]]
+    for k in ("text_change", "text_change_shared"):
+        if (a[k] is None) != (b[k] is None) or (a[k] is not None and abs(a[k] - b[k]) > 1e-4):
+            bad.append(k)
+    return bad
+
+
+def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbours: int, seed: int) -> None:
+    """Measure the unedited model on the first `GUARD_SETS` test sets at this commit and stop unless each run
+    equals the record's `none` run of its set."""
+    old = {r["set"]: r for r in record["runs"] if r["method"] == "none"}
+    for name in list(sets)[:GUARD_SETS]:
+        r = fe.run_one(s, root / "guard", name, sets[name], "none", opt, held, neighbours, seed, False)
+        bad = _same(r, old[name])
+        if bad:
+            raise ExperimentError(f"the unedited model measured at this commit differs from {RECORD} on {name} "
+                                  f"({', '.join(bad)}): the measures changed; run at the record's commit")
+
+
+def check_probes(summary: dict, record: dict) -> None:
+    """Every run's probes equal the record's run of its set (one measurement design for all methods)."""
+    old = {r["set"]: r["probes"] for r in record["runs"] if r["method"] == "none"}
+    bad = sorted({r["set"] for r in summary["runs"] if r["probes"] != old.get(r["set"])})
+    if bad:
+        raise ExperimentError(f"runs of {', '.join(bad)} probe other facts than {RECORD}: delete them and rerun")
+
+
+def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat_new", "same_relation"),
+          n: int = 23) -> dict:
+    """What the test of n sets can detect at 80% power (two-sided, alpha 0.05 / the family's size, Holm's
+    strictest step), with each difference's sd over `s`'s sets (the fact-edits record: chosen - GRACE / ROME)."""
+    from scipy import stats
+
+    runs = {(r["set"], r["method"]): r["summary"] for r in s["runs"]}
+    sets = sorted({r["set"] for r in s["runs"]})
+    sds = {}
+    for o in others:
+        for k in metrics:
+            d = [runs[(x, chosen)][k] - runs[(x, o)][k] for x in sets if (x, o) in runs and (x, chosen) in runs]
+            if len(d) > 1:
+                m = sum(d) / len(d)
+                sds[f"{o}/{k}"] = math.sqrt(sum((v - m) ** 2 for v in d) / (len(d) - 1))
+    size = len(others) * len(metrics)
+    t = stats.t.ppf(1 - 0.05 / size / 2, n - 1) + stats.t.ppf(0.8, n - 1)
+    return {"n": n, "family": size, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the pilot or the test (every cached run reused), then publish its summary (and `--record` it)."""
+    import argparse
+
+    from . import prereg
+    from .runs import parse_shard, publish
+
+    ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
+                                 description="the settings pilot (selection split) or the confirmatory test of the "
+                                             "Engram edit against MEMIT, LoRA, fine-tuning with neighbours and FT-L")
+    ap.add_argument("phase", choices=["pilot", "test"])
+    ap.add_argument("--out", default="runs/experiments")
+    ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
+    ap.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
+    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot].json")
+    a = ap.parse_args(argv)
+    shard = parse_shard(a.shard, ap)
+    torch.manual_seed(0)
+    root = Path(a.out) / fe.NAME
+    rec = read_json(Path(prereg.repo_root() or ".") / RECORD, "the fact-edits record", f"restore {RECORD} from git",
+                    ExperimentError)
+    d = rec["design"]
+    seed, neighbours, size = d["facts"].get("seed", 0), d["measures"]["neighbours"], d["facts"]["set_size"]
+    pre = None
+    if a.phase == "pilot":
+        phase, methods = "editors-pilot", [m for ms in GRID.values() for m in ms]
+        opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
+        design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
+                  "methods": methods}
+    else:
+        pre = prereg.load(NAME, record=a.record is not None)
+        design = pre.design
+        if design.get("chosen") is None:
+            raise ExperimentError(f"docs/prereg/{NAME}.toml has no chosen settings yet: run the pilot, fill them in "
+                                  "by its rule and commit the amendment before the test")
+        phase, methods = "editors", list(design["chosen"].values())
+        opt, held, split, count, rels = "selection", "test", "test", d["test_sets"], d["facts"]["test_relations"]
+    if not a.summary_only:
+        s = fe.setup(root)
+        sets = fe.edit_sets(s, split, count, size, seed, rels)
+        if pre is not None:
+            guard(s, root / phase, rec, sets, opt, held, neighbours, seed)
+        todo = [(m, name) for m in methods for name in sets]  # the preregistered order: methods, then sets
+        for m, name in todo[shard[0]::shard[1]]:
+            fe.run_one(s, root / phase, name, sets[name], m, opt, held, neighbours, seed, True)
+    if pre is not None:
+        reuse_record(root / phase, rec, d["chosen"])
+    out = fe.summary(root, phase, design)
+    out["experiment"], out["command"] = f"{NAME}-pilot" if pre is None else NAME, \
+        f"python -m engram_experiments.fact_editors {a.phase}"
+    out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
+                       "held_neighbours": fe.NEIGHBOURS_HELD}
+    if pre is None:
+        out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
+        out["power"] = power(rec, d["chosen"], ["grace", "rome"])
+    else:
+        check_probes(out, rec)
+        out["prereg"] = pre.stamp()
+        done = {(r["set"], r["method"]) for r in out["runs"]}
+        want = [(f"test-{i}", m) for i in range(count) for m in [d["chosen"], *methods]]
+        if not all(w in done for w in want):  # the stop rule: nothing is tested until every run is in
+            print(f"[{NAME}] {sum(w in done for w in want)} of {len(want)} test runs done; nothing is summarized "
+                  "until every run of the family is (the preregistered stop rule)", file=sys.stderr)
+            return {"done": sum(w in done for w in want), "of": len(want)}
+        out["tests"] = fe.analyse(out, d["chosen"], others=methods,
+                                  metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
+    return publish(out, root / phase, a.record, f"{out['experiment']}.json", fe.markdown, fe.plot)
+
+
+register(Experiment("fact-edits-editors-pilot", """
+    the settings pilot of issue 56's other editors (exploratory, fact-edits' two selection sets): FT-L at six
+    norm bounds, LoRA and fine-tuning with neighbours at two learning rates each, MEMIT at two strengths; the
+    preregistered rule picks each editor's setting (`fact_editors.py`; about 1.5 hours of one core).""",
+                    run=lambda o: main(["pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-editors-pilot.png", section="14", in_all=False))
+register(Experiment("fact-edits-editors", """
+    issue 56's confirmatory test of the chosen Engram edit against MEMIT, LoRA, fine-tuning with neighbours and
+    FT-L at their pilot-chosen settings, on fact-edits' 23 test sets (its Engram runs reused from the record),
+    design in docs/prereg/fact-edits-editors.toml (`fact_editors.py`; about 5 hours of one core, resumable).""",
+                    run=lambda o: main(["test"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-editors.png", section="14", in_all=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The fact-edits-editors experiment's pieces that need no real model (`engram_experiments.fact_editors` and the
+editor methods it names in `fact_edits`): method names with settings, the neighbours fine-tuning holds, the
+preregistered choice of a setting, the guard that the measures still match the record, and its family."""
+
+from types import SimpleNamespace
+
+import pytest
+from test_factset import ROWS
+
+from engram_experiments import fact_editors, fact_edits
+from engram_experiments.factset import build_from_rows
+from engram_experiments.runs import ExperimentError
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return build_from_rows(ROWS, seed=0, new_per_relation=2)
+
+
+def test_a_method_name_carries_its_settings_and_bad_names_say_how_to_write_one():
+    assert fact_edits.method_named("grace") is fact_edits.METHODS["grace"]
+    for name in [m for ms in fact_editors.GRID.values() for m in ms]:
+        assert callable(fact_edits.method_named(name))  # every pilot setting resolves
+    for bad, msg in [("bogus", "unknown method"), ("ft-l@eps=x", "not key=number"), ("ft-l@eps", "not key=number"),
+                     ("ft-l@foo=1", "unexpected keyword")]:
+        with pytest.raises(ExperimentError, match=msg):
+            fact_edits.method_named(bad)
+    assert getattr(fact_edits.method_named("ft-neighbours"), "uses_probes", False)  # it is handed the probes
+
+
+def test_held_neighbours_are_known_unprobed_facts_of_the_relation_first(facts):
+    real = [f for f in facts if f.kind == "real"]
+    rel = real[0].relation
+    same = [f for f in real if f.relation == rel]
+    edited, probe = same[:1], same[1:2]
+    s = SimpleNamespace(facts=facts, known={f.id for f in real})
+    pr = {"same_relation": [f.id for f in probe], "shared_ngram": [], "same_subject": {edited[0].id: []}}
+    held = fact_edits.held_neighbours(s, edited, pr, seed=0, n=len(same) + 3)
+    ids = [f.id for f in held]
+    assert len(ids) == len(set(ids)) == len(same) + 3
+    assert not {f.id for f in edited + probe} & set(ids)  # never an edited fact or a probe
+    assert edited[0].subject.casefold() not in {f.subject.casefold() for f in held}
+    k = sum(f.relation == rel for f in held)
+    assert all(f.relation == rel for f in held[:k]) and k == len([f for f in same[2:]
+                                                                  if f.subject != edited[0].subject])
+    assert [f.id for f in fact_edits.held_neighbours(s, edited, pr, seed=0, n=len(same) + 3)] == ids  # seeded
+
+
+def test_the_preregistered_choice_of_a_setting():
+    def t(eff, loc, para, chat):
+        return {"efficacy": {"mean": eff}, "same_relation": {"mean": loc}, "paraphrases": {"mean": para},
+                "chat_new": {"mean": chat}}
+
+    grid = ["a", "b", "c"]
+    s = {"table": {"a": t(0.9, 0.9, 0.1, 0.1), "b": t(1.0, 0.7, 0.9, 0.9), "c": t(0.8, 0.8, 0.3, 0.1)}}
+    assert fact_editors.choose(s, grid) == "c"  # b generalizes best but fails the locality bar
+    s["table"]["c"] = t(0.8, 0.8, 0.1, 0.1)
+    assert fact_editors.choose(s, grid) == "a"  # a tie: the earlier setting
+    s["table"] = {"a": t(0.1, 0.9, 0, 0), "b": t(1.0, 0.3, 0, 0), "c": t(0.6, 0.6, 0, 0)}
+    assert fact_editors.choose(s, grid) == "b"  # none passes: the highest efficacy + locality
+    assert fact_editors.choose({"table": {}}, grid) is None
+
+
+def _run(method, i, para=0.5, chat=0.5, loc=0.9):
+    return {"method": method, "set": f"test-{i}", "facts": [{"id": f"f{i}", "efficacy": True}],
+            "same_relation": [True], "shared_ngram": [False], "text_change": 0.01, "text_change_shared": None,
+            "probes": {"same_relation": [f"p{i}"]}, "environment": 0,
+            "summary": {"paraphrases": para, "chat_new": chat, "same_relation": loc}}
+
+
+def test_the_record_is_reused_and_the_guard_stops_on_any_changed_outcome(tmp_path):
+    rec = {"runs": [_run("none", 0), _run("subject+trigger+ctx", 0), _run("subject+trigger+ctx", 1)],
+           "environments": [{"cpu": "x"}]}
+    assert fact_editors.reuse_record(tmp_path, rec, "subject+trigger+ctx") == 2
+    assert fact_editors.reuse_record(tmp_path, rec, "subject+trigger+ctx") == 0  # once
+    back = fact_edits.read_json(tmp_path / "runs" / "test-1--subject+trigger+ctx.json", "run", "", ExperimentError)
+    assert back["environment"] == {"cpu": "x"} and back["from_record"] == fact_editors.RECORD
+    same = _run("none", 0)
+    assert fact_editors._same(same, rec["runs"][0]) == []
+    same["text_change"] += 5e-5
+    assert fact_editors._same(same, rec["runs"][0]) == []  # within 1e-4
+    for key, value in [("facts", [{"id": "f0", "efficacy": False}]), ("same_relation", [False]),
+                       ("text_change_shared", 0.2), ("probes", {"same_relation": ["q"]})]:
+        assert key in fact_editors._same({**_run("none", 0), key: value}, rec["runs"][0])
+    fact_editors.check_probes({"runs": [_run("lora@lr=0.001", 0)]}, rec)
+    with pytest.raises(ExperimentError, match="test-0 probe other facts"):
+        fact_editors.check_probes({"runs": [{**_run("lora@lr=0.001", 0), "probes": {}}]}, rec)
+
+
+def test_the_family_is_each_editor_on_three_measures_two_sided():
+    runs = []
+    for i in range(5):
+        runs += [_run("subject+trigger+ctx", i, 0.3 + 0.01 * i, 0.2, 0.9), _run("lora", i, 0.6, 0.5 - 0.02 * i, 0.2),
+                 _run("memit", i, 0.3 + 0.01 * i, 0.2, 0.9)]
+    rows = fact_edits.analyse({"runs": runs}, "subject+trigger+ctx", others=["lora", "memit"],
+                              metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
+    assert len(rows) == 6 and all(r["kind"] == "two-sided" for r in rows)
+    by = {(r["a"], r["metric"]): r for r in rows}
+    assert by[("lora", "same_relation")]["diff"] == pytest.approx(0.7) and by[("lora", "paraphrases")]["finding"]
+    assert by[("memit", "paraphrases")]["se"] == 0 and not by[("memit", "paraphrases")]["finding"]
+    p = fact_editors.power({"runs": runs}, "subject+trigger+ctx", ["lora"], n=23)
+    assert p["family"] == 3 and p["detectable"]["lora/paraphrases"] > 0
