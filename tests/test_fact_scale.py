@@ -247,6 +247,10 @@ def test_the_family_is_non_inferiority_paired_over_the_reserved_probes():
     worse = [run("subject+trigger+ctx", 10, small), run("subject+trigger+ctx", 1000, [False] * n)]
     assert not fact_scale.analyse({**s, "runs": worse})[0]["finding"]
     assert fact_scale.probes_needed(s, "subject+trigger+ctx") >= 2
+    pw = fact_scale.pilot_power(s, "subject+trigger+ctx", small=10)
+    assert pw["large"] == 1000 and pw["probes"] == n and pw["diff"] == pytest.approx(-1 / n)
+    assert pw["probes_needed"] == fact_scale.probes_needed(s, "subject+trigger+ctx") and pw["sd"] > 0
+    assert fact_scale.pilot_power(s, "trigger") is None  # no larger size: nothing to size the test with
 
 
 @pytest.mark.slow  # moved out of the default run (under 10 min on 2 cores): 15 s

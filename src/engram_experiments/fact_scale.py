@@ -645,6 +645,18 @@ def probes_needed(s: dict, method: str, margin: float = 0.05, small: int = 10, p
     return max(2, math.ceil(((stats.norm.ppf(1 - alpha) + stats.norm.ppf(power)) * sd / margin) ** 2))
 
 
+def pilot_power(s: dict, method: str, margin: float = 0.05, small: int = 10) -> dict | None:
+    """What the pilot says for the test's power rule: the sd of the per-probe differences kept(largest) - kept(small)
+    of `method`, their mean, the probes it ran, and `probes_needed`; None without both sizes."""
+    rows = [r for r in analyse({**s, "design": {**s["design"], "methods": [method]}}, margin, small)
+            if r["p"] is not None]
+    if not rows:
+        return None
+    r = rows[0]
+    return {"small": small, "large": r["large"], "probes": r["n"], "diff": r["diff"],
+            "sd": r["se"] * math.sqrt(r["n"]), "probes_needed": probes_needed(s, method, margin, small)}
+
+
 def markdown(s: dict) -> str:
     """Per kind (batch, insert) and method, per number of facts: measures (mean ± sd over sets), time, peak memory,
     bytes per fact, row sharing; then each sequential run's steps."""
@@ -676,6 +688,11 @@ def markdown(s: dict) -> str:
                          f"{f2(st['reserved_kept'])} | {f2(st['same_relation'])} | {st['edit_seconds']:.1f} | "
                          f"{st['vmhwm_mib']:.0f} | {st['merged_bytes_per_fact']:.0f} |")
         lines.append("")
+    for m, pw in (s.get("power") or {}).items():
+        if pw is not None:
+            lines.append(f"- {m}, for the test's power: reserved probes kept at {pw['large']} - at {pw['small']} "
+                         f"facts = {pw['diff']:+.3f} over {pw['probes']} probes (sd {pw['sd']:.3f}); 80% power at "
+                         f"margin 0.05 needs {pw['probes_needed']} probes")
     for t in s.get("tests", []):
         if t["p"] is not None:
             lines.append(f"- {t['method']}: reserved-probe locality at {t['large']} - at {t['small']} = "
@@ -831,6 +848,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "(the preregistered stop rule)", file=sys.stderr)
             return {"done": len(done), "of": len(want)}
         out["tests"] = analyse(out)
+    else:  # the pilot sizes the test's probes ([power] of docs/prereg/fact-scale.toml)
+        out["power"] = {m: pilot_power(out, m) for m in design["methods"]}
     return publish(out, root, a.record, f"{out['experiment']}.json", markdown, plot)
 
 
