@@ -742,10 +742,10 @@ def plot(s: dict, path: Path) -> None:
     c.legend(fontsize=6, loc="upper left")
     mem.set_ylabel("peak resident memory while editing (MiB, dashed)")
     mem.legend(fontsize=6, loc="lower right")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     for ax in (a, c):
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 10, 100 (not 1.0, 10.0)
         ax.xaxis.set_minor_formatter(NullFormatter())
     for ax in (a, b):
         ax.set_ylim(-0.03, 1.03)
