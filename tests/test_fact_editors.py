@@ -82,9 +82,9 @@ def test_the_record_is_reused_and_the_guard_stops_on_any_changed_outcome(tmp_pat
     for key, value in [("facts", [{"id": "f0", "efficacy": False}]), ("same_relation", [False]),
                        ("text_change_shared", 0.2), ("probes", {"same_relation": ["q"]})]:
         assert key in fact_editors._same({**_run("none", 0), key: value}, rec["runs"][0])
-    fact_editors.check_probes({"runs": [_run("lora@lr=0.001", 0)]}, rec)
+    fact_editors.check_probes({"runs": [_run("lora@lr=1e-3", 0)]}, rec)
     with pytest.raises(ExperimentError, match="test-0 probe other facts"):
-        fact_editors.check_probes({"runs": [{**_run("lora@lr=0.001", 0), "probes": {}}]}, rec)
+        fact_editors.check_probes({"runs": [{**_run("lora@lr=1e-3", 0), "probes": {}}]}, rec)
 
 
 def test_the_family_is_each_editor_on_three_measures_two_sided():

@@ -32,10 +32,11 @@ from .runs import ExperimentError, options_argv
 
 NAME = "fact-edits-editors"
 RECORD = "docs/results/fact-edits.json"  # the fact-edits test whose sets, probes and chosen runs this reuses
-GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.method_named` runs)
-    "ft-l": [f"ft-l@eps={e},lr={e}" for e in ("0.001", "0.002", "0.005", "0.01", "0.02", "0.05")],
-    "lora": ["lora@lr=0.001", "lora@lr=0.005"],
-    "ft-neighbours": ["ft-neighbours@lr=0.0005", "ft-neighbours@lr=0.002"],
+GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.method_named` runs; numbers without a
+    # decimal point, so a name is one step of a page placeholder's dotted path)
+    "ft-l": [f"ft-l@eps={e},lr={e}" for e in ("1e-3", "2e-3", "5e-3", "1e-2", "2e-2", "5e-2")],
+    "lora": ["lora@lr=1e-3", "lora@lr=5e-3"],
+    "ft-neighbours": ["ft-neighbours@lr=5e-4", "ft-neighbours@lr=2e-3"],
     "memit": ["memit@mom2_update_weight=1500", "memit@mom2_update_weight=15000"],
 }
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
