@@ -99,4 +99,6 @@ def test_the_family_is_each_editor_on_three_measures_two_sided():
     assert by[("lora", "same_relation")]["diff"] == pytest.approx(0.7) and by[("lora", "paraphrases")]["finding"]
     assert by[("memit", "paraphrases")]["se"] == 0 and not by[("memit", "paraphrases")]["finding"]
     p = fact_editors.power({"runs": runs}, "subject+trigger+ctx", ["lora"], n=23)
-    assert p["family"] == 3 and p["detectable"]["lora/paraphrases"] > 0
+    assert p["family"] == 12 and p["detectable"]["lora/paraphrases"] > 0  # 4 editors x 3 measures
+    wider = fact_editors.power({"runs": runs}, "subject+trigger+ctx", ["lora"], n=23, family=1)
+    assert wider["detectable"]["lora/paraphrases"] < p["detectable"]["lora/paraphrases"]

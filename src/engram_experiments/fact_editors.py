@@ -103,9 +103,10 @@ def check_probes(summary: dict, record: dict) -> None:
 
 
 def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat_new", "same_relation"),
-          n: int = 23) -> dict:
-    """What the test of n sets can detect at 80% power (two-sided, alpha 0.05 / the family's size, Holm's
-    strictest step), with each difference's sd over `s`'s sets (the fact-edits record: chosen - GRACE / ROME)."""
+          n: int = 23, family: int = 3 * len(GRID)) -> dict:
+    """What the test of n sets can detect at 80% power (two-sided, alpha 0.05 / `family`, Holm's strictest step;
+    the test's family is every editor of `GRID` on 3 measures), with each difference's sd over `s`'s sets (the
+    fact-edits record: chosen - GRACE / ROME)."""
     from scipy import stats
 
     runs = {(r["set"], r["method"]): r["summary"] for r in s["runs"]}
@@ -117,9 +118,8 @@ def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat
             if len(d) > 1:
                 m = sum(d) / len(d)
                 sds[f"{o}/{k}"] = math.sqrt(sum((v - m) ** 2 for v in d) / (len(d) - 1))
-    size = len(others) * len(metrics)
-    t = stats.t.ppf(1 - 0.05 / size / 2, n - 1) + stats.t.ppf(0.8, n - 1)
-    return {"n": n, "family": size, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
+    t = stats.t.ppf(1 - 0.05 / family / 2, n - 1) + stats.t.ppf(0.8, n - 1)
+    return {"n": n, "family": family, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     if pre is not None:
         reuse_record(root / phase, rec, d["chosen"])
     out = fe.summary(root, phase, design)
+    order = ([d["chosen"]] if pre is not None else []) + methods  # the table in the design's order, not by file name
+    out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
     out["experiment"], out["command"] = f"{NAME}-pilot" if pre is None else NAME, \
         f"python -m engram_experiments.fact_editors {a.phase}"
     out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
