@@ -696,11 +696,12 @@ def plot(s: dict, path: Path) -> None:
         for i, (m, t) in enumerate(s["table"].items()):  # markers differ: methods may sit on one point
             if gk in t and "same_relation" in t:
                 ax.errorbar(t["same_relation"]["mean"], t[gk]["mean"], xerr=t["same_relation"]["std"],
-                            yerr=t[gk]["std"], fmt="osD^vP*X"[i % 8], ms=9 - i, mfc="none", capsize=2, label=m)
+                            yerr=t[gk]["std"], fmt="osD^vP*X"[i % 8], ms=max(4, 9 - i % 8), mfc="none", capsize=2,
+                            label=m)
         ax.set_xlabel(LABELS["same_relation"] + " (kept true object)")
         ax.set_ylabel(LABELS[gk])
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the points, not over them
     fig.suptitle(f"{s['experiment']}: SmolLM2-135M-Instruct (Q4_1 GGUF) + edit-ready adapter, "
                  f"mean ± sd over edit sets")
     fig.savefig(path, dpi=110, bbox_inches="tight")
