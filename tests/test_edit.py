@@ -505,6 +505,53 @@ def test_patience_ends_an_edit_whose_conflicting_facts_can_never_all_be_met(run,
             edit_facts(model, tok, clash, steps=2, patience=bad, progress=False)
 
 
+def test_keep_holds_other_facts_through_the_shared_rows_without_writing_theirs(tmp_path):
+    """`keep`: facts read through the edited rows whose answers join the loss. On a tiny Llama with a live adapter:
+    an edit at orders 2 and 3 lowers a fact that shares its 2-gram rows, and keeping that fact holds it (its rows are
+    not written); a kept fact that reads no edited row changes nothing, bit for bit, and neither does no `keep`."""
+    from bases import tale_tokenizer, tiny_base
+    from tokenizers import Tokenizer
+
+    from engram.adapters import adapter_of, clear_rows
+
+    tale_tokenizer(tmp_path / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    model = tiny_base("llama").eval()
+    engram.attach(model, [1], tokenizer=tmp_path / "tokenizer.json", verbose=False, engram_vocab_size=[211, 223],
+                  n_embed_per_ngram=16, n_head_per_ngram=2)
+    with torch.no_grad():  # a live adapter (a trained one's stand-in), edit-ready
+        g = torch.Generator().manual_seed(1)
+        for p in adapter_of(model).parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    clear_rows(model)
+    fact = [Fact("the quick brown fox", " dog")]
+    near = Fact("a lazy brown fox", " king")  # shares the 2-gram " brown fox" (not the 3-gram) with the edit
+
+    def edit(**kw):
+        return edit_facts(model, tok, fact, steps=100, lr=2.0, progress=False, **kw)
+
+    def near_after(ov):
+        apply_overlay(model, ov)
+        try:
+            return target_logp(model, tok, near)
+        finally:
+            remove_overlays(model)
+
+    base = target_logp(model, tok, near)
+    plain, held = edit(orders=[2, 3]), edit(orders=[2, 3], keep=[near])
+    assert near_after(plain) < base - 0.5  # the edit's shared 2-gram rows moved the other fact
+    assert near_after(held) > near_after(plain) + 0.5  # keeping it holds it
+    assert {k: v.tolist() for k, v in held.rows.items()} == {k: v.tolist() for k, v in plain.rows.items()}
+    assert held.meta["keep"][0]["prompt"] == near.prompt and held.meta["settings"]["keep_weight"] == 1.0
+    assert "keep_at_target" in held.meta["optimization"] and "keep" not in plain.meta
+    top, top_kept, top_empty = edit(), edit(keep=[near]), edit(keep=[])  # the 3-gram rows only: near reads none
+    for ov in (top_kept, top_empty):
+        assert all(torch.equal(ov.values[lid], top.values[lid]) for lid in top.values)
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(EditError, match="keep_weight must be a positive number"):
+            edit_facts(model, tok, fact, steps=1, keep=[near], keep_weight=bad, progress=False)
+
+
 class SyllableTokenizer:
     """A stand-in tokenizer: words with their leading space are tokens, made-up names split into syllables."""
 
@@ -565,6 +612,14 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
     assert code == 0, err
     assert "efficacy" in stdout and "0 logits rows changed" in stdout
     assert (out / "report.json").is_file() and (out / "engram_manifest.json").is_file()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(json.dumps(FACTS[2].__dict__) + "\n")
+    code, _, err = cli(capsys, "edit", "--checkpoint", root / "run", "--facts", facts, "--out", tmp_path / "ov-kept",
+                       "--data", corpus, "--split", "train", "--seq-len", 32, "--max-windows", 4, "--steps", 3,
+                       "--keep", kept, "--keep-weight", 2)
+    assert code == 0 and "1 facts kept as they are" in err, err
+    meta = Overlay.load(tmp_path / "ov-kept").meta
+    assert meta["keep"][0]["prompt"] == FACTS[2].prompt and meta["settings"]["keep_weight"] == 2.0
     code, stdout, err = cli(capsys, "verify", out)
     assert code == 0 and stdout.startswith("ok") and "overlay" in stdout, (stdout, err)
     code, stdout, err = cli(capsys, "sample", "--checkpoint", root / "run", "--overlay", out, "--prompt",
@@ -582,7 +637,10 @@ def test_cli_edit_sample_eval_gates_and_errors(tmp_path, run, capsys):
     for args, msg in [(("--facts", tmp_path / "empty.jsonl"), "missing or empty"),
                       (("--facts", tmp_path / "nope.jsonl"), "no such file"),
                       (("--facts", facts, "--overlay", tmp_path / "nowhere"), "no overlay here"),
-                      (("--facts", facts, "--patience", 0), "patience must be a positive number")]:
+                      (("--facts", facts, "--patience", 0), "patience must be a positive number"),
+                      (("--facts", facts, "--keep-weight", 2), "give --keep FILE too"),
+                      (("--facts", facts, "--keep", facts, "--keep-weight", 0), "keep_weight must be a positive"),
+                      (("--facts", facts, "--keep", tmp_path / "empty.jsonl"), "missing or empty")]:
         code, _, err = cli(capsys, "edit", "--checkpoint", root / "run", "--out", tmp_path / "bad", *args)
         lines = [line for line in err.splitlines() if line.startswith("engram:")]
         assert code == 2 and len(lines) == 1 and msg in lines[0] and "Traceback" not in err, err

@@ -18,12 +18,17 @@ def cmd_edit(args) -> int:
     facts = read_facts(args.facts, tok)  # every fact checked before anything runs or is written
     optimized = facts + (_chat_facts(args, facts, chat_contexts) if args.chat else []) + \
         (paraphrase_contexts(facts) if args.paraphrases else [])
+    keep = read_facts(args.keep, tok) if args.keep else None
+    if args.keep_weight is not None and not args.keep:
+        raise ValueError("--keep-weight weighs the --keep facts; give --keep FILE too (or drop --keep-weight)")
     options.with_overlays(model, args.overlay)
     windows = text_windows(tok, args.data, args.split, args.seq_len, args.max_windows)
     print(f"editing {len(facts)} facts: rows at {args.positions} positions, orders "
-          f"{args.orders or 'highest'}, up to {args.steps} steps", file=sys.stderr)
+          f"{args.orders or 'highest'}, up to {args.steps} steps" +
+          (f", {len(keep)} facts kept as they are" if keep else ""), file=sys.stderr)
     overlay = edit_facts(model, tok, optimized, steps=args.steps, lr=args.lr, positions=args.positions,
-                         orders=args.orders, target_prob=args.target_prob, chunk=args.chunk, patience=args.patience)
+                         orders=args.orders, target_prob=args.target_prob, chunk=args.chunk, patience=args.patience,
+                         keep=keep, keep_weight=1.0 if args.keep_weight is None else args.keep_weight)
     overlay.meta["base"] = str(args.checkpoint or f"{args.base} + {args.adapter}")
     report = edit_report(model, tok, facts, overlay, windows, args.batch_size, chunk=args.chunk, progress=True)
     overlay.meta["summary"] = report["summary"]
@@ -79,6 +84,12 @@ def add_commands(sub) -> None:
     ed.add_argument("--patience", type=int, metavar="N",
                     help="also stop once N steps in a row meet no more facts than before and lower the loss by "
                          "under 1%% (facts that conflict can never all be met; default: run up to --steps)")
+    ed.add_argument("--keep", metavar="FILE",
+                    help="JSONL facts (the --facts format) the edit should leave answering as they do: their rows are "
+                         "not written, their targets join the loss, so rows shared with the edited facts are pulled "
+                         "back (locality held as data; e.g. other subjects of an edited relation -> their answers)")
+    ed.add_argument("--keep-weight", type=float, metavar="W",
+                    help="weight of the --keep facts' mean loss against the edited facts' (default 1)")
     ed.add_argument("--target-prob", type=float, default=0.9, help="stop when every target token has this probability")
     ed.add_argument("--chat", action="store_true",
                     help='also optimize each fact with a "question" inside the model\'s chat template (the user turn, '

@@ -173,7 +173,7 @@ def _keeps_logits(model) -> bool:
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
                orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64,
                full_logits: bool = False, checkpoint=None, checkpoint_every: float = 300.0,
-               patience: int | None = None) -> Overlay:
+               patience: int | None = None, keep: list[Fact] | None = None, keep_weight: float = 1.0) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
 
     Every fact is one sequence `prompt + target`; the loss is the mean over facts of the mean negative
@@ -188,6 +188,15 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     conflict (two targets for the same rows) can never all be met, and without it such an edit runs every step.
     The overlay's meta says why it stopped (`optimization.stopped`: "at_target", "patience" or "steps").
     `progress`: a bar over steps (loss, facts at target).
+
+    `keep` (optional): facts the edit should leave as they are, each prompt -> the answer it should keep giving
+    (for example other subjects of an edited relation -> their true objects, as the model answers them now). Their
+    rows are not written; their sequences are read through the edited rows, and `keep_weight` times the mean
+    negative log-probability of their targets is added to the loss, so rows that the edited facts share with them
+    (a relation's common n-grams) are pulled towards leaving their answers alone: locality held as data, as
+    fine-tuning with neighbours does. They do not enter the stopping rule (an answer the model gives at probability
+    0.3 is still its greedy answer); the meta counts those still at target_prob. Without `keep` the edit is the
+    same edit as before, bit for bit.
 
     `checkpoint` (a file path): an edit of thousands of facts runs for hours, so its state (rows, Adam's moments,
     step, loss log) is written there atomically at most every `checkpoint_every` seconds, and an edit started again
@@ -207,14 +216,24 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
 
     layers = engram_layers(model)
     mapping = mapping_of(model)
+    if keep is not None and not (isinstance(keep_weight, (int, float)) and not isinstance(keep_weight, bool)
+                                 and keep_weight > 0):
+        raise EditError(f"keep_weight must be a positive number, got {keep_weight!r}")
     seqs = fact_sequences(tokenizer, facts)
     rows = edit_rows(model, tokenizer, facts, positions, orders)
     pad = generation_pad_id(model)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))  # similar lengths together
-    batches = []
-    for a in range(0, len(order), chunk):
-        part = [seqs[i] for i in order[a:a + chunk]]
-        batches.append((pad_batch([p + t for p, t in part], pad), part))  # ((b, T), its (prompt, target) ids)
+
+    def batched(sq):
+        order = sorted(range(len(sq)), key=lambda i: len(sq[i][0]) + len(sq[i][1]))  # similar lengths together
+        out = []
+        for a in range(0, len(order), chunk):
+            part = [sq[i] for i in order[a:a + chunk]]
+            out.append((pad_batch([p + t for p, t in part], pad), part))  # ((b, T), its (prompt, target) ids)
+        return out
+
+    batches = batched(seqs)
+    kept = fact_sequences(tokenizer, keep) if keep else []
+    keep_batches = batched(kept)
     t0 = time.perf_counter()
     digest = model_digest(model)  # before any row is pushed: the base the overlay belongs to
     values, log = {}, []
@@ -230,7 +249,9 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
             opt = torch.optim.Adam(list(values.values()), lr=lr)
             key = _edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
                                                       target_prob=target_prob, chunk=chunk,
-                                                      **({"patience": patience} if patience else {})))
+                                                      **({"patience": patience} if patience else {}),
+                                                      **({"keep": [f.__dict__ for f in keep],
+                                                          "keep_weight": keep_weight} if keep else {})))
             first, log, earlier = _resume(checkpoint, key, values, opt)
             saved_at = time.monotonic()
             bar.update(first - 1)
@@ -247,7 +268,16 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                     done += sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
                     loss.backward()
                     total += loss.item()
-                log.append({"step": step - 1, "loss": total, "facts_done": done})
+                kept_done = 0
+                for ids, part in keep_batches:  # the facts to leave alone: read through the rows, not written
+                    lps = target_logprobs(model, ids, part, full_logits)
+                    loss = torch.stack([lp.mean() for lp in lps]).sum().neg() * (keep_weight / len(kept))
+                    kept_done += sum(bool((lp.detach().exp() >= target_prob).all()) for lp in lps)
+                    if loss.requires_grad:  # a chunk that reads no edited row has nothing to pull on
+                        loss.backward()
+                    total += loss.item()
+                log.append({"step": step - 1, "loss": total, "facts_done": done,
+                            **({"keep_at_target": kept_done} if kept else {})})
                 bar.set_postfix(nll=f"{total:.4f}", at_target=f"{done}/{len(seqs)}", refresh=False)
                 if done == len(seqs):
                     step, stopped = step - 1, "at_target"
@@ -278,10 +308,13 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         "layers": sorted(rows), "facts": [f.__dict__ for f in facts],
         "settings": {"steps": steps, "lr": lr, "positions": positions,
                      "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob,
-                     **({"patience": patience} if patience is not None else {})},
+                     **({"patience": patience} if patience is not None else {}),
+                     **({"keep_weight": keep_weight} if keep else {})},
+        **({"keep": [f.__dict__ for f in keep]} if keep else {}),
         "optimization": {"steps_run": step, "stopped": stopped, "seconds": round(seconds, 3),
                          "final_loss": log[-1]["loss"],
                          "facts_at_target": log[-1]["facts_done"],
+                         **({"keep_at_target": log[-1]["keep_at_target"]} if kept else {}),
                          **({"resumed_after_step": first - 1} if first > 1 else {})},
         "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),
     }
