@@ -102,3 +102,27 @@ def test_the_family_is_each_editor_on_three_measures_two_sided():
     assert p["family"] == 12 and p["detectable"]["lora/paraphrases"] > 0  # 4 editors x 3 measures
     wider = fact_editors.power({"runs": runs}, "subject+trigger+ctx", ["lora"], n=23, family=1)
     assert wider["detectable"]["lora/paraphrases"] < p["detectable"]["lora/paraphrases"]
+
+
+def test_the_engram_edit_with_neighbours_held_holds_the_same_neighbours_as_fine_tuning(tmp_path):
+    """`subject+trigger+ctx+keep`: the chosen edit with `held_neighbours`' facts kept (`edit_facts(keep=...)`), on
+    the tiny live-adapter setup of test_fact_scale: it is handed the probes, holds facts none of which is a probe, and
+    its overlay comes off again."""
+    import torch
+    from test_fact_scale import tiny_setup
+
+    s = tiny_setup(tmp_path)
+    edited = [f for f in s.facts if f.kind == "real" and f.relation == "capital"][:2]
+    pr = fact_edits.probes(s, edited, 2, seed=0)
+    fn = fact_edits.method_named("subject+trigger+ctx+keep")
+    assert fn.uses_probes and not getattr(fact_edits.METHODS["subject+trigger+ctx"], "uses_probes", False)
+    held = fact_edits.held_neighbours(s, edited, pr, 0)
+    probed = set(pr["same_relation"]) | set(pr["shared_ngram"])
+    assert held and not {f.id for f in held} & probed
+    before = fact_edits.token_losses(s.model, s.windows)
+    e = fn(s, edited, "selection", pr)
+    try:
+        assert e.info["held"] == len(held) and e.extra_bytes > 0
+    finally:
+        e.undo()
+    assert torch.equal(fact_edits.token_losses(s.model, s.windows), before)  # the base again

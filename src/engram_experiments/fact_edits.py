@@ -158,21 +158,26 @@ def overlay_bytes(ov) -> int:
 
 
 def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr: float = 0.1,
-                  target_prob: float = 0.9):
+                  target_prob: float = 0.9, keep: int = 0, keep_weight: float = 1.0):
     """An Engram overlay method: rows at `positions`, optimized in the sequences `method_facts` builds for
-    `contexts`."""
+    `contexts`. `keep` > 0: also hold `held_neighbours`' `keep` facts (prompt -> true object) through the shared
+    rows (`edit_facts(keep=...)`, weight `keep_weight`): the neighbours fine-tuning with neighbours holds."""
 
-    def run(s: Setup, edited: list, opt_templates: str) -> Edit:
+    def run(s: Setup, edited: list, opt_templates: str, pr: dict | None = None) -> Edit:
         facts = [x for f in edited for x in method_facts(f, contexts, opt_templates, s.render)]
+        held = [Fact(f.prompt, " " + f.object, subject=f.subject) for f in held_neighbours(s, edited, pr, 0, keep)] \
+            if keep else None
         t0 = time.perf_counter()
         ov = edit_facts(s.model, s.tok, facts, steps=steps, lr=lr, positions=positions, target_prob=target_prob,
-                        progress=False)
+                        progress=False, **({"keep": held, "keep_weight": keep_weight} if held else {}))
         secs = time.perf_counter() - t0
         apply_overlay(s.model, ov)
         return Edit("engram", len(edited), secs, 0, overlay_bytes(ov),
-                    {"rows": ov.num_rows, "sequences": len(facts), **ov.meta["optimization"]},
+                    {"rows": ov.num_rows, "sequences": len(facts), **ov.meta["optimization"],
+                     **({"held": len(held)} if held else {})},
                     lambda: remove_overlays(s.model))
 
+    run.uses_probes = keep > 0
     return run
 
 
@@ -305,6 +310,7 @@ METHODS = {
     "trigger+ctx": engram_method("trigger", CTX),
     "subject+ctx": engram_method("subject", CTX),
     "subject+trigger+ctx": engram_method("subject+trigger", CTX),
+    "subject+trigger+ctx+keep": engram_method("subject+trigger", CTX, keep=NEIGHBOURS_HELD),  # not yet run
     "grace": grace_method(layer=20, eps=1.0),
     "rome": rome_method(layer=9),
     "ft-l": ft_l_method(layer=9),
