@@ -19,6 +19,7 @@ Every (set, method) run is cached under OUT/fact-edits/editors-pilot|editors/run
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -116,8 +117,7 @@ def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat
         for k in metrics:
             d = [runs[(x, chosen)][k] - runs[(x, o)][k] for x in sets if (x, o) in runs and (x, chosen) in runs]
             if len(d) > 1:
-                m = sum(d) / len(d)
-                sds[f"{o}/{k}"] = math.sqrt(sum((v - m) ** 2 for v in d) / (len(d) - 1))
+                sds[f"{o}/{k}"] = statistics.stdev(d)
     t = stats.t.ppf(1 - 0.05 / family / 2, n - 1) + stats.t.ppf(0.8, n - 1)
     return {"n": n, "family": family, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
 
