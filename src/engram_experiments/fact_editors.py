@@ -7,6 +7,10 @@ left out, each at a setting chosen by one rule on the selection split before any
 
 * `pilot` (exploratory, the fact-edits pilot's two selection sets, optimized on selection template 0 and measured
   on template 1): every setting of `GRID` on both sets; `choose` applies the rule per editor.
+* `keep-pilot` (exploratory, the same two sets and templates): the chosen edit with held neighbours kept
+  (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`) at the weights of `KEEP_GRID`, beside the fact-edits pilot's
+  own runs of the chosen edit, GRACE and the unedited model (read from its record, docs/results/fact-edits-pilot.json):
+  does holding the relation's other facts through the shared rows close the locality gap to GRACE?
 * `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
   its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
@@ -40,6 +44,9 @@ GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.m
     "ft-neighbours": ["ft-neighbours@lr=5e-4", "ft-neighbours@lr=2e-3"],
     "memit": ["memit@mom2_update_weight=1500", "memit@mom2_update_weight=15000"],
 }
+KEEP_GRID = ["subject+trigger+ctx+keep@keep_weight=1", "subject+trigger+ctx+keep@keep_weight=4"]
+PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the keep pilot sits beside
+KEEP_REUSED = ("none", "grace", "subject+trigger+ctx")
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 
@@ -58,9 +65,9 @@ def choose(s: dict, settings: list[str]) -> str | None:
     return max(t, key=lambda v: t[v]["efficacy"]["mean"] + t[v]["same_relation"]["mean"])
 
 
-def reuse_record(root: Path, record: dict, method: str) -> int:
-    """Write `method`'s runs of the fact-edits record into root/runs (environment restored, `from_record` added)
-    where absent; how many it wrote."""
+def reuse_record(root: Path, record: dict, method: str, source: str = RECORD) -> int:
+    """Write `method`'s runs of `record` (the file `source`) into root/runs (environment restored, `from_record`
+    added) where absent; how many it wrote."""
     n = 0
     for r in record["runs"]:
         if r["method"] != method:
@@ -69,7 +76,7 @@ def reuse_record(root: Path, record: dict, method: str) -> int:
         if not f.is_file():
             env = r.get("environment")
             write_json(f, {**r, "environment": record["environments"][env] if env is not None else None,
-                           "from_record": RECORD})
+                           "from_record": source})
             n += 1
     return n
 
@@ -95,12 +102,12 @@ def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbou
                                   f"({', '.join(bad)}): the measures changed; run at the record's commit")
 
 
-def check_probes(summary: dict, record: dict) -> None:
+def check_probes(summary: dict, record: dict, source: str = RECORD) -> None:
     """Every run's probes equal the record's run of its set (one measurement design for all methods)."""
     old = {r["set"]: r["probes"] for r in record["runs"] if r["method"] == "none"}
     bad = sorted({r["set"] for r in summary["runs"] if r["probes"] != old.get(r["set"])})
     if bad:
-        raise ExperimentError(f"runs of {', '.join(bad)} probe other facts than {RECORD}: delete them and rerun")
+        raise ExperimentError(f"runs of {', '.join(bad)} probe other facts than {source}: delete them and rerun")
 
 
 def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat_new", "same_relation"),
@@ -132,12 +139,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
                                  description="the settings pilot (selection split) or the confirmatory test of the "
                                              "Engram edit against MEMIT, LoRA, fine-tuning with neighbours and FT-L")
-    ap.add_argument("phase", choices=["pilot", "test"])
+    ap.add_argument("phase", choices=["pilot", "keep-pilot", "test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
-    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot].json")
+    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot|-keep-pilot].json")
     a = ap.parse_args(argv)
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
@@ -152,6 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
         opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods}
+    elif a.phase == "keep-pilot":
+        phase, methods = "keep-pilot", list(KEEP_GRID)
+        opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
+        design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
+                  "methods": methods, "reused": {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}}
     else:
         pre = prereg.load(NAME, record=a.record is not None)
         design = pre.design
@@ -170,14 +182,23 @@ def main(argv: list[str] | None = None) -> dict:
             fe.run_one(s, root / phase, name, sets[name], m, opt, held, neighbours, seed, True)
     if pre is not None:
         reuse_record(root / phase, rec, d["chosen"])
+    if a.phase == "keep-pilot":
+        pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
+                          f"restore {PILOT_RECORD} from git", ExperimentError)
+        for m in KEEP_REUSED:
+            reuse_record(root / phase, pilot, m, PILOT_RECORD)
     out = fe.summary(root, phase, design)
-    order = ([d["chosen"]] if pre is not None else []) + methods  # the table in the design's order, not by file name
+    reused = [d["chosen"]] if pre is not None else list(KEEP_REUSED) if a.phase == "keep-pilot" else []
+    order = reused + methods  # the table in the design's order, not by file name
     out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
-    out["experiment"], out["command"] = f"{NAME}-pilot" if pre is None else NAME, \
-        f"python -m engram_experiments.fact_editors {a.phase}"
+    out["experiment"] = {"pilot": f"{NAME}-pilot", "keep-pilot": f"{NAME}-keep-pilot", "test": NAME}[a.phase]
+    out["command"] = f"python -m engram_experiments.fact_editors {a.phase}"
     out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
                        "held_neighbours": fe.NEIGHBOURS_HELD}
-    if pre is None:
+    if a.phase == "keep-pilot":
+        out["settings"] = {"grid": KEEP_GRID, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
+        check_probes(out, pilot, PILOT_RECORD)
+    elif pre is None:
         out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
         out["power"] = power(rec, d["chosen"], ["grace", "rome"])
     else:
@@ -200,6 +221,12 @@ register(Experiment("fact-edits-editors-pilot", """
     preregistered rule picks each editor's setting (`fact_editors.py`; about 1.5 hours of one core).""",
                     run=lambda o: main(["pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-editors-pilot.png", section="14", in_all=False))
+register(Experiment("fact-edits-editors-keep-pilot", """
+    issue 56's pilot of the chosen Engram edit with held neighbours kept through the shared rows (exploratory,
+    fact-edits' two selection sets, weights 1 and 4), beside the fact-edits pilot's own runs of the chosen edit,
+    GRACE and the unedited model (`fact_editors.py`; about 1.5 hours of one core).""",
+                    run=lambda o: main(["keep-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-editors-keep-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors", """
     issue 56's confirmatory test of the chosen Engram edit against MEMIT, LoRA, fine-tuning with neighbours and
     FT-L at their pilot-chosen settings, on fact-edits' 23 test sets (its Engram runs reused from the record),

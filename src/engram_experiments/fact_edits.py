@@ -310,15 +310,17 @@ METHODS = {
     "trigger+ctx": engram_method("trigger", CTX),
     "subject+ctx": engram_method("subject", CTX),
     "subject+trigger+ctx": engram_method("subject+trigger", CTX),
-    "subject+trigger+ctx+keep": engram_method("subject+trigger", CTX, keep=NEIGHBOURS_HELD),  # not yet run
+    "subject+trigger+ctx+keep": engram_method("subject+trigger", CTX, keep=NEIGHBOURS_HELD),
     "grace": grace_method(layer=20, eps=1.0),
     "rome": rome_method(layer=9),
     "ft-l": ft_l_method(layer=9),
 }
 FACTORIES = {"grace": grace_method, "rome": rome_method, "ft-l": ft_l_method, "memit": memit_method,
-             "lora": lora_method, "ft-neighbours": ft_neighbours_method}
+             "lora": lora_method, "ft-neighbours": ft_neighbours_method,
+             "subject+trigger+ctx+keep": lambda **kw: engram_method("subject+trigger", CTX, **kw)}
 SETTINGS = {"grace": {"layer": 20, "eps": 1.0}, "rome": {"layer": 9}, "ft-l": {"layer": 9},
-            "memit": {"layers": (5, 6, 7, 8, 9)}, "lora": {}, "ft-neighbours": {"layer": 9}}  # what a bare name runs
+            "memit": {"layers": (5, 6, 7, 8, 9)}, "lora": {}, "ft-neighbours": {"layer": 9},
+            "subject+trigger+ctx+keep": {"keep": NEIGHBOURS_HELD}}  # what a bare name runs
 
 
 def method_named(name: str):
