@@ -8,9 +8,10 @@ left out, each at a setting chosen by one rule on the selection split before any
 * `pilot` (exploratory, the fact-edits pilot's two selection sets, optimized on selection template 0 and measured
   on template 1): every setting of `GRID` on both sets; `choose` applies the rule per editor.
 * `keep-pilot` (exploratory, the same two sets and templates): the chosen edit with held neighbours kept
-  (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`) at the weights of `KEEP_GRID`, beside the fact-edits pilot's
-  own runs of the chosen edit, GRACE and the unedited model (read from its record, docs/results/fact-edits-pilot.json):
-  does holding the relation's other facts through the shared rows close the locality gap to GRACE?
+  (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`) at the weights of `KEEP_GRID`, beside the chosen edit rerun at
+  this commit and the fact-edits pilot's own runs of GRACE and the unedited model (read from its record,
+  docs/results/fact-edits-pilot.json): does holding the relation's other facts through the shared rows close the
+  locality gap to GRACE?
 * `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
   its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
@@ -45,8 +46,9 @@ GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.m
     "memit": ["memit@mom2_update_weight=1500", "memit@mom2_update_weight=15000"],
 }
 KEEP_GRID = ["subject+trigger+ctx+keep@keep_weight=1", "subject+trigger+ctx+keep@keep_weight=4"]
+CHOSEN = "subject+trigger+ctx"  # the fact-edits pilot's choice (docs/prereg/fact-edits.toml amendment)
 PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the keep pilot sits beside
-KEEP_REUSED = ("none", "grace", "subject+trigger+ctx")
+KEEP_REUSED = ("none", "grace")
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods}
     elif a.phase == "keep-pilot":
-        phase, methods = "keep-pilot", list(KEEP_GRID)
+        phase, methods = "keep-pilot", [CHOSEN, *KEEP_GRID]
         opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods, "reused": {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}}
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.phase == "keep-pilot":
         out["settings"] = {"grid": KEEP_GRID, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
         check_probes(out, pilot, PILOT_RECORD)
+        old = {r["set"]: r for r in pilot["runs"] if r["method"] == CHOSEN}  # the rerun against the pilot's own run
+        out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
     elif pre is None:
         out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
         out["power"] = power(rec, d["chosen"], ["grace", "rome"])
@@ -223,8 +227,8 @@ register(Experiment("fact-edits-editors-pilot", """
                     plot_file="fact-edits-editors-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors-keep-pilot", """
     issue 56's pilot of the chosen Engram edit with held neighbours kept through the shared rows (exploratory,
-    fact-edits' two selection sets, weights 1 and 4), beside the fact-edits pilot's own runs of the chosen edit,
-    GRACE and the unedited model (`fact_editors.py`; about 1.5 hours of one core).""",
+    fact-edits' two selection sets, weights 1 and 4), beside the chosen edit rerun and the fact-edits pilot's own
+    runs of GRACE and the unedited model (`fact_editors.py`; about an hour of one core).""",
                     run=lambda o: main(["keep-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-editors-keep-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors", """
