@@ -242,6 +242,10 @@ def test_the_family_is_non_inferiority_paired_over_the_reserved_probes():
     r = by["subject+trigger+ctx"]
     assert r["n"] == n and r["diff"] == pytest.approx(-1 / n) and r["large"] == 1000
     assert 0.05 < r["p"] < 0.5 and r["p_holm"] == r["p"]  # one probe lost: inside the margin, not shown to be
+    lo, hi = r["ci95"]
+    assert lo < r["diff"] < hi and hi - r["diff"] == pytest.approx(r["diff"] - lo)  # symmetric about the estimate
+    wide = fact_scale.analyse(s, margin=0.10)[0]  # the preregistered margin: the same loss is further inside it
+    assert wide["p"] < r["p"] and wide["kind"] == "non-inferiority, margin 0.1"
     same = [run("subject+trigger+ctx", 10, small), run("subject+trigger+ctx", 1000, small)]
     assert fact_scale.analyse({**s, "runs": same})[0]["finding"]  # nothing changed: non-inferior
     worse = [run("subject+trigger+ctx", 10, small), run("subject+trigger+ctx", 1000, [False] * n)]

@@ -598,8 +598,8 @@ def summary(root: Path, phase: str, design: dict) -> dict:
 def analyse(s: dict, margin: float = 0.05, small: int = 10) -> list[dict]:
     """The test's family (docs/prereg/fact-scale.toml): per method, locality at the largest batch size vs at `small`
     as non-inferiority at `margin`, paired over the reserved probes (each probe's kept share over the sets of a
-    size; one-sided paired t of large - small + margin > 0); Holm over the methods. A method without both sizes is
-    listed untested (p None)."""
+    size; one-sided paired t of large - small + margin > 0); Holm over the methods; each row also carries the
+    difference's two-sided 95% interval (`ci95`). A method without both sizes is listed untested (p None)."""
     from scipy import stats
 
     from .significance import holm, is_finding, paired
@@ -620,7 +620,8 @@ def analyse(s: dict, margin: float = 0.05, small: int = 10) -> list[dict]:
         a = [statistics.fmean(x[i] for x in per[small]) for i in ids]
         b = [statistics.fmean(x[i] for x in per[large]) for i in ids]
         t = paired(a, b)
-        r.update(n=len(ids), diff=t.diff, se=t.se)
+        h = float(stats.t.ppf(0.975, t.df)) * t.se  # the two-sided 95% interval: the issue's target is read from it
+        r.update(n=len(ids), diff=t.diff, se=t.se, ci95=[t.diff - h, t.diff + h])
         r["p"] = float(stats.t.sf((t.diff + margin) / t.se, t.df)) if t.se > 0 else \
             (0.0 if t.diff + margin > 0 else 1.0)
         rows.append(r)
@@ -847,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{NAME}] {len(done)} of {len(want)} test units done; nothing is summarized until every unit is "
                   "(the preregistered stop rule)", file=sys.stderr)
             return {"done": len(done), "of": len(want)}
-        out["tests"] = analyse(out)
+        out["tests"] = analyse(out, margin=pre.design["test"]["margin"])
     else:  # the pilot sizes the test's probes ([power] of docs/prereg/fact-scale.toml)
         out["power"] = {m: pilot_power(out, m) for m in design["methods"]}
     return publish(out, root, a.record, f"{out['experiment']}.json", markdown, plot)
