@@ -19,7 +19,7 @@ def facts():
 
 def test_a_method_name_carries_its_settings_and_bad_names_say_how_to_write_one():
     assert fact_edits.method_named("grace") is fact_edits.METHODS["grace"]
-    for name in [m for ms in fact_editors.GRID.values() for m in ms] + fact_editors.KEEP_GRID:
+    for name in [m for ms in fact_editors.GRID.values() for m in ms] + fact_editors.LOCALITY_ARMS:
         assert callable(fact_edits.method_named(name))  # every pilot setting resolves
     for name in fact_editors.KEEP_GRID:
         assert getattr(fact_edits.method_named(name), "uses_probes", False)  # the kept neighbours avoid the probes

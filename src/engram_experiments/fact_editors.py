@@ -7,11 +7,11 @@ left out, each at a setting chosen by one rule on the selection split before any
 
 * `pilot` (exploratory, the fact-edits pilot's two selection sets, optimized on selection template 0 and measured
   on template 1): every setting of `GRID` on both sets; `choose` applies the rule per editor.
-* `keep-pilot` (exploratory, the same two sets and templates): the chosen edit with held neighbours kept
-  (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`) at the weights of `KEEP_GRID`, beside the chosen edit rerun at
-  this commit and the fact-edits pilot's own runs of GRACE and the unedited model (read from its record,
-  docs/results/fact-edits-pilot.json): does holding the relation's other facts through the shared rows close the
-  locality gap to GRACE?
+* `locality-pilot` (exploratory, the same two sets and templates): two ways to close the chosen edit's locality gap
+  to GRACE, beside the chosen edit rerun at this commit and the fact-edits pilot's own runs of GRACE and the unedited
+  model (read from its record, docs/results/fact-edits-pilot.json): holding known facts of the relation through the
+  shared rows (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`, at the weights of `KEEP_GRID`), and writing the
+  subject's rows only (`subject+ctx`: no row of the prompt's end, which a relation's early-subject prompts share).
 * `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
   its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
@@ -46,8 +46,9 @@ GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.m
     "memit": ["memit@mom2_update_weight=1500", "memit@mom2_update_weight=15000"],
 }
 KEEP_GRID = ["subject+trigger+ctx+keep@keep_weight=1", "subject+trigger+ctx+keep@keep_weight=4"]
+LOCALITY_ARMS = ["subject+ctx", *KEEP_GRID]  # the locality pilot's arms beside the chosen edit
 CHOSEN = "subject+trigger+ctx"  # the fact-edits pilot's choice (docs/prereg/fact-edits.toml amendment)
-PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the keep pilot sits beside
+PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the locality pilot sits beside
 KEEP_REUSED = ("none", "grace")
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
@@ -141,12 +142,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
                                  description="the settings pilot (selection split) or the confirmatory test of the "
                                              "Engram edit against MEMIT, LoRA, fine-tuning with neighbours and FT-L")
-    ap.add_argument("phase", choices=["pilot", "keep-pilot", "test"])
+    ap.add_argument("phase", choices=["pilot", "locality-pilot", "test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
-    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot|-keep-pilot].json")
+    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot|-locality-pilot].json")
     a = ap.parse_args(argv)
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
@@ -161,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods}
-    elif a.phase == "keep-pilot":
-        phase, methods = "keep-pilot", [CHOSEN, *KEEP_GRID]
+    elif a.phase == "locality-pilot":
+        phase, methods = "locality-pilot", [CHOSEN, *LOCALITY_ARMS]
         opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods, "reused": {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}}
@@ -184,21 +185,21 @@ def main(argv: list[str] | None = None) -> dict:
             fe.run_one(s, root / phase, name, sets[name], m, opt, held, neighbours, seed, True)
     if pre is not None:
         reuse_record(root / phase, rec, d["chosen"])
-    if a.phase == "keep-pilot":
+    if a.phase == "locality-pilot":
         pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
                           f"restore {PILOT_RECORD} from git", ExperimentError)
         for m in KEEP_REUSED:
             reuse_record(root / phase, pilot, m, PILOT_RECORD)
     out = fe.summary(root, phase, design)
-    reused = [d["chosen"]] if pre is not None else list(KEEP_REUSED) if a.phase == "keep-pilot" else []
+    reused = [d["chosen"]] if pre is not None else list(KEEP_REUSED) if a.phase == "locality-pilot" else []
     order = reused + methods  # the table in the design's order, not by file name
     out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
-    out["experiment"] = {"pilot": f"{NAME}-pilot", "keep-pilot": f"{NAME}-keep-pilot", "test": NAME}[a.phase]
+    out["experiment"] = {"pilot": f"{NAME}-pilot", "locality-pilot": f"{NAME}-locality-pilot", "test": NAME}[a.phase]
     out["command"] = f"python -m engram_experiments.fact_editors {a.phase}"
     out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
                        "held_neighbours": fe.NEIGHBOURS_HELD}
-    if a.phase == "keep-pilot":
-        out["settings"] = {"grid": KEEP_GRID, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
+    if a.phase == "locality-pilot":
+        out["settings"] = {"grid": LOCALITY_ARMS, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
         check_probes(out, pilot, PILOT_RECORD)
         old = {r["set"]: r for r in pilot["runs"] if r["method"] == CHOSEN}  # the rerun against the pilot's own run
         out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
@@ -225,12 +226,13 @@ register(Experiment("fact-edits-editors-pilot", """
     preregistered rule picks each editor's setting (`fact_editors.py`; about 1.5 hours of one core).""",
                     run=lambda o: main(["pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-editors-pilot.png", section="14", in_all=False))
-register(Experiment("fact-edits-editors-keep-pilot", """
-    issue 56's pilot of the chosen Engram edit with held neighbours kept through the shared rows (exploratory,
-    fact-edits' two selection sets, weights 1 and 4), beside the chosen edit rerun and the fact-edits pilot's own
-    runs of GRACE and the unedited model (`fact_editors.py`; about an hour of one core).""",
-                    run=lambda o: main(["keep-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
-                    plot_file="fact-edits-editors-keep-pilot.png", section="14", in_all=False))
+register(Experiment("fact-edits-editors-locality-pilot", """
+    issue 56's pilot of two ways to close the Engram edit's locality gap to GRACE (exploratory, fact-edits' two
+    selection sets): held neighbours kept through the shared rows (weights 1 and 4) and the subject's rows only,
+    beside the chosen edit rerun and the fact-edits pilot's own runs of GRACE and the unedited model
+    (`fact_editors.py`; about 40 minutes of one core).""",
+                    run=lambda o: main(["locality-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-editors-locality-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors", """
     issue 56's confirmatory test of the chosen Engram edit against MEMIT, LoRA, fine-tuning with neighbours and
     FT-L at their pilot-chosen settings, on fact-edits' 23 test sets (its Engram runs reused from the record),
