@@ -17,6 +17,9 @@ left out, each at a setting chosen by one rule on the selection split before any
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
   reruns the unedited model on two test sets and stops unless every per-fact outcome and probe equals the record's
   (the code measures as it did). Each new run's probes must equal the record's run of its set.
+* `subject-test` (confirmatory, docs/prereg/fact-edits-subject.toml): the edit written at the subject's rows only
+  (`subject+ctx`, the locality pilot's candidate) on the 23 test sets against the record's GRACE runs, after a guard
+  that reruns the unedited model and GRACE on two test sets (GRACE is rerun on every set if it differs).
 
 Every (set, method) run is cached under OUT/fact-edits/editors-pilot|editors/runs and resumed, as in fact_edits.
 """
@@ -52,6 +55,7 @@ PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, who
 KEEP_REUSED = ("none", "grace")
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
+SUBJECT = "fact-edits-subject"  # the subject's-rows edit against GRACE (docs/prereg/fact-edits-subject.toml)
 
 
 def choose(s: dict, settings: list[str]) -> str | None:
@@ -93,16 +97,48 @@ def _same(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbours: int, seed: int) -> None:
-    """Measure the unedited model on the first `GUARD_SETS` test sets at this commit and stop unless each run
-    equals the record's `none` run of its set."""
-    old = {r["set"]: r for r in record["runs"] if r["method"] == "none"}
-    for name in list(sets)[:GUARD_SETS]:
-        r = fe.run_one(s, root / "guard", name, sets[name], "none", opt, held, neighbours, seed, False)
-        bad = _same(r, old[name])
-        if bad:
-            raise ExperimentError(f"the unedited model measured at this commit differs from {RECORD} on {name} "
-                                  f"({', '.join(bad)}): the measures changed; run at the record's commit")
+def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbours: int, seed: int,
+          also: tuple[str, ...] = ()) -> list[str]:
+    """Measure the unedited model (and the methods `also`) on the first `GUARD_SETS` test sets at this commit and stop
+    unless each unedited run equals the record's `none` run of its set; the methods of `also` whose runs differ from
+    the record's (the caller reruns those rather than reuse them)."""
+    differ = []
+    for m in ("none", *also):
+        old = {r["set"]: r for r in record["runs"] if r["method"] == m}
+        for name in list(sets)[:GUARD_SETS]:
+            r = fe.run_one(s, root / "guard", name, sets[name], m, opt, held, neighbours, seed, False)
+            bad = _same(r, old[name])
+            if bad and m == "none":
+                raise ExperimentError(f"the unedited model measured at this commit differs from {RECORD} on {name} "
+                                      f"({', '.join(bad)}): the measures changed; run at the record's commit")
+            if bad and m not in differ:
+                differ.append(m)
+    return differ
+
+
+def _rerun(folder: Path) -> list[str]:
+    """The reused methods the guard found to differ from the record at this commit (rerun on every set instead)."""
+    f = folder / "guard.json"
+    return read_json(f, "the guard's verdict", f"delete {f}", ExperimentError)["differ"] if f.is_file() else []
+
+
+def locality_power(s: dict, method: str, margin: float = 0.02, family: int = 3) -> dict:
+    """What the record's own spread implies for the non-inferiority test of `method` vs GRACE on same-relation
+    locality: the sd of the per-set differences and the test's power at `margin` for a true difference of 0
+    (noncentral t, alpha 0.05 / `family`, Holm's strictest step), as docs/prereg/fact-edits-subject.toml's power
+    plan computed it for assumed sds."""
+    from scipy import stats
+
+    per = {m: {r["set"]: r["summary"]["same_relation"] for r in s["runs"] if r["method"] == m}
+           for m in (method, "grace")}
+    common = sorted(set(per[method]) & set(per["grace"]))
+    d = [per[method][x] - per["grace"][x] for x in common]
+    sd = statistics.stdev(d) if len(d) > 1 else 0.0
+    n = len(d)
+    if sd == 0 or n < 2:
+        return {"n": n, "sd": sd, "power": None}
+    crit = stats.t.ppf(1 - 0.05 / family, n - 1)
+    return {"n": n, "sd": sd, "power": float(1 - stats.nct.cdf(crit, n - 1, margin / (sd / math.sqrt(n))))}
 
 
 def check_probes(summary: dict, record: dict, source: str = RECORD) -> None:
@@ -142,12 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
                                  description="the settings pilot (selection split) or the confirmatory test of the "
                                              "Engram edit against MEMIT, LoRA, fine-tuning with neighbours and FT-L")
-    ap.add_argument("phase", choices=["pilot", "locality-pilot", "test"])
+    ap.add_argument("phase", choices=["pilot", "locality-pilot", "test", "subject-test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
-    ap.add_argument("--record", help="also write the summary to RECORD/fact-edits-editors[-pilot|-locality-pilot].json")
+    ap.add_argument("--record", help="also write the summary to RECORD/<the phase's experiment>.json "
+                    "(fact-edits-editors[-pilot|-locality-pilot], fact-edits-subject)")
     a = ap.parse_args(argv)
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
@@ -167,6 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
         opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
         design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
                   "methods": methods, "reused": {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}}
+    elif a.phase == "subject-test":
+        pre = prereg.load(SUBJECT, record=a.record is not None)
+        design = pre.design
+        phase, methods = "subject", [design["method"]]
+        opt, held, split, count, rels = "selection", "test", "test", d["test_sets"], d["facts"]["test_relations"]
     else:
         pre = prereg.load(NAME, record=a.record is not None)
         design = pre.design
@@ -179,22 +221,31 @@ def main(argv: list[str] | None = None) -> dict:
         s = fe.setup(root)
         sets = fe.edit_sets(s, split, count, size, seed, rels)
         if pre is not None:
-            guard(s, root / phase, rec, sets, opt, held, neighbours, seed)
-        todo = [(m, name) for m in methods for name in sets]  # the preregistered order: methods, then sets
+            also = tuple(m for m in design.get("reused", []) if m != "none")
+            write_json(root / phase / "guard.json", {"differ": guard(s, root / phase, rec, sets, opt, held, neighbours,
+                                                                     seed, also)})
+        rerun = _rerun(root / phase) if a.phase == "subject-test" else []
+        todo = [(m, name) for m in [*rerun, *methods] for name in sets]  # the preregistered order: methods, then sets
         for m, name in todo[shard[0]::shard[1]]:
             fe.run_one(s, root / phase, name, sets[name], m, opt, held, neighbours, seed, True)
-    if pre is not None:
+    if a.phase == "test":
         reuse_record(root / phase, rec, d["chosen"])
+    if a.phase == "subject-test":  # the record's runs the guard allows, and the chosen edit's (descriptive)
+        for m in [*design["reused"], d["chosen"]]:
+            if m not in _rerun(root / phase):
+                reuse_record(root / phase, rec, m)
     if a.phase == "locality-pilot":
         pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
                           f"restore {PILOT_RECORD} from git", ExperimentError)
         for m in KEEP_REUSED:
             reuse_record(root / phase, pilot, m, PILOT_RECORD)
     out = fe.summary(root, phase, design)
-    reused = [d["chosen"]] if pre is not None else list(KEEP_REUSED) if a.phase == "locality-pilot" else []
+    reused = {"test": [d["chosen"]], "locality-pilot": list(KEEP_REUSED),
+              "subject-test": ["none", "grace", d["chosen"]]}.get(a.phase, [])
     order = reused + methods  # the table in the design's order, not by file name
     out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
-    out["experiment"] = {"pilot": f"{NAME}-pilot", "locality-pilot": f"{NAME}-locality-pilot", "test": NAME}[a.phase]
+    out["experiment"] = {"pilot": f"{NAME}-pilot", "locality-pilot": f"{NAME}-locality-pilot", "test": NAME,
+                         "subject-test": SUBJECT}[a.phase]
     out["command"] = f"python -m engram_experiments.fact_editors {a.phase}"
     out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
                        "held_neighbours": fe.NEIGHBOURS_HELD}
@@ -203,6 +254,20 @@ def main(argv: list[str] | None = None) -> dict:
         check_probes(out, pilot, PILOT_RECORD)
         old = {r["set"]: r for r in pilot["runs"] if r["method"] == CHOSEN}  # the rerun against the pilot's own run
         out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
+    elif a.phase == "subject-test":
+        out["settings"] = {"reused": RECORD, "rerun": _rerun(root / phase)}
+        check_probes(out, rec)
+        out["prereg"] = pre.stamp()
+        m = design["method"]
+        done = {(r["set"], r["method"]) for r in out["runs"]}
+        want = [(f"test-{i}", x) for i in range(count) for x in (m, "grace")]
+        if not all(w in done for w in want):  # the stop rule: nothing is tested until every run is in
+            print(f"[{SUBJECT}] {sum(w in done for w in want)} of {len(want)} test runs done; nothing is summarized "
+                  "until every run is (the preregistered stop rule)", file=sys.stderr)
+            return {"done": sum(w in done for w in want), "of": len(want)}
+        out["tests"] = fe.analyse(out, m, margin=0.02, others=("grace",), metrics=("paraphrases", "chat_new"),
+                                  noninferior="grace")
+        out["power"] = locality_power(out, m)
     elif pre is None:
         out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
         out["power"] = power(rec, d["chosen"], ["grace", "rome"])
@@ -226,6 +291,13 @@ register(Experiment("fact-edits-editors-pilot", """
     preregistered rule picks each editor's setting (`fact_editors.py`; about 1.5 hours of one core).""",
                     run=lambda o: main(["pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-editors-pilot.png", section="14", in_all=False))
+register(Experiment(SUBJECT, """
+    issue 56's confirmatory test of the Engram edit written at the subject's rows only (subject+ctx) against GRACE
+    on fact-edits' 23 test sets: more held-out wordings and chat answers, same-relation locality within 0.02
+    (non-inferiority); design in docs/prereg/fact-edits-subject.toml (`fact_editors.py`; about 3 hours of one core,
+    resumable).""",
+                    run=lambda o: main(["subject-test"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-subject.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors-locality-pilot", """
     issue 56's pilot of two ways to close the Engram edit's locality gap to GRACE (exploratory, fact-edits' two
     selection sets): held neighbours kept through the shared rows (weights 1 and 4) and the subject's rows only,
