@@ -128,3 +128,25 @@ def test_the_engram_edit_with_neighbours_held_holds_the_same_neighbours_as_fine_
     finally:
         e.undo()
     assert torch.equal(fact_edits.token_losses(s.model, s.windows), before)  # the base again
+
+
+def test_the_subject_test_family_and_its_locality_power(tmp_path):
+    """fact-edits-subject: subject+ctx - GRACE on two measures two-sided and locality as non-inferiority at 0.02
+    (Holm over 3); `locality_power` from the record's own spread (None when it has none); the guard's verdict read
+    back by `_rerun`."""
+    runs = []
+    for i in range(23):
+        runs += [_run("grace", i, 0.0, 0.0, 1.0), _run("subject+ctx", i, 0.5, 0.2, 1.0 - 0.02 * (i % 2))]
+    rows = fact_edits.analyse({"runs": runs}, "subject+ctx", margin=0.02, others=("grace",),
+                              metrics=("paraphrases", "chat_new"), noninferior="grace")
+    assert [r["kind"] for r in rows] == ["two-sided", "two-sided", "non-inferiority, margin 0.02"]
+    assert all(r["n"] == 23 for r in rows)
+    ni = rows[2]
+    assert ni["diff"] == pytest.approx(-0.02 * 11 / 23) and ni["finding"]  # mean loss 0.0096 < 0.02, tight spread
+    pw = fact_editors.locality_power({"runs": runs}, "subject+ctx")
+    assert pw["n"] == 23 and pw["sd"] > 0 and 0.5 < pw["power"] <= 1
+    flat = [r for r in runs if r["method"] == "grace"] + [_run("subject+ctx", i, 0.5, 0.2, 1.0) for i in range(23)]
+    assert fact_editors.locality_power({"runs": flat}, "subject+ctx")["power"] is None  # no spread: nothing to size
+    assert fact_editors._rerun(tmp_path) == []  # no guard yet: nothing to rerun
+    fact_edits.write_json(tmp_path / "guard.json", {"differ": ["grace"]})
+    assert fact_editors._rerun(tmp_path) == ["grace"]
