@@ -30,6 +30,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -168,16 +169,65 @@ def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat
     return {"n": n, "family": family, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
 
 
+def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
+    """What phase `name` runs: its experiment name, folder, methods, split and templates, the design it records, the
+    reused runs (record file, its summary, methods) and its preregistration (None for a pilot)."""
+    from . import prereg
+
+    d = rec["design"]
+    seed, neighbours, size = d["facts"].get("seed", 0), d["measures"]["neighbours"], d["facts"]["set_size"]
+    pilot_split = dict(opt="selection-0", held="selection-1", split="selection", count=2, rels=PILOT_RELATIONS)
+    test_split = dict(opt="selection", held="test", split="test", count=d["test_sets"],
+                      rels=d["facts"]["test_relations"])
+    common = dict(seed=seed, neighbours=neighbours, size=size, pre=None, source=RECORD, reused_record=rec)
+    if name in ("pilot", "locality-pilot"):
+        methods = [m for ms in GRID.values() for m in ms] if name == "pilot" else [CHOSEN, *LOCALITY_ARMS]
+        design = {"sets": 2, "size": size, "neighbours": neighbours, "seed": seed, "relations": PILOT_RELATIONS,
+                  "methods": methods}
+        if name == "pilot":
+            return SimpleNamespace(**common, **pilot_split, experiment=f"{NAME}-pilot", folder="editors-pilot",
+                                   methods=methods, design=design, reused=[])
+        pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
+                          f"restore {PILOT_RECORD} from git", ExperimentError)
+        design["reused"] = {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}
+        return SimpleNamespace(**{**common, "source": PILOT_RECORD, "reused_record": pilot}, **pilot_split,
+                               experiment=f"{NAME}-locality-pilot", folder="locality-pilot", methods=methods,
+                               design=design, reused=list(KEEP_REUSED))
+    if name == "subject-test":
+        pre = prereg.load(SUBJECT, record=record)
+        return SimpleNamespace(**{**common, "pre": pre}, **test_split, experiment=SUBJECT, folder="subject",
+                               methods=[pre.design["method"]], design=pre.design,
+                               reused=[*pre.design["reused"], d["chosen"]])  # the chosen edit: descriptive
+    pre = prereg.load(NAME, record=record)
+    if pre.design.get("chosen") is None:
+        raise ExperimentError(f"docs/prereg/{NAME}.toml has no chosen settings yet: run the pilot, fill them in by "
+                              "its rule and commit the amendment before the test")
+    return SimpleNamespace(**{**common, "pre": pre}, **test_split, experiment=NAME, folder="editors",
+                           methods=list(pre.design["chosen"].values()), design=pre.design, reused=[d["chosen"]])
+
+
+def _complete(out: dict, want: list[tuple[str, str]], name: str) -> dict | None:
+    """The preregistered stop rule: None when every (set, method) of `want` is in `out`'s runs, else what is done
+    (printed; nothing of the test split is summarized before)."""
+    done = {(r["set"], r["method"]) for r in out["runs"]}
+    n = sum(w in done for w in want)
+    if n == len(want):
+        return None
+    print(f"[{name}] {n} of {len(want)} test runs done; nothing is summarized until every run of the family is "
+          "(the preregistered stop rule)", file=sys.stderr)
+    return {"done": n, "of": len(want)}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run the pilot or the test (every cached run reused), then publish its summary (and `--record` it)."""
+    """Run a phase (every cached run reused), then publish its summary (and `--record` it)."""
     import argparse
 
     from . import prereg
     from .runs import parse_shard, publish
 
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
-                                 description="the settings pilot (selection split) or the confirmatory test of the "
-                                             "Engram edit against MEMIT, LoRA, fine-tuning with neighbours and FT-L")
+                                 description="the settings and locality pilots (selection split) and the confirmatory "
+                                             "tests of the Engram edit against the field's editors and against GRACE")
     ap.add_argument("phase", choices=["pilot", "locality-pilot", "test", "subject-test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
@@ -191,98 +241,57 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(a.out) / fe.NAME
     rec = read_json(Path(prereg.repo_root() or ".") / RECORD, "the fact-edits record", f"restore {RECORD} from git",
                     ExperimentError)
-    d = rec["design"]
-    seed, neighbours, size = d["facts"].get("seed", 0), d["measures"]["neighbours"], d["facts"]["set_size"]
-    pre = None
-    if a.phase == "pilot":
-        phase, methods = "editors-pilot", [m for ms in GRID.values() for m in ms]
-        opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
-        design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
-                  "methods": methods}
-    elif a.phase == "locality-pilot":
-        phase, methods = "locality-pilot", [CHOSEN, *LOCALITY_ARMS]
-        opt, held, split, count, rels = "selection-0", "selection-1", "selection", 2, PILOT_RELATIONS
-        design = {"sets": count, "size": size, "neighbours": neighbours, "seed": seed, "relations": rels,
-                  "methods": methods, "reused": {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}}
-    elif a.phase == "subject-test":
-        pre = prereg.load(SUBJECT, record=a.record is not None)
-        design = pre.design
-        phase, methods = "subject", [design["method"]]
-        opt, held, split, count, rels = "selection", "test", "test", d["test_sets"], d["facts"]["test_relations"]
-    else:
-        pre = prereg.load(NAME, record=a.record is not None)
-        design = pre.design
-        if design.get("chosen") is None:
-            raise ExperimentError(f"docs/prereg/{NAME}.toml has no chosen settings yet: run the pilot, fill them in "
-                                  "by its rule and commit the amendment before the test")
-        phase, methods = "editors", list(design["chosen"].values())
-        opt, held, split, count, rels = "selection", "test", "test", d["test_sets"], d["facts"]["test_relations"]
+    chosen = rec["design"]["chosen"]
+    ph = _phase(a.phase, rec, a.record is not None)
+    folder = root / ph.folder
     if not a.summary_only:
         s = fe.setup(root)
-        sets = fe.edit_sets(s, split, count, size, seed, rels)
-        if pre is not None:
-            also = tuple(m for m in design.get("reused", []) if m != "none")
-            write_json(root / phase / "guard.json", {"differ": guard(s, root / phase, rec, sets, opt, held, neighbours,
-                                                                     seed, also)})
-        rerun = _rerun(root / phase) if a.phase == "subject-test" else []
-        todo = [(m, name) for m in [*rerun, *methods] for name in sets]  # the preregistered order: methods, then sets
-        for m, name in todo[shard[0]::shard[1]]:
-            fe.run_one(s, root / phase, name, sets[name], m, opt, held, neighbours, seed, True)
-    if a.phase == "test":
-        reuse_record(root / phase, rec, d["chosen"])
-    if a.phase == "subject-test":  # the record's runs the guard allows, and the chosen edit's (descriptive)
-        for m in [*design["reused"], d["chosen"]]:
-            if m not in _rerun(root / phase):
-                reuse_record(root / phase, rec, m)
-    if a.phase == "locality-pilot":
-        pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
-                          f"restore {PILOT_RECORD} from git", ExperimentError)
-        for m in KEEP_REUSED:
-            reuse_record(root / phase, pilot, m, PILOT_RECORD)
-    out = fe.summary(root, phase, design)
-    reused = {"test": [d["chosen"]], "locality-pilot": list(KEEP_REUSED),
-              "subject-test": ["none", "grace", d["chosen"]]}.get(a.phase, [])
-    order = reused + methods  # the table in the design's order, not by file name
+        sets = fe.edit_sets(s, ph.split, ph.count, ph.size, ph.seed, ph.rels)
+        if ph.pre is not None:  # the test phases: the record's runs are comparable only if the guard passes
+            also = tuple(m for m in ph.design.get("reused", []) if m != "none")
+            write_json(folder / "guard.json", {"differ": guard(s, folder, rec, sets, ph.opt, ph.held, ph.neighbours,
+                                                               ph.seed, also)})
+        todo = [(m, x) for m in [*_rerun(folder), *ph.methods] for x in sets]  # the preregistered order
+        for m, x in todo[shard[0]::shard[1]]:
+            fe.run_one(s, folder, x, sets[x], m, ph.opt, ph.held, ph.neighbours, ph.seed, True)
+    for m in ph.reused:  # the record's runs (those the guard allows)
+        if m not in _rerun(folder):
+            reuse_record(folder, ph.reused_record, m, ph.source)
+    out = fe.summary(root, ph.folder, ph.design)
+    order = ph.reused + ph.methods  # the table in the design's order, not by file name
     out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
-    out["experiment"] = {"pilot": f"{NAME}-pilot", "locality-pilot": f"{NAME}-locality-pilot", "test": NAME,
-                         "subject-test": SUBJECT}[a.phase]
-    out["command"] = f"python -m engram_experiments.fact_editors {a.phase}"
-    out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
-                       "held_neighbours": fe.NEIGHBOURS_HELD}
-    if a.phase == "locality-pilot":
-        out["settings"] = {"grid": LOCALITY_ARMS, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
-        check_probes(out, pilot, PILOT_RECORD)
-        old = {r["set"]: r for r in pilot["runs"] if r["method"] == CHOSEN}  # the rerun against the pilot's own run
-        out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
-    elif a.phase == "subject-test":
-        out["settings"] = {"reused": RECORD, "rerun": _rerun(root / phase)}
-        check_probes(out, rec)
-        out["prereg"] = pre.stamp()
-        m = design["method"]
-        done = {(r["set"], r["method"]) for r in out["runs"]}
-        want = [(f"test-{i}", x) for i in range(count) for x in (m, "grace")]
-        if not all(w in done for w in want):  # the stop rule: nothing is tested until every run is in
-            print(f"[{SUBJECT}] {sum(w in done for w in want)} of {len(want)} test runs done; nothing is summarized "
-                  "until every run is (the preregistered stop rule)", file=sys.stderr)
-            return {"done": sum(w in done for w in want), "of": len(want)}
-        out["tests"] = fe.analyse(out, m, margin=0.02, others=("grace",), metrics=("paraphrases", "chat_new"),
-                                  noninferior="grace")
-        out["power"] = locality_power(out, m)
-    elif pre is None:
+    out["experiment"], out["command"] = ph.experiment, f"python -m engram_experiments.fact_editors {a.phase}"
+    if a.phase == "pilot":
+        out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
+                           "held_neighbours": fe.NEIGHBOURS_HELD}
         out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
-        out["power"] = power(rec, d["chosen"], ["grace", "rome"])
+        out["power"] = power(rec, chosen, ["grace", "rome"])
+    elif a.phase == "locality-pilot":
+        out["settings"] = {"grid": LOCALITY_ARMS, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
+        check_probes(out, ph.reused_record, PILOT_RECORD)
+        old = {r["set"]: r for r in ph.reused_record["runs"] if r["method"] == CHOSEN}  # the rerun against the record
+        out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
     else:
         check_probes(out, rec)
-        out["prereg"] = pre.stamp()
-        done = {(r["set"], r["method"]) for r in out["runs"]}
-        want = [(f"test-{i}", m) for i in range(count) for m in [d["chosen"], *methods]]
-        if not all(w in done for w in want):  # the stop rule: nothing is tested until every run is in
-            print(f"[{NAME}] {sum(w in done for w in want)} of {len(want)} test runs done; nothing is summarized "
-                  "until every run of the family is (the preregistered stop rule)", file=sys.stderr)
-            return {"done": sum(w in done for w in want), "of": len(want)}
-        out["tests"] = fe.analyse(out, d["chosen"], others=methods,
-                                  metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
-    return publish(out, root / phase, a.record, f"{out['experiment']}.json", fe.markdown, fe.plot)
+        out["prereg"] = ph.pre.stamp()
+        if a.phase == "test":
+            out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
+                               "held_neighbours": fe.NEIGHBOURS_HELD}
+            wait = _complete(out, [(f"test-{i}", m) for i in range(ph.count) for m in [chosen, *ph.methods]], NAME)
+            if wait:
+                return wait
+            out["tests"] = fe.analyse(out, chosen, others=ph.methods,
+                                      metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
+        else:
+            m = ph.methods[0]
+            out["settings"] = {"reused": RECORD, "rerun": _rerun(folder)}
+            wait = _complete(out, [(f"test-{i}", x) for i in range(ph.count) for x in (m, "grace")], SUBJECT)
+            if wait:
+                return wait
+            out["tests"] = fe.analyse(out, m, margin=0.02, others=("grace",), metrics=("paraphrases", "chat_new"),
+                                      noninferior="grace")
+            out["power"] = locality_power(out, m)
+    return publish(out, folder, a.record, f"{out['experiment']}.json", fe.markdown, fe.plot)
 
 
 register(Experiment("fact-edits-editors-pilot", """
