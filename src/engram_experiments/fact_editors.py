@@ -51,9 +51,8 @@ GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.m
 }
 KEEP_GRID = ["subject+trigger+ctx+keep@keep_weight=1", "subject+trigger+ctx+keep@keep_weight=4"]
 LOCALITY_ARMS = ["subject+ctx", *KEEP_GRID]  # the locality pilot's arms beside the chosen edit
-CHOSEN = "subject+trigger+ctx"  # the fact-edits pilot's choice (docs/prereg/fact-edits.toml amendment)
 PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the locality pilot sits beside
-KEEP_REUSED = ("none", "grace")
+LOCALITY_REUSED = ("none", "grace")  # the fact-edits pilot's runs the locality pilot reads beside its own
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 SUBJECT = "fact-edits-subject"  # the subject's-rows edit against GRACE (docs/prereg/fact-edits-subject.toml)
@@ -181,7 +180,7 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
                       rels=d["facts"]["test_relations"])
     common = dict(seed=seed, neighbours=neighbours, size=size, pre=None, source=RECORD, reused_record=rec)
     if name in ("pilot", "locality-pilot"):
-        methods = [m for ms in GRID.values() for m in ms] if name == "pilot" else [CHOSEN, *LOCALITY_ARMS]
+        methods = [m for ms in GRID.values() for m in ms] if name == "pilot" else [d["chosen"], *LOCALITY_ARMS]
         design = {"sets": 2, "size": size, "neighbours": neighbours, "seed": seed, "relations": PILOT_RELATIONS,
                   "methods": methods}
         if name == "pilot":
@@ -189,10 +188,10 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
                                    methods=methods, design=design, reused=[])
         pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
                           f"restore {PILOT_RECORD} from git", ExperimentError)
-        design["reused"] = {"from": PILOT_RECORD, "methods": list(KEEP_REUSED)}
+        design["reused"] = {"from": PILOT_RECORD, "methods": list(LOCALITY_REUSED)}
         return SimpleNamespace(**{**common, "source": PILOT_RECORD, "reused_record": pilot}, **pilot_split,
                                experiment=f"{NAME}-locality-pilot", folder="locality-pilot", methods=methods,
-                               design=design, reused=list(KEEP_REUSED))
+                               design=design, reused=list(LOCALITY_REUSED))
     if name == "subject-test":
         pre = prereg.load(SUBJECT, record=record)
         return SimpleNamespace(**{**common, "pre": pre}, **test_split, experiment=SUBJECT, folder="subject",
@@ -254,29 +253,30 @@ def main(argv: list[str] | None = None) -> dict:
         todo = [(m, x) for m in [*_rerun(folder), *ph.methods] for x in sets]  # the preregistered order
         for m, x in todo[shard[0]::shard[1]]:
             fe.run_one(s, folder, x, sets[x], m, ph.opt, ph.held, ph.neighbours, ph.seed, True)
+    rerun = _rerun(folder)
     for m in ph.reused:  # the record's runs (those the guard allows)
-        if m not in _rerun(folder):
+        if m not in rerun:
             reuse_record(folder, ph.reused_record, m, ph.source)
     out = fe.summary(root, ph.folder, ph.design)
     order = ph.reused + ph.methods  # the table in the design's order, not by file name
     out["table"] = {m: out["table"][m] for m in order if m in out["table"]} | out["table"]
     out["experiment"], out["command"] = ph.experiment, f"python -m engram_experiments.fact_editors {a.phase}"
+    editors = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
+               "held_neighbours": fe.NEIGHBOURS_HELD}  # the editors' pilot and test
     if a.phase == "pilot":
-        out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
-                           "held_neighbours": fe.NEIGHBOURS_HELD}
+        out["settings"] = editors
         out["choice"] = {k: choose(out, v) for k, v in GRID.items()}
         out["power"] = power(rec, chosen, ["grace", "rome"])
     elif a.phase == "locality-pilot":
         out["settings"] = {"grid": LOCALITY_ARMS, "reused": PILOT_RECORD, "held_neighbours": fe.NEIGHBOURS_HELD}
         check_probes(out, ph.reused_record, PILOT_RECORD)
-        old = {r["set"]: r for r in ph.reused_record["runs"] if r["method"] == CHOSEN}  # the rerun against the record
-        out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == CHOSEN}
+        old = {r["set"]: r for r in ph.reused_record["runs"] if r["method"] == chosen}  # the rerun against the record
+        out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == chosen}
     else:
         check_probes(out, rec)
         out["prereg"] = ph.pre.stamp()
         if a.phase == "test":
-            out["settings"] = {"grid": GRID, "defaults": {k: fe.SETTINGS[k] for k in GRID}, "reused": RECORD,
-                               "held_neighbours": fe.NEIGHBOURS_HELD}
+            out["settings"] = editors
             wait = _complete(out, [(f"test-{i}", m) for i in range(ph.count) for m in [chosen, *ph.methods]], NAME)
             if wait:
                 return wait
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
         else:
             m = ph.methods[0]
-            out["settings"] = {"reused": RECORD, "rerun": _rerun(folder)}
+            out["settings"] = {"reused": RECORD, "rerun": rerun}
             wait = _complete(out, [(f"test-{i}", x) for i in range(ph.count) for x in (m, "grace")], SUBJECT)
             if wait:
                 return wait
