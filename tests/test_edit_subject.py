@@ -95,3 +95,68 @@ def test_a_subject_that_opens_the_prompt_capitalized_is_found(model_tok):
         == "the king"
     with pytest.raises(EditError, match="'subject' must be"):
         parse_fact({"prompt": "The king sat on", "target": " dog", "subject": "the queen"}, "l1")
+
+
+def _one_token_subject(tok) -> str:
+    """A word the tiny tokenizer writes as one token after a space and at a text's start."""
+    vocab = sorted(tok.get_vocab())
+    for w in (v.lstrip("Ġ▁ ") for v in vocab):
+        if len(w) >= 3 and w.isalpha() and all(len(tok.encode(x, add_special_tokens=False).ids) == 1
+                                               for x in (" " + w, w)):
+            return w
+    raise AssertionError("the tiny tokenizer writes no word as one token both after a space and at a start")
+
+
+def test_tied_rows_group_a_one_token_subject_under_every_listed_context(model_tok):
+    from engram.editing.optimize import tied_rows
+
+    model, tok = model_tok
+    w = _one_token_subject(tok)
+    f = Fact(f"Line 5: of {w} sat on", " dog", subject=w)
+    groups = tied_rows(model, tok, [f], ["", "where "], positions="subject", orders=[2])
+    mapping = mapping_of(model)
+    K = mapping.n_head_per_ngram
+    for lid, g in groups.items():
+        mhe = engram_layers(model)[lid]
+        for text in (f.prompt, w, f"where {w}"):
+            ids = tok.encode(text, add_special_tokens=False).ids
+            pos = subject_positions(tok, Fact(text, " dog", subject=w))[0]
+            row = mhe.table_rows(mapping.hash(np.asarray([ids], dtype=np.int64))[lid][0])[pos][:K]  # order 2
+            assert [g[r] for r in row.tolist()] == [f"{k}:{w}" for k in range(K)]  # head k's group, every context
+    assert set(groups[lid].values()) == {f"{k}:{w}" for k in range(K)}
+    longer = Fact("Line 5: the king sat on", " dog", subject=" the king")
+    assert all(not g for g in tied_rows(model, tok, [longer], ["in "], positions="subject", orders=[2]).values())
+    with pytest.raises(EditError, match="subject's rows"):
+        tied_rows(model, tok, [f], ["in "], positions="trigger")
+    with pytest.raises(EditError, match="include 2"):
+        edit_facts(model, tok, [f], steps=1, positions="subject", orders=[3], tie=["in "], progress=False)
+
+
+def test_a_tied_edit_writes_one_value_that_an_unseen_wording_reads(model_tok):
+    from engram.editing import apply_overlay, remove_overlays, table_rows_read
+
+    model, tok = model_tok
+    w = _one_token_subject(tok)
+    f = Fact(f"Line 5: of {w} sat on", " dog", subject=w)
+    plain = edit_facts(model, tok, [f], steps=3, positions="subject", orders=[2], progress=False)
+    tied = edit_facts(model, tok, [f], steps=3, positions="subject", orders=[2], tie=["where "], progress=False)
+    unseen = f"Line 9: where {w} sat on"
+    read = table_rows_read(model, np.asarray([tok.encode(unseen, add_special_tokens=False).ids]))
+    pos = subject_positions(tok, Fact(unseen, " dog", subject=w))[0]
+    for lid in tied.rows:
+        K = mapping_of(model).n_head_per_ngram
+        at = read[lid][0][pos][:K]  # the unseen wording's order-2 rows at the subject
+        assert not torch.isin(at, plain.rows[lid]).any()  # untied: the edit is not read there
+        assert torch.isin(at, tied.rows[lid]).all()  # tied: every head reads an edited row
+        own = read[lid][0][pos][:K]
+        prompt_rows = table_rows_read(model, np.asarray([tok.encode(f.prompt, add_special_tokens=False).ids]))[lid][0]
+        mine = prompt_rows[subject_positions(tok, f)[0]][:K]
+        vals = dict(zip(tied.rows[lid].tolist(), tied.values[lid]))
+        for a, b in zip(own.tolist(), mine.tolist()):
+            assert torch.equal(vals[a], vals[b])  # the same value under "where" as under the prompt's "of"
+    assert tied.meta["settings"]["tie"] == ["where "] and tied.num_rows > plain.num_rows
+    apply_overlay(model, tied)
+    try:
+        assert tied.meta["optimization"]["steps_run"] >= 1
+    finally:
+        remove_overlays(model)

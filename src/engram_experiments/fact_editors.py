@@ -12,6 +12,11 @@ left out, each at a setting chosen by one rule on the selection split before any
   model (read from its record, docs/results/fact-edits-pilot.json): holding known facts of the relation through the
   shared rows (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`, at the weights of `KEEP_GRID`), and writing the
   subject's rows only (`subject+ctx`: no row of the prompt's end, which a relation's early-subject prompts share).
+* `tie-pilot` (exploratory, the same two sets and templates): why wordings with words between the subject and the
+  answer are rarely reached. Engram has no order-1 rows, so a one-token subject's rows all hold the word before it
+  ("of France" and "in France" are different rows); the arms write the subject's rows only (`subject+ctx`, rerun at
+  this commit), its order-2 rows only (`subject2+ctx`), and those tied across a fixed list of contexts
+  (`subject2+tie+ctx`, `edit_facts(tie=fact_edits.TIE)`), beside the fact-edits pilot's GRACE and unedited runs.
 * `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
   its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
@@ -51,6 +56,7 @@ GRID = {  # per editor, the settings the pilot tries (method names `fact_edits.m
 }
 KEEP_GRID = ["subject+trigger+ctx+keep@keep_weight=1", "subject+trigger+ctx+keep@keep_weight=4"]
 LOCALITY_ARMS = ["subject+ctx", *KEEP_GRID]  # the locality pilot's arms beside the chosen edit
+TIE_ARMS = ["subject+ctx", "subject2+ctx", "subject2+tie+ctx"]  # the tie pilot's arms
 PILOT_RECORD = "docs/results/fact-edits-pilot.json"  # the fact-edits pilot, whose runs the locality pilot sits beside
 LOCALITY_REUSED = ("none", "grace")  # the fact-edits pilot's runs the locality pilot reads beside its own
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
@@ -179,8 +185,9 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
     test_split = dict(opt="selection", held="test", split="test", count=d["test_sets"],
                       rels=d["facts"]["test_relations"])
     common = dict(seed=seed, neighbours=neighbours, size=size, pre=None, source=RECORD, reused_record=rec)
-    if name in ("pilot", "locality-pilot"):
-        methods = [m for ms in GRID.values() for m in ms] if name == "pilot" else [d["chosen"], *LOCALITY_ARMS]
+    if name in ("pilot", "locality-pilot", "tie-pilot"):
+        methods = {"pilot": [m for ms in GRID.values() for m in ms], "locality-pilot": [d["chosen"], *LOCALITY_ARMS],
+                   "tie-pilot": TIE_ARMS}[name]
         design = {"sets": 2, "size": size, "neighbours": neighbours, "seed": seed, "relations": PILOT_RELATIONS,
                   "methods": methods}
         if name == "pilot":
@@ -190,7 +197,7 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
                           f"restore {PILOT_RECORD} from git", ExperimentError)
         design["reused"] = {"from": PILOT_RECORD, "methods": list(LOCALITY_REUSED)}
         return SimpleNamespace(**{**common, "source": PILOT_RECORD, "reused_record": pilot}, **pilot_split,
-                               experiment=f"{NAME}-locality-pilot", folder="locality-pilot", methods=methods,
+                               experiment=f"{NAME}-{name}", folder=name, methods=methods,
                                design=design, reused=list(LOCALITY_REUSED))
     if name == "subject-test":
         pre = prereg.load(SUBJECT, record=record)
@@ -227,13 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
                                  description="the settings and locality pilots (selection split) and the confirmatory "
                                              "tests of the Engram edit against the field's editors and against GRACE")
-    ap.add_argument("phase", choices=["pilot", "locality-pilot", "test", "subject-test"])
+    ap.add_argument("phase", choices=["pilot", "locality-pilot", "tie-pilot", "test", "subject-test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
     ap.add_argument("--record", help="also write the summary to RECORD/<the phase's experiment>.json "
-                    "(fact-edits-editors[-pilot|-locality-pilot], fact-edits-subject)")
+                    "(fact-edits-editors[-pilot|-locality-pilot|-tie-pilot], fact-edits-subject)")
     a = ap.parse_args(argv)
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
@@ -272,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
         check_probes(out, ph.reused_record, PILOT_RECORD)
         old = {r["set"]: r for r in ph.reused_record["runs"] if r["method"] == chosen}  # the rerun against the record
         out["rerun_differs"] = {r["set"]: _same(r, old[r["set"]]) for r in out["runs"] if r["method"] == chosen}
+    elif a.phase == "tie-pilot":
+        out["settings"] = {"grid": TIE_ARMS, "reused": PILOT_RECORD, "tie": list(fe.TIE)}
+        check_probes(out, ph.reused_record, PILOT_RECORD)
     else:
         check_probes(out, rec)
         out["prereg"] = ph.pre.stamp()
@@ -314,6 +324,12 @@ register(Experiment("fact-edits-editors-locality-pilot", """
     (`fact_editors.py`; about 40 minutes of one core).""",
                     run=lambda o: main(["locality-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-editors-locality-pilot.png", section="14", in_all=False))
+register(Experiment("fact-edits-editors-tie-pilot", """
+    issue 56's pilot of why an edit misses wordings with words after the subject (exploratory, fact-edits' two
+    selection sets): the subject's rows only, its order-2 rows only, and those tied across a fixed list of contexts
+    that may stand before a subject (`fact_editors.py`; about 40 minutes of one core).""",
+                    run=lambda o: main(["tie-pilot"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-editors-tie-pilot.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors", """
     issue 56's confirmatory test of the chosen Engram edit against MEMIT, LoRA, fine-tuning with neighbours and
     FT-L at their pilot-chosen settings, on fact-edits' 23 test sets (its Engram runs reused from the record),

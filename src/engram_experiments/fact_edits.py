@@ -158,10 +158,12 @@ def overlay_bytes(ov) -> int:
 
 
 def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr: float = 0.1,
-                  target_prob: float = 0.9, keep: int = 0, keep_weight: float = 1.0):
-    """An Engram overlay method: rows at `positions`, optimized in the sequences `method_facts` builds for
-    `contexts`. `keep` > 0: also hold `held_neighbours`' `keep` facts (prompt -> true object) through the shared
-    rows (`edit_facts(keep=...)`, weight `keep_weight`): the neighbours fine-tuning with neighbours holds."""
+                  target_prob: float = 0.9, keep: int = 0, keep_weight: float = 1.0, orders=None, tie=None):
+    """An Engram overlay method: rows at `positions` (n-gram `orders`, `edit_facts`' default if None), optimized in
+    the sequences `method_facts` builds for `contexts`. `keep` > 0: also hold `held_neighbours`' `keep` facts
+    (prompt -> true object) through the shared rows (`edit_facts(keep=...)`, weight `keep_weight`): the neighbours
+    fine-tuning with neighbours holds. `tie`: `edit_facts(tie=...)`, a one-token subject's order-2 rows tied across
+    the listed contexts."""
 
     def run(s: Setup, edited: list, opt_templates: str, pr: dict | None = None) -> Edit:
         facts = [x for f in edited for x in method_facts(f, contexts, opt_templates, s.render)]
@@ -169,7 +171,8 @@ def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr
             if keep else None
         t0 = time.perf_counter()
         ov = edit_facts(s.model, s.tok, facts, steps=steps, lr=lr, positions=positions, target_prob=target_prob,
-                        progress=False, **({"keep": held, "keep_weight": keep_weight} if held else {}))
+                        progress=False, orders=orders, tie=tie,
+                        **({"keep": held, "keep_weight": keep_weight} if held else {}))
         secs = time.perf_counter() - t0
         apply_overlay(s.model, ov)
         return Edit("engram", len(edited), secs, 0, overlay_bytes(ov),
@@ -304,6 +307,11 @@ def no_edit(s: Setup, edited: list, opt_templates: str) -> Edit:
 
 
 CTX = ("paraphrases",)  # the chat turn is held out too (prereg amendment 1: 48 tokens a turn cost ~5x an edit)
+# `subject2+tie+ctx`'s contexts: texts that stand before a subject, fixed before any run of it from English grammar
+# (a text's start and 24 common English prepositions), not read off the fact set's templates
+TIE = ("", *(w + " " for w in ("of", "in", "to", "for", "with", "on", "at", "from", "by", "about", "as", "into",
+                               "like", "through", "after", "over", "between", "out", "against", "during",
+                               "without", "before", "under", "around")))
 METHODS = {
     "none": no_edit,
     "trigger": engram_method("trigger", ()),  # §13's edit: the prompt's last n-grams, the prompt alone
@@ -311,6 +319,8 @@ METHODS = {
     "subject+ctx": engram_method("subject", CTX),
     "subject+trigger+ctx": engram_method("subject+trigger", CTX),
     "subject+trigger+ctx+keep": engram_method("subject+trigger", CTX, keep=NEIGHBOURS_HELD),
+    "subject2+ctx": engram_method("subject", CTX, orders=[2]),  # the subject's order-2 rows only
+    "subject2+tie+ctx": engram_method("subject", CTX, orders=[2], tie=TIE),  # ... tied across TIE's contexts
     "grace": grace_method(layer=20, eps=1.0),
     "rome": rome_method(layer=9),
     "ft-l": ft_l_method(layer=9),

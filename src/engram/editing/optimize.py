@@ -103,10 +103,63 @@ def _fact_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", 
     return out
 
 
-def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None) -> dict[int, torch.Tensor]:
-    """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc)."""
+def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", orders=None,
+              tie=None) -> dict[int, torch.Tensor]:
+    """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc), with the
+    rows `tie` adds (`tied_rows`)."""
     recs = _fact_rows(model, tokenizer, facts, positions, orders)
-    return {lid: torch.unique(torch.cat([r[lid].reshape(-1) for r in recs])) for lid in engram_layers(model)}
+    rows = {lid: torch.unique(torch.cat([r[lid].reshape(-1) for r in recs])) for lid in engram_layers(model)}
+    if tie is not None:
+        groups = tied_rows(model, tokenizer, facts, tie, positions, orders)
+        rows = {lid: torch.unique(torch.cat([r, torch.tensor(sorted(groups[lid]), dtype=torch.long)]))
+                for lid, r in rows.items()}
+    return rows
+
+
+def tied_rows(model, tokenizer, facts: list[Fact], contexts, positions: str = "subject",
+              orders=None) -> dict[int, dict[int, str]]:
+    """{layer: {row id: group}}: the order-2 rows a subject's first token reads, in each fact's own prompt and after
+    each of `contexts` (texts that may stand right before a subject: "" for a prompt's start, "of ", "in ", "("),
+    grouped by (head, the token's text), so that `edit_facts(tie=contexts)` writes one value to all of a group.
+
+    Why: Engram has no rows of order 1, so every row a one-token subject reads holds the token before it too: "of
+    France" and "in France" are different rows, and an edit written after "of" is not read after "in". A tied edit
+    learns one value per head for a one-token subject and writes it under every listed context, so a wording the
+    edit never saw still reads it when the word before its subject is one of `contexts`. Only one-token subjects
+    are tied: a longer subject's order-2 rows from its second token on hold its own tokens alone, the same after any
+    context, and its first token is often a common word ("the", "New", "South") whose rows every context shares
+    with other names. A row two groups claim (a hash collision) stays with the first fact that reads it. Needs the
+    subject's positions and order 2."""
+    if positions not in ("subject", "subject+trigger"):
+        raise EditError(f"tie needs the subject's rows (positions 'subject' or 'subject+trigger'), got {positions!r}")
+    mapping = mapping_of(model)
+    if 2 not in edited_orders(mapping, positions, orders):
+        raise EditError("tie writes order-2 rows: include 2 in orders (e.g. orders=[2])")
+    contexts = [c for c in contexts]
+    if any(not isinstance(c, str) for c in contexts):
+        raise EditError(f"tie must be a list of texts that stand before a subject (e.g. ['', 'of ']), got {contexts!r}")
+    layers = engram_layers(model)
+    cols = _order_columns(mapping, [2])  # (K,) the order-2 heads
+    claims: dict[int, dict[int, str]] = {lid: {} for lid in layers}
+    for f in facts:
+        subject = (f.subject or "").strip()
+        texts = [f.prompt] + [c + subject for c in contexts]
+        if len(subject_positions(tokenizer, f)) != 1:
+            continue  # not a one-token subject: nothing to tie
+        for text in texts:
+            where = subject_positions(tokenizer, Fact(text, f.target, subject=f.subject if text == f.prompt
+                                                      else subject))
+            if len(where) != 1:
+                continue  # the subject spans two tokens after this context (e.g. no space before it)
+            pos = where[0]
+            ids = _encode(tokenizer, text)
+            word = tokenizer.decode([ids[pos]]).strip().casefold()
+            hashed = mapping.hash(np.asarray([ids], dtype=np.int64))
+            for lid, mhe in layers.items():
+                row = mhe.table_rows(hashed[lid][0])[pos][cols]  # (K,)
+                for k, r in enumerate(row.tolist()):
+                    claims[lid].setdefault(r, f"{k}:{word}")
+    return claims
 
 
 def conflicts(model, tokenizer, facts: list[Fact], orders=None) -> list[dict]:
@@ -173,7 +226,8 @@ def _keeps_logits(model) -> bool:
 def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float = 0.1, positions: str = "trigger",
                orders=None, target_prob: float = 0.9, progress: bool = True, chunk: int = 64,
                full_logits: bool = False, checkpoint=None, checkpoint_every: float = 300.0,
-               patience: int | None = None, keep: list[Fact] | None = None, keep_weight: float = 1.0) -> Overlay:
+               patience: int | None = None, keep: list[Fact] | None = None, keep_weight: float = 1.0,
+               tie=None) -> Overlay:
     """Optimize only the rows `facts` address (`edit_rows`) so that each prompt is followed by its target.
 
     Every fact is one sequence `prompt + target`; the loss is the mean over facts of the mean negative
@@ -198,6 +252,11 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
     0.3 is still its greedy answer); the meta counts those still at target_prob. Without `keep` the edit is the
     same edit as before, bit for bit.
 
+    `tie` (optional, a list of texts such as ["", "of ", "in "]): the subject's first-token rows of order 2 learn
+    one value per head and subject word, written under the fact's own wordings and after each listed context
+    (`tied_rows`), so a wording the edit never saw reads the edit when the word before its subject is listed.
+    Without it the edit is the same edit as before, bit for bit.
+
     `checkpoint` (a file path): an edit of thousands of facts runs for hours, so its state (rows, Adam's moments,
     step, loss log) is written there atomically at most every `checkpoint_every` seconds, and an edit started again
     with the same model, facts and settings resumes from it and ends with the same overlay as an uninterrupted one
@@ -220,7 +279,8 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                                  and keep_weight > 0):
         raise EditError(f"keep_weight must be a positive number, got {keep_weight!r}")
     seqs = fact_sequences(tokenizer, facts)
-    rows = edit_rows(model, tokenizer, facts, positions, orders)
+    rows = edit_rows(model, tokenizer, facts, positions, orders, tie)
+    index = _tie_index(rows, tied_rows(model, tokenizer, facts, tie, positions, orders)) if tie is not None else {}
     pad = generation_pad_id(model)
 
     def batched(sq):
@@ -244,12 +304,17 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
             for lid, r in rows.items():
                 with torch.no_grad():
                     start = (layers[lid].table or layers[lid]).lookup(r).float().clone()  # (R, d) current rows
+                    if lid in index:  # tied rows: one value per group, the mean of its rows now
+                        g = index[lid]
+                        start = torch.zeros(int(g.max()) + 1, start.shape[1]).index_add_(0, g, start) \
+                            / torch.bincount(g).unsqueeze(1).float()  # (G, d)
                 values[lid] = torch.nn.Parameter(start)
-                push_overlay(layers[lid], r, values[lid], name="edit")
+                push_overlay(layers[lid], r, values[lid], name="edit", index=index.get(lid))
             opt = torch.optim.Adam(list(values.values()), lr=lr)
             key = _edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
                                                       target_prob=target_prob, chunk=chunk,
                                                       **({"patience": patience} if patience else {}),
+                                                      **({"tie": list(tie)} if tie is not None else {}),
                                                       **({"keep": [f.__dict__ for f in keep],
                                                           "keep_weight": keep_weight} if keep else {})))
             first, log, earlier = _resume(checkpoint, key, values, opt)
@@ -309,7 +374,9 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
         "settings": {"steps": steps, "lr": lr, "positions": positions,
                      "orders": edited_orders(mapping, positions, orders), "target_prob": target_prob,
                      **({"patience": patience} if patience is not None else {}),
-                     **({"keep_weight": keep_weight} if keep else {})},
+                     **({"keep_weight": keep_weight} if keep else {}),
+                     **({"tie": list(tie), "tied_groups": {lid: int(g.max()) + 1 for lid, g in index.items()}}
+                        if tie is not None else {})},
         **({"keep": [f.__dict__ for f in keep]} if keep else {}),
         "optimization": {"steps_run": step, "stopped": stopped, "seconds": round(seconds, 3),
                          "final_loss": log[-1]["loss"],
@@ -318,7 +385,21 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                          **({"resumed_after_step": first - 1} if first > 1 else {})},
         "stacked_on": sorted({o.name for mhe in layers.values() for o in overlays_of(mhe)}),
     }
-    return Overlay({lid: r for lid, r in rows.items()}, {lid: v.detach().clone() for lid, v in values.items()}, meta)
+    return Overlay({lid: r for lid, r in rows.items()},
+                   {lid: (v.detach()[index[lid]] if lid in index else v.detach()).clone() for lid, v in values.items()},
+                   meta)
+
+
+def _tie_index(rows: dict, groups: dict) -> dict[int, torch.Tensor]:
+    """{layer: (R,) value index of each of `rows[layer]`}: the rows of one `tied_rows` group share an index, every
+    other row has its own."""
+    out = {}
+    for lid, r in rows.items():
+        ids, idx = {}, []
+        for x in r.tolist():
+            idx.append(ids.setdefault(groups[lid].get(x, x), len(ids)))  # untied rows: keyed by their own id
+        out[lid] = torch.tensor(idx, dtype=torch.long)
+    return out
 
 
 PATIENCE_REL = 0.01  # `patience`: a loss this far below the loss at the last progress counts as progress

@@ -9,7 +9,8 @@ last one applied wins on a row both change. `engram.editing` builds overlays (`e
 that one fits a model (`apply_overlay`); this module only puts them behind layers.
 
 With `values` a trainable tensor, the substitution is differentiable in `values` and nothing else:
-that is how `edit_facts` optimizes exactly the edited rows with the model frozen.
+that is how `edit_facts` optimizes exactly the edited rows with the model frozen. `index` ties rows: row
+`rows[i]` reads `values[index[i]]`, so several rows share one trainable value (`edit_facts(tie=...)`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ from .base import Table, TableError, find_tables, install
 
 
 class OverlayTable(Table):
-    """`base`'s rows with `rows` (R,) replaced by `values` (R, dim); `rows` need not be sorted (kept sorted)."""
+    """`base`'s rows with `rows` (R,) replaced by `values` (R, dim); `rows` need not be sorted (kept sorted).
+    With `index` (R,): row `rows[i]` reads `values[index[i]]` of `values` (G, dim), G <= R (tied rows)."""
 
-    def __init__(self, base, rows: torch.Tensor, values: torch.Tensor, name: str = "overlay"):
+    def __init__(self, base, rows: torch.Tensor, values: torch.Tensor, name: str = "overlay",
+                 index: torch.Tensor | None = None):
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        if values.dim() != 2 or values.shape[0] != rows.numel():
+        if values.dim() != 2 or (index is None and values.shape[0] != rows.numel()):
             raise TableError(f"{name}: {rows.numel()} row ids but values of shape {tuple(values.shape)}")
+        if index is not None:
+            index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+            if index.numel() != rows.numel() or (index.numel() and (int(index.min()) < 0
+                                                                    or int(index.max()) >= values.shape[0])):
+                raise TableError(f"{name}: index must give each of the {rows.numel()} rows a value in "
+                                 f"[0, {values.shape[0]})")
         num_rows, dim = (base.num_rows, base.dim)
         if values.shape[1] != dim:
             raise TableError(f"{name}: rows of width {values.shape[1]}, the table's are {dim}")
@@ -36,8 +45,9 @@ class OverlayTable(Table):
         order = torch.argsort(rows)
         self.base, self.name = base, name
         self.rows = rows[order]  # (R,) sorted: lookups find them with searchsorted
-        self.values = values[order] if not values.requires_grad else values
-        self._order = None if not values.requires_grad else order  # trainable: keep the caller's tensor, index it
+        pick = order if index is None else index[order]  # sorted row -> its value's index in `values`
+        self.values = values[pick] if not values.requires_grad else values
+        self._order = None if not values.requires_grad else pick  # trainable: keep the caller's tensor, index it
         self.num_rows, self.dim = num_rows, dim
         self.dtype = base.dtype
         self.trainable = False  # the base's own rows are not trained through an overlay
@@ -82,10 +92,12 @@ def overlays_of(mhe) -> list[OverlayTable]:
     return out[::-1]
 
 
-def push_overlay(mhe, rows: torch.Tensor, values: torch.Tensor, name: str = "overlay") -> OverlayTable:
-    """Put an overlay in front of layer `mhe`'s current table (its parameter, a backend, earlier overlays)."""
+def push_overlay(mhe, rows: torch.Tensor, values: torch.Tensor, name: str = "overlay",
+                 index: torch.Tensor | None = None) -> OverlayTable:
+    """Put an overlay in front of layer `mhe`'s current table (its parameter, a backend, earlier overlays);
+    `index`: tied rows, as `OverlayTable`."""
     base = mhe.table if mhe.table is not None else mhe
-    table = OverlayTable(base, rows, values, name=name)
+    table = OverlayTable(base, rows, values, name=name, index=index)
     install(mhe, table, free_parameter=False)
     return table
 
