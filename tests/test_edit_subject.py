@@ -160,3 +160,19 @@ def test_a_tied_edit_writes_one_value_that_an_unseen_wording_reads(model_tok):
         assert tied.meta["optimization"]["steps_run"] >= 1
     finally:
         remove_overlays(model)
+
+
+def test_the_orders_of_edited_rows_a_wording_reads_at_its_subject(model_tok):
+    from engram_experiments.fact_editors import subject_orders_read
+
+    model, tok = model_tok
+    w = _one_token_subject(tok)
+    f = Fact(f"Line 5: sat on {w} is", " dog", subject=w)  # " sat" and " on" are tokens of the tiny tokenizer
+    both = edit_rows(model, tok, [f], positions="subject", orders=[2, 3])
+    two = edit_rows(model, tok, [f], positions="subject", orders=[2])
+    assert subject_orders_read(model, tok, both, f.prompt, w) == 3  # its own prompt reads them all
+    assert subject_orders_read(model, tok, both, f"Line 9: ran on {w} is", w) == 2  # one word the same: the bigram
+    assert subject_orders_read(model, tok, two, f"Line 9: ran on {w} is", w) == 2
+    assert subject_orders_read(model, tok, two, f"Line 9: ran sat {w} is", w) == 0  # another word before: nothing
+    tied = edit_rows(model, tok, [f], positions="subject", orders=[2], tie=["sat "])
+    assert subject_orders_read(model, tok, tied, f"Line 9: ran sat {w} is", w) == 2

@@ -62,6 +62,7 @@ LOCALITY_REUSED = ("none", "grace")  # the fact-edits pilot's runs the locality 
 PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (fact_edits.PILOT)
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 SUBJECT = "fact-edits-subject"  # the subject's-rows edit against GRACE (docs/prereg/fact-edits-subject.toml)
+SUBJECT_RECORD = f"docs/results/{SUBJECT}.json"
 
 
 def choose(s: dict, settings: list[str]) -> str | None:
@@ -174,6 +175,47 @@ def power(s: dict, chosen: str, others: list[str], metrics=("paraphrases", "chat
     return {"n": n, "family": family, "sd": sds, "detectable": {k: float(t * v / math.sqrt(n)) for k, v in sds.items()}}
 
 
+def subject_orders_read(model, tok, rows: dict, text: str, subject: str) -> int:
+    """The highest n-gram order of an edited row (`rows`: {layer: row ids}) that `text` reads at its subject's tokens;
+    0 when it reads none there."""
+    import numpy as np
+
+    from engram.editing import Fact, mapping_of, table_rows_read
+    from engram.editing.optimize import subject_positions
+
+    K = mapping_of(model).n_head_per_ngram
+    pos = subject_positions(tok, Fact(text, " x", subject=subject))  # (P,) the subject's tokens
+    read = table_rows_read(model, np.asarray([tok.encode(text, add_special_tokens=False).ids]))  # {layer: (1, T, H)}
+    hit = torch.zeros(read[next(iter(read))].shape[-1], dtype=torch.bool)  # (H,) heads: order 2's K, then order 3's
+    for lid, r in rows.items():
+        hit |= torch.isin(read[lid][0][pos], r).any(0)
+    return max([o + 2 for o in range(len(hit) // K) if hit[o * K:(o + 1) * K].any()], default=0)
+
+
+def rows_read(s, runs: list[dict], method: str, opt: str, held: str) -> dict:
+    """Per held-out wording of every fact `method` edited in `runs`: the highest order of the edited rows it reads
+    at its subject (`subject_orders_read`, 0: none) against whether it was answered with the new object. Returns
+    {order: {"reached": k, "n": n}}: why a wording is or is not reached, from the hash spec alone."""
+    from engram.editing import edit_rows
+
+    spec = fe.METHODS[method].rows
+    by_id = {f.id: f for f in s.facts}
+    out: dict[str, dict] = {}
+    for run in runs:
+        if run["method"] != method:
+            continue
+        for pf in run["facts"]:
+            f = by_id[pf["id"]]
+            rows = edit_rows(s.model, s.tok, fe.method_facts(f, spec["contexts"], opt), spec["positions"],
+                             spec["orders"], spec["tie"])
+            for text, hit in zip(fe.templates(f, held), pf["paraphrases"]):
+                cell = out.setdefault(str(subject_orders_read(s.model, s.tok, rows, text, f.subject)),
+                                      {"reached": 0, "n": 0})
+                cell["reached"] += bool(hit)
+                cell["n"] += 1
+    return dict(sorted(out.items()))
+
+
 def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
     """What phase `name` runs: its experiment name, folder, methods, split and templates, the design it records, the
     reused runs (record file, its summary, methods) and its preregistration (None for a pilot)."""
@@ -282,6 +324,14 @@ def main(argv: list[str] | None = None) -> dict:
     elif a.phase == "tie-pilot":
         out["settings"] = {"grid": TIE_ARMS, "reused": PILOT_RECORD, "tie": list(fe.TIE)}
         check_probes(out, ph.reused_record, PILOT_RECORD)
+        if a.summary_only:  # the hash spec and tokenizer the analysis reads
+            s = fe.setup(root, progress=False)
+        subject = read_json(Path(prereg.repo_root() or ".") / SUBJECT_RECORD, "the fact-edits-subject record",
+                            f"restore {SUBJECT_RECORD} from git", ExperimentError)
+        out["rows_read"] = {  # why a wording is reached: the edited rows it reads at its subject (hash spec only)
+            "pilot": {m: rows_read(s, out["runs"], m, ph.opt, ph.held) for m in TIE_ARMS},
+            "fact_edits": {chosen: rows_read(s, rec["runs"], chosen, "selection", "test")},
+            "fact_edits_subject": {"subject+ctx": rows_read(s, subject["runs"], "subject+ctx", "selection", "test")}}
     else:
         check_probes(out, rec)
         out["prereg"] = ph.pre.stamp()

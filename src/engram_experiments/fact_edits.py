@@ -181,6 +181,7 @@ def engram_method(positions: str, contexts: tuple[str, ...], steps: int = 80, lr
                     lambda: remove_overlays(s.model))
 
     run.uses_probes = keep > 0
+    run.rows = dict(positions=positions, contexts=contexts, orders=orders, tie=tie)  # what it writes (rows_read)
     return run
 
 
