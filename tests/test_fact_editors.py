@@ -150,3 +150,29 @@ def test_the_subject_test_family_and_its_locality_power(tmp_path):
     assert fact_editors._rerun(tmp_path) == []  # no guard yet: nothing to rerun
     fact_edits.write_json(tmp_path / "guard.json", {"differ": ["grace"]})
     assert fact_editors._rerun(tmp_path) == ["grace"]
+
+
+def test_the_subject2_test_reads_its_preregistration_and_tests_four_measures_against_subject_ctx():
+    """fact-edits-subject2: its design from docs/prereg/fact-edits-subject2.toml (the method, its baseline and the
+    reused runs from the fact-edits-subject record), and the family: four two-sided paired tests, Holm over 4, a
+    measure a set lacks (same_subject None) left out of that set's pair."""
+    from pathlib import Path
+
+    from engram.persist import read_json
+
+    rec = read_json(Path(fact_editors.RECORD), "record", "", ExperimentError)
+    ph = fact_editors._phase("subject2-test", rec, record=False)
+    assert ph.methods == ["subject2+ctx"] and ph.design["baseline"] == "subject+ctx" and ph.split == "test"
+    assert ph.source == fact_editors.SUBJECT_RECORD and "subject+ctx" in ph.reused and ph.count == 23
+    assert fact_edits.METHODS["subject2+ctx"].rows["orders"] == [2]
+    runs = []
+    for i in range(23):
+        a, b = _run("subject+ctx", i, 0.2, 0.2, 1.0), _run("subject2+ctx", i, 0.3 + 0.01 * (i % 3), 0.2, 1.0)
+        a["summary"]["same_subject"], b["summary"]["same_subject"] = (1.0, 0.5) if i % 2 else (None, None)
+        runs += [a, b]
+    rows = fact_edits.analyse({"runs": runs}, "subject2+ctx", others=("subject+ctx",), noninferior=None,
+                              metrics=("paraphrases", "chat_new", "same_relation", "same_subject"))
+    assert [r["metric"] for r in rows] == ["paraphrases", "chat_new", "same_relation", "same_subject"]
+    assert [r["n"] for r in rows] == [23, 23, 23, 11]
+    assert rows[0]["finding"] and rows[0]["diff"] == pytest.approx(0.1 + 0.01 * 22 / 23)
+    assert rows[3]["diff"] == pytest.approx(-0.5)

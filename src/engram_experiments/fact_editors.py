@@ -25,6 +25,9 @@ left out, each at a setting chosen by one rule on the selection split before any
 * `subject-test` (confirmatory, docs/prereg/fact-edits-subject.toml): the edit written at the subject's rows only
   (`subject+ctx`, the locality pilot's candidate) on the 23 test sets against the record's GRACE runs, after a guard
   that reruns the unedited model and GRACE on two test sets (GRACE is rerun on every set if it differs).
+* `subject2-test` (confirmatory, docs/prereg/fact-edits-subject2.toml): the subject's order-2 rows only
+  (`subject2+ctx`, the tie pilot's reading) against all its orders (`subject+ctx`, reused from the fact-edits-subject
+  record after the same guard) on the 23 test sets: reach against same-relation and same-subject locality.
 
 Every (set, method) run is cached under OUT/fact-edits/editors-pilot|editors/runs and resumed, as in fact_edits.
 """
@@ -63,6 +66,7 @@ PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (f
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 SUBJECT = "fact-edits-subject"  # the subject's-rows edit against GRACE (docs/prereg/fact-edits-subject.toml)
 SUBJECT_RECORD = f"docs/results/{SUBJECT}.json"
+SUBJECT2 = "fact-edits-subject2"  # order-2 subject rows against every order (docs/prereg/fact-edits-subject2.toml)
 
 
 def choose(s: dict, settings: list[str]) -> str | None:
@@ -105,7 +109,7 @@ def _same(a: dict, b: dict) -> list[str]:
 
 
 def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbours: int, seed: int,
-          also: tuple[str, ...] = ()) -> list[str]:
+          also: tuple[str, ...] = (), source: str = RECORD) -> list[str]:
     """Measure the unedited model (and the methods `also`) on the first `GUARD_SETS` test sets at this commit and stop
     unless each unedited run equals the record's `none` run of its set; the methods of `also` whose runs differ from
     the record's (the caller reruns those rather than reuse them)."""
@@ -116,7 +120,7 @@ def guard(s, root: Path, record: dict, sets: dict, opt: str, held: str, neighbou
             r = fe.run_one(s, root / "guard", name, sets[name], m, opt, held, neighbours, seed, False)
             bad = _same(r, old[name])
             if bad and m == "none":
-                raise ExperimentError(f"the unedited model measured at this commit differs from {RECORD} on {name} "
+                raise ExperimentError(f"the unedited model measured at this commit differs from {source} on {name} "
                                       f"({', '.join(bad)}): the measures changed; run at the record's commit")
             if bad and m not in differ:
                 differ.append(m)
@@ -241,6 +245,13 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
         return SimpleNamespace(**{**common, "source": PILOT_RECORD, "reused_record": pilot}, **pilot_split,
                                experiment=f"{NAME}-{name}", folder=name, methods=methods,
                                design=design, reused=list(LOCALITY_REUSED))
+    if name == "subject2-test":
+        pre = prereg.load(SUBJECT2, record=record)
+        subject = read_json(Path(prereg.repo_root() or ".") / SUBJECT_RECORD, "the fact-edits-subject record",
+                            f"restore {SUBJECT_RECORD} from git", ExperimentError)
+        return SimpleNamespace(**{**common, "pre": pre, "source": SUBJECT_RECORD, "reused_record": subject},
+                               **test_split, experiment=SUBJECT2, folder="subject2", methods=[pre.design["method"]],
+                               design=pre.design, reused=list(pre.design["reused"]))
     if name == "subject-test":
         pre = prereg.load(SUBJECT, record=record)
         return SimpleNamespace(**{**common, "pre": pre}, **test_split, experiment=SUBJECT, folder="subject",
@@ -276,13 +287,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
                                  description="the settings and locality pilots (selection split) and the confirmatory "
                                              "tests of the Engram edit against the field's editors and against GRACE")
-    ap.add_argument("phase", choices=["pilot", "locality-pilot", "tie-pilot", "test", "subject-test"])
+    ap.add_argument("phase", choices=["pilot", "locality-pilot", "tie-pilot", "test", "subject-test",
+                                      "subject2-test"])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--summary-only", action="store_true", help="summarize the cached runs, run nothing")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="run only every N-th (method, set) run, from the K-th (0-based): N processes share a phase")
     ap.add_argument("--record", help="also write the summary to RECORD/<the phase's experiment>.json "
-                    "(fact-edits-editors[-pilot|-locality-pilot|-tie-pilot], fact-edits-subject)")
+                    "(fact-edits-editors[-pilot|-locality-pilot|-tie-pilot], fact-edits-subject[2])")
     a = ap.parse_args(argv)
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
@@ -297,8 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
         sets = fe.edit_sets(s, ph.split, ph.count, ph.size, ph.seed, ph.rels)
         if ph.pre is not None:  # the test phases: the record's runs are comparable only if the guard passes
             also = tuple(m for m in ph.design.get("reused", []) if m != "none")
-            write_json(folder / "guard.json", {"differ": guard(s, folder, rec, sets, ph.opt, ph.held, ph.neighbours,
-                                                               ph.seed, also)})
+            write_json(folder / "guard.json", {"differ": guard(s, folder, ph.reused_record, sets, ph.opt, ph.held,
+                                                               ph.neighbours, ph.seed, also, ph.source)})
         todo = [(m, x) for m in [*_rerun(folder), *ph.methods] for x in sets]  # the preregistered order
         for m, x in todo[shard[0]::shard[1]]:
             fe.run_one(s, folder, x, sets[x], m, ph.opt, ph.held, ph.neighbours, ph.seed, True)
@@ -342,6 +354,17 @@ def main(argv: list[str] | None = None) -> dict:
                 return wait
             out["tests"] = fe.analyse(out, chosen, others=ph.methods,
                                       metrics=("paraphrases", "chat_new", "same_relation"), noninferior=None)
+        elif a.phase == "subject2-test":
+            m, base = ph.methods[0], ph.design["baseline"]
+            out["settings"] = {"reused": SUBJECT_RECORD, "rerun": rerun}
+            wait = _complete(out, [(f"test-{i}", x) for i in range(ph.count) for x in (m, base)], SUBJECT2)
+            if wait:
+                return wait
+            out["tests"] = fe.analyse(out, m, others=(base,), noninferior=None,
+                                      metrics=("paraphrases", "chat_new", "same_relation", "same_subject"))
+            if a.summary_only:  # the hash spec and tokenizer rows_read reads
+                s = fe.setup(root, progress=False)
+            out["rows_read"] = {x: rows_read(s, out["runs"], x, ph.opt, ph.held) for x in (m, base)}
         else:
             m = ph.methods[0]
             out["settings"] = {"reused": RECORD, "rerun": rerun}
@@ -367,6 +390,13 @@ register(Experiment(SUBJECT, """
     resumable).""",
                     run=lambda o: main(["subject-test"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
                     plot_file="fact-edits-subject.png", section="14", in_all=False))
+register(Experiment(SUBJECT2, """
+    issue 56's confirmatory test of the Engram edit written at the subject's order-2 rows only (subject2+ctx)
+    against all its orders (subject+ctx) on fact-edits' 23 test sets: held-out wordings, chat answers, same-relation
+    and same-subject locality; design in docs/prereg/fact-edits-subject2.toml (`fact_editors.py`; about 2 hours of
+    one core, resumable).""",
+                    run=lambda o: main(["subject2-test"] + options_argv(o)), table=fe.markdown, plot=fe.plot,
+                    plot_file="fact-edits-subject2.png", section="14", in_all=False))
 register(Experiment("fact-edits-editors-locality-pilot", """
     issue 56's pilot of two ways to close the Engram edit's locality gap to GRACE (exploratory, fact-edits' two
     selection sets): held neighbours kept through the shared rows (weights 1 and 4) and the subject's rows only,
