@@ -137,6 +137,30 @@ def test_report_counts_efficacy_and_generalization(run, edited):
     json.dumps(rep)  # the report is plain JSON
 
 
+def test_the_report_marks_paraphrases_that_read_no_edited_row(run, edited):
+    """A paraphrase that reads none of the overlay's rows gets the base's answer exactly, so the report marks it
+    (`reads_edit`), counts it and `print_report` says how to reach it; one that reads an edited row is not marked."""
+    import io
+
+    from engram.editing import fact_report, print_report, reads_rows
+
+    root, corpus = run
+    model, tok, overlay = edited
+    far = Fact("the cat sat on", " the dog", ["Line 9: ran to", "a cat sat on"])
+    assert not reads_rows(model, tok, "Line 9: ran to", overlay.rows)  # shares no n-gram with the edited prompts
+    assert reads_rows(model, tok, far.prompt, overlay.rows)
+    rep = fact_report(model, tok, [far], overlay)
+    marks = rep[0]["reads_edit"]["paraphrases"]
+    assert marks == [False, reads_rows(model, tok, "a cat sat on", overlay.rows)]
+    assert rep[0]["after"]["paraphrases"][0] == rep[0]["before"]["paraphrases"][0]  # the base's answer, exactly
+    windows = text_windows(tok, [str(corpus)], "train", 32, 2)
+    full = edit_report(model, tok, [far], overlay, windows)
+    assert full["summary"]["paraphrases_reading_no_edited_row"] == sum(not x for x in marks) >= 1
+    out = io.StringIO()
+    print_report(full, file=out)
+    assert "read none of the edited rows" in out.getvalue() and "--paraphrases" in out.getvalue()
+
+
 def _close(a, b) -> bool:
     """Equal, floats up to float rounding (a batch's shape may change their last bits)."""
     if isinstance(a, dict):

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.editing import Fact, apply_overlay, edit_facts, edit_rows, remove_overlays, table_rows_read
+from engram.editing import Fact, apply_overlay, edit_facts, edit_rows, reads_rows, remove_overlays, table_rows_read
 from engram.persist import read_json, write_json
 
 from . import factset
@@ -414,9 +414,8 @@ def probes(s: Setup, edited: list, n_neighbours: int, seed: int) -> dict:
 
 
 def reads_any(s: Setup, text: str, rows: dict) -> bool:
-    """Does any n-gram of `text` read one of `rows` ({layer: row ids})?"""
-    read = table_rows_read(s.model, np.asarray([s.tok.encode(text, add_special_tokens=False).ids]))  # (1, T, H)
-    return any(bool(torch.isin(read[lid], r).any()) for lid, r in rows.items())
+    """Does any n-gram of `text` read one of `rows` ({layer: row ids})? (`engram.editing.reads_rows`)"""
+    return reads_rows(s.model, s.tok, text, rows)
 
 
 def measure(s: Setup, edited: list, pr: dict, held_out: str) -> dict:

@@ -46,6 +46,7 @@ from .report import (
     locality,
     ngram_entropy,
     print_report,
+    reads_rows,
     score,
     table_rows_read,
 )
@@ -53,5 +54,5 @@ from .report import (
 __all__ = ["EditError", "Fact", "Overlay", "apply_overlay", "applied", "chat_contexts", "check_overlay", "subject_span",
            "paraphrase_contexts", "collision_set", "conflicts",
            "shared_rows", "edit_facts", "edit_report", "edit_rows", "engram_layers", "fact_report", "frozen",
-           "mapping_of", "locality", "model_digest", "parse_fact", "print_report", "read_facts", "remove_overlays",
-           "ngram_entropy", "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]
+           "mapping_of", "locality", "model_digest", "parse_fact", "print_report", "read_facts", "reads_rows",
+           "remove_overlays", "ngram_entropy", "score", "spec_digest", "table_rows_read", "FORMAT", "META", "WEIGHTS"]

@@ -90,9 +90,10 @@ def score_many(model, tokenizer, pairs: list[tuple[str, str]], chunk: int = 64, 
 
 def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay, chunk: int = 64,
                 progress: bool = False) -> list[dict]:
-    """Per fact, before and after `overlay`: the prompt, each paraphrase and each passage, scored (`score`), in
-    batches of `chunk` sequences (`score_many`: the results of one at a time, up to float rounding). `progress`: a
-    bar on stderr."""
+    """Per fact, before and after `overlay`: the prompt, each paraphrase and each passage, scored (`score`), and
+    whether each paraphrase and passage reads an edited row at all (`reads_edit`: one that does not keeps the base's
+    answer exactly, whatever the edit), in batches of `chunk` sequences (`score_many`: the results of one at a time,
+    up to float rounding). `progress`: a bar on stderr."""
     from tqdm.auto import tqdm
 
     pairs = [(q, f.target) for f in facts for q in (f.prompt, *f.paraphrases, *f.passages)]
@@ -114,8 +115,22 @@ def fact_report(model, tokenizer, facts: list[Fact], overlay: Overlay, chunk: in
             at += 1 + n + m
         return rows
 
-    return [{"prompt": f.prompt, "target": f.target, "before": b, "after": a}
-            for f, b, a in zip(facts, split(before), split(after))]
+    out = [{"prompt": f.prompt, "target": f.target, "before": b, "after": a}
+           for f, b, a in zip(facts, split(before), split(after))]
+    for f, r in zip(facts, out):  # a text that reads no edited row gives exactly the base's output
+        r["reads_edit"] = {kind: [reads_rows(model, tokenizer, text, overlay.rows) for text in texts]
+                           for kind, texts in (("paraphrases", f.paraphrases), ("passages", f.passages))}
+    return out
+
+
+def reads_rows(model, tokenizer, text: str, rows: dict) -> bool:
+    """Does any n-gram of `text` read one of `rows` ({layer: row ids})? If not, an overlay of those rows leaves the
+    model's output on `text` exactly as it was."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+        return False
+    read = table_rows_read(model, np.asarray([ids]))  # {layer: (1, T, H)}
+    return any(bool(torch.isin(read[lid], r).any()) for lid, r in rows.items() if lid in read)
 
 
 def table_rows_read(model, windows: np.ndarray, chunk: int = 64) -> dict[int, torch.Tensor]:
@@ -219,6 +234,8 @@ def edit_report(model, tokenizer, facts: list[Fact], overlay: Overlay, windows: 
             summary[f"{kind}_greedy_{when}"] = sum(s["greedy"] for s in ys) / len(ys) if ys else None
             summary[f"{kind}_p_target_{when}"] = sum(s["p_target"] for s in ys) / len(ys) if ys else None
             summary[f"{kind}_count"] = len(ys)
+    summary["paraphrases_reading_no_edited_row"] = sum(not x for r in per_fact
+                                                       for x in r["reads_edit"]["paraphrases"])
     return {"summary": summary, "facts": per_fact, "conflicts": clash, "collisions": coll, "locality": loc,
             "optimization": overlay.meta.get("optimization", {}), "settings": overlay.meta.get("settings", {})}
 
@@ -254,6 +271,11 @@ def print_report(report: dict, file=None, max_facts: int | None = 20) -> None:
           file=file)
     print(f"generalization: paraphrases {pct(s['paraphrases_greedy_after'])} of {s['paraphrases_count']}, "
           f"in a passage {pct(s['passages_greedy_after'])} of {s['passages_count']}", file=file)
+    if s.get("paraphrases_reading_no_edited_row"):
+        print(f"unreachable: {s['paraphrases_reading_no_edited_row']} of {s['paraphrases_count']} paraphrases read "
+              "none of the edited rows, so the edit cannot change their answers; optimize them too (--paraphrases), or "
+              "write rows their subject reads (--positions subject --orders 2 reaches a wording with the same word "
+              "before the subject)", file=file)
     if report["conflicts"]:
         pairs = "; ".join(f"{pf[a]['prompt']!r} / {pf[b]['prompt']!r}"
                           for a, b in (c["facts"] for c in report["conflicts"][:3]))
