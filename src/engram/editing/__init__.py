@@ -23,6 +23,10 @@ Which rows (`positions`, `orders`):
     does. Optimize it over many contexts (`paraphrase_contexts`, `chat_contexts`) so the rows serve them all;
   * "subject+trigger": both sets of rows, every order: the prompt's own ending answers it directly, the
     subject's rows carry the fact to prompts worded otherwise.
+  A wording reads a subject's rows only where the words before the subject match (there are no order-1 rows):
+  `orders=[2]` keeps the edit in the rows that need one word to match, and `tie=[...]` (`tied_rows`) also writes a
+  one-token subject's order-2 rows after each listed context. `edit_report` marks every paraphrase that reads no
+  edited row (`reads_edit`): the edit cannot change its answer.
 
 The report (`edit_report`) measures efficacy (greedy decoding produces the target), generalization
 (paraphrases, the prompt inside a longer passage), the collision set (`collision_set`: every
