@@ -138,3 +138,18 @@ def test_by_relation_is_each_held_out_templates_share_per_method_and_relation():
     md = fact_edits.markdown({"experiment": "fact-edits", "phase": "test", "design": {}, "table": {},
                               "by_relation": fact_edits.by_relation(runs, facts)})
     assert f'| m | continent (early) | 2 | "{rel.paraphrases[which[0]]}" 0.67;' in md
+
+
+def test_the_table_keeps_a_measure_some_sets_lack_and_says_over_how_many():
+    """Same-subject locality is None for a set whose subjects have no other known fact: the table averages the
+    sets that have it and the cell names its n, instead of dropping the measure for every set."""
+    from engram_experiments.fact_edits import cell, table_of
+
+    def run(i, same):
+        return {"method": "m", "set": f"test-{i}", "edit_seconds": 1.0,
+                "summary": {k: 0.5 for k in fact_edits.MEASURES} | {"same_subject": same}}
+
+    t = table_of([run(0, None), run(1, 1.0), run(2, 0.5)], ["m"])["m"]
+    assert t["same_subject"]["n"] == 2 and t["same_subject"]["mean"] == 0.75 and t["efficacy"]["n"] == 3
+    assert cell(t, "same_subject").endswith("(n=2)") and "(n=" not in cell(t, "efficacy")
+    assert "same_subject" not in table_of([run(0, None)], ["m"])["m"] and cell({}, "same_subject") == "—"

@@ -551,9 +551,24 @@ def by_relation(runs: list[dict], facts: list) -> dict:
                 for rel, d in sorted(rels.items())} for m, rels in out.items()}
 
 
+def table_of(runs: list[dict], methods: list[str]) -> dict:
+    """Per method, each measure's mean ± sd over the sets that have it (same subject: a set whose subjects have no
+    other known fact has none; its n says how many), the sets, and the edit time."""
+    from .runs import seed_stats
+
+    table = {}
+    for m in methods:
+        rs = sorted((r for r in runs if r["method"] == m), key=lambda r: r["set"])
+        table[m] = {k: seed_stats(xs) for k in MEASURES
+                    if (xs := [r["summary"][k] for r in rs if r["summary"][k] is not None])}
+        table[m]["sets"] = [r["set"] for r in rs]
+        table[m]["edit_seconds"] = seed_stats([r["edit_seconds"] for r in rs])
+    return table
+
+
 def summary(root: Path, phase: str, design: dict) -> dict:
     """Every cached run of `phase` (per fact, per probe) and, per method, each measure's mean ± sd over the sets."""
-    from .runs import index_environments, seed_stats
+    from .runs import index_environments
 
     runs = [read_json(f, "fact-edits run", f"delete {f}", ExperimentError)
             for f in sorted((root / phase / "runs").glob("*.json"))]
@@ -561,13 +576,7 @@ def summary(root: Path, phase: str, design: dict) -> dict:
         raise ExperimentError(f"no runs in {root / phase / 'runs'}: run `python -m engram_experiments.fact_edits "
                               f"{phase}` first")
     methods = list(dict.fromkeys(r["method"] for r in runs))
-    table = {}
-    for m in methods:
-        rs = sorted((r for r in runs if r["method"] == m), key=lambda r: r["set"])
-        table[m] = {k: seed_stats([r["summary"][k] for r in rs]) for k in MEASURES
-                    if all(r["summary"][k] is not None for r in rs)}
-        table[m]["sets"] = [r["set"] for r in rs]
-        table[m]["edit_seconds"] = seed_stats([r["edit_seconds"] for r in rs])
+    table = table_of(runs, methods)
     kn = read_json(root / "known.json", "known facts", f"delete {root / 'known.json'}", ExperimentError)
     facts = factset.read(root / "facts.jsonl")
     by_rel = {r: sum(f.id in set(kn["known"]) for f in facts if f.relation == r and f.kind == "real")
@@ -652,12 +661,14 @@ def analyse(s: dict, chosen: str, margin: float = 0.02, others=("grace", "rome",
 
 def cell(t: dict, k: str) -> str:
     """A table cell of measure `k` from `t` ({measure: seed_stats}): mean ± sd, a text-loss change signed to 4
-    places, "—" where `t` lacks it (`markdown` here and in fact_scale)."""
+    places, "(n=...)" when fewer sets than the row's have it, "—" where none does (`markdown` here and in
+    fact_scale)."""
     if k not in t:
         return "—"
+    fewer = f" (n={t[k]['n']})" if "sets" in t and t[k].get("n", len(t["sets"])) != len(t["sets"]) else ""
     if k.startswith("text_"):
-        return fmt_pm(t[k]["mean"], t[k]["std"], sign=True)
-    return fmt_pm(t[k]["mean"], t[k]["std"], places=2)
+        return fmt_pm(t[k]["mean"], t[k]["std"], sign=True) + fewer
+    return fmt_pm(t[k]["mean"], t[k]["std"], places=2) + fewer
 
 
 def markdown(s: dict) -> str:
