@@ -153,3 +153,18 @@ def test_the_table_keeps_a_measure_some_sets_lack_and_says_over_how_many():
     assert t["same_subject"]["n"] == 2 and t["same_subject"]["mean"] == 0.75 and t["efficacy"]["n"] == 3
     assert cell(t, "same_subject").endswith("(n=2)") and "(n=" not in cell(t, "efficacy")
     assert "same_subject" not in table_of([run(0, None)], ["m"])["m"] and cell({}, "same_subject") == "—"
+
+
+def test_every_committed_fact_edits_record_table_is_its_runs_table():
+    """The tables the pages render are `table_of` the record's own per-set summaries (none left stale)."""
+    import glob
+    import json
+    from pathlib import Path
+
+    from engram_experiments.fact_edits import table_of
+
+    files = sorted(glob.glob(str(Path(__file__).parents[1] / "docs" / "results" / "fact-edits*.json")))
+    assert files
+    for f in files:
+        rec = json.loads(Path(f).read_text())
+        assert rec["table"] == table_of(rec["runs"], list(rec["table"])), f

@@ -566,6 +566,18 @@ def table_of(runs: list[dict], methods: list[str]) -> dict:
     return table
 
 
+def retable(path: Path) -> bool:
+    """Recompute a committed fact-edits-style record's `table` from its own runs (`table_of`), keeping every other
+    key; written aside and swapped in. For records summarized before `table_of` kept measures some sets lack; whether
+    it changed anything."""
+    rec = read_json(path, "a fact-edits record", "restore it from git", ExperimentError)
+    table = table_of(rec["runs"], list(rec["table"]))
+    if table == rec["table"]:
+        return False
+    write_json(path, {**rec, "table": table})
+    return True
+
+
 def summary(root: Path, phase: str, design: dict) -> dict:
     """Every cached run of `phase` (per fact, per probe) and, per method, each measure's mean ± sd over the sets."""
     from .runs import index_environments
