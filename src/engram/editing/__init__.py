@@ -35,7 +35,8 @@ validation logits of every position that neither reads an edited row nor attends
 compared bit for bit with and without the overlay (`locality`).
 
 Files: `facts.py` (reading facts), `digests.py` (the model's layers, hashing and digests), `overlay.py`
-(`Overlay`, apply/remove), `optimize.py` (`edit_facts`), `report.py` (efficacy, collision set, locality).
+(`Overlay`, apply/remove), `optimize.py` (`edit_facts`), `checkpoint.py` (an edit's resumable state), `report.py`
+(efficacy, collision set, locality).
 """
 
 from ..tables.overlay import remove_overlays

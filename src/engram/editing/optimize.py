@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..adapters.introspect import generation_pad_id
 from ..tables.overlay import overlays_of, push_overlay
+from .checkpoint import edit_key, resume, save_checkpoint
 from .digests import engram_layers, frozen, mapping_of, model_digest, spec_digest
 from .facts import EditError, Fact, _encode, subject_span
 from .overlay import Overlay, _restore_tables
@@ -311,13 +312,13 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                 values[lid] = torch.nn.Parameter(start)
                 push_overlay(layers[lid], r, values[lid], name="edit", index=index.get(lid))
             opt = torch.optim.Adam(list(values.values()), lr=lr)
-            key = _edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
+            key = edit_key(digest, facts, rows, dict(steps=steps, lr=lr, positions=positions, orders=orders,
                                                       target_prob=target_prob, chunk=chunk,
                                                       **({"patience": patience} if patience else {}),
                                                       **({"tie": list(tie)} if tie is not None else {}),
                                                       **({"keep": [f.__dict__ for f in keep],
                                                           "keep_weight": keep_weight} if keep else {})))
-            first, log, earlier = _resume(checkpoint, key, values, opt)
+            first, log, earlier = resume(checkpoint, key, values, opt)
             saved_at = time.monotonic()
             bar.update(first - 1)
             step, stopped = first - 1, "steps"
@@ -358,7 +359,7 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                 opt.step()
                 bar.update(1)
                 if checkpoint is not None and time.monotonic() - saved_at >= checkpoint_every:
-                    _save_checkpoint(checkpoint, key, step, values, opt, log,
+                    save_checkpoint(checkpoint, key, step, values, opt, log,
                                      earlier + time.perf_counter() - t0)
                     saved_at = time.monotonic()
         finally:
@@ -414,47 +415,3 @@ def _progress(best: list, done: int, loss: float, step: int) -> bool:
     if better:
         best[1], best[2] = loss, step
     return better
-
-
-def _edit_key(digest: str, facts: list[Fact], rows: dict, settings: dict) -> str:
-    """What makes two edits the same edit (so a checkpoint may resume it): the model, the facts, the rows, the
-    settings."""
-    import hashlib
-    import json
-
-    h = hashlib.sha256(json.dumps([digest, [f.__dict__ for f in facts], settings], sort_keys=True,
-                                  default=str).encode())
-    for lid in sorted(rows):
-        h.update(rows[lid].numpy().tobytes())
-    return h.hexdigest()
-
-
-def _save_checkpoint(path, key: str, step: int, values: dict, opt, log: list, seconds: float) -> None:
-    """The edit's state after `step` steps, written aside and swapped in (a crash leaves the old or the new)."""
-    import io
-
-    from ..persist import atomic_write_bytes
-
-    buf = io.BytesIO()
-    torch.save({"key": key, "step": step, "values": {lid: v.detach() for lid, v in values.items()},
-                "opt": opt.state_dict(), "log": log, "seconds": seconds}, buf)
-    atomic_write_bytes(Path(path), buf.getvalue())
-
-
-def _resume(path, key: str, values: dict, opt) -> tuple[int, list, float]:
-    """(first step to run, loss log so far, seconds spent so far): from the checkpoint at `path` when there is one,
-    else (1, [], 0.0)."""
-    if path is None or not Path(path).is_file():
-        return 1, [], 0.0
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a torn or foreign file: name it, do not guess
-        raise EditError(f"cannot read the edit checkpoint {path} ({e}); delete it to start the edit over") from None
-    if not isinstance(state, dict) or state.get("key") != key:
-        raise EditError(f"the edit checkpoint {path} belongs to another edit (model, facts or settings differ); "
-                        "delete it or pass another checkpoint path")
-    with torch.no_grad():
-        for lid, v in values.items():
-            v.copy_(state["values"][lid])
-    opt.load_state_dict(state["opt"])
-    return state["step"] + 1, list(state["log"]), float(state["seconds"])
