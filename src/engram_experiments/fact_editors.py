@@ -12,11 +12,12 @@ left out, each at a setting chosen by one rule on the selection split before any
   model (read from its record, docs/results/fact-edits-pilot.json): holding known facts of the relation through the
   shared rows (`subject+trigger+ctx+keep`, `edit_facts(keep=...)`, at the weights of `KEEP_GRID`), and writing the
   subject's rows only (`subject+ctx`: no row of the prompt's end, which a relation's early-subject prompts share).
-* `tie-pilot` (exploratory, the same two sets and templates): why wordings with words between the subject and the
-  answer are rarely reached. Engram has no order-1 rows, so a one-token subject's rows all hold the word before it
-  ("of France" and "in France" are different rows); the arms write the subject's rows only (`subject+ctx`, rerun at
-  this commit), its order-2 rows only (`subject2+ctx`), and those tied across a fixed list of contexts
-  (`subject2+tie+ctx`, `edit_facts(tie=fact_edits.TIE)`), beside the fact-edits pilot's GRACE and unedited runs.
+* `tie-pilot` (exploratory, the same two sets and templates): why held-out wordings are missed (`rows_read`: the
+  edited rows a wording reads at its subject, against whether it was reached). Engram has no order-1 rows, so a
+  one-token subject's rows all hold the word before it ("of France" and "in France" are different rows); the arms
+  write the subject's rows only (`subject+ctx`, rerun at this commit), its order-2 rows only (`subject2+ctx`), and
+  those tied across a fixed list of contexts (`subject2+tie+ctx`, `edit_facts(tie=fact_edits.TIE)`), beside the
+  fact-edits pilot's GRACE and unedited runs.
 * `test` (confirmatory, docs/prereg/fact-edits-editors.toml): the chosen settings on fact-edits' 23 test sets, with
   its probes, measures and held-out templates (`fact_edits.run_one`, unchanged). The chosen Engram variant is not
   rerun: its per-fact runs are read from the committed record docs/results/fact-edits.json, and `guard` first
@@ -220,6 +221,13 @@ def rows_read(s, runs: list[dict], method: str, opt: str, held: str) -> dict:
     return dict(sorted(out.items()))
 
 
+def committed(rel: str, what: str) -> dict:
+    """A committed record of this checkout (`rel` from the repo root), or a one-line error naming it."""
+    from . import prereg
+
+    return read_json(Path(prereg.repo_root() or ".") / rel, what, f"restore {rel} from git", ExperimentError)
+
+
 def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
     """What phase `name` runs: its experiment name, folder, methods, split and templates, the design it records, the
     reused runs (record file, its summary, methods) and its preregistration (None for a pilot)."""
@@ -239,16 +247,14 @@ def _phase(name: str, rec: dict, record: bool) -> SimpleNamespace:
         if name == "pilot":
             return SimpleNamespace(**common, **pilot_split, experiment=f"{NAME}-pilot", folder="editors-pilot",
                                    methods=methods, design=design, reused=[])
-        pilot = read_json(Path(prereg.repo_root() or ".") / PILOT_RECORD, "the fact-edits pilot record",
-                          f"restore {PILOT_RECORD} from git", ExperimentError)
+        pilot = committed(PILOT_RECORD, "the fact-edits pilot record")
         design["reused"] = {"from": PILOT_RECORD, "methods": list(LOCALITY_REUSED)}
         return SimpleNamespace(**{**common, "source": PILOT_RECORD, "reused_record": pilot}, **pilot_split,
                                experiment=f"{NAME}-{name}", folder=name, methods=methods,
                                design=design, reused=list(LOCALITY_REUSED))
     if name == "subject2-test":
         pre = prereg.load(SUBJECT2, record=record)
-        subject = read_json(Path(prereg.repo_root() or ".") / SUBJECT_RECORD, "the fact-edits-subject record",
-                            f"restore {SUBJECT_RECORD} from git", ExperimentError)
+        subject = committed(SUBJECT_RECORD, "the fact-edits-subject record")
         return SimpleNamespace(**{**common, "pre": pre, "source": SUBJECT_RECORD, "reused_record": subject},
                                **test_split, experiment=SUBJECT2, folder="subject2", methods=[pre.design["method"]],
                                design=pre.design, reused=list(pre.design["reused"]))
@@ -281,7 +287,6 @@ def main(argv: list[str] | None = None) -> dict:
     """Run a phase (every cached run reused), then publish its summary (and `--record` it)."""
     import argparse
 
-    from . import prereg
     from .runs import parse_shard, publish
 
     ap = argparse.ArgumentParser(prog="python -m engram_experiments.fact_editors",
@@ -299,11 +304,11 @@ def main(argv: list[str] | None = None) -> dict:
     shard = parse_shard(a.shard, ap)
     torch.manual_seed(0)
     root = Path(a.out) / fe.NAME
-    rec = read_json(Path(prereg.repo_root() or ".") / RECORD, "the fact-edits record", f"restore {RECORD} from git",
-                    ExperimentError)
+    rec = committed(RECORD, "the fact-edits record")
     chosen = rec["design"]["chosen"]
     ph = _phase(a.phase, rec, a.record is not None)
     folder = root / ph.folder
+    s = None  # the model and facts: loaded to run, or later for an analysis that reads the hash spec
     if not a.summary_only:
         s = fe.setup(root)
         sets = fe.edit_sets(s, ph.split, ph.count, ph.size, ph.seed, ph.rels)
@@ -336,10 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
     elif a.phase == "tie-pilot":
         out["settings"] = {"grid": TIE_ARMS, "reused": PILOT_RECORD, "tie": list(fe.TIE)}
         check_probes(out, ph.reused_record, PILOT_RECORD)
-        if a.summary_only:  # the hash spec and tokenizer the analysis reads
-            s = fe.setup(root, progress=False)
-        subject = read_json(Path(prereg.repo_root() or ".") / SUBJECT_RECORD, "the fact-edits-subject record",
-                            f"restore {SUBJECT_RECORD} from git", ExperimentError)
+        s = s or fe.setup(root, progress=False)  # the hash spec and tokenizer rows_read reads
+        subject = committed(SUBJECT_RECORD, "the fact-edits-subject record")
         out["rows_read"] = {  # why a wording is reached: the edited rows it reads at its subject (hash spec only)
             "pilot": {m: rows_read(s, out["runs"], m, ph.opt, ph.held) for m in TIE_ARMS},
             "fact_edits": {chosen: rows_read(s, rec["runs"], chosen, "selection", "test")},
@@ -362,8 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                 return wait
             out["tests"] = fe.analyse(out, m, others=(base,), noninferior=None,
                                       metrics=("paraphrases", "chat_new", "same_relation", "same_subject"))
-            if a.summary_only:  # the hash spec and tokenizer rows_read reads
-                s = fe.setup(root, progress=False)
+            s = s or fe.setup(root, progress=False)  # the hash spec and tokenizer rows_read reads
             out["rows_read"] = {x: rows_read(s, out["runs"], x, ph.opt, ph.held) for x in (m, base)}
         else:
             m = ph.methods[0]

@@ -108,13 +108,18 @@ def edit_rows(model, tokenizer, facts: list[Fact], positions: str = "trigger", o
               tie=None) -> dict[int, torch.Tensor]:
     """{layer: sorted distinct table row ids (R,)} that editing `facts` changes (see the module doc), with the
     rows `tie` adds (`tied_rows`)."""
+    return _rows_and_groups(model, tokenizer, facts, positions, orders, tie)[0]
+
+
+def _rows_and_groups(model, tokenizer, facts: list[Fact], positions: str, orders, tie) -> tuple[dict, dict]:
+    """(`edit_rows`, the `tied_rows` groups or {} without `tie`): both from one pass over the facts."""
     recs = _fact_rows(model, tokenizer, facts, positions, orders)
     rows = {lid: torch.unique(torch.cat([r[lid].reshape(-1) for r in recs])) for lid in engram_layers(model)}
-    if tie is not None:
-        groups = tied_rows(model, tokenizer, facts, tie, positions, orders)
-        rows = {lid: torch.unique(torch.cat([r, torch.tensor(sorted(groups[lid]), dtype=torch.long)]))
-                for lid, r in rows.items()}
-    return rows
+    if tie is None:
+        return rows, {}
+    groups = tied_rows(model, tokenizer, facts, tie, positions, orders)
+    return {lid: torch.unique(torch.cat([r, torch.tensor(sorted(groups[lid]), dtype=torch.long)]))
+            for lid, r in rows.items()}, groups
 
 
 def tied_rows(model, tokenizer, facts: list[Fact], contexts, positions: str = "subject",
@@ -136,24 +141,23 @@ def tied_rows(model, tokenizer, facts: list[Fact], contexts, positions: str = "s
     mapping = mapping_of(model)
     if 2 not in edited_orders(mapping, positions, orders):
         raise EditError("tie writes order-2 rows: include 2 in orders (e.g. orders=[2])")
-    contexts = [c for c in contexts]
+    contexts = list(contexts)
     if any(not isinstance(c, str) for c in contexts):
         raise EditError(f"tie must be a list of texts that stand before a subject (e.g. ['', 'of ']), got {contexts!r}")
     layers = engram_layers(model)
     cols = _order_columns(mapping, [2])  # (K,) the order-2 heads
     claims: dict[int, dict[int, str]] = {lid: {} for lid in layers}
     for f in facts:
-        subject = (f.subject or "").strip()
-        texts = [f.prompt] + [c + subject for c in contexts]
         if len(subject_positions(tokenizer, f)) != 1:
             continue  # not a one-token subject: nothing to tie
-        for text in texts:
-            where = subject_positions(tokenizer, Fact(text, f.target, subject=f.subject if text == f.prompt
-                                                      else subject))
+        subject = f.subject.strip()
+        wordings = [f] + [Fact(c + subject, f.target, subject=subject) for c in contexts]
+        for w in wordings:
+            where = subject_positions(tokenizer, w)
             if len(where) != 1:
                 continue  # the subject spans two tokens after this context (e.g. no space before it)
             pos = where[0]
-            ids = _encode(tokenizer, text)
+            ids = _encode(tokenizer, w.prompt)
             word = tokenizer.decode([ids[pos]]).strip().casefold()
             hashed = mapping.hash(np.asarray([ids], dtype=np.int64))
             for lid, mhe in layers.items():
@@ -280,8 +284,8 @@ def edit_facts(model, tokenizer, facts: list[Fact], steps: int = 300, lr: float 
                                  and keep_weight > 0):
         raise EditError(f"keep_weight must be a positive number, got {keep_weight!r}")
     seqs = fact_sequences(tokenizer, facts)
-    rows = edit_rows(model, tokenizer, facts, positions, orders, tie)
-    index = _tie_index(rows, tied_rows(model, tokenizer, facts, tie, positions, orders)) if tie is not None else {}
+    rows, groups = _rows_and_groups(model, tokenizer, facts, positions, orders, tie)
+    index = _tie_index(rows, groups) if tie is not None else {}
     pad = generation_pad_id(model)
 
     def batched(sq):
