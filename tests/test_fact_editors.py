@@ -152,6 +152,18 @@ def test_the_subject_test_family_and_its_locality_power(tmp_path):
     assert fact_editors._rerun(tmp_path) == ["grace"]
 
 
+def test_the_subject_margin_is_the_one_its_preregistration_states():
+    """The subject test's margin lives in one constant; its committed prereg states the same margin in the analysis
+    call it names (a prereg is never edited after its runs, so the code follows it)."""
+    from pathlib import Path
+
+    from engram.utils import parse_toml
+
+    f = Path(__file__).parents[1] / "docs" / "prereg" / "fact-edits-subject.toml"
+    pre = parse_toml(f.read_text(), str(f), ValueError)
+    assert f"margin={fact_editors.SUBJECT_MARGIN}," in pre["test"]["family"]
+
+
 def test_the_subject2_test_reads_its_preregistration_and_tests_four_measures_against_subject_ctx():
     """fact-edits-subject2: its design from docs/prereg/fact-edits-subject2.toml (the method, its baseline and the
     reused runs from the fact-edits-subject record), and the family: four two-sided paired tests, Holm over 4, a

@@ -67,6 +67,7 @@ PILOT_RELATIONS = ["atomic_number", "city_country"]  # fact-edits' pilot sets (f
 GUARD_SETS = 2  # test sets on which the unedited model is measured again and compared with the record
 SUBJECT = "fact-edits-subject"  # the subject's-rows edit against GRACE (docs/prereg/fact-edits-subject.toml)
 SUBJECT_RECORD = f"docs/results/{SUBJECT}.json"
+SUBJECT_MARGIN = 0.02  # the subject test's non-inferiority margin: its prereg's [test] family (a test holds them equal)
 SUBJECT2 = "fact-edits-subject2"  # order-2 subject rows against every order (docs/prereg/fact-edits-subject2.toml)
 
 
@@ -134,7 +135,7 @@ def _rerun(folder: Path) -> list[str]:
     return read_json(f, "the guard's verdict", f"delete {f}", ExperimentError)["differ"] if f.is_file() else []
 
 
-def locality_power(s: dict, method: str, margin: float = 0.02, family: int = 3) -> dict:
+def locality_power(s: dict, method: str, margin: float = SUBJECT_MARGIN, family: int = 3) -> dict:
     """What the record's own spread implies for the non-inferiority test of `method` vs GRACE on same-relation
     locality: the sd of the per-set differences and the test's power at `margin` for a true difference of 0
     (noncentral t, alpha 0.05 / `family`, Holm's strictest step), as docs/prereg/fact-edits-subject.toml's power
@@ -373,8 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
             wait = _complete(out, [(f"test-{i}", x) for i in range(ph.count) for x in (m, "grace")], SUBJECT)
             if wait:
                 return wait
-            out["tests"] = fe.analyse(out, m, margin=0.02, others=("grace",), metrics=("paraphrases", "chat_new"),
-                                      noninferior="grace")
+            out["tests"] = fe.analyse(out, m, margin=SUBJECT_MARGIN, others=("grace",),
+                                      metrics=("paraphrases", "chat_new"), noninferior="grace")
             out["power"] = locality_power(out, m)
     return publish(out, folder, a.record, f"{out['experiment']}.json", fe.markdown, fe.plot)
 
