@@ -244,6 +244,9 @@ def test_the_family_is_non_inferiority_paired_over_the_reserved_probes():
     assert 0.05 < r["p"] < 0.5 and r["p_holm"] == r["p"]  # one probe lost: inside the margin, not shown to be
     lo, hi = r["ci95"]
     assert lo < r["diff"] < hi and hi - r["diff"] == pytest.approx(r["diff"] - lo)  # symmetric about the estimate
+    text = fact_scale.markdown({**s, "experiment": "fact-scale", "phase": "test", "table": {}, "sequential": {},
+                                "tests": rows})
+    assert f"95% interval {lo:+.3f} to {hi:+.3f}, {n} probes" in text  # the target is read from the interval
     wide = fact_scale.analyse(s, margin=0.10)[0]  # the preregistered margin: the same loss is further inside it
     assert wide["p"] < r["p"] and wide["kind"] == "non-inferiority, margin 0.1"
     same = [run("subject+trigger+ctx", 10, small), run("subject+trigger+ctx", 1000, small)]

@@ -697,7 +697,8 @@ def markdown(s: dict) -> str:
     for t in s.get("tests", []):
         if t["p"] is not None:
             lines.append(f"- {t['method']}: reserved-probe locality at {t['large']} - at {t['small']} = "
-                         f"{t['diff']:+.3f} (se {t['se']:.3f}, {t['n']} probes), {t['kind']}: Holm p "
+                         f"{t['diff']:+.3f} (se {t['se']:.3f}, 95% interval {t['ci95'][0]:+.3f} to "
+                         f"{t['ci95'][1]:+.3f}, {t['n']} probes), {t['kind']}: Holm p "
                          f"{t['p_holm']:.3g}{' (**finding**)' if t['finding'] else ''}")
     return "\n".join(lines).rstrip("\n") + "\n"
 
