@@ -214,6 +214,12 @@ def test_sequential_retention_drops_when_a_later_edit_overwrites_an_earlier_one_
     assert st[1]["overlay"]["distinct_rows"] == st[0]["overlay"]["distinct_rows"]  # the same prompt: the same rows
     assert set(st[2]["reserved"]) == set(spec["probes"]) and st[2]["vmhwm_mib"] > 0
     assert not overlaid(s)  # every overlay off again
+    why = fact_scale.sequential_overwrites(s, rec)  # the rows say why the first edit no longer holds
+    assert why["later_writers"][0] >= 1 and why["later_writers"][-1] == 0  # rewritten by "again"; nothing after
+    cells = why["all"]
+    assert cells["overwritten"]["facts"] + cells["untouched"]["facts"] == 3
+    assert sum(c["held"] for c in cells.values()) == sum(st[2]["retention"])
+    assert why["learned"]["overwritten"]["facts"] <= cells["overwritten"]["facts"]
 
     (folder / "unit.json").unlink()
     (folder / "block-002.json").unlink()  # stopped before its last block: it resumes there
@@ -271,13 +277,16 @@ def test_the_driver_runs_each_unit_in_its_own_process_and_then_only_summarizes(t
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     tiny_facts(tmp_path / "fact-edits")  # the files fact_edits.setup leaves (the unit process builds the model)
     argv = ["pilot", "--out", str(tmp_path), "--setup", "test_fact_scale:tiny_setup", "--sizes", "2",
-            "--sequential", "0", "--insert", "0", "--method", "trigger", "--probes", "2"]
+            "--sequential", "2", "--every", "2", "--insert", "0", "--method", "trigger", "--probes", "2"]
     out = fact_scale.main(argv)
     cell = out["table"]["batch"]["trigger"]["2"]
     assert cell["edit_seconds"]["mean"] > 0 and cell["vmhwm_edit_mib"]["mean"] > 0 and "reserved" in cell
     root = tmp_path / "fact-scale" / "pilot"
     assert (root / "units" / "batch--trigger--0002--0.json").is_file() and (root / "summary.md").is_file()
     assert "| trigger | 2 (2) | 1 |" in (root / "summary.md").read_text()
+    why = out["overwrites"]["trigger"]  # the sequential run's rows, read with the model the summary loaded
+    assert len(why["later_writers"]) == 2 and why["later_writers"][1] == 0
+    assert "whose rows a later edit wrote still held" in (root / "summary.md").read_text()
 
     real_run = subprocess.run
 

@@ -233,6 +233,12 @@ def engram_edit(s, edited: list, method: str, settings: dict, progress: bool,
     return ov, per
 
 
+def fact_rows(s, seqs: list[Fact], method: str) -> set[tuple[int, int]]:
+    """{(layer, row)} one fact's edit writes: the rows its optimized sequences `seqs` read at `method`'s positions
+    (`edit_rows`, the hash spec only)."""
+    return {(lid, x) for lid, r in edit_rows(s.model, s.tok, seqs, positions_of(method)).items() for x in r.tolist()}
+
+
 def collisions(s, edited: list, per: list[list[Fact]], method: str) -> dict:
     """Rows shared between facts of a batch. `shared_rows`: (layer, row) written by two or more facts, each fact's
     rows being those its own optimized sequences read at the method's positions (`edit_rows`); `shared_rows_other_
@@ -244,11 +250,10 @@ def collisions(s, edited: list, per: list[list[Fact]], method: str) -> dict:
     owners: dict[tuple[int, int], set[int]] = {}
     counts = []
     for i, seqs in enumerate(per):
-        rows = edit_rows(s.model, s.tok, seqs, positions_of(method))
-        counts.append(sum(int(r.numel()) for r in rows.values()))
-        for lid, r in rows.items():
-            for x in r.tolist():
-                owners.setdefault((lid, x), set()).add(i)
+        rows = fact_rows(s, seqs, method)
+        counts.append(len(rows))
+        for key in rows:
+            owners.setdefault(key, set()).add(i)
     shared = [o for o in owners.values() if len(o) > 1]
     plain = [as_fact(f) for f in edited]
     return {"rows": len(owners), "rows_per_fact": counts, "shared_rows": len(shared),
@@ -481,6 +486,30 @@ def run_sequential(s, folder: Path, name: str, spec: dict, settings: dict, progr
     return out
 
 
+def sequential_overwrites(s, unit: dict) -> dict:
+    """Why edits made one after another stop holding, read from the rows (descriptive, hash spec only): a later
+    overlay replaces an earlier one's value on every row both write (`apply_overlay` stacks them, the last wins), so
+    an earlier fact can lose its edit only where a later fact wrote one of its rows. Per fact of sequential `unit`
+    (in edit order): `later_writers`, how many later edits wrote at least one of its rows (each fact's rows are those
+    its own optimized sequences read at the method's positions, `edit_rows`, as `collisions` counts them); then
+    the facts held at the end (the last block's retention) split by whether any later edit wrote one of their rows,
+    over all facts and over those that held right after their own edit (`efficacy_now`)."""
+    by_id = {f.id: f for f in s.facts}
+    facts = [by_id[i] for i in unit["facts"]]
+    rows = [fact_rows(s, optimized_facts(f, unit["method"]), unit["method"]) for f in facts]
+    later = [sum(bool(rows[i] & rows[j]) for j in range(i + 1, len(rows))) for i in range(len(rows))]
+    held = unit["steps"][-1]["retention"]  # (n,) after the last edit
+    learned = [e["efficacy_now"] for st in unit["steps"] for e in st["per_edit"]]
+
+    def split(ids: list[int]) -> dict:
+        def cell(sel: list[int]) -> dict:
+            return {"facts": len(sel), "held": sum(bool(held[i]) for i in sel)}
+        return {"overwritten": cell([i for i in ids if later[i]]), "untouched": cell([i for i in ids if not later[i]])}
+
+    every = list(range(len(facts)))
+    return {"later_writers": later, "all": split(every), "learned": split([i for i in every if learned[i]])}
+
+
 def run_unit(s, root: Path, name: str, spec: dict, settings: dict, progress: bool, show: bool = True) -> dict:
     """The unit `name` of a plan (root: OUT/fact-scale/PHASE)."""
     if spec["kind"] == "sequential":
@@ -694,6 +723,10 @@ def markdown(s: dict) -> str:
             lines.append(f"- {m}, for the test's power: reserved probes kept at {pw['large']} - at {pw['small']} "
                          f"facts = {pw['diff']:+.3f} over {pw['probes']} probes (sd {pw['sd']:.3f}); 80% power at "
                          f"margin 0.05 needs {pw['probes_needed']} probes")
+    for m, w in (s.get("overwrites") or {}).items():
+        a, b = w["all"]["overwritten"], w["all"]["untouched"]
+        lines.append(f"- {m}, sequential: at the end, {a['held']} of the {a['facts']} facts whose rows a later edit "
+                     f"wrote still held, {b['held']} of the {b['facts']} whose rows no later edit wrote")
     for t in s.get("tests", []):
         if t["p"] is not None:
             lines.append(f"- {t['method']}: reserved-probe locality at {t['large']} - at {t['small']} = "
@@ -852,6 +885,10 @@ def main(argv: list[str] | None = None) -> dict:
         out["tests"] = analyse(out, margin=pre.design["test"]["margin"])
     else:  # the pilot sizes the test's probes ([power] of docs/prereg/fact-scale.toml)
         out["power"] = {m: pilot_power(out, m) for m in design["methods"]}
+    seq = [u for u in out["runs"] if u["kind"] == "sequential"]
+    if seq:  # why stacked edits stop holding (descriptive): the model's hash spec and tokenizer give each fact's rows
+        s = load_setup(a.setup)(setup_root, progress=False)
+        out["overwrites"] = {u["method"]: sequential_overwrites(s, u) for u in seq}
     return publish(out, root, a.record, f"{out['experiment']}.json", markdown, plot)
 
 
