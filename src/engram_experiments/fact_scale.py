@@ -624,6 +624,12 @@ def summary(root: Path, phase: str, design: dict) -> dict:
     return out
 
 
+def run_design(s: dict) -> dict:
+    """What a summary ran: the test's record holds its whole preregistration as `design` (so `prereg.check_record`
+    can compare it with the committed file) and what ran is its [run] table; a pilot's `design` is what ran."""
+    return s["design"].get("run", s["design"])
+
+
 def analyse(s: dict, margin: float = 0.05, small: int = 10) -> list[dict]:
     """The test's family (docs/prereg/fact-scale.toml): per method, locality at the largest batch size vs at `small`
     as non-inferiority at `margin`, paired over the reserved probes (each probe's kept share over the sets of a
@@ -634,7 +640,7 @@ def analyse(s: dict, margin: float = 0.05, small: int = 10) -> list[dict]:
     from .significance import holm, is_finding, paired
 
     rows = []
-    for m in s["design"]["methods"]:
+    for m in run_design(s)["methods"]:
         batches = [u for u in s["runs"] if u["kind"] == "batch" and u["method"] == m]
         sizes = sorted({u["size"] for u in batches})
         large = sizes[-1] if sizes else None
@@ -690,7 +696,7 @@ def pilot_power(s: dict, method: str, margin: float = 0.05, small: int = 10) -> 
 def markdown(s: dict) -> str:
     """Per kind (batch, insert) and method, per number of facts: measures (mean ± sd over sets), time, peak memory,
     bytes per fact, row sharing; then each sequential run's steps."""
-    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in s["design"].items()
+    lines = [f"{s['experiment']} ({s['phase']}): " + ", ".join(f"{k} {v}" for k, v in run_design(s).items()
                                                                 if k not in ("settings",)), ""]
     cols = list(MEASURES)
     for kind, by_m in s["table"].items():
@@ -882,6 +888,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{NAME}] {len(done)} of {len(want)} test units done; nothing is summarized until every unit is "
                   "(the preregistered stop rule)", file=sys.stderr)
             return {"done": len(done), "of": len(want)}
+        out["design"] = pre.design  # the whole preregistration, as the record's check compares it; [run] ran
         out["tests"] = analyse(out, margin=pre.design["test"]["margin"])
     else:  # the pilot sizes the test's probes ([power] of docs/prereg/fact-scale.toml)
         out["power"] = {m: pilot_power(out, m) for m in design["methods"]}
