@@ -489,7 +489,8 @@ def run_sequential(s, folder: Path, name: str, spec: dict, settings: dict, progr
 def sequential_overwrites(s, unit: dict) -> dict:
     """Why edits made one after another stop holding, read from the rows (descriptive, hash spec only): a later
     overlay replaces an earlier one's value on every row both write (`apply_overlay` stacks them, the last wins), so
-    an earlier fact can lose its edit only where a later fact wrote one of its rows. Per fact of sequential `unit`
+    a later fact that writes one of an earlier fact's rows undoes that part of its edit (later rows the earlier
+    prompt reads elsewhere can move it too; those are not counted). Per fact of sequential `unit`
     (in edit order): `later_writers`, how many later edits wrote at least one of its rows (each fact's rows are those
     its own optimized sequences read at the method's positions, `edit_rows`, as `collisions` counts them); then
     the facts held at the end (the last block's retention) split by whether any later edit wrote one of their rows,
@@ -587,7 +588,8 @@ def read_units(root: Path) -> list[dict]:
 
 def summary(root: Path, phase: str, design: dict) -> dict:
     """Every finished unit of `phase` and, per (kind, method, size), each measure's mean ± sd over its sets (sd 0 for
-    one set), time, peak memory, overlay bytes and row sharing; per sequential run its steps."""
+    one set), time, peak memory, overlay bytes and row sharing; per sequential run its steps. `design` is what the
+    record states: a test's whole preregistration (what ran is its [run] table, `run_design`), a pilot's flags."""
     from .runs import index_environments, seed_stats
 
     units_ = read_units(root)
@@ -879,7 +881,7 @@ def main(argv: list[str] | None = None) -> dict:
         names = list(plan)[shard[0]::shard[1]]
         drive(root, plan, names, design["settings"], [a.phase, "--out", a.out, "--setup", a.setup, "--threads",
                                                       str(a.threads)])
-    out = summary(root, a.phase, design)
+    out = summary(root, a.phase, pre.design if pre is not None else design)  # a test records its whole prereg
     if pre is not None:
         out["prereg"] = pre.stamp()
         want = read_json(root / "plan.json", "fact-scale plan", f"delete {root}", ExperimentError)["units"]
@@ -888,7 +890,6 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[{NAME}] {len(done)} of {len(want)} test units done; nothing is summarized until every unit is "
                   "(the preregistered stop rule)", file=sys.stderr)
             return {"done": len(done), "of": len(want)}
-        out["design"] = pre.design  # the whole preregistration, as the record's check compares it; [run] ran
         out["tests"] = analyse(out, margin=pre.design["test"]["margin"])
     else:  # the pilot sizes the test's probes ([power] of docs/prereg/fact-scale.toml)
         out["power"] = {m: pilot_power(out, m) for m in design["methods"]}
